@@ -1,0 +1,41 @@
+# Every target does its own setup: `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CLI    := $(VENV)/bin/partitioner
+STAMP  := $(VENV)/.installed
+OUT    ?= out
+
+.PHONY: all install demo test test-slow contract conformance fuzz bench clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job on the embedded default: the zoo resnet across 2 local devices.
+demo: $(STAMP)
+	@mkdir -p $(OUT)
+	$(CLI) zoo export resnet -o $(OUT)/resnet.onnx --batch 2 --image 64
+	$(CLI) inspect $(OUT)/resnet.onnx
+	$(CLI) plan $(OUT)/resnet.onnx --devices 2 --strategy auto --html $(OUT)/resnet_plan.html
+	@echo "demo: report written to $(OUT)/resnet_plan.html"
+
+## The fast test suite (what CI runs). Slow tests: `make test-slow`.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+## Walk the documented CLI end to end (needs ../shared/cli_contract.sh).
+contract: $(STAMP)
+	bash ../shared/cli_contract.sh
+
+clean:
+	rm -rf $(OUT) .pytest_cache build dist *.egg-info

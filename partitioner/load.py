@@ -1,0 +1,420 @@
+"""Safe model loading and validation: ``load(path | ModelProto | zoo name) -> onnx_ir.Model``.
+
+Checks, in the order they run (each failure is one :class:`ModelLoadError` line naming the file,
+node or tensor):
+
+1. The source is a regular, non-empty file under 2 GB (protobuf's limit), or a ModelProto, or a
+   zoo name (``partitioner zoo list``). Folders, empty, truncated, random-byte and non-ONNX files
+   are refused.
+2. Structure: a graph with outputs, nesting of If/Loop/Scan subgraphs at most ``MAX_NESTING``
+   deep, default-domain opset within [7, the installed onnx's highest], every operator known
+   (all unsupported ones are listed at once), SSA (no duplicate output names), no dangling
+   inputs, no cycles. An acyclic graph stored out of order is sorted.
+3. Tensor data: external data must live in the model's own folder (no ``..``, no absolute path,
+   no symlink, offsets and lengths inside the file), and raw or typed data must agree with dims.
+   Nothing outside the model's folder is ever opened.
+4. Allocation bombs: no tensor (initializer, ConstantOfShape output, or any inferred value) may
+   exceed ``max_elements`` elements; checked before anything is allocated.
+5. Dynamic dimensions are bound with ``batch`` / ``shapes``; then ``onnx.checker`` with
+   ``full_check=True`` and strict shape inference run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import helper
+
+from partitioner.errors import ModelLoadError, UnsupportedOpError
+
+MIN_OPSET = 7
+MAX_NESTING = 16
+MAX_FILE_BYTES = 2**31 - 1
+DEFAULT_MAX_ELEMENTS = int(os.environ.get("PARTITIONER_MAX_TENSOR_ELEMENTS", 2**32))
+COMM_DOMAIN = "partitioner.comm"
+_KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", COMM_DOMAIN)
+
+
+def load(
+    source: str | os.PathLike[str] | onnx.ModelProto,
+    *,
+    batch: int | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> ir.Model:
+    """Load, validate and shape-infer a model. Returns an onnx-ir model with static shapes."""
+    proto = load_proto(source, batch=batch, shapes=shapes, max_elements=max_elements)
+    return ir.serde.deserialize_model(proto)
+
+
+def load_proto(
+    source: str | os.PathLike[str] | onnx.ModelProto,
+    *,
+    batch: int | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> onnx.ModelProto:
+    """Like :func:`load` but returns the validated, shape-inferred ``ModelProto``."""
+    label, proto, base_dir = _read_source(source)
+    _check_structure(proto, label)
+    _resolve_tensor_data(proto, label, base_dir, max_elements)
+    _guard_constant_of_shape(proto.graph, label, max_elements)
+    _bind_dims(proto, label, batch, dict(shapes or {}))
+    proto = _check_and_infer(proto, label)
+    _guard_inferred_sizes(proto, label, max_elements)
+    return proto
+
+
+# 1. reading ------------------------------------------------------------------------------------
+
+def _read_source(source: Any) -> tuple[str, onnx.ModelProto, Path | None]:
+    if isinstance(source, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(source)
+        label = proto.graph.name or "<model>"
+        return label, proto, None
+    if isinstance(source, ir.Model):
+        return source.graph.name or "<model>", ir.serde.serialize_model(source), None
+    if not isinstance(source, (str, os.PathLike)):
+        raise ModelLoadError(f"cannot load a model from a {type(source).__name__}; give a path, a ModelProto or a zoo name")
+    path = Path(source)
+    if not os.path.lexists(path):
+        from models_zoo import is_zoo_name
+
+        if isinstance(source, str) and is_zoo_name(source):
+            from models_zoo import build
+
+            return source, build(source), None
+        raise ModelLoadError(f"{path}: no such file (and not a zoo name; see `partitioner zoo list`)")
+    label = str(path)
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelLoadError(f"{label}: is a folder, not an .onnx file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(f"{label}: not a regular file")
+    if st.st_size == 0:
+        raise ModelLoadError(f"{label}: empty file, not an ONNX model")
+    if st.st_size > MAX_FILE_BYTES:
+        raise ModelLoadError(
+            f"{label}: {st.st_size / 2**30:.1f} GiB is over protobuf's 2 GB limit; save the model with external data "
+            "(onnx.save(..., save_as_external_data=True))"
+        )
+    data = path.read_bytes()
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as exc:  # google.protobuf.message.DecodeError and friends
+        raise ModelLoadError(f"{label}: not an ONNX model (protobuf parse failed: {_one_line(exc)})") from None
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        raise ModelLoadError(f"{label}: not an ONNX model (no graph or ir_version; truncated or another format?)")
+    return label, proto, path.resolve().parent
+
+
+# 2. structure ----------------------------------------------------------------------------------
+
+def _walk_graphs(graph: onnx.GraphProto, depth: int = 0):
+    yield graph, depth
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+            for sub in subs:
+                yield from _walk_graphs(sub, depth + 1)
+
+
+def _check_structure(proto: onnx.ModelProto, label: str) -> None:
+    g = proto.graph
+    if not g.node and not g.output:
+        raise ModelLoadError(f"{label}: the graph is empty (no nodes, no outputs)")
+    if not g.output:
+        raise ModelLoadError(f"{label}: the graph has no outputs")
+    opsets = {o.domain: o.version for o in proto.opset_import}
+    default = opsets.get("", opsets.get("ai.onnx"))
+    highest = onnx.defs.onnx_opset_version()
+    if default is None:
+        raise ModelLoadError(f"{label}: no default-domain opset_import")
+    if not MIN_OPSET <= default <= highest:
+        raise ModelLoadError(f"{label}: opset {default} is out of range: supported are {MIN_OPSET}..{highest}")
+    local_functions = {(f.domain, f.name) for f in proto.functions}
+    unsupported: list[tuple[str, str]] = []
+    for graph, depth in _walk_graphs(g):
+        if depth > MAX_NESTING:
+            raise ModelLoadError(f"{label}: subgraphs nested {depth} deep in graph {graph.name!r}; the limit is {MAX_NESTING}")
+        for node in graph.node:
+            dom = node.domain or ""
+            if (dom, node.op_type) in local_functions:
+                continue
+            if dom not in _KNOWN_DOMAINS or dom not in opsets and dom not in ("", "ai.onnx"):
+                unsupported.append((f"{dom}::{node.op_type}", node.name or "<unnamed>"))
+                continue
+            if dom == COMM_DOMAIN:
+                continue
+            version = opsets.get(dom, default)
+            if not onnx.defs.has(node.op_type, version, dom):
+                unsupported.append((node.op_type if not dom else f"{dom}::{node.op_type}", node.name or "<unnamed>"))
+    if unsupported:
+        listing = ", ".join(f"{op} (node {name!r})" for op, name in unsupported[:50])
+        more = f" and {len(unsupported) - 50} more" if len(unsupported) > 50 else ""
+        raise UnsupportedOpError(f"{label}: {len(unsupported)} unsupported operator(s): {listing}{more}", unsupported)
+    _check_dataflow(g, label)
+
+
+def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
+    """SSA, dangling inputs and cycles, with a message naming the node; sorts an acyclic graph."""
+    defined = {i.name for i in g.input} | {t.name for t in g.initializer} | {t.name for t in g.sparse_initializer}
+    producer: dict[str, int] = {}
+    for idx, node in enumerate(g.node):
+        for out in node.output:
+            if not out:
+                continue
+            if out in producer or out in defined:
+                raise ModelLoadError(f"{label}: value {out!r} is produced twice (node {node.name!r}); the graph is not SSA")
+            producer[out] = idx
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(g.node)))
+    from partitioner.segments import node_reads
+
+    for idx, node in enumerate(g.node):
+        for name in node_reads(node):
+            if name in producer:
+                dag.add_edge(producer[name], idx)
+            elif name not in defined:
+                raise ModelLoadError(
+                    f"{label}: input {name!r} of node {node.name!r} ({node.op_type}) is not produced by any node, "
+                    "graph input or initializer"
+                )
+    for out in g.output:
+        if out.name not in producer and out.name not in defined:
+            raise ModelLoadError(f"{label}: graph output {out.name!r} is not produced by any node")
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        names = " -> ".join(repr(g.node[a].name or g.node[a].op_type) for a, _ in cycle)
+        raise ModelLoadError(f"{label}: the graph has a cycle: {names}")
+    order = list(nx.lexicographical_topological_sort(dag))
+    if order != list(range(len(g.node))):
+        nodes = [g.node[i] for i in order]
+        copies = [onnx.NodeProto() for _ in nodes]
+        for c, n in zip(copies, nodes):
+            c.CopyFrom(n)
+        del g.node[:]
+        g.node.extend(copies)
+
+
+# 3. tensor data --------------------------------------------------------------------------------
+
+def _all_tensors(proto: onnx.ModelProto):
+    for graph, _ in _walk_graphs(proto.graph):
+        for t in graph.initializer:
+            yield t
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+
+
+def _expected_bytes(t: onnx.TensorProto) -> int | None:
+    if t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    try:
+        np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    except Exception:
+        return None
+    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(t.data_type)
+    n = math.prod(t.dims)
+    if bits:
+        return (n * bits + 7) // 8
+    return n * np.dtype(np_dtype).itemsize
+
+
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | None, max_elements: int) -> None:
+    for t in _all_tensors(proto):
+        n = math.prod(t.dims)
+        if any(d < 0 for d in t.dims):
+            raise ModelLoadError(f"{label}: tensor {t.name!r} has a negative dimension {list(t.dims)}")
+        if n > max_elements:
+            raise ModelLoadError(f"{label}: tensor {t.name!r} has {n:.3g} elements, over the limit of {max_elements:.3g}")
+        want = _expected_bytes(t)
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            _read_external(t, label, base_dir, want)
+            continue
+        if t.HasField("raw_data"):
+            if want is not None and len(t.raw_data) != want:
+                raise ModelLoadError(
+                    f"{label}: tensor {t.name!r}: raw_data has {len(t.raw_data)} bytes but dims {list(t.dims)} "
+                    f"need {want}"
+                )
+            continue
+        counts = [len(getattr(t, f)) for f in _TYPED_FIELDS if len(getattr(t, f))]
+        have = counts[0] if counts else 0
+        if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+            have //= 2
+        if t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.BOOL,
+                           onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16,
+                           onnx.TensorProto.UINT16, onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            expected_count = n if t.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) else (n + 1) // 2
+        else:
+            expected_count = n
+        if have != expected_count:
+            raise ModelLoadError(
+                f"{label}: tensor {t.name!r} holds {have} values but dims {list(t.dims)} need {expected_count}"
+            )
+
+
+def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want: int | None) -> None:
+    info = {e.key: e.value for e in t.external_data}
+    loc = info.get("location", "")
+    where = f"{label}: tensor {t.name!r}: external data {loc!r}"
+    if base_dir is None:
+        raise ModelLoadError(f"{where}: a model given in memory cannot use external data; load it from its file")
+    if not loc:
+        raise ModelLoadError(f"{where}: no location given")
+    p = Path(loc)
+    if p.is_absolute() or loc.startswith(("/", "\\")) or (len(loc) > 1 and loc[1] == ":"):
+        raise ModelLoadError(f"{where}: absolute paths are refused; external data must sit in the model's folder")
+    if any(part == ".." for part in Path(loc.replace("\\", "/")).parts):
+        raise ModelLoadError(f"{where}: '..' is refused; external data must sit in the model's folder")
+    target = base_dir / p
+    # refuse a symlink anywhere on the way, before anything is opened
+    cur = base_dir
+    for part in p.parts:
+        cur = cur / part
+        if cur.is_symlink():
+            raise ModelLoadError(f"{where}: {part!r} is a symlink; refused")
+    if not target.resolve().is_relative_to(base_dir):
+        raise ModelLoadError(f"{where}: resolves outside the model's folder; refused")
+    if not target.is_file():
+        raise ModelLoadError(f"{where}: no such file beside the model")
+    try:
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise ModelLoadError(f"{where}: offset/length are not integers") from None
+    size = target.stat().st_size
+    if length is None:
+        length = size - offset
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ModelLoadError(f"{where}: offset {offset} + length {length} is outside the file ({size} bytes)")
+    if want is not None and length != want:
+        raise ModelLoadError(f"{where}: length {length} bytes but dims {list(t.dims)} need {want}")
+    with open(target, "rb") as fh:
+        fh.seek(offset)
+        t.raw_data = fh.read(length)
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+
+
+# 4. allocation bombs ---------------------------------------------------------------------------
+
+def _guard_constant_of_shape(g: onnx.GraphProto, label: str, max_elements: int) -> None:
+    inits = {t.name: t for t in g.initializer}
+    consts = {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant" and n.attribute and n.attribute[0].HasField("t")}
+    for node in g.node:
+        if node.op_type not in ("ConstantOfShape", "Expand", "Tile", "Range") or len(node.input) < 1:
+            continue
+        src = node.input[0] if node.op_type == "ConstantOfShape" else (node.input[1] if len(node.input) > 1 else "")
+        t = inits.get(src) or consts.get(src)
+        if t is None or node.op_type == "Range":
+            continue
+        vals = onnx.numpy_helper.to_array(t).astype(np.float64).ravel()
+        n = float(np.prod(vals)) if node.op_type in ("ConstantOfShape", "Expand") else None
+        if n is not None and n > max_elements:
+            raise ModelLoadError(
+                f"{label}: node {node.name!r} ({node.op_type}) would allocate {n:.3g} elements, over the limit of "
+                f"{max_elements:.3g}; refused before allocating"
+            )
+
+
+def _guard_inferred_sizes(proto: onnx.ModelProto, label: str, max_elements: int) -> None:
+    g = proto.graph
+    for vi in list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape"):
+            continue
+        dims = [d.dim_value for d in tt.shape.dim if d.HasField("dim_value")]
+        if dims and math.prod(dims) > max_elements:
+            raise ModelLoadError(
+                f"{label}: value {vi.name!r} would hold {math.prod(dims):.3g} elements, over the limit of {max_elements:.3g}"
+            )
+
+
+# 5. shapes, checker, inference -----------------------------------------------------------------
+
+def _bind_dims(proto: onnx.ModelProto, label: str, batch: int | None, shapes: dict[str, list[int]]) -> None:
+    g = proto.graph
+    inits = {t.name for t in g.initializer}
+    real_inputs = [i for i in g.input if i.name not in inits]
+    names = {i.name for i in real_inputs}
+    unknown = [n for n in shapes if n not in names]
+    if unknown:
+        raise ModelLoadError(f"{label}: --shape names unknown input(s) {', '.join(unknown)}; inputs are {', '.join(sorted(names))}")
+    if batch is not None and batch < 1:
+        raise ModelLoadError(f"{label}: --batch must be at least 1")
+    params: dict[str, int] = {}
+    for vi in real_inputs:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.name in shapes:
+            want = shapes[vi.name]
+            if len(want) != len(dims):
+                raise ModelLoadError(f"{label}: --shape {vi.name}: {len(want)} dims given but the input has rank {len(dims)}")
+            for d, w in zip(dims, want):
+                if d.HasField("dim_value") and d.dim_value != w:
+                    raise ModelLoadError(f"{label}: --shape {vi.name}: dimension {d.dim_value} is fixed, cannot bind {w}")
+                if d.HasField("dim_param"):
+                    params[d.dim_param] = w
+                d.dim_value = w
+        elif batch is not None and dims and not dims[0].HasField("dim_value"):
+            if dims[0].HasField("dim_param"):
+                params[dims[0].dim_param] = batch
+            dims[0].dim_value = batch
+    for vi in real_inputs:
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_param") and d.dim_param in params:
+                d.dim_value = params[d.dim_param]
+            if not d.HasField("dim_value"):
+                sym = d.dim_param or "?"
+                raise ModelLoadError(
+                    f"{label}: input {vi.name!r} has a symbolic dimension {sym!r} at axis {axis}; bind it with --batch N "
+                    f"or --shape {vi.name}=D0,D1,..."
+                )
+    for vi in list(g.output) + list(g.value_info):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param"):
+                if d.dim_param in params:
+                    d.dim_value = params[d.dim_param]
+                else:
+                    d.Clear()
+
+
+def _check_and_infer(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    if proto.ByteSize() > MAX_FILE_BYTES:
+        raise ModelLoadError(f"{label}: the model is over protobuf's 2 GB limit in memory; refused")
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except Exception as exc:
+        raise ModelLoadError(f"{label}: invalid model: {_one_line(exc)}") from None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{label}: shape inference failed: {_one_line(exc)}") from None
+    try:
+        onnx.checker.check_model(inferred, full_check=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{label}: invalid model: {_one_line(exc)}") from None
+    return inferred
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:400] + ("..." if len(text) > 400 else "")
