@@ -40,7 +40,7 @@ MIN_OPSET = 7
 MAX_NESTING = 16
 MAX_FILE_BYTES = 2**31 - 1
 DEFAULT_MAX_ELEMENTS = int(os.environ.get("PARTITIONER_MAX_TENSOR_ELEMENTS", 2**32))
-COMM_DOMAIN = "partitioner.comm"
+from partitioner.comm_ops import DOMAIN as COMM_DOMAIN
 _KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", COMM_DOMAIN)
 
 

@@ -1,0 +1,66 @@
+"""Graph passes on the IR and the pass manager that verifies between them.
+
+Public API:
+
+- :class:`PassManager` runs passes in order and :func:`verify` after each one.
+- :func:`verify` checks the graph invariants (SSA, order, use-def, shapes).
+- :data:`REGISTRY` / :func:`get_pass`: pass classes by name, for ``--passes a,b,c``.
+- :data:`DEFAULT_PIPELINE` and :func:`run_pipeline`, which the CLI calls.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+# Importing the pass modules registers them (each one applies @register).
+from passes import (  # noqa: F401
+    common_subexpression_elimination,
+    constant_folding,
+    dead_code_elimination,
+    identity_elimination,
+    shape_inference,
+    topological_sort,
+)
+from passes.manager import PassManager
+from passes.registry import REGISTRY, get_pass, register
+from passes.side_effects import COMM_DOMAIN, COMM_OP_TYPES, is_side_effecting
+from passes.verify import verify
+
+__all__ = [
+    "COMM_DOMAIN",
+    "COMM_OP_TYPES",
+    "DEFAULT_PIPELINE",
+    "PassManager",
+    "REGISTRY",
+    "get_pass",
+    "is_side_effecting",
+    "register",
+    "run_pipeline",
+    "verify",
+]
+
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "shape_inference",
+    "constant_folding",
+    "dead_code_elimination",
+    "identity_elimination",
+    "common_subexpression_elimination",
+    "dead_code_elimination",
+    "shape_inference",
+)
+
+
+def run_pipeline(model: ir.Model, names: list[str] | None = None, *, verify: bool = True) -> ir.Model:
+    """Run the named passes (``None``: :data:`DEFAULT_PIPELINE`) on ``model`` and return the result.
+
+    With ``names == []`` no pass runs, but the model is still verified (structure only: no pass
+    inferred shapes). Unknown names raise UsageError before any pass runs; a failing pass raises
+    PassError naming it and the passes before it.
+    """
+    selected = list(DEFAULT_PIPELINE if names is None else names)
+    manager = PassManager([get_pass(name)() for name in selected], verify=verify)
+    if not selected and verify:
+        from passes.verify import verify as verify_model
+
+        verify_model(model, require_shapes=False)
+    return manager(model).model
