@@ -1,0 +1,57 @@
+"""``partitioner calibrate``: measure this machine's per-core GEMM rate, memory bandwidth,
+per-op launch overhead and MPI α/β, and write a cluster file (see partitioner/calibrate.py).
+
+Without ``-o`` the file goes to the ``local`` preset's path (``~/.cache/partitioner/local.json``
+or ``$PARTITIONER_CALIBRATION``); with ``-o FILE`` it goes to FILE only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from partitioner.commands._options import add_json_argument, print_json
+
+NAME = "calibrate"
+HELP = "measure this machine (GEMM FLOP/s, memory bandwidth, launch overhead, MPI alpha/beta) and write a cluster file"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="write the cluster file here instead of the 'local' preset's path")
+    p.add_argument("--quick", action="store_true", help="smaller, faster probes (about 15 s)")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="devices in the written cluster (default: all cores)")
+    add_json_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from partitioner.calibrate import calibrate, cluster_from_calibration
+    from partitioner.cluster import calibration_path
+    from partitioner.errors import UsageError
+
+    if args.devices is not None and args.devices < 1:
+        raise UsageError("--devices must be at least 1")
+    cal = calibrate(quick=args.quick)
+    cluster = cluster_from_calibration(cal, args.devices)
+    written = []
+    for path in [args.output] if args.output else [str(calibration_path())]:
+        try:
+            cluster.save(path)
+        except OSError as exc:
+            raise UsageError(f"cannot write the cluster file {path!r}: {exc.strerror or exc}") from None
+        written.append(path)
+    if args.json:
+        print_json({"calibration": cal.to_json(), "cluster": cluster.to_json(), "written": written})
+        return 0
+    print(f"GEMM (1 core, n={cal.gemm_n}):  {cal.gemm_flops / 1e9:8.1f} GFLOP/s")
+    print(f"memory bandwidth (1 core):  {cal.memory_bandwidth / 1e9:8.1f} GB/s")
+    print(f"launch overhead (ORT):      {cal.launch_overhead_s * 1e6:8.2f} µs/op")
+    if cal.mpi_ok:
+        print(f"MPI alpha:                  {cal.alpha_s * 1e6:8.2f} µs")
+        print(f"MPI bandwidth (1/beta):     {1 / cal.beta_s_per_byte / 1e9:8.2f} GB/s")
+        for n, t in cal.allreduce:
+            print(f"allreduce 2 ranks {int(n):>9d} B: {t * 1e6:10.1f} µs")
+    else:
+        print("MPI probe failed or mpiexec not found: the link uses nominal shared-memory numbers")
+    print(f"took {cal.seconds:.1f} s; wrote {', '.join(written)}")
+    return 0

@@ -1,0 +1,379 @@
+"""Event simulator of per-rank programs with communication ops (COST_MODEL.md, "What the model
+must be able to say").
+
+Input: one ``ir.Model`` per rank (rank i runs on ``cluster.devices[i]``), holding ordinary
+compute nodes and nodes in the ``partitioner.comm`` domain (opset 1):
+
+- ``Send(x)`` attrs peer, tag — non-blocking: the sender goes on at once; the message arrives at
+  send start + :func:`~partitioner.cost.comm.p2p_time`.
+- ``Recv() -> y`` attrs peer, tag, shape, dtype — blocks until the matching message has arrived.
+  Send/Recv match on (src, dst, tag), first-in first-out.
+- ``AllReduce``, ``AllGather``, ``ReduceScatter``, ``AllToAll``, ``Broadcast`` attrs group (global
+  ranks), tag, ... — start when every member has reached it (the k-th occurrence of
+  (kind, group, tag) on each member matches) and take
+  :func:`~partitioner.cost.comm.collective_time`, with ``n`` as defined there.
+
+Each rank runs its program ``microbatches`` times in a row. Compute nodes take their roofline
+time (:func:`~partitioner.cost.roofline.op_time`) on the rank's device; consecutive compute nodes
+are merged into one segment, and per-node costs are computed once per (program, device).
+
+Accounting per rank: compute = Σ compute segments; comm = time inside collectives plus the part
+of a Recv wait during which the message was in flight; idle = step latency − compute − comm
+(waiting for a peer to reach a collective or to start a send, and the pipeline drain).
+Step latency is the makespan. Peak memory = parameters + the program's peak live activations
+(:func:`~partitioner.cost.workdepth.peak_activation_bytes`) + the most received-but-not-yet-
+consumed message bytes buffered at once. A program whose ranks wait on each other forever raises
+:class:`~partitioner.errors.VerifyError` naming the blocked ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import onnx_ir as ir
+
+from partitioner.cluster import Cluster, Device
+from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel
+from partitioner.cost.roofline import op_time
+from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
+from partitioner.errors import PlanError, VerifyError
+
+_COLLECTIVE_KIND = {"AllReduce": "allreduce", "AllGather": "allgather", "ReduceScatter": "reducescatter",
+                    "AllToAll": "alltoall", "Broadcast": "broadcast"}
+
+_DTYPE_NAMES = {
+    ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16",
+    ir.DataType.INT8: "int8", ir.DataType.UINT8: "int8",
+}
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    rank: int
+    start: float
+    end: float
+    kind: str  # "compute" | "comm" | "idle"
+    label: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "start": self.start, "end": self.end, "kind": self.kind, "label": self.label}
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What the model predicts for one step of a plan (see the module docstring)."""
+
+    num_ranks: int
+    microbatches: int
+    batch_size: int
+    step_latency: float
+    throughput: float
+    compute_time: tuple[float, ...]
+    comm_time: tuple[float, ...]
+    idle_time: tuple[float, ...]
+    peak_memory: tuple[float, ...]
+    memory_capacity: tuple[float, ...]
+    device_names: tuple[str, ...]
+    bytes_per_level: dict[str, float] = field(hash=False)
+    events: tuple[TimelineEvent, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return all(m <= c for m, c in zip(self.peak_memory, self.memory_capacity))
+
+    @property
+    def idle_fraction(self) -> tuple[float, ...]:
+        t = self.step_latency
+        return tuple(i / t if t > 0 else 0.0 for i in self.idle_time)
+
+    def to_json(self, with_events: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_ranks": self.num_ranks, "microbatches": self.microbatches, "batch_size": self.batch_size,
+            "step_latency_s": self.step_latency, "throughput_samples_per_s": self.throughput,
+            "fits": self.fits,
+            "ranks": [
+                {"rank": r, "device": self.device_names[r], "compute_s": self.compute_time[r],
+                 "comm_s": self.comm_time[r], "idle_s": self.idle_time[r],
+                 "peak_memory_bytes": self.peak_memory[r], "memory_capacity_bytes": self.memory_capacity[r]}
+                for r in range(self.num_ranks)
+            ],
+            "bytes_per_level": dict(self.bytes_per_level),
+        }
+        if with_events:
+            out["events"] = [e.to_json() for e in self.events]
+        return out
+
+
+# ---- program compilation (once per program and device) ----------------------------------------
+
+@dataclass(frozen=True)
+class _Step:
+    kind: str  # "compute" | "send" | "recv" | "coll"
+    seconds: float = 0.0
+    label: str = ""
+    peer: int = -1
+    tag: int = 0
+    nbytes: float = 0.0
+    coll: str = ""
+    group: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Program:
+    steps: tuple[_Step, ...]
+    param_bytes: float
+    activation_bytes: float
+
+
+def _dtype_name(node: ir.Node) -> str:
+    for v in node.outputs:
+        if v.dtype is not None:
+            return _DTYPE_NAMES.get(v.dtype, "float32")
+    return "float32"
+
+
+def _attr_bytes(node: ir.Node) -> float:
+    shape = node.attributes.get_ints("shape", None)
+    dtype = node.attributes.get_int("dtype", 1)
+    if shape is None:
+        return 0.0
+    n = 1
+    for d in shape:
+        n *= d
+    try:
+        size = ir.DataType(dtype).itemsize
+    except (ValueError, TypeError):
+        size = 4.0
+    return float(n) * size
+
+
+def _comm_step(node: ir.Node, rank: int, where: str) -> _Step:
+    op, attrs = node.op_type, node.attributes
+    tag = attrs.get_int("tag", 0)
+    x = node.inputs[0] if node.inputs else None
+    y = node.outputs[0] if node.outputs else None
+    if op == "Send":
+        peer = attrs.get_int("peer", None)
+        if peer is None:
+            raise VerifyError(f"{where}: Send node {node.name!r} has no 'peer' attribute")
+        return _Step("send", peer=peer, tag=tag, nbytes=nbytes(x), label=f"send→{peer}")
+    if op == "Recv":
+        peer = attrs.get_int("peer", None)
+        if peer is None:
+            raise VerifyError(f"{where}: Recv node {node.name!r} has no 'peer' attribute")
+        size = nbytes(y) if y is not None and numel(y) else _attr_bytes(node)
+        return _Step("recv", peer=peer, tag=tag, nbytes=size, label=f"recv←{peer}")
+    kind = _COLLECTIVE_KIND.get(op)
+    if kind is None:
+        raise VerifyError(f"{where}: unknown communication op {op!r} (node {node.name!r})")
+    group = tuple(sorted(set(attrs.get_ints("group", None) or ())))
+    if not group:
+        raise VerifyError(f"{where}: {op} node {node.name!r} has no 'group' attribute")
+    p = len(group)
+    if kind == "allgather":
+        size = nbytes(y) if y is not None and numel(y) else nbytes(x) * p
+    elif kind == "broadcast":
+        size = nbytes(y) if y is not None and numel(y) else (nbytes(x) if x is not None else _attr_bytes(node))
+    else:
+        size = nbytes(x) if x is not None else nbytes(y)
+    return _Step("coll", coll=kind, group=group, tag=tag, nbytes=size, label=f"{kind}{list(group) if p <= 8 else f'[{p} ranks]'}")
+
+
+def _segment_label(ops: list[str]) -> str:
+    if len(ops) == 1:
+        return ops[0]
+    return f"{ops[0]}…{ops[-1]} ({len(ops)} ops)"
+
+
+def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
+    """Turn one rank's program into compute segments and comm steps (costs computed once)."""
+    graph = model.graph
+    where = f"rank {rank}"
+    const = constant_values(graph)
+    costs = node_costs(graph, const)
+    steps: list[_Step] = []
+    seg_time, seg_ops = 0.0, []
+    for node, cost in zip(graph, costs):
+        if node.domain == COMM_DOMAIN:
+            if seg_ops:
+                steps.append(_Step("compute", seconds=seg_time, label=_segment_label(seg_ops)))
+                seg_time, seg_ops = 0.0, []
+            steps.append(_comm_step(node, rank, where))
+            continue
+        t = op_time(cost, device, _dtype_name(node))
+        if t > 0:
+            seg_time += t
+            seg_ops.append(node.op_type)
+    if seg_ops:
+        steps.append(_Step("compute", seconds=seg_time, label=_segment_label(seg_ops)))
+    params = parameter_values(graph, const)
+    param_bytes = float(sum(numel(v) * itemsize(v) for v in params))
+    return _Program(tuple(steps), param_bytes, peak_activation_bytes(graph, const))
+
+
+# ---- the simulation ---------------------------------------------------------------------------
+
+def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int = 1,
+             batch_size: int = 1, events: bool = True) -> SimResult:
+    """Simulate one step: every rank runs its program ``microbatches`` times (module docstring).
+
+    ``batch_size`` is the number of samples one step processes (all micro-batches together);
+    throughput = batch_size / step latency."""
+    R = len(programs)
+    if R == 0:
+        raise PlanError("nothing to simulate: no per-rank programs")
+    if R > cluster.size:
+        raise PlanError(f"{R} per-rank programs but cluster {cluster.name!r} has only {cluster.size} devices")
+    if microbatches < 1:
+        raise PlanError(f"micro-batch count must be at least 1, got {microbatches}")
+    cache: dict[tuple[Any, ...], _Program] = {}
+    progs: list[_Program] = []
+    for r, model in enumerate(programs):
+        dev = cluster.devices[r]
+        key = (id(model), tuple(sorted(dev.peak_flops.items())), dev.memory_bandwidth, dev.efficiency,
+               dev.launch_overhead_s)
+        if key not in cache:  # data-parallel ranks share one program object: cost it once
+            cache[key] = compile_program(model, dev, r)
+        progs.append(cache[key])
+    for r, prog in enumerate(progs):
+        for s in prog.steps:
+            if s.kind in ("send", "recv") and not 0 <= s.peer < R:
+                raise VerifyError(f"rank {r}: {s.kind} with peer {s.peer} outside 0..{R - 1}")
+            if s.kind == "coll" and any(not 0 <= g < R for g in s.group):
+                raise VerifyError(f"rank {r}: {s.coll} group {list(s.group)} outside 0..{R - 1}")
+            if s.kind == "coll" and r not in s.group:
+                raise VerifyError(f"rank {r}: {s.coll} group {list(s.group)} does not contain rank {r}")
+
+    m = microbatches
+    lengths = [len(p.steps) * m for p in progs]
+    pc = [0] * R
+    now = [0.0] * R
+    compute = [0.0] * R
+    commt = [0.0] * R
+    evs: list[list[TimelineEvent]] = [[] for _ in range(R)]
+    mail: dict[tuple[int, int, int], deque[tuple[float, float, float]]] = {}
+    blocked_on: list[Any] = [None] * R
+    registered: list[Any] = [None] * R  # the collective a rank waits in, if any
+    pending: dict[tuple[Any, ...], dict[int, float]] = {}
+    occurrence: list[dict[tuple[Any, ...], int]] = [dict() for _ in range(R)]
+    buffered: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]
+    level_bytes: dict[str, float] = {}
+    comm_cache: dict[tuple[Any, ...], Any] = {}
+
+    def add_event(r: int, start: float, end: float, kind: str, label: str) -> None:
+        if events and end > start:
+            evs[r].append(TimelineEvent(r, start, end, kind, label))
+
+    runnable = deque(range(R))
+    while runnable:
+        r = runnable.popleft()
+        steps = progs[r].steps
+        nsteps = len(steps)
+        while pc[r] < lengths[r]:
+            mb, i = divmod(pc[r], nsteps)
+            s = steps[i]
+            if s.kind == "compute":
+                add_event(r, now[r], now[r] + s.seconds, "compute", f"mb{mb}: {s.label}")
+                now[r] += s.seconds
+                compute[r] += s.seconds
+                pc[r] += 1
+            elif s.kind == "send":
+                key = (r, s.peer, s.tag)
+                dt = p2p_time(s.nbytes, r, s.peer, cluster)
+                mail.setdefault(key, deque()).append((now[r], now[r] + dt, s.nbytes))
+                if r != s.peer:
+                    name = cluster.link(r, s.peer).name
+                    level_bytes[name] = level_bytes.get(name, 0.0) + s.nbytes
+                pc[r] += 1
+                if blocked_on[s.peer] == key:
+                    blocked_on[s.peer] = None
+                    runnable.append(s.peer)
+            elif s.kind == "recv":
+                key = (s.peer, r, s.tag)
+                box = mail.get(key)
+                if not box:
+                    blocked_on[r] = key
+                    break
+                sent, arrival, size = box.popleft()
+                t = now[r]
+                if sent > t:
+                    add_event(r, t, sent, "idle", f"mb{mb}: wait for {s.label}")
+                if arrival > t:
+                    begin = max(t, sent)
+                    add_event(r, begin, arrival, "comm", f"mb{mb}: {s.label}")
+                    commt[r] += arrival - begin
+                    now[r] = arrival
+                else:
+                    buffered[r].append((arrival, t, size))
+                pc[r] += 1
+            else:  # collective
+                if registered[r] is not None:  # woken spuriously while waiting in a collective
+                    break
+                base = (s.coll, s.group, s.tag)
+                k = occurrence[r].get(base, 0)
+                ckey = (*base, k)
+                waiting = pending.setdefault(ckey, {})
+                waiting[r] = now[r]
+                occurrence[r][base] = k + 1
+                registered[r] = ckey
+                if len(waiting) < len(s.group):
+                    blocked_on[r] = ckey
+                    break
+                del pending[ckey]
+                start = max(waiting.values())
+                cc = comm_cache.get((s.coll, s.nbytes, s.group))
+                if cc is None:
+                    cc = collective_time(s.coll, s.nbytes, s.group, cluster)
+                    comm_cache[(s.coll, s.nbytes, s.group)] = cc
+                end = start + cc.seconds
+                for name, b in cc.bytes_per_level.items():
+                    level_bytes[name] = level_bytes.get(name, 0.0) + b
+                for q, arrived in waiting.items():
+                    add_event(q, arrived, start, "idle", f"mb{mb}: wait for {s.label}")
+                    add_event(q, start, end, "comm", f"mb{mb}: {s.label} ({cc.algorithm})")
+                    commt[q] += cc.seconds
+                    now[q] = end
+                    registered[q] = None
+                    pc[q] += 1
+                    if q != r:
+                        blocked_on[q] = None
+                        runnable.append(q)
+
+    stuck = [r for r in range(R) if pc[r] < lengths[r]]
+    if stuck:
+        desc = []
+        for r in stuck[:6]:
+            s = progs[r].steps[pc[r] % len(progs[r].steps)]
+            what = (f"recv from {s.peer} tag {s.tag}" if s.kind == "recv"
+                    else f"{s.coll} group {list(s.group)} tag {s.tag}")
+            desc.append(f"rank {r} waits on {what} (micro-batch {pc[r] // len(progs[r].steps)})")
+        raise VerifyError(f"deadlock: {'; '.join(desc)}{' ...' if len(stuck) > 6 else ''}: "
+                          f"check that every Recv has a matching Send and collectives run in the same order")
+
+    makespan = max(now) if now else 0.0
+    idle = []
+    for r in range(R):
+        add_event(r, now[r], makespan, "idle", "drain")
+        idle.append(max(0.0, makespan - compute[r] - commt[r]))
+    peak_mem = []
+    for r in range(R):
+        deltas = sorted([(a, b) for a, _, b in buffered[r]] + [(e, -b) for _, e, b in buffered[r]],
+                        key=lambda t: (t[0], t[1]))
+        cur = peak_buf = 0.0
+        for _, d in deltas:
+            cur += d
+            peak_buf = max(peak_buf, cur)
+        peak_mem.append(progs[r].param_bytes + progs[r].activation_bytes + peak_buf)
+    all_events = tuple(e for r in range(R) for e in sorted(evs[r], key=lambda e: e.start))
+    return SimResult(
+        num_ranks=R, microbatches=m, batch_size=batch_size, step_latency=makespan,
+        throughput=batch_size / makespan if makespan > 0 else float("inf"),
+        compute_time=tuple(compute), comm_time=tuple(commt), idle_time=tuple(idle),
+        peak_memory=tuple(peak_mem),
+        memory_capacity=tuple(cluster.devices[r].memory_bytes for r in range(R)),
+        device_names=tuple(cluster.devices[r].name for r in range(R)),
+        bytes_per_level=level_bytes, events=all_events,
+    )
