@@ -1,0 +1,265 @@
+"""Compile per-rank programs into TVM shared libraries (``rank<i>.so``).
+
+Rules:
+1. One rank: lower (:mod:`backends.tvm.lower`) -> ``relax.get_pipeline("zero")`` (legalize,
+   fold constants, fuse) -> ``tvm.compile(mod, target)`` -> ``export_library``. No tuning and
+   no schedules on the CPU (DESIGN.md: dlight has no CPU rules for conv/matmul); on CUDA the
+   dlight GPU default schedules are applied, since unscheduled kernels do not run on a GPU.
+2. Many ranks (:func:`build_all`): ranks whose programs are byte-identical once the graph name
+   is cleared are compiled once and the library copied; distinct programs compile in parallel,
+   each in a fresh ``python -m backends.tvm.compile_worker`` process (see that module for why
+   not multiprocessing). Progress goes to stderr (see progress.py).
+3. Build facts are plain JSON-able dicts for the manifest: target dict, versions, sha256, times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Callable
+
+import onnx
+
+from partitioner.errors import BackendError, PartitionerError
+
+from .lower import lower_program
+from .progress import BuildProgress
+from .target import target_dict
+
+NAME = "tvm"
+FILE_SUFFIX = ".so"
+DEFAULT_PIPELINE = "zero"
+
+# Found by building the same program twice and comparing sha256 (tests/backends/test_tvm_backend.py
+# checks it stays true): TVM's codegen and the host linker are deterministic for a fixed target
+# and toolchain, and export_library links from fixed object-file names.
+REPRODUCIBLE = {"reproducible": True, "why": "same program + target + TVM/LLVM/linker versions give a byte-identical .so"}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def program_key(program: onnx.ModelProto) -> str:
+    """sha256 of the program with its graph name cleared: equal keys build equal libraries."""
+    p = onnx.ModelProto()
+    p.CopyFrom(program)
+    p.graph.name = ""
+    return hashlib.sha256(p.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    import tvm
+
+    return {"tvm": str(tvm.__version__), "onnx": onnx.__version__}
+
+
+def _gpu_schedules(mod: Any, target: Any) -> Any:
+    from tvm.s_tir import dlight as dl
+
+    with target:
+        return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+
+
+def build_one(
+    program: onnx.ModelProto,
+    out_path: Path,
+    tdict: dict[str, Any],
+    options: dict[str, Any] | None = None,
+    report: Callable[[str], None] = lambda stage: None,
+) -> dict[str, Any]:
+    """Build one rank with an already-resolved target dict; ``report(stage)`` tracks progress."""
+    import tvm
+    from tvm import relax
+
+    options = dict(options or {})
+    pipeline = options.get("pipeline", DEFAULT_PIPELINE)
+    out_path = Path(out_path)
+    times: dict[str, float] = {}
+
+    report("import")
+    t0 = time.perf_counter()
+    lowered = lower_program(program)
+    times["import_s"] = time.perf_counter() - t0
+
+    report("build")
+    t0 = time.perf_counter()
+    try:
+        target = tvm.target.Target(tdict)
+        mod = relax.get_pipeline(pipeline)(lowered.mod)
+        if tdict.get("kind") == "cuda":
+            mod = _gpu_schedules(mod, target)
+        ex = tvm.compile(mod, target)
+    except PartitionerError:
+        raise
+    except Exception as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise BackendError(f"graph {program.graph.name!r}: TVM build failed for target {tdict} ({msg})") from None
+    times["build_s"] = time.perf_counter() - t0
+
+    report("export")
+    t0 = time.perf_counter()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp" + FILE_SUFFIX)
+    try:
+        ex.export_library(str(tmp))
+        os.replace(tmp, out_path)
+    except Exception as e:
+        raise BackendError(f"{out_path}: export_library failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e}); is a C compiler (cc/g++) installed?") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    times["export_s"] = time.perf_counter() - t0
+    report("done")
+
+    return {
+        "backend": NAME,
+        "file": out_path.name,
+        "sha256": file_sha256(out_path),
+        "bytes": out_path.stat().st_size,
+        "target": dict(tdict),
+        "pipeline": pipeline,
+        "tuned": False,
+        "segments": lowered.segments,
+        "comm_ops": len(lowered.comm_ops),
+        "program_sha256": program_key(program),
+        "versions": _versions(),
+        "times": {k: round(v, 3) for k, v in times.items()},
+        "compiled": True,
+        **REPRODUCIBLE,
+    }
+
+
+def build(program: onnx.ModelProto, out_path: Path, *, target: Any = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Backend contract: compile ``program`` to ``out_path`` and return the build facts."""
+    return build_one(program, Path(out_path), target_dict(target), options)
+
+
+# -- many ranks -------------------------------------------------------------------------------
+
+
+def build_all(
+    programs: list[onnx.ModelProto],
+    out_dir: Path,
+    *,
+    target: Any = None,
+    jobs: int | None = None,
+    progress: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Build ``rank<i>.so`` for every program into ``out_dir``; returns facts per rank.
+
+    ``jobs``: parallel compiles (default: CPU count); 1 compiles in this process.
+    ``progress``: None shows the bar only on a TTY, True forces it, False silences it.
+    A rank whose program equals an earlier rank's gets ``"compiled": False, "same_as": j``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tdict = target_dict(target)
+    keys = [program_key(p) for p in programs]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    unique = sorted(first.values())
+    paths = [out_dir / f"rank{i}{FILE_SUFFIX}" for i in range(len(programs))]
+    bar = BuildProgress(unique, enabled=progress)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(unique)))
+    facts: dict[int, dict[str, Any]] = {}
+
+    if jobs == 1:
+        for i in unique:
+            facts[i] = build_one(programs[i], paths[i], tdict, options, lambda s, i=i: bar.update(i, s))
+    else:
+        facts.update(_build_in_subprocesses(programs, unique, paths, tdict, options, jobs, bar))
+    bar.close()
+
+    result = []
+    for i, k in enumerate(keys):
+        j = first[k]
+        if i == j:
+            result.append(facts[i])
+            continue
+        shutil.copyfile(paths[j], paths[i])
+        f = dict(facts[j], file=paths[i].name, compiled=False, same_as=j)
+        f["times"] = {}
+        result.append(f)
+    return result
+
+
+def _worker_env() -> dict[str, str]:
+    """The child must import this checkout's ``backends`` and ``partitioner`` packages."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _build_in_subprocesses(programs, unique, paths, tdict, options, jobs, bar) -> dict[int, dict[str, Any]]:
+    lock = threading.Lock()
+    failed = threading.Event()
+    procs: list[subprocess.Popen] = []
+    env = _worker_env()
+
+    with tempfile.TemporaryDirectory(prefix="tvm-build-") as tmp:
+
+        def one(i: int) -> dict[str, Any]:
+            if failed.is_set():
+                raise BackendError(f"rank {i}: not built because another rank's build failed")
+            program_path = Path(tmp) / f"rank{i}.onnx"
+            program_path.write_bytes(programs[i].SerializeToString())
+            cmd = [sys.executable, "-m", "backends.tvm.compile_worker", str(program_path), str(paths[i]),
+                   json.dumps(tdict), json.dumps(options or {})]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            with lock:
+                procs.append(proc)
+            facts, error = None, None
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                kind, _, rest = line.rstrip("\n").partition(" ")
+                if kind == "stage":
+                    with lock:
+                        bar.update(i, rest)
+                elif kind == "facts":
+                    facts = json.loads(rest)
+                elif kind == "error":
+                    error = rest
+            stderr = proc.stderr.read() if proc.stderr else ""
+            rc = proc.wait()
+            if error is not None:
+                raise BackendError(error)
+            if rc != 0 or facts is None:
+                last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {rc}"
+                raise BackendError(f"rank {i}: TVM build process failed ({last})")
+            return facts
+
+        results: dict[int, dict[str, Any]] = {}
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(one, i): i for i in unique}
+            first_error: BaseException | None = None
+            for fut in as_completed(futures):
+                try:
+                    results[futures[fut]] = fut.result()
+                except BaseException as e:  # stop the other builds, report the first failure
+                    if first_error is None:
+                        first_error = e
+                        failed.set()
+                        with lock:
+                            for p in procs:
+                                if p.poll() is None:
+                                    p.kill()
+            if first_error is not None:
+                raise first_error
+    return results

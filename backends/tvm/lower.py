@@ -1,0 +1,220 @@
+"""Lower a per-rank program (ONNX, possibly with ``partitioner.comm`` nodes) to a Relax IRModule.
+
+Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, so
+
+1. ``split_program`` cuts the program at its comm nodes into pure ONNX segments;
+2. each segment is imported with ``from_onnx(seg, opset=..., keep_params_in_input=False)``
+   (weights become constants inside the module: a rank's library holds only its own weights)
+   and added as the private Relax function ``seg<k>``; helper functions the importer creates
+   (e.g. the ``maximum``/``minimum`` PrimFuncs of Clip) become ``seg<k>_<name>`` so segments
+   never clash; a segment whose values nobody reads later is dropped;
+3. ``main`` (no dataflow block, so bindings run in program order) calls the segments in order
+   and each comm op in between:
+
+   - ops with an output:  ``R.call_dps_packed("partitioner.comm.<Op>", (x, op_id), out_ty=...)``
+     (Recv and a non-root Broadcast pass only ``op_id``);
+   - ``Send``: the impure ``R.call_packed("partitioner.comm.Send", x, op_id)``. An impure call is
+     never removed by dead-code elimination, whereas a pure ``call_dps_packed`` whose result is
+     unused is (checked on 0.27);
+   - a comm output nobody reads is passed to the impure ``partitioner.comm.keep`` so it survives.
+
+Invariant: ``op_id`` of a comm node is its index among the program's comm nodes in node order
+(:func:`comm_table`); the runtime uses the same table to find the op to run.
+``main`` takes the program's graph inputs in order and always returns a tuple of its graph
+outputs in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from partitioner.comm_ops import CommOp, is_comm
+from partitioner.errors import BackendError
+from partitioner.segments import CommStep, Segment, split_program, value_infos
+
+PACKED_PREFIX = "partitioner.comm."
+KEEP_FUNC = PACKED_PREFIX + "keep"
+
+
+@dataclass(frozen=True)
+class LoweredProgram:
+    """A Relax module plus the facts the runtime needs to call it."""
+
+    mod: object  # tvm.IRModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    comm_ops: tuple[CommOp, ...]
+    segments: int
+
+
+def comm_table(program: onnx.ModelProto) -> tuple[CommOp, ...]:
+    """The program's comm ops in node order; the index is the op_id baked into the library."""
+    return tuple(CommOp.from_node(n) for n in program.graph.node if is_comm(n))
+
+
+def onnx_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    raise BackendError(f"graph {model.graph.name!r}: no default-domain opset_import; add one (e.g. opset 17)")
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for g in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
+                yield from _all_nodes(g)
+
+
+def check_supported(program: onnx.ModelProto) -> None:
+    """Raise one BackendError listing every op TVM's ONNX importer cannot convert."""
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    known = set(_get_convert_map()) | {"Constant", "If"}
+    bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
+           for n in _all_nodes(program.graph)
+           if not is_comm(n) and (n.op_type not in known or n.domain not in ("", "ai.onnx"))]
+    if bad:
+        kinds = sorted({t for _, t in bad})
+        listing = "; ".join(f"{name} ({t})" for name, t in bad)
+        raise BackendError(
+            f"graph {program.graph.name!r}: TVM cannot import {len(bad)} node(s) of op type(s) {', '.join(kinds)}: "
+            f"{listing}; use --backend onnxruntime or rewrite these ops"
+        )
+
+
+def _tensor_type(info: onnx.ValueInfoProto, where: str):
+    from onnx import helper
+    from tvm import relax
+
+    t = info.type.tensor_type
+    dims = []
+    for d in t.shape.dim:
+        if not d.HasField("dim_value"):
+            raise BackendError(
+                f"{where}: value {info.name!r} has a symbolic dimension {d.dim_param or '?'}; "
+                "the TVM backend needs static shapes (fix the batch size)"
+            )
+        dims.append(int(d.dim_value))
+    dtype = str(helper.tensor_dtype_to_np_dtype(t.elem_type))
+    return relax.TensorType(dims, dtype)
+
+
+def _import_segment(seg: Segment, opset: int, where: str):
+    from tvm.relax.frontend.onnx import from_onnx
+
+    try:
+        mod = from_onnx(seg.model, opset=opset, keep_params_in_input=False)
+    except Exception as e:  # the importer raises many kinds; turn them into one actionable line
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise BackendError(f"{where}: TVM's ONNX importer failed on segment {seg.index} ({type(e).__name__}: {first})") from None
+    return mod
+
+
+def _add_segment(bb, seg_mod, k: int):
+    """Add segment ``k``'s module to ``bb``: ``main`` as ``seg<k>``, helper functions the importer
+    made (e.g. ``maximum`` PrimFuncs from emit_te) as ``seg<k>_<name>``, references rewritten so
+    segments never clash on helper names."""
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    mapping = {}
+    for gv, func in seg_mod.functions_items():
+        if gv.name_hint != "main":
+            mapping[gv.name_hint] = bb.add_func(func, f"seg{k}_{gv.name_hint}")
+    main = seg_mod["main"].without_attr("global_symbol")
+    if mapping:
+
+        @mutator
+        class _RenameGlobals(PyExprMutator):
+            def visit_global_var_(self, op):  # noqa: N802 - TVM's method name
+                return mapping.get(op.name_hint, op)
+
+        main = _RenameGlobals().visit_expr(main)
+    return bb.add_func(main, f"seg{k}")
+
+
+def lower_program(program: onnx.ModelProto) -> LoweredProgram:
+    """Build the Relax module of ``program`` (see the module docstring for the layout)."""
+    from tvm import relax
+
+    where = f"graph {program.graph.name!r}"
+    check_supported(program)
+    # Segments need typed boundaries; inference keeps existing value_info (comm outputs carry theirs).
+    program = onnx.shape_inference.infer_shapes(program)
+    opset = onnx_opset(program)
+    infos = value_infos(program)
+    steps = split_program(program)
+    comm_ops = comm_table(program)
+    op_ids = {id_key(op): k for k, op in enumerate(comm_ops)}
+
+    init_names = {t.name for t in program.graph.initializer}
+    graph_inputs = tuple(v.name for v in program.graph.input if v.name not in init_names)
+    graph_outputs = tuple(v.name for v in program.graph.output)
+
+    # Who reads each value later (to keep comm outputs nobody reads).
+    read_later: set[str] = set(graph_outputs)
+    for step in steps:
+        read_later.update(step.inputs)
+
+    bb = relax.BlockBuilder()
+    seg_funcs = {}
+    for step in steps:
+        if isinstance(step, Segment) and step.outputs:
+            seg_funcs[step.index] = _add_segment(bb, _import_segment(step, opset, where), step.index)
+
+    params = [relax.Var(_var_name(n, i), _tensor_type(infos[n], where)) for i, n in enumerate(graph_inputs)]
+    env: dict[str, object] = dict(zip(graph_inputs, params))
+    n_segments = 0
+    with bb.function("main", params):
+        for step in steps:
+            if isinstance(step, Segment):
+                if not step.outputs:  # nothing it computes is read later: dead code
+                    continue
+                n_segments += 1
+                args = [_lookup(env, n, where) for n in step.inputs]
+                res = bb.emit(relax.Call(seg_funcs[step.index], args))
+                if len(step.outputs) == 1 and not isinstance(res.ty, relax.TupleType):
+                    env[step.outputs[0]] = res
+                else:
+                    for j, name in enumerate(step.outputs):
+                        env[name] = bb.emit(relax.TupleGetItem(res, j))
+                continue
+            assert isinstance(step, CommStep)
+            op = step.op
+            op_id = relax.prim_value(op_ids[id_key(op)])
+            args = [_lookup(env, n, where) for n in step.inputs]
+            func = PACKED_PREFIX + op.op_type
+            if not op.outputs:
+                bb.emit(relax.Call(relax.ExternFunc(func), [*args, op_id], ty_args=[relax.ObjectType()]))
+                continue
+            out_name = op.outputs[0]
+            if out_name in infos:
+                out_ty = _tensor_type(infos[out_name], f"{where} comm node {op.name!r}")
+            elif "shape" in op.attrs and "dtype" in op.attrs:
+                out_ty = relax.TensorType([int(d) for d in op.attrs["shape"]], str(op.np_dtype))
+            else:
+                raise BackendError(f"{where}: comm node {op.name!r} output {out_name!r} has no value_info; run shape inference on the per-rank program")
+            y = bb.emit(relax.call_dps_packed(func, [*args, op_id], out_ty=out_ty))
+            env[out_name] = y
+            if out_name not in read_later:
+                bb.emit(relax.Call(relax.ExternFunc(KEEP_FUNC), [y], ty_args=[relax.ObjectType()]))
+        bb.emit_func_output(relax.Tuple([_lookup(env, n, where) for n in graph_outputs]))
+    return LoweredProgram(bb.get(), graph_inputs, graph_outputs, comm_ops, n_segments)
+
+
+def id_key(op: CommOp) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    return (op.name, op.inputs, op.outputs)
+
+
+def _var_name(name: str, i: int) -> str:
+    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return clean if clean and not clean[0].isdigit() else f"in{i}_{clean}"
+
+
+def _lookup(env: dict[str, object], name: str, where: str):
+    if name not in env:
+        raise BackendError(f"{where}: value {name!r} is read before any segment or comm op produces it (is it an initializer-only output?)")
+    return env[name]
