@@ -17,7 +17,13 @@ from passes import (  # noqa: F401
     common_subexpression_elimination,
     constant_folding,
     dead_code_elimination,
+    fold_conv_batchnorm,
+    fuse_bias_activation,
+    group_elementwise,
     identity_elimination,
+    layout_nhwc,
+    recognize_gelu,
+    recognize_layernorm,
     shape_inference,
     topological_sort,
 )
@@ -30,6 +36,7 @@ __all__ = [
     "COMM_DOMAIN",
     "COMM_OP_TYPES",
     "DEFAULT_PIPELINE",
+    "OPTIMIZE_PIPELINE",
     "PassManager",
     "REGISTRY",
     "get_pass",
@@ -45,6 +52,22 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "dead_code_elimination",
     "identity_elimination",
     "common_subexpression_elimination",
+    "dead_code_elimination",
+    "shape_inference",
+)
+
+# DEFAULT_PIPELINE's clean-up, then rewrites (folding, recognition, transpose sinking), then the
+# annotation passes last: a rewrite that rebuilds a node would drop its fusion-group annotation.
+OPTIMIZE_PIPELINE: tuple[str, ...] = (
+    *DEFAULT_PIPELINE,
+    "fold_conv_batchnorm",
+    "recognize_layernorm",
+    "layout_nhwc",
+    "recognize_gelu",
+    "dead_code_elimination",
+    "shape_inference",
+    "fuse_bias_activation",
+    "group_elementwise",
     "dead_code_elimination",
     "shape_inference",
 )
