@@ -1,0 +1,1 @@
+"""Lowering: plan + model -> per-rank programs (see partitioner.lower)."""

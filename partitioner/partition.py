@@ -1,0 +1,68 @@
+"""Public API: ``partition(model, cluster, strategy=...)`` -> plan + per-rank programs + bindings +
+predicted costs. Strategies are policies (:mod:`partitioner.strategies`); :func:`lower` is the
+shared mechanism; every result is verified (:func:`verify_programs`) before it is returned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from partitioner.bindings import Bindings
+from partitioner.errors import UsageError
+from partitioner.lower import lower
+from partitioner.lowering.model_view import ModelView
+from partitioner.plan import Plan
+from partitioner.strategies import costing, get_strategy
+from partitioner.strategies.search import search
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    plan: Plan
+    programs: tuple[onnx.ModelProto, ...]
+    bindings: Bindings
+    prediction: dict[str, Any] = field(hash=False)
+    explanation: str = ""
+    alternatives: tuple[dict[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plan": self.plan.summary(), "prediction": self.prediction, "explanation": self.explanation,
+                "alternatives": list(self.alternatives)}
+
+
+def _cluster(cluster: Any) -> Any:
+    if isinstance(cluster, (str, int)):
+        from partitioner.cluster import Cluster
+
+        return Cluster.resolve(f"cpu:{cluster}" if isinstance(cluster, int) else cluster)
+    return cluster
+
+
+def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbatches: int | None = None,
+              objective: str = "latency", memory_limit: float | None = None, degree: int | None = None) -> PartitionResult:
+    """Partition ``model`` (static shapes, shape-inferred) for ``cluster`` with ``strategy``."""
+    if objective not in ("latency", "throughput"):
+        raise UsageError(f"objective must be latency or throughput, not {objective!r}")
+    cluster = _cluster(cluster)
+    view = ModelView(model)
+    alternatives: tuple[dict[str, Any], ...] = ()
+    if strategy == "auto":
+        plan, cands, explanation = search(view, cluster, objective=objective, memory_limit=memory_limit,
+                                          microbatches=microbatches, max_devices=degree)
+        alternatives = tuple(c.to_json() for c in cands)
+    else:
+        plan = get_strategy(strategy).plan(view, cluster, degree=degree, microbatches=microbatches,
+                                           memory_limit=memory_limit, objective=objective)
+        explanation = f"{strategy}: {plan.notes}"
+    lowered = lower(view, plan)
+    pred = costing.estimate(view, plan, cluster, memory_limit=memory_limit)
+    if strategy != "auto" and not pred.fits:
+        explanation += " (warning: predicted peak memory exceeds a device's capacity or the limit)"
+    return PartitionResult(plan, lowered.programs, lowered.bindings, pred.to_json(), explanation, alternatives)
+
+
+def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:
+    return partition(model, cluster, strategy="auto", **kw)

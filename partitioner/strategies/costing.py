@@ -1,0 +1,150 @@
+"""The one interface strategies use for costs (numbers live in :mod:`partitioner.cost`).
+
+- :func:`node_times` — seconds of each node on a device (roofline of ``cost.ops.op_cost``).
+- :func:`estimate` — an analytical prediction of a :class:`Plan` on a cluster, from the plan alone
+  (no lowering): per rank compute = node time / shard count (whole for replicated nodes); per
+  rank comm = the collective or point-to-point time of every layout conversion the plan implies;
+  latency = the slowest rank, or for pipelines the GPipe fill-drain step over the stages;
+  memory = the rank's weight shards + twice its largest local activation (times the micro-batches
+  in flight for pipelines). Fast enough to rank hundreds of candidate plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.ops import op_cost
+from partitioner.cost.pipeline import pipeline_step_time
+from partitioner.cost.roofline import op_time
+from partitioner.lowering.model_view import ModelView
+from partitioner.plan import Plan, Sharding
+
+
+def node_times(view: ModelView, device: Any) -> np.ndarray:
+    """Seconds of each node (in view order) on ``device`` (cached on the view per device)."""
+    cache = view.__dict__.setdefault("_node_time_cache", {})
+    key = (device.name, device.kind, tuple(sorted(device.peak_flops.items())), device.memory_bandwidth,
+           device.efficiency, device.launch_overhead_s)
+    if key not in cache:
+        costs = view.__dict__.setdefault("_op_costs", [op_cost(n) for n in view.nodes])
+        cache[key] = np.array([op_time(c, device) for c in costs], dtype=np.float64)
+    return cache[key]
+
+
+def comm_seconds(kind: str, nbytes: float, ranks: tuple[int, ...], cluster: Any) -> tuple[float, dict[str, float]]:
+    c = collective_time(kind, nbytes, ranks, cluster)
+    return c.seconds, dict(c.bytes_per_level)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    compute_s: tuple[float, ...]
+    comm_s: tuple[float, ...]
+    idle_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    latency_s: float
+    throughput: float
+    bytes_per_level: dict[str, float] = field(default_factory=dict, hash=False)
+    fits: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"latency_s": self.latency_s, "throughput_samples_per_s": self.throughput,
+                "per_device": [{"rank": r, "compute_s": c, "comm_s": m, "idle_s": i, "peak_memory_bytes": b}
+                               for r, (c, m, i, b) in enumerate(zip(self.compute_s, self.comm_s, self.idle_s,
+                                                                    self.memory_bytes))],
+                "bytes_per_link_level": dict(self.bytes_per_level), "fits_memory": self.fits}
+
+
+def _conversion(src: Sharding, req: Sharding) -> str | None:
+    if src == req:
+        return None
+    if src.ranks == req.ranks:
+        if src.partial is not None:
+            return "allreduce" if req.axis is None else "reducescatter"
+        if src.axis is not None:
+            return "allgather" if req.axis is None else "alltoall"
+        return None  # local slice
+    return "send"
+
+
+def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float | None = None,
+             times: dict[int, np.ndarray] | None = None) -> Prediction:
+    """Predict ``plan`` on ``cluster`` (see the module docstring)."""
+    w = plan.world_size
+    m = plan.microbatches
+    times = times if times is not None else {}
+    compute = np.zeros(w)
+    comm = np.zeros(w)
+    weights: dict[int, set[tuple[str, Sharding]]] = {r: set() for r in range(w)}
+    act = np.zeros(w)
+    levels: dict[str, float] = {}
+    produced: dict[str, Sharding] = dict((k, v) for k, v in plan.tensors.items() if k in view.inputs)
+    seen_conv: set[tuple[str, Sharding]] = set()
+    for i, node in enumerate(view.nodes):
+        np_ = plan.nodes[node.name]
+        g = np_.ranks
+        shard = max((len(s.ranks) for s in np_.outputs if s is not None and (s.axis is not None or s.partial)), default=1)
+        for r in g:
+            dev = cluster.devices[r]
+            if r not in times:
+                times[r] = node_times(view, dev)
+            compute[r] += times[r][i] / shard  # a step runs m micro-batches of 1/m of the work
+        for name, req in zip(view.node_inputs(node), np_.inputs):
+            if not name or req is None:
+                continue
+            if view.is_const(name):
+                for r in req.ranks:
+                    weights[r].add((name, req))
+                continue
+            src = produced.get(name)
+            if src is None or (name, req) in seen_conv:
+                continue
+            seen_conv.add((name, req))
+            kind = _conversion(src, req)
+            if kind is None:
+                continue
+            nbytes = view.nbytes(name) / m
+            if kind == "send":
+                s0 = src.ranks[0]
+                for t in req.ranks:
+                    if t not in src.ranks:
+                        sec = p2p_time(nbytes / (len(req.ranks) if req.axis is not None else 1), s0, t, cluster)
+                        comm[t] += sec * m
+                        lv = cluster.link(s0, t).name
+                        levels[lv] = levels.get(lv, 0.0) + nbytes * m
+            else:
+                sec, per = comm_seconds(kind, nbytes, g, cluster)
+                for r in g:
+                    comm[r] += sec * m
+                for k, v in per.items():
+                    levels[k] = levels.get(k, 0.0) + v * m
+        for name, s in zip(view.node_outputs(node), np_.outputs):
+            if s is not None:
+                produced[name] = s
+                local = view.nbytes(name) / m / (len(s.ranks) if s.axis is not None else 1)
+                for r in g:
+                    act[r] = max(act[r], local)
+    mem = np.zeros(w)
+    for r in range(w):
+        mem[r] = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
+        inflight = min(m, plan.num_stages) if plan.num_stages > 1 else 1
+        mem[r] += 2 * act[r] * inflight
+    busy = compute + comm
+    if plan.num_stages > 1:
+        stage_t = []
+        for s in range(plan.num_stages):
+            rs = plan.ranks_of_stage(s)
+            stage_t.append(max(busy[r] for r in rs) / m if rs else 0.0)
+        latency = pipeline_step_time(stage_t, [0.0] * (len(stage_t) - 1), m)
+    else:
+        latency = float(busy.max())
+    batch = max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)
+    caps = [min(cluster.devices[r].memory_bytes, memory_limit or float("inf")) for r in range(w)]
+    fits = all(mem[r] <= caps[r] for r in range(w))
+    return Prediction(tuple(compute.tolist()), tuple(comm.tolist()), tuple(float(latency - b) for b in busy),
+                      tuple(mem.tolist()), float(latency), float(batch / latency) if latency > 0 else float("inf"),
+                      levels, fits)
