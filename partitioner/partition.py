@@ -27,6 +27,7 @@ class PartitionResult:
     prediction: dict[str, Any] = field(hash=False)
     explanation: str = ""
     alternatives: tuple[dict[str, Any], ...] = ()
+    simulation: Any = field(default=None, hash=False, compare=False)  # cost.simulate.SimResult
 
     def to_json(self) -> dict[str, Any]:
         return {"plan": self.plan.summary(), "prediction": self.prediction, "explanation": self.explanation,
@@ -61,7 +62,23 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
     pred = costing.estimate(view, plan, cluster, memory_limit=memory_limit)
     if strategy != "auto" and not pred.fits:
         explanation += " (warning: predicted peak memory exceeds a device's capacity or the limit)"
-    return PartitionResult(plan, lowered.programs, lowered.bindings, pred.to_json(), explanation, alternatives)
+    sim = simulate_programs(lowered.programs, cluster, plan.microbatches, _batch_size(view))
+    prediction = pred.to_json()
+    prediction["simulated"] = sim.to_json()
+    return PartitionResult(plan, lowered.programs, lowered.bindings, prediction, explanation, alternatives, sim)
+
+
+def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size: int) -> Any:
+    """Run the event simulator on the lowered per-rank programs (the faithful prediction: it sees
+    every comm op the lowering inserted, in program order)."""
+    from partitioner.cost.simulate import simulate
+
+    models = [ir.serde.deserialize_model(p) for p in programs]
+    return simulate(models, cluster, microbatches, batch_size)
+
+
+def _batch_size(view: ModelView) -> int:
+    return max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)
 
 
 def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:

@@ -43,38 +43,35 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"model": args.model, "cluster": cluster.name, **res.to_json()})
         return 0
-    pred = res.prediction
+    sim = res.prediction["simulated"]
     print(f"strategy: {res.plan.strategy}  world size {res.plan.world_size}  mesh {list(res.plan.mesh_shape)} "
-          f"{list(res.plan.mesh_axes)}  micro-batches {res.plan.microbatches}")
-    print(f"{'rank':>4} {'compute ms':>11} {'comm ms':>9} {'idle ms':>9} {'memory MiB':>11}")
-    for d in pred["per_device"]:
-        print(f"{d['rank']:>4} {d['compute_s'] * 1e3:>11.3f} {d['comm_s'] * 1e3:>9.3f} {d['idle_s'] * 1e3:>9.3f} "
-              f"{d['peak_memory_bytes'] / 2**20:>11.2f}")
-    print(f"latency {pred['latency_s'] * 1e3:.3f} ms   throughput {pred['throughput_samples_per_s']:.1f} samples/s   "
-          f"fits memory: {pred['fits_memory']}")
+          f"{list(res.plan.mesh_axes)}  micro-batches {res.plan.microbatches}  cluster {cluster.name}")
+    print(f"{'rank':>4} {'device':<14} {'compute ms':>11} {'comm ms':>9} {'idle ms':>9} {'memory MiB':>11}")
+    for d in sim["ranks"]:
+        print(f"{d['rank']:>4} {d['device'][:14]:<14} {d['compute_s'] * 1e3:>11.3f} {d['comm_s'] * 1e3:>9.3f} "
+              f"{d['idle_s'] * 1e3:>9.3f} {d['peak_memory_bytes'] / 2**20:>11.2f}")
+    print(f"latency {sim['step_latency_s'] * 1e3:.3f} ms   throughput {sim['throughput_samples_per_s']:.1f} samples/s   "
+          f"fits memory: {sim['fits']}   (search estimate {res.prediction['latency_s'] * 1e3:.3f} ms)")
+    levels = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sim["bytes_per_level"].items())
+    if levels:
+        print(f"bytes moved per step: {levels}")
     print(res.explanation)
     return 0
 
 
 def _write_html(path: str, model, res, cluster) -> None:
-    try:
-        from partitioner.cost.report_html import render_report  # written by another helper
-    except ImportError:
-        render_report = None
-    if render_report is not None:
-        try:
-            html = render_report(model=model, plan=res.plan, prediction=res.prediction, cluster=cluster)
-            Path(path).write_text(html, encoding="utf-8")
-            return
-        except TypeError:
-            pass
-    import html as h
+    """The report: predicted timeline (Gantt), memory against capacity, bytes per link, and the
+    graph coloured by device. Self-contained: inline SVG and CSS, no network."""
+    from partitioner.report_graph import graph_svg_for_plan
+    from partitioner.report_html import render_report
 
-    rows = "".join(f"<tr><td>{h.escape(n)}</td><td style='background:hsl({(p.ranks[0] * 67) % 360},70%,80%)'>"
-                   f"{list(p.ranks)}</td><td>{p.stage}</td><td>{p.rule}</td></tr>" for n, p in res.plan.nodes.items())
-    Path(path).write_text(
-        f"<!doctype html><html><head><meta charset='utf-8'><title>partition plan</title></head><body>"
-        f"<h1>{h.escape(res.plan.strategy)} on {h.escape(cluster.name)}</h1><p>{h.escape(res.explanation)}</p>"
-        f"<pre>{h.escape(json.dumps(res.prediction, indent=1))}</pre>"
-        f"<table border=1><tr><th>node</th><th>ranks</th><th>stage</th><th>rule</th></tr>{rows}</table></body></html>",
-        encoding="utf-8")
+    title = f"{model.graph.name or 'model'}: {res.plan.strategy} on {cluster.name}"
+    extra = {"strategy": res.plan.strategy, "mesh": f"{list(res.plan.mesh_shape)} {list(res.plan.mesh_axes)}",
+             "stages": res.plan.num_stages, "explanation": res.explanation}
+    html = render_report(title, res.simulation, cluster, extra=extra, graph_svg=graph_svg_for_plan(model, res.plan))
+    try:
+        Path(path).write_text(html, encoding="utf-8")
+    except OSError as exc:
+        from partitioner.errors import UsageError
+
+        raise UsageError(f"cannot write the report to {path}: {exc.strerror}") from None

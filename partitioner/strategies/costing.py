@@ -25,13 +25,14 @@ from partitioner.plan import Plan, Sharding
 
 
 def node_times(view: ModelView, device: Any) -> np.ndarray:
-    """Seconds of each node (in view order) on ``device`` (cached on the view per device)."""
+    """Seconds of each node (in view order) on ``device`` (cached on the view per device kind)."""
     cache = view.__dict__.setdefault("_node_time_cache", {})
-    key = (device.name, device.kind, tuple(sorted(device.peak_flops.items())), device.memory_bandwidth,
+    key = (device.kind, tuple(sorted(device.peak_flops.items())), device.memory_bandwidth,
            device.efficiency, device.launch_overhead_s)
     if key not in cache:
-        costs = view.__dict__.setdefault("_op_costs", [op_cost(n) for n in view.nodes])
-        cache[key] = np.array([op_time(c, device) for c in costs], dtype=np.float64)
+        if "_op_costs" not in view.__dict__:
+            view.__dict__["_op_costs"] = [op_cost(n) for n in view.nodes]
+        cache[key] = np.array([op_time(c, device) for c in view.__dict__["_op_costs"]], dtype=np.float64)
     return cache[key]
 
 

@@ -55,19 +55,21 @@ def best_split(times: Sequence[np.ndarray], send: np.ndarray, mem: np.ndarray | 
     for k in range(n):
         if lo_end[0] <= k <= hi_end[0] and mpre[k + 1] <= caps[0]:
             f[k] = pre[k + 1] + send[k]
+    js_all = np.arange(n)
     for s in range(1, p):
         pre = np.concatenate([[0.0], np.cumsum(times[s])])
         g = np.full(n, inf)
-        for k in range(s, n):
-            if not (lo_end[s] <= k <= hi_end[s]):
-                continue
-            js = np.arange(s - 1, k)
-            cost = pre[k + 1] - pre[js + 1] + send[k]
-            ok = (mpre[k + 1] - mpre[js + 1]) <= caps[s]
-            val = np.where(ok, np.maximum(f[js], cost), inf)
-            b = int(np.argmin(val))
-            g[k] = val[b]
-            arg[s, k] = js[b]
+        ks_all = np.arange(max(s, lo_end[s]), min(n - 1, hi_end[s]) + 1)
+        # vectorised over (k, j) in row blocks: cost of stage s covering nodes j+1..k
+        for start in range(0, len(ks_all), 256):
+            ks = ks_all[start:start + 256][:, None]
+            cost = pre[ks + 1] - pre[js_all + 1][None, :] + send[ks]
+            ok = ((mpre[ks + 1] - mpre[js_all + 1][None, :]) <= caps[s]) & (js_all[None, :] >= s - 1) & (js_all[None, :] < ks)
+            val = np.where(ok, np.maximum(f[None, :], cost), inf)
+            b = np.argmin(val, axis=1)
+            rows = ks[:, 0]
+            g[rows] = val[np.arange(len(rows)), b]
+            arg[s, rows] = b
         f = g
     if not np.isfinite(f[n - 1]):
         raise StrategyNotApplicable(f"pipeline: no split into {p} stages fits the devices' memory "
