@@ -1,0 +1,190 @@
+"""``partitioner bench DIR``: measure an artifact against ONNX Runtime (and a 1-rank build).
+
+Rules:
+1. Every measurement runs ``--warmup`` untimed steps, then ``--repeat`` timed ones, and reports the
+   median. A partitioned step is timed on rank 0 between barriers (all micro-batches of one batch),
+   inside one mpiexec run, so process start-up is not counted.
+2. The ONNX Runtime baseline runs the artifact's ``source.onnx`` in one process with the same total
+   thread count as the partitioned run (ranks x threads per rank).
+3. ``--baseline single`` also compiles the source model for 1 rank with the same backend and target
+   (in a temporary directory) and runs it with all the threads.
+4. Throughput is samples/s: the batch (axis 0 of the first input) over the median step time.
+5. The JSON holds the machine (CPU model, cores, memory), versions, settings, medians and ratios;
+   with a cost-model prediction in the manifest, the predicted step time stands beside the measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from partitioner.commands._options import add_json_argument, print_json
+from partitioner.errors import UsageError
+
+NAME = "bench"
+HELP = "benchmark an artifact: median latency and throughput against ONNX Runtime (and a 1-rank build)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", metavar="DIR", help="the artifact directory")
+    p.add_argument("--baseline", choices=("onnxruntime", "single"), default="onnxruntime",
+                   help="onnxruntime: ONNX Runtime on the source model; single: that, plus a 1-rank build")
+    p.add_argument("--repeat", type=int, default=10, metavar="N", help="timed runs (default 10)")
+    p.add_argument("--warmup", type=int, default=2, metavar="K", help="untimed warm-up runs (default 2)")
+    p.add_argument("--inputs", default=None, metavar="NPZ", help="inputs (default: seeded random inputs)")
+    p.add_argument("--ranks-per-host", type=int, default=None, metavar="N", help="ranks per host")
+    p.add_argument("-o", "--output", default=None, metavar="JSON", help="write the results as JSON here")
+    add_json_argument(p)
+
+
+def machine_info() -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    try:
+        import psutil
+
+        memory = int(psutil.virtual_memory().total)
+    except ImportError:
+        memory = None
+    return {"cpu": model, "cores": os.cpu_count(), "usable_cores": usable, "memory_bytes": memory,
+            "system": platform.system(), "machine": platform.machine()}
+
+
+def random_inputs(bindings: Any, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of the right shapes; integer inputs (token ids, indices) are 0 or 1."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for b in bindings.inputs:
+        dt = np.dtype(b.dtype)
+        if dt.kind == "f":
+            feeds[b.name] = rng.standard_normal(b.shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[b.name] = np.ones(b.shape, dtype=dt)
+        else:
+            feeds[b.name] = rng.integers(0, 2, size=b.shape).astype(dt)
+    return feeds
+
+
+def _median_ort(path: Path, feeds: Mapping[str, np.ndarray], threads: int, warmup: int, repeat: int) -> float:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in sess.get_inputs()}
+    feed = {k: v for k, v in feeds.items() if k in wanted}
+    times = []
+    for i in range(warmup + repeat):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _predicted_step(prediction: Mapping[str, Any] | None) -> float | None:
+    if not prediction:
+        return None
+    for key in ("step_latency_s", "step_s", "latency_s", "makespan_s", "time_s"):
+        v = prediction.get(key)
+        if isinstance(v, (int, float)) and v > 0:
+            return float(v)
+    return None
+
+
+def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxruntime", repeat: int = 10,
+                   warmup: int = 2, inputs: str | None = None, ranks_per_host: int | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON document (see the module rules)."""
+    from partitioner.artifact import compile as compile_artifact
+    from partitioner.artifact import load_artifact
+    from partitioner.runtime.launch import load_inputs, run_artifact
+    from partitioner.runtime.worker import read_npz
+
+    if repeat < 1 or warmup < 0:
+        raise UsageError("--repeat must be at least 1 and --warmup at least 0")
+    art = load_artifact(directory)
+    feeds = load_inputs(art, read_npz(inputs) if inputs else random_inputs(art.bindings))
+    batch = int(art.bindings.inputs[0].shape[0]) if art.bindings.inputs and art.bindings.inputs[0].shape else 1
+
+    res = run_artifact(art, feeds, warmup=warmup, repeat=repeat, ranks_per_host=ranks_per_host)
+    timings = res.timings or {}
+    part_s = float(timings.get("median_s", res.wall_s))
+    threads = int(timings.get("threads_per_rank", 1)) * art.world_size
+    rows: dict[str, dict[str, Any]] = {
+        "partitioned": {"ranks": art.world_size, "threads": threads, "median_s": part_s,
+                        "throughput_per_s": batch / part_s, "times_s": timings.get("times_s")},
+    }
+    ort_s = _median_ort(art.root / art.manifest["source_model"]["file"], feeds, threads, warmup, repeat)
+    rows["onnxruntime"] = {"ranks": 1, "threads": threads, "median_s": ort_s, "throughput_per_s": batch / ort_s}
+    if baseline == "single":
+        with tempfile.TemporaryDirectory(prefix="partitioner-bench-") as tmp:
+            single = compile_artifact(str(art.root / art.manifest["source_model"]["file"]), "cpu:1",
+                                      strategy="single", backend=art.backend,
+                                      target=art.manifest.get("target"), out_dir=Path(tmp) / "single", progress=False)
+            r1 = run_artifact(single, feeds, warmup=warmup, repeat=repeat)
+            s1 = float((r1.timings or {}).get("median_s", r1.wall_s))
+            rows["single"] = {"ranks": 1, "threads": int((r1.timings or {}).get("threads_per_rank", 1)),
+                              "median_s": s1, "throughput_per_s": batch / s1}
+    ratios = {f"{name}_over_partitioned": row["median_s"] / part_s for name, row in rows.items() if name != "partitioned"}
+    predicted = _predicted_step(art.manifest.get("prediction"))
+    m = art.manifest
+    return {
+        "artifact": str(directory),
+        "machine": machine_info(),
+        "versions": m["toolchain"],
+        "settings": {"world_size": m["world_size"], "microbatches": m["microbatches"], "backend": m["backend"],
+                     "target": m.get("target"), "strategy": m["plan_summary"].get("strategy"), "batch": batch,
+                     "repeat": repeat, "warmup": warmup, "baseline": baseline, "ranks_per_host": ranks_per_host,
+                     "inputs": {b.name: {"shape": list(b.shape), "dtype": b.dtype} for b in art.bindings.inputs}},
+        "results": rows,
+        "ratios": ratios,
+        "prediction": {"predicted_step_s": predicted, "measured_step_s": part_s,
+                       "predicted_over_measured": predicted / part_s if predicted else None,
+                       "manifest": m.get("prediction")},
+    }
+
+
+def format_table(doc: Mapping[str, Any]) -> str:
+    lines = [f"{'run':<12} {'ranks':>5} {'threads':>7} {'median ms':>10} {'samples/s':>10} {'vs partitioned':>15}"]
+    part = doc["results"]["partitioned"]["median_s"]
+    for name, row in doc["results"].items():
+        lines.append(f"{name:<12} {row['ranks']:>5} {row['threads']:>7} {row['median_s'] * 1e3:>10.2f} "
+                     f"{row['throughput_per_s']:>10.1f} {row['median_s'] / part:>14.2f}x")
+    p = doc["prediction"]
+    if p["predicted_step_s"]:
+        lines.append(f"cost model predicted {p['predicted_step_s'] * 1e3:.2f} ms per step, measured "
+                     f"{p['measured_step_s'] * 1e3:.2f} ms ({p['predicted_over_measured']:.2f}x)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = bench_artifact(args.artifact, baseline=args.baseline, repeat=args.repeat, warmup=args.warmup,
+                         inputs=args.inputs, ranks_per_host=args.ranks_per_host)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if args.json:
+        print_json(doc)
+    else:
+        print(format_table(doc))
+    return 0

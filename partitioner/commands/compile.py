@@ -1,0 +1,62 @@
+"""``partitioner compile MODEL -o DIR``: partition a model and build a deployable artifact directory.
+
+The directory holds manifest.json (hashes of everything), plan.json, source.onnx, rank<i>.onnx and
+the backend's per-rank files (docs/artifact_format.md). ``--fallback onnxruntime`` builds with
+ONNX Runtime when the chosen backend fails, and records why in the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from partitioner.commands._options import (add_cluster_arguments, add_json_argument, add_model_arguments,
+                                           add_strategy_arguments, cluster_from_args, parse_bytes,
+                                           parse_shape_option, print_json)
+
+NAME = "compile"
+HELP = "partition a model and build an artifact directory (manifest, plan, per-rank programs and executables)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the artifact directory to write")
+    add_cluster_arguments(p)
+    add_strategy_arguments(p)
+    p.add_argument("--backend", choices=("tvm", "onnxruntime"), default="tvm", help="per-rank backend (default tvm)")
+    p.add_argument("--target", default=None, metavar="T", help="TVM target: a preset, JSON dict or 'host' (default)")
+    p.add_argument("--fallback", choices=("onnxruntime",), default=None,
+                   help="build with this backend when the chosen one fails")
+    p.add_argument("--jobs", type=int, default=None, metavar="J", help="parallel build processes (default: cores)")
+    add_json_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import onnx_ir as ir
+
+    from partitioner.artifact import compile as compile_artifact
+    from partitioner.load import load
+    from passes import run_pipeline
+
+    raw = load(args.model, batch=args.batch, shapes=parse_shape_option(args.shape))
+    source = ir.serde.serialize_model(raw)  # before the passes: `run --check` compares against it
+    passes = None if args.passes is None else [s for s in args.passes.split(",") if s and s != "none"]
+    model = run_pipeline(raw, passes)
+    art = compile_artifact(model, cluster_from_args(args), strategy=args.strategy, target=args.target,
+                           backend=args.backend, microbatches=args.microbatches, objective=args.objective,
+                           memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+                           out_dir=args.output, fallback=args.fallback, jobs=args.jobs, source=source,
+                           source_path=args.model, progress=None if not args.json else False)
+    m = art.manifest
+    if args.json:
+        print_json({"artifact": str(art.root), "world_size": m["world_size"], "microbatches": m["microbatches"],
+                    "backend": m["backend"], "fallback": m["fallback"], "plan_summary": m["plan_summary"],
+                    "prediction": m["prediction"], "files": m["files"]})
+        return 0
+    fb = f" (fell back from {m['fallback']['from']}: {m['fallback']['reason']})" if m.get("fallback") else ""
+    print(f"wrote {art.root}: {m['world_size']} rank(s), {m['microbatches']} micro-batch(es), "
+          f"strategy {m['plan_summary'].get('strategy', '?')}, backend {m['backend']}{fb}")
+    if m.get("explanation"):
+        print(str(m["explanation"]).strip().splitlines()[0])
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,252 @@
+"""The MPI communicator (mpi4py): the :class:`partitioner.comm_ops.Communicator` of one MPI rank.
+
+Rules:
+1. Sub-communicators are created once, at start-up, for every group in the artifact's
+   ``comm_groups`` (sorted), with ``COMM_WORLD.Split`` called by every rank in the same order, so
+   creation can never deadlock. Within a group communicator, member ``group[i]`` has rank ``i``.
+2. ``send`` is non-blocking (``Isend``); the request and its buffer stay alive until
+   :meth:`MPICommunicator.flush` (end of a step) completes them, so a pipeline stage starts its
+   next micro-batch while the previous one is in flight.
+3. Every wait has a deadline (``timeout_s``, default 30 s or ``$PARTITIONER_COMM_TIMEOUT``):
+   receives and collectives are non-blocking requests polled with ``Test``. A peer that died
+   makes the wait fail with :class:`RunFailed` naming this rank, the peer or group, and the tag.
+4. With ``deterministic=True`` (the default) reductions gather every member's contribution and
+   reduce with :func:`reduce_arrays` in group order, so repeated runs are bit-identical and agree
+   with the in-process communicator. ``deterministic=False`` uses MPI's own reductions.
+5. Arrays are passed through the buffer protocol: contiguous inputs are sent without copies and
+   results are received straight into freshly allocated numpy arrays. No pickle: ``Broadcast``
+   sends a small int64 header (ndim, shape, dtype) before the data.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from partitioner.comm_ops import reduce_arrays
+from partitioner.errors import RunFailed
+from partitioner.runtime.fault import FaultHook
+
+TIMEOUT_ENV = "PARTITIONER_COMM_TIMEOUT"
+DEFAULT_TIMEOUT_S = 30.0
+_HEADER = 16  # int64 slots: [ndim, dtype code, dims...]
+_MPI_OPS = ("sum", "max", "min", "prod")
+
+
+def default_timeout() -> float:
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    return int.from_bytes(np.dtype(dtype).str.encode().ljust(8, b" "), "little")
+
+
+def _code_dtype(code: int) -> np.dtype:
+    return np.dtype(int(code).to_bytes(8, "little").decode().strip())
+
+
+class MPICommunicator:
+    """One rank's communicator over ``comm`` (default ``MPI.COMM_WORLD``)."""
+
+    def __init__(self, groups: Sequence[Sequence[int]] = (), *, comm: Any = None, timeout_s: float | None = None,
+                 deterministic: bool = True, fault: FaultHook | None = None) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.world = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.world.Get_rank()
+        self.world_size = self.world.Get_size()
+        self.timeout_s = default_timeout() if timeout_s is None else float(timeout_s)
+        self.deterministic = deterministic
+        self.fault = fault or FaultHook(None, self.rank)
+        self.current_op = "start-up"
+        self._pending: list[tuple[Any, np.ndarray, str]] = []
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self.bytes_sent = 0
+        for g in groups:
+            self._create_group(tuple(int(r) for r in g))
+        # a private duplicate for the runtime's own traffic (outputs to rank 0), apart from program tags
+        self.control = self.world.Dup()
+
+    # set-up -------------------------------------------------------------------------------------
+    def _create_group(self, group: tuple[int, ...]) -> None:
+        if group in self._groups or any(not 0 <= r < self.world_size for r in group):
+            if group not in self._groups:
+                raise RunFailed(f"rank {self.rank}: comm group {list(group)} names ranks outside the "
+                                f"world of {self.world_size}")
+            return
+        member = self.rank in group
+        sub = self.world.Split(0 if member else self.MPI.UNDEFINED, group.index(self.rank) if member else 0)
+        if member:
+            self._groups[group] = sub
+
+    def group_comm(self, group: Sequence[int], tag: int) -> Any:
+        g = tuple(int(r) for r in group)
+        sub = self._groups.get(g)
+        if sub is None:
+            if self.rank not in g:
+                raise RunFailed(f"rank {self.rank}: not a member of collective group {list(g)} (tag {tag})")
+            raise RunFailed(f"rank {self.rank}: collective group {list(g)} (tag {tag}) was not created at start-up; "
+                            "the artifact's comm_groups is incomplete")
+        return sub
+
+    # waiting ------------------------------------------------------------------------------------
+    def _wait(self, req: Any, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    try:
+                        req.Cancel()
+                    except Exception:  # noqa: BLE001 - cancel is best effort; we are failing anyway
+                        pass
+                    raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
+                                    f"raise ${TIMEOUT_ENV} for slow steps)")
+                time.sleep(0.00002 if spins < 2000 else 0.0005)
+
+    def _enter(self, op: str, detail: str) -> str:
+        self.current_op = f"{op} {detail}"
+        self.fault.maybe_fail(op)
+        return self.current_op
+
+    # point-to-point -----------------------------------------------------------------------------
+    def send(self, x: np.ndarray, peer: int, tag: int) -> None:
+        what = self._enter("send", f"to rank {peer} tag {tag}")
+        buf = np.ascontiguousarray(x)
+        self._pending.append((self.world.Isend(buf, dest=peer, tag=tag), buf, what))
+        self.bytes_sent += buf.nbytes
+        self._reap()
+
+    def recv(self, peer: int, tag: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+        what = self._enter("recv", f"from rank {peer} tag {tag}")
+        out = np.empty(tuple(int(d) for d in shape), dtype=dtype)
+        status = self.MPI.Status()
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not self.world.Iprobe(source=peer, tag=tag, status=status):
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
+                                    f"raise ${TIMEOUT_ENV} for slow steps)")
+                time.sleep(0.00002 if spins < 2000 else 0.0005)
+        nbytes = status.Get_count(self.MPI.BYTE)
+        if nbytes != out.nbytes:
+            raise RunFailed(f"{what}: expected {out.dtype}{list(out.shape)} ({out.nbytes} bytes), got {nbytes} bytes")
+        req = self.world.Irecv(out, source=peer, tag=tag)
+        self._wait(req, what)
+        return out
+
+    def _reap(self) -> None:
+        self._pending = [p for p in self._pending if not p[0].Test()]
+
+    def flush(self) -> None:
+        """Complete every outstanding send (end of a step)."""
+        for req, _buf, what in self._pending:
+            self.current_op = what
+            self._wait(req, what)
+        self._pending.clear()
+
+    # collectives --------------------------------------------------------------------------------
+    def _gather_all(self, x: np.ndarray, sub: Any, what: str) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        out = np.empty((sub.Get_size(),) + x.shape, dtype=x.dtype)
+        self._wait(sub.Iallgather(x, out), what)
+        return out
+
+    def allreduce(self, x: np.ndarray, group: Sequence[int], reduction: str, tag: int) -> np.ndarray:
+        what = self._enter("allreduce", f"on group {list(group)} tag {tag}")
+        sub = self.group_comm(group, tag)
+        if self.deterministic:
+            return reduce_arrays(list(self._gather_all(x, sub, what)), reduction)
+        x = np.ascontiguousarray(x)
+        out = np.empty_like(x)
+        op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN, "prod": self.MPI.PROD}[reduction]
+        self._wait(sub.Iallreduce(x, out, op=op), what)
+        return out
+
+    def allgather(self, x: np.ndarray, group: Sequence[int], axis: int, tag: int) -> np.ndarray:
+        what = self._enter("allgather", f"on group {list(group)} tag {tag}")
+        stacked = self._gather_all(x, self.group_comm(group, tag), what)
+        if axis == 0 or axis == -x.ndim:
+            return stacked.reshape((-1,) + stacked.shape[2:])  # a view: no copy
+        return np.concatenate(list(stacked), axis=axis)
+
+    def _alltoall_chunks(self, x: np.ndarray, n: int, split_axis: int, sub: Any, what: str) -> np.ndarray:
+        chunks = np.split(x, n, axis=split_axis)
+        send = np.ascontiguousarray(np.stack(chunks)) if split_axis not in (0, -x.ndim) else \
+            np.ascontiguousarray(x).reshape((n,) + chunks[0].shape)
+        recv = np.empty_like(send)
+        self._wait(sub.Ialltoall(send, recv), what)
+        return recv
+
+    def reduce_scatter(self, x: np.ndarray, group: Sequence[int], axis: int, reduction: str, tag: int) -> np.ndarray:
+        what = self._enter("reduce_scatter", f"on group {list(group)} tag {tag}")
+        sub = self.group_comm(group, tag)
+        n = len(group)
+        if x.shape[axis] % n:
+            raise RunFailed(f"{what}: axis {axis} of size {x.shape[axis]} does not split into {n} chunks")
+        parts = self._alltoall_chunks(x, n, axis, sub, what)  # parts[j] = member j's chunk for me
+        return reduce_arrays(list(parts), reduction)
+
+    def alltoall(self, x: np.ndarray, group: Sequence[int], split_axis: int, concat_axis: int, tag: int) -> np.ndarray:
+        what = self._enter("alltoall", f"on group {list(group)} tag {tag}")
+        sub = self.group_comm(group, tag)
+        n = len(group)
+        if x.shape[split_axis] % n:
+            raise RunFailed(f"{what}: axis {split_axis} of size {x.shape[split_axis]} does not split into {n} chunks")
+        parts = self._alltoall_chunks(x, n, split_axis, sub, what)
+        return np.ascontiguousarray(np.concatenate(list(parts), axis=concat_axis))
+
+    def broadcast(self, x: np.ndarray | None, group: Sequence[int], root: int, tag: int) -> np.ndarray:
+        what = self._enter("broadcast", f"from rank {root} on group {list(group)} tag {tag}")
+        sub = self.group_comm(group, tag)
+        r = list(group).index(root)
+        header = np.zeros(_HEADER, dtype=np.int64)
+        if self.rank == root:
+            if x is None:
+                raise RunFailed(f"{what}: the root has no input to broadcast")
+            x = np.ascontiguousarray(x)
+            if x.ndim > _HEADER - 2:
+                raise RunFailed(f"{what}: {x.ndim}-d tensors are not supported (at most {_HEADER - 2})")
+            header[0], header[1] = x.ndim, _dtype_code(x.dtype)
+            header[2:2 + x.ndim] = x.shape
+        self._wait(sub.Ibcast(header, root=r), what)
+        if self.rank == root:
+            out = np.array(x, copy=True)
+        else:
+            out = np.empty(tuple(int(d) for d in header[2:2 + int(header[0])]), dtype=_code_dtype(int(header[1])))
+        self._wait(sub.Ibcast(out, root=r), what)
+        return out
+
+    # the runtime's own traffic: whole arrays of unknown shape to one rank ----------------------------
+    def send_array(self, x: np.ndarray, dest: int, tag: int) -> None:
+        x = np.ascontiguousarray(x)
+        header = np.zeros(_HEADER, dtype=np.int64)
+        header[0], header[1] = x.ndim, _dtype_code(x.dtype)
+        header[2:2 + x.ndim] = x.shape
+        what = f"sending outputs to rank {dest}"
+        self._wait(self.control.Isend(header, dest=dest, tag=tag), what)
+        self._wait(self.control.Isend(x, dest=dest, tag=tag), what)
+
+    def recv_array(self, source: int, tag: int) -> np.ndarray:
+        header = np.zeros(_HEADER, dtype=np.int64)
+        what = f"receiving outputs from rank {source}"
+        self._wait(self.control.Irecv(header, source=source, tag=tag), what)
+        out = np.empty(tuple(int(d) for d in header[2:2 + int(header[0])]), dtype=_code_dtype(int(header[1])))
+        self._wait(self.control.Irecv(out, source=source, tag=tag), what)
+        return out
+
+    def barrier(self) -> None:
+        self._wait(self.control.Ibarrier(), "barrier")
+
+    def abort(self, code: int = 1) -> None:
+        self.world.Abort(code)
