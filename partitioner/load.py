@@ -11,12 +11,18 @@ node or tensor):
    (all unsupported ones are listed at once), SSA (no duplicate output names), no dangling
    inputs, no cycles. An acyclic graph stored out of order is sorted.
 3. Tensor data: external data must live in the model's own folder (no ``..``, no absolute path,
-   no symlink, offsets and lengths inside the file), and raw or typed data must agree with dims.
-   Nothing outside the model's folder is ever opened.
-4. Allocation bombs: no tensor (initializer, ConstantOfShape output, or any inferred value) may
-   exceed ``max_elements`` elements; checked before anything is allocated.
+   no symlink, offsets and lengths inside the file, the model's running total of bytes under
+   2 GB before each read), and raw or typed data must agree with dims (sub-byte types packed).
+   Nothing outside the model's folder is ever opened; files are opened non-blocking and
+   re-checked on the open descriptor. Node names and types must be valid UTF-8.
+4. Allocation bombs: no tensor (initializer, ConstantOfShape/Expand output in any graph or
+   subgraph, any graph input or inferred value) may exceed ``max_elements`` elements; checked
+   before anything is allocated.
 5. Dynamic dimensions are bound with ``batch`` / ``shapes``; then ``onnx.checker`` with
    ``full_check=True`` and strict shape inference run.
+
+Any other exception raised on hostile bytes becomes a one-line ModelLoadError ("malformed
+model"), chained to the original. The catalogue of refused inputs is docs/hostile_inputs.md.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from partitioner.errors import ModelLoadError, UnsupportedOpError
+from partitioner.errors import ModelLoadError, PartitionerError, UnsupportedOpError
 
 MIN_OPSET = 7
 MAX_NESTING = 16
@@ -53,7 +59,11 @@ def load(
 ) -> ir.Model:
     """Load, validate and shape-infer a model. Returns an onnx-ir model with static shapes."""
     proto = load_proto(source, batch=batch, shapes=shapes, max_elements=max_elements)
-    return ir.serde.deserialize_model(proto)
+    try:
+        return ir.serde.deserialize_model(proto)
+    except Exception as exc:
+        raise ModelLoadError(f"{proto.graph.name or '<model>'}: onnx-ir cannot read the model "
+                             f"({type(exc).__name__}: {_one_line(exc)})") from exc
 
 
 def load_proto(
@@ -63,15 +73,30 @@ def load_proto(
     shapes: Mapping[str, Sequence[int]] | None = None,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
 ) -> onnx.ModelProto:
-    """Like :func:`load` but returns the validated, shape-inferred ``ModelProto``."""
-    label, proto, base_dir = _read_source(source)
-    _check_structure(proto, label)
-    _resolve_tensor_data(proto, label, base_dir, max_elements)
-    _guard_constant_of_shape(proto.graph, label, max_elements)
-    _bind_dims(proto, label, batch, dict(shapes or {}))
-    proto = _check_and_infer(proto, label)
-    _guard_inferred_sizes(proto, label, max_elements)
-    return proto
+    """Like :func:`load` but returns the validated, shape-inferred ``ModelProto``.
+
+    Any exception other than a :class:`PartitionerError` raised while checking hostile bytes
+    (a malformed field the checks above did not foresee) becomes a one-line ModelLoadError naming
+    the file, chained to the original for ``--debug``.
+    """
+    label = str(source) if isinstance(source, (str, os.PathLike)) else "<model>"
+    try:
+        label, proto, base_dir = _read_source(source)
+        _check_structure(proto, label)
+        _resolve_tensor_data(proto, label, base_dir, max_elements)
+        _guard_constant_of_shape(proto, label, max_elements)
+        _bind_dims(proto, label, batch, dict(shapes or {}))
+        proto = _check_and_infer(proto, label)
+        _guard_inferred_sizes(proto, label, max_elements)
+        return proto
+    except PartitionerError:
+        raise
+    except RecursionError:
+        raise ModelLoadError(f"{label}: nested too deeply to check; refused") from None
+    except MemoryError:
+        raise ModelLoadError(f"{label}: ran out of memory while checking the model; refused") from None
+    except Exception as exc:
+        raise ModelLoadError(f"{label}: malformed model ({type(exc).__name__}: {_one_line(exc)})") from exc
 
 
 # 1. reading ------------------------------------------------------------------------------------
@@ -96,7 +121,12 @@ def _read_source(source: Any) -> tuple[str, onnx.ModelProto, Path | None]:
             return source, build(source), None
         raise ModelLoadError(f"{path}: no such file (and not a zoo name; see `partitioner zoo list`)")
     label = str(path)
-    st = os.stat(path)
+    try:
+        st = os.stat(path)  # follows a symlinked model file; the checks below apply to its target
+    except FileNotFoundError:
+        raise ModelLoadError(f"{label}: no such file (a symlink to a missing target?)") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{label}: cannot read the file: {exc.strerror or exc}") from None
     if stat.S_ISDIR(st.st_mode):
         raise ModelLoadError(f"{label}: is a folder, not an .onnx file")
     if not stat.S_ISREG(st.st_mode):
@@ -108,15 +138,50 @@ def _read_source(source: Any) -> tuple[str, onnx.ModelProto, Path | None]:
             f"{label}: {st.st_size / 2**30:.1f} GiB is over protobuf's 2 GB limit; save the model with external data "
             "(onnx.save(..., save_as_external_data=True))"
         )
-    data = path.read_bytes()
+    data = _read_regular_file(path, label, st.st_size, follow_symlink=True)
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
     except Exception as exc:  # google.protobuf.message.DecodeError and friends
+        if "MaxDepth" in str(exc) or "recursion" in str(exc).lower():
+            raise ModelLoadError(
+                f"{label}: messages nested too deeply for protobuf to parse (subgraphs nested far past the "
+                f"limit of {MAX_NESTING}); refused"
+            ) from None
         raise ModelLoadError(f"{label}: not an ONNX model (protobuf parse failed: {_one_line(exc)})") from None
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise ModelLoadError(f"{label}: not an ONNX model (no graph or ir_version; truncated or another format?)")
     return label, proto, path.resolve().parent
+
+
+def _read_regular_file(path: Path, label: str, max_bytes: int, offset: int = 0, length: int | None = None,
+                       *, follow_symlink: bool = False) -> bytes:
+    """Open ``path`` without blocking (and, unless ``follow_symlink``, without following a final
+    symlink), check on the open descriptor that it is still a regular file of at most
+    ``max_bytes`` (closing the race between the checks and the open), then read ``length``
+    bytes at ``offset``."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlink else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise ModelLoadError(f"{label}: cannot open the file: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            raise ModelLoadError(f"{label}: the file changed while it was being checked; refused")
+        want = st.st_size - offset if length is None else length
+        if offset < 0 or want < 0 or offset + want > st.st_size:
+            raise ModelLoadError(f"{label}: the file changed while it was being checked; refused")
+        fh.seek(offset)
+        data = fh.read(want)
+    if len(data) != want:
+        raise ModelLoadError(f"{label}: read {len(data)} of {want} bytes; the file changed while it was being read")
+    return data
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    """``'name'`` for a named node, ``#index (OpType)`` for an unnamed one."""
+    return repr(node.name) if node.name else f"#{index} ({node.op_type})"
 
 
 # 2. structure ----------------------------------------------------------------------------------
@@ -148,7 +213,8 @@ def _check_structure(proto: onnx.ModelProto, label: str) -> None:
     for graph, depth in _walk_graphs(g):
         if depth > MAX_NESTING:
             raise ModelLoadError(f"{label}: subgraphs nested {depth} deep in graph {graph.name!r}; the limit is {MAX_NESTING}")
-        for node in graph.node:
+        for idx, node in enumerate(graph.node):
+            _check_text_fields(node, idx, graph, label)
             dom = node.domain or ""
             if (dom, node.op_type) in local_functions:
                 continue
@@ -167,6 +233,13 @@ def _check_structure(proto: onnx.ModelProto, label: str) -> None:
     _check_dataflow(g, label)
 
 
+def _check_text_fields(node: onnx.NodeProto, idx: int, graph: onnx.GraphProto, label: str) -> None:
+    """protobuf hands back ``bytes`` for a string field that is not valid UTF-8; refuse those."""
+    fields = [node.op_type, node.domain, node.name, *node.input, *node.output, *(a.name for a in node.attribute)]
+    if any(isinstance(f, bytes) for f in fields):
+        raise ModelLoadError(f"{label}: node #{idx} of graph {graph.name!r} has a name or type that is not valid UTF-8")
+
+
 def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
     """SSA, dangling inputs and cycles, with a message naming the node; sorts an acyclic graph."""
     defined = {i.name for i in g.input} | {t.name for t in g.initializer} | {t.name for t in g.sparse_initializer}
@@ -176,7 +249,9 @@ def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
             if not out:
                 continue
             if out in producer or out in defined:
-                raise ModelLoadError(f"{label}: value {out!r} is produced twice (node {node.name!r}); the graph is not SSA")
+                raise ModelLoadError(
+                    f"{label}: value {out!r} is produced twice (node {_node_label(node, idx)}); the graph is not SSA"
+                )
             producer[out] = idx
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(g.node)))
@@ -188,7 +263,8 @@ def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
                 dag.add_edge(producer[name], idx)
             elif name not in defined:
                 raise ModelLoadError(
-                    f"{label}: input {name!r} of node {node.name!r} ({node.op_type}) is not produced by any node, "
+                    f"{label}: input {name!r} of node {_node_label(node, idx)}"
+                    f"{f' ({node.op_type})' if node.name else ''} is not produced by any node, "
                     "graph input or initializer"
                 )
     for out in g.output:
@@ -196,7 +272,7 @@ def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
             raise ModelLoadError(f"{label}: graph output {out.name!r} is not produced by any node")
     if not nx.is_directed_acyclic_graph(dag):
         cycle = nx.find_cycle(dag)
-        names = " -> ".join(repr(g.node[a].name or g.node[a].op_type) for a, _ in cycle)
+        names = " -> ".join(_node_label(g.node[a], a) for a, _ in cycle)
         raise ModelLoadError(f"{label}: the graph has a cycle: {names}")
     order = list(nx.lexicographical_topological_sort(dag))
     if order != list(range(len(g.node))):
@@ -228,26 +304,40 @@ def _expected_bytes(t: onnx.TensorProto) -> int | None:
         np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
     except Exception:
         return None
-    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(t.data_type)
+    bits = _SUB_BYTE_BITS.get(t.data_type)
     n = math.prod(t.dims)
     if bits:
         return (n * bits + 7) // 8
     return n * np.dtype(np_dtype).itemsize
 
 
+# Sub-byte types are packed in raw_data (onnx.helper.make_tensor); typed fields pack 4-bit values
+# two per int32 and 2-bit values four per int32, and store 6-bit values one per int32.
+_SUB_BYTE_BITS = {
+    onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.FLOAT4E2M1: 4,
+    onnx.TensorProto.INT2: 2, onnx.TensorProto.UINT2: 2,
+    onnx.TensorProto.FLOAT6E2M3: 6, onnx.TensorProto.FLOAT6E3M2: 6,
+}
+_TYPED_PER_INT32 = {
+    onnx.TensorProto.INT4: 2, onnx.TensorProto.UINT4: 2, onnx.TensorProto.FLOAT4E2M1: 2,
+    onnx.TensorProto.INT2: 4, onnx.TensorProto.UINT2: 4,
+}
+
+
 _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
 
 
 def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | None, max_elements: int) -> None:
+    inlined = [proto.ByteSize()]  # running total of the model's bytes, external data included
     for t in _all_tensors(proto):
         n = math.prod(t.dims)
         if any(d < 0 for d in t.dims):
             raise ModelLoadError(f"{label}: tensor {t.name!r} has a negative dimension {list(t.dims)}")
         if n > max_elements:
-            raise ModelLoadError(f"{label}: tensor {t.name!r} has {n:.3g} elements, over the limit of {max_elements:.3g}")
+            raise ModelLoadError(f"{label}: tensor {t.name!r} has {_count(n)} elements, over the limit of {_count(max_elements)}")
         want = _expected_bytes(t)
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            _read_external(t, label, base_dir, want)
+            _read_external(t, label, base_dir, want, inlined)
             continue
         if t.HasField("raw_data"):
             if want is not None and len(t.raw_data) != want:
@@ -260,19 +350,18 @@ def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | No
         have = counts[0] if counts else 0
         if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
             have //= 2
-        if t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.BOOL,
-                           onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16,
-                           onnx.TensorProto.UINT16, onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
-            expected_count = n if t.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) else (n + 1) // 2
-        else:
-            expected_count = n
+        per = _TYPED_PER_INT32.get(t.data_type, 1)
+        expected_count = (n + per - 1) // per
         if have != expected_count:
             raise ModelLoadError(
                 f"{label}: tensor {t.name!r} holds {have} values but dims {list(t.dims)} need {expected_count}"
             )
 
 
-def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want: int | None) -> None:
+def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want: int | None,
+                   inlined: list[int]) -> None:
+    """Inline one tensor's external data. ``inlined[0]`` is the running byte total of the model:
+    a read that would take it past protobuf's 2 GB limit is refused before it happens."""
     info = {e.key: e.value for e in t.external_data}
     loc = info.get("location", "")
     where = f"{label}: tensor {t.name!r}: external data {loc!r}"
@@ -280,6 +369,8 @@ def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want:
         raise ModelLoadError(f"{where}: a model given in memory cannot use external data; load it from its file")
     if not loc:
         raise ModelLoadError(f"{where}: no location given")
+    if "\x00" in loc:
+        raise ModelLoadError(f"{where}: the location holds a NUL byte; refused")
     p = Path(loc)
     if p.is_absolute() or loc.startswith(("/", "\\")) or (len(loc) > 1 and loc[1] == ":"):
         raise ModelLoadError(f"{where}: absolute paths are refused; external data must sit in the model's folder")
@@ -308,44 +399,58 @@ def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want:
         raise ModelLoadError(f"{where}: offset {offset} + length {length} is outside the file ({size} bytes)")
     if want is not None and length != want:
         raise ModelLoadError(f"{where}: length {length} bytes but dims {list(t.dims)} need {want}")
-    with open(target, "rb") as fh:
-        fh.seek(offset)
-        t.raw_data = fh.read(length)
+    if inlined[0] + length > MAX_FILE_BYTES:
+        raise ModelLoadError(
+            f"{where}: {length / 2**30:.2f} GiB more would take the model to {(inlined[0] + length) / 2**30:.2f} GiB, "
+            "over protobuf's 2 GB limit; refused before reading"
+        )
+    t.raw_data = _read_regular_file(target, where, size, offset, length)
+    inlined[0] += length
     del t.external_data[:]
     t.data_location = onnx.TensorProto.DEFAULT
 
 
 # 4. allocation bombs ---------------------------------------------------------------------------
 
-def _guard_constant_of_shape(g: onnx.GraphProto, label: str, max_elements: int) -> None:
-    inits = {t.name: t for t in g.initializer}
-    consts = {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant" and n.attribute and n.attribute[0].HasField("t")}
-    for node in g.node:
+def _guard_constant_of_shape(proto: onnx.ModelProto, label: str, max_elements: int) -> None:
+    """ConstantOfShape/Expand whose shape is a constant (initializer or Constant node, in any graph
+    or subgraph) must not ask for more than ``max_elements`` elements."""
+    graphs = [g for g, _ in _walk_graphs(proto.graph)]
+    inits = {t.name: t for g in graphs for t in g.initializer}
+    consts = {n.output[0]: n.attribute[0].t for g in graphs for n in g.node
+              if n.op_type == "Constant" and n.output and n.attribute and n.attribute[0].HasField("t")}
+    for node in (n for g in graphs for n in g.node):
         if node.op_type not in ("ConstantOfShape", "Expand", "Tile", "Range") or len(node.input) < 1:
             continue
         src = node.input[0] if node.op_type == "ConstantOfShape" else (node.input[1] if len(node.input) > 1 else "")
         t = inits.get(src) or consts.get(src)
         if t is None or node.op_type == "Range":
             continue
-        vals = onnx.numpy_helper.to_array(t).astype(np.float64).ravel()
+        try:
+            vals = onnx.numpy_helper.to_array(t).astype(np.float64).ravel()
+        except Exception as exc:
+            raise ModelLoadError(f"{label}: shape tensor {t.name!r} of node {node.name!r} cannot be read: "
+                                 f"{_one_line(exc)}") from None
         n = float(np.prod(vals)) if node.op_type in ("ConstantOfShape", "Expand") else None
         if n is not None and n > max_elements:
             raise ModelLoadError(
-                f"{label}: node {node.name!r} ({node.op_type}) would allocate {n:.3g} elements, over the limit of "
-                f"{max_elements:.3g}; refused before allocating"
+                f"{label}: node {node.name!r} ({node.op_type}) would allocate {_count(n)} elements, over the limit of "
+                f"{_count(max_elements)}; refused before allocating"
             )
 
 
 def _guard_inferred_sizes(proto: onnx.ModelProto, label: str, max_elements: int) -> None:
-    g = proto.graph
-    for vi in list(g.value_info) + list(g.output):
+    """No graph input, output or inferred value (in any graph or subgraph) over ``max_elements``."""
+    values = [vi for g, _ in _walk_graphs(proto.graph) for vi in (*g.input, *g.value_info, *g.output)]
+    for vi in values:
         tt = vi.type.tensor_type
         if not tt.HasField("shape"):
             continue
         dims = [d.dim_value for d in tt.shape.dim if d.HasField("dim_value")]
         if dims and math.prod(dims) > max_elements:
             raise ModelLoadError(
-                f"{label}: value {vi.name!r} would hold {math.prod(dims):.3g} elements, over the limit of {max_elements:.3g}"
+                f"{label}: value {vi.name!r} would hold {_count(math.prod(dims))} elements, over the limit of "
+                f"{_count(max_elements)}"
             )
 
 
@@ -413,6 +518,11 @@ def _check_and_infer(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
     except Exception as exc:
         raise ModelLoadError(f"{label}: invalid model: {_one_line(exc)}") from None
     return inferred
+
+
+def _count(n: float) -> str:
+    """An element count for a message: exact below a million, else three significant digits."""
+    return str(int(n)) if n < 1e6 else f"{n:.3g}"
 
 
 def _one_line(exc: BaseException) -> str:
