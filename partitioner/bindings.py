@@ -129,3 +129,19 @@ def gather_outputs(bindings: Bindings, per_rank: Sequence[Sequence[Mapping[str, 
             micro.append(np.concatenate([per_rank[p.rank][k][p.local_name] for p in parts], axis=parts[0].axis))
         result[b.name] = micro[0] if len(micro) == 1 else np.concatenate(micro, axis=0)
     return result
+
+
+def seeded_inputs(bindings: Bindings, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of the bound shapes: floats ~ N(0, 1); integer inputs (token ids, indices) are
+    0 or 1, valid for any embedding table or gather axis of size 2 or more."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for b in bindings.inputs:
+        dt = np.dtype(b.dtype)
+        if dt.kind == "f":
+            feeds[b.name] = rng.standard_normal(b.shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[b.name] = np.ones(b.shape, dtype=dt)
+        else:
+            feeds[b.name] = rng.integers(0, 2, size=b.shape).astype(dt)
+    return feeds

@@ -68,21 +68,6 @@ def machine_info() -> dict[str, Any]:
             "system": platform.system(), "machine": platform.machine()}
 
 
-def random_inputs(bindings: Any, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs of the right shapes; integer inputs (token ids, indices) are 0 or 1."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for b in bindings.inputs:
-        dt = np.dtype(b.dtype)
-        if dt.kind == "f":
-            feeds[b.name] = rng.standard_normal(b.shape).astype(dt)
-        elif dt.kind == "b":
-            feeds[b.name] = np.ones(b.shape, dtype=dt)
-        else:
-            feeds[b.name] = rng.integers(0, 2, size=b.shape).astype(dt)
-    return feeds
-
-
 def _median_ort(path: Path, feeds: Mapping[str, np.ndarray], threads: int, warmup: int, repeat: int) -> float:
     import onnxruntime as ort
 
@@ -119,11 +104,12 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     from partitioner.artifact import load_artifact
     from partitioner.runtime.launch import load_inputs, run_artifact
     from partitioner.runtime.worker import read_npz
+    from partitioner.bindings import seeded_inputs
 
     if repeat < 1 or warmup < 0:
         raise UsageError("--repeat must be at least 1 and --warmup at least 0")
     art = load_artifact(directory)
-    feeds = load_inputs(art, read_npz(inputs) if inputs else random_inputs(art.bindings))
+    feeds = load_inputs(art, read_npz(inputs) if inputs else seeded_inputs(art.bindings))
     batch = int(art.bindings.inputs[0].shape[0]) if art.bindings.inputs and art.bindings.inputs[0].shape else 1
 
     res = run_artifact(art, feeds, warmup=warmup, repeat=repeat, ranks_per_host=ranks_per_host)

@@ -8,6 +8,7 @@ the input; a failed rank exits 1 naming the rank.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from partitioner.commands._options import add_json_argument, print_json
 from partitioner.errors import RunFailed, UsageError
@@ -18,7 +19,9 @@ HELP = "run an artifact on inputs from an .npz file (mpiexec, one process per ra
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", metavar="DIR", help="the artifact directory")
-    p.add_argument("--inputs", required=True, metavar="NPZ", help="the inputs (.npz, one array per model input)")
+    p.add_argument("--inputs", default=None, metavar="NPZ",
+                   help="the inputs (.npz, one array per model input); without it, seeded random inputs (--seed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs used when --inputs is not given")
     p.add_argument("--outputs", default=None, metavar="NPZ", help="write the outputs here (.npz)")
     p.add_argument("--check", action="store_true", help="compare with ONNX Runtime on the source model")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of --check (default 1e-4)")
@@ -40,7 +43,14 @@ def run(args: argparse.Namespace) -> int:
                          f"{art.microbatches}; recompile with --microbatches {args.microbatches}")
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise UsageError("--ranks-per-host must be at least 1")
-    result = art.run(args.inputs, check=args.check, ranks_per_host=args.ranks_per_host, in_process=args.in_process,
+    if args.inputs is None:
+        from partitioner.bindings import seeded_inputs
+
+        inputs = seeded_inputs(art.bindings, args.seed)
+        print(f"no --inputs: using seeded random inputs (seed {args.seed})", file=sys.stderr)
+    else:
+        inputs = args.inputs
+    result = art.run(inputs, check=args.check, ranks_per_host=args.ranks_per_host, in_process=args.in_process,
                      timeout=args.timeout, rtol=args.rtol, atol=args.atol, outputs=args.outputs)
     if args.json:
         print_json({"artifact": args.artifact, "outputs_file": args.outputs, **result.to_json()})
