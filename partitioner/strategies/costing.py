@@ -93,7 +93,10 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
             dev = cluster.devices[r]
             if r not in times:
                 times[r] = node_times(view, dev)
-            compute[r] += times[r][i] / shard  # a step runs m micro-batches of 1/m of the work
+            t = times[r][i]  # a step runs m micro-batches of 1/m of the work
+            # sharding divides the roofline part; every rank still pays the launch overhead
+            ovh = dev.launch_overhead_s if t > 0 else 0.0
+            compute[r] += (t - ovh) / shard + ovh
         for name, req in zip(view.node_inputs(node), np_.inputs):
             if not name or req is None:
                 continue

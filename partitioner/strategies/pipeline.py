@@ -56,20 +56,28 @@ def best_split(times: Sequence[np.ndarray], send: np.ndarray, mem: np.ndarray | 
         if lo_end[0] <= k <= hi_end[0] and mpre[k + 1] <= caps[0]:
             f[k] = pre[k + 1] + send[k]
     js_all = np.arange(n)
+    bound = _upper_bound(times, send, mpre, caps, n, p) if not pins else inf
     for s in range(1, p):
         pre = np.concatenate([[0.0], np.cumsum(times[s])])
         g = np.full(n, inf)
         ks_all = np.arange(max(s, lo_end[s]), min(n - 1, hi_end[s]) + 1)
         # vectorised over (k, j) in row blocks: cost of stage s covering nodes j+1..k
+        # a stage longer than a known feasible bottleneck cannot be optimal: only columns j with
+        # T(j+1..k) + send[k] <= bound are candidates (pruning keeps the DP exact)
+        jlo = np.maximum(np.searchsorted(pre, pre[ks_all + 1] + send[ks_all] - bound * (1 + 1e-12), "left") - 1, s - 1)
         for start in range(0, len(ks_all), 256):
             ks = ks_all[start:start + 256][:, None]
-            cost = pre[ks + 1] - pre[js_all + 1][None, :] + send[ks]
-            ok = ((mpre[ks + 1] - mpre[js_all + 1][None, :]) <= caps[s]) & (js_all[None, :] >= s - 1) & (js_all[None, :] < ks)
-            val = np.where(ok, np.maximum(f[None, :], cost), inf)
+            c0 = int(jlo[start:start + 256].min())
+            cols = js_all[c0:int(ks[-1, 0])]
+            if cols.size == 0:
+                continue
+            cost = pre[ks + 1] - pre[cols + 1][None, :] + send[ks]
+            ok = ((mpre[ks + 1] - mpre[cols + 1][None, :]) <= caps[s]) & (cols[None, :] >= s - 1) & (cols[None, :] < ks)
+            val = np.where(ok, np.maximum(f[cols][None, :], cost), inf)
             b = np.argmin(val, axis=1)
             rows = ks[:, 0]
             g[rows] = val[np.arange(len(rows)), b]
-            arg[s, rows] = b
+            arg[s, rows] = cols[b]
         f = g
     if not np.isfinite(f[n - 1]):
         raise StrategyNotApplicable(f"pipeline: no split into {p} stages fits the devices' memory "
@@ -78,6 +86,29 @@ def best_split(times: Sequence[np.ndarray], send: np.ndarray, mem: np.ndarray | 
     for s in range(p - 1, 0, -1):
         ends.append(int(arg[s, ends[-1]]))
     return ends[::-1], float(f[n - 1])
+
+
+def _split_cost(times, send, mpre, caps, ends) -> float:
+    """Bottleneck of a given split, or inf when a stage is empty or over its memory cap."""
+    start, worst = 0, 0.0
+    for s, e in enumerate(ends):
+        if e < start or mpre[e + 1] - mpre[start] > caps[s]:
+            return float("inf")
+        worst = max(worst, float(np.sum(times[s][start:e + 1])) + float(send[e]))
+        start = e + 1
+    return worst
+
+
+def _upper_bound(times, send, mpre, caps, n: int, p: int) -> float:
+    """A feasible bottleneck (equal node counts or equal time), used only to prune the DP."""
+    pre0 = np.cumsum(times[0])
+    total = float(pre0[-1]) if n else 0.0
+    splits = [[(s + 1) * n // p - 1 for s in range(p)]]
+    if total > 0:
+        by_time = [min(n - p + s, max(s, int(np.searchsorted(pre0, total * (s + 1) / p)))) for s in range(p)]
+        by_time[-1] = n - 1
+        splits.append(by_time)
+    return min(_split_cost(times, send, mpre, caps, e) for e in splits)
 
 
 def brute_force_split(times: Sequence[np.ndarray], send: np.ndarray) -> float:
