@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract conformance fuzz bench clean
+.PHONY: all install demo test test-slow contract ci-example tables clean
 
 all: test
 
@@ -40,6 +40,14 @@ test-slow: $(STAMP)
 ## Walk the documented CLI end to end (needs ../shared/cli_contract.sh).
 contract: $(STAMP)
 	bash ../shared/cli_contract.sh
+
+## The CI pipeline example: compile -> verify -> run --check, keeping the artifact.
+ci-example: $(STAMP)
+	bash examples/ci/pipeline.sh
+
+## Regenerate the README's result tables from benchmarks/results/*.json.
+tables: $(STAMP)
+	$(PY) benchmarks/readme_tables.py
 
 clean:
 	rm -rf $(OUT) .pytest_cache build dist *.egg-info

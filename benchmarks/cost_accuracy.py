@@ -99,13 +99,28 @@ def measure(proto: onnx.ModelProto, repeat: int) -> float:
     return statistics.median(times)
 
 
+def markdown(doc: dict) -> str:
+    """The README table, generated from the JSON this script writes."""
+    lines = ["| model | predicted ms | measured ms (ORT, 1 thread) | error |", "|---|---:|---:|---:|"]
+    for r in doc["models"]:
+        lines.append(f"| {r['model']} | {r['predicted_s'] * 1e3:.3f} | {r['measured_s'] * 1e3:.3f} | "
+                     f"{r['relative_error'] * 100:+.1f}% |")
+    lines.append(f"\nMedian absolute error {doc['median_abs_relative_error'] * 100:.1f}% "
+                 f"({doc['machine'].get('cpu', '?')}, {doc['date'][:10]}, device: {doc['device']['source']}).")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--models", default=None, help="comma-separated subset of: " + ",".join(MODELS))
     ap.add_argument("--quick", action="store_true", help="3 repeats and the builder models only")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "cost_accuracy.json"))
+    ap.add_argument("--markdown", action="store_true", help="print the README table from the JSON and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.output).read_text())))
+        return 0
     names = list(MODELS)
     if args.models:
         names = [n for n in args.models.split(",") if n]
