@@ -1,9 +1,13 @@
 """Compile per-rank programs into TVM shared libraries (``rank<i>.so``).
 
 Rules:
-1. One rank: lower (:mod:`backends.tvm.lower`) -> ``relax.get_pipeline("zero")`` (legalize,
-   fold constants, fuse) -> ``tvm.compile(mod, target)`` -> ``export_library``. No tuning and
-   no schedules on the CPU (DESIGN.md: dlight has no CPU rules for conv/matmul); on CUDA the
+1. One rank: lower (:mod:`backends.tvm.lower`) -> the Relax pipeline of
+   :mod:`backends.tvm.pipeline` (``options["pipeline"]``: ``"scheduled"`` by default = NHWC
+   layout, legalize/fuse, then the default CPU schedules of :mod:`backends.tvm.schedules`;
+   ``"zero"`` = TVM's zero pipeline alone) -> ``tvm.compile(mod, target)`` ->
+   ``export_library``. With ``options["tune_trials"] > 0`` the fused kernels are first tuned
+   with MetaSchedule into ``options["tuning_db"]`` (see :mod:`backends.tvm.tuning`); a
+   database that already covers every kernel is applied without tuning again. On CUDA the
    dlight GPU default schedules are applied, since unscheduled kernels do not run on a GPU.
 2. Many ranks (:func:`build_all`): ranks whose programs are byte-identical once the graph name
    is cleared are compiled once and the library copied; distinct programs compile in parallel,
@@ -37,7 +41,7 @@ from .target import target_dict
 
 NAME = "tvm"
 FILE_SUFFIX = ".so"
-DEFAULT_PIPELINE = "zero"
+DEFAULT_PIPELINE = "scheduled"  # see backends/tvm/pipeline.py
 
 # Found by building the same program twice and comparing sha256 (tests/backends/test_tvm_backend.py
 # checks it stays true): TVM's codegen and the host linker are deterministic for a fixed target
@@ -74,6 +78,24 @@ def _gpu_schedules(mod: Any, target: Any) -> Any:
         return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
 
 
+def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Run the CPU pipeline; tune into / apply the tuning database when options ask for it."""
+    from .pipeline import run_pipeline
+
+    trials = int(options.get("tune_trials") or 0)
+    db_dir = options.get("tuning_db")
+    if trials <= 0 and not db_dir:
+        return run_pipeline(mod, pipeline, target), {}
+    from . import tuning
+
+    if not db_dir:
+        raise BackendError("options tune_trials > 0 needs a tuning database directory; pass --tuning-db DIR")
+    if trials > 0:
+        tuning.tune(mod, target, trials, db_dir, progress=bool(options.get("tune_progress", False)))
+    scheduled, facts = tuning.apply_database(mod, target, db_dir, pipeline=pipeline)
+    return scheduled, facts
+
+
 def build_one(
     program: onnx.ModelProto,
     out_path: Path,
@@ -89,6 +111,7 @@ def build_one(
     pipeline = options.get("pipeline", DEFAULT_PIPELINE)
     out_path = Path(out_path)
     times: dict[str, float] = {}
+    tuning: dict[str, Any] = {}
 
     report("import")
     t0 = time.perf_counter()
@@ -99,9 +122,10 @@ def build_one(
     t0 = time.perf_counter()
     try:
         target = tvm.target.Target(tdict)
-        mod = relax.get_pipeline(pipeline)(lowered.mod)
         if tdict.get("kind") == "cuda":
-            mod = _gpu_schedules(mod, target)
+            mod = _gpu_schedules(relax.get_pipeline("zero")(lowered.mod), target)
+        else:
+            mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
         ex = tvm.compile(mod, target)
     except PartitionerError:
         raise
@@ -132,7 +156,8 @@ def build_one(
         "bytes": out_path.stat().st_size,
         "target": dict(tdict),
         "pipeline": pipeline,
-        "tuned": False,
+        "tuned": bool(tuning.get("tuned", False)),
+        **({"tuning": tuning} if tuning else {}),
         "segments": lowered.segments,
         "comm_ops": len(lowered.comm_ops),
         "program_sha256": program_key(program),

@@ -1,0 +1,41 @@
+"""Default CPU schedules for the TVM backend (no tuning), written as dlight schedule rules.
+
+A rule takes one PrimFunc and returns a scheduled ``tvm.s_tir.Schedule`` or ``None`` (not
+mine); :func:`default_rules` lists them in priority order and :func:`apply_default_schedules`
+runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
+
+1. :class:`Contraction` - one reduction block (conv2d incl. depthwise/grouped, matmul, batch
+   matmul, pooling, global pooling) with injective producers/consumers: register tiling,
+   vectorised over the output's innermost axis, parallel over outer tiles, fused epilogue.
+2. dlight's CPU ``Reduction`` - softmax / layer norm style functions.
+3. :class:`Injective` - elementwise chains, transposes, padding: parallel + vectorised.
+
+Invariant: schedules only reorder/split/annotate loops (TVM checks each primitive), so a
+scheduled function computes the same values as the unscheduled one up to float rounding
+order; a rule that cannot apply returns ``None`` and leaves the function to the next rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .contraction import Contraction
+from .injective import Injective
+from .vector import vector_lanes
+
+__all__ = ["Contraction", "Injective", "apply_default_schedules", "default_rules", "vector_lanes"]
+
+
+def default_rules(target: Any) -> list[Any]:
+    """The CPU rules, most specific first."""
+    from tvm.s_tir import dlight as dl
+
+    return [Contraction(), dl.cpu.Reduction(), Injective()]
+
+
+def apply_default_schedules(mod: Any, target: Any) -> Any:
+    """Schedule every not-yet-scheduled PrimFunc of ``mod`` for the llvm ``target``."""
+    from tvm.s_tir import dlight as dl
+
+    with target:
+        return dl.ApplyDefaultSchedule(*default_rules(target))(mod)

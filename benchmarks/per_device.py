@@ -1,0 +1,211 @@
+"""Per-device speed of the TVM backend against ONNX Runtime on this machine's CPU.
+
+    python benchmarks/per_device.py [--quick] [--batches 1,8] [--threads 1,2] [--tune-trials N]
+    python benchmarks/per_device.py --markdown [--json FILE]      # render the saved table
+
+Columns (one row per model x batch x threads): TVM untuned (``"zero"`` pipeline: TVM's
+legalize+fuse, no schedules), TVM default schedules (``"scheduled"`` pipeline), TVM tuned
+(MetaSchedule, ``--tune-trials`` per kernel, database in ``--tuning-db``; skipped when 0) and
+ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). Each time is the
+median of ``--runs`` runs after one warm-up (the untuned column: ``--zero-runs``, since it is
+up to 100x slower); ratios are computed from times of the same invocation. Every TVM output is
+checked against ONNX Runtime (rtol 1e-3, atol 1e-4) and the max error is saved.
+
+Sizes are chosen so that a full run stays under ~15 minutes on a 2-core machine (see
+``MODELS``); ``light_resnet50`` (224x224, batch 1 only) skips the untuned column (~7 s a run).
+Results: ``benchmarks/results/per_device.json`` (machine, versions, settings, rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "per_device.json"
+
+# name -> (zoo name, kwargs without batch, supports batch > 1, run the untuned column)
+MODELS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
+    "resnet18": ("resnet", {"depth": 18, "image": 112, "width": 64, "classes": 1000}, True, True),
+    "resnet50": ("resnet", {"depth": 50, "image": 64, "width": 64, "classes": 1000}, True, True),
+    "mobilenet": ("mobilenet", {"image": 112}, True, True),
+    "bert": ("bert", {"seq": 64, "hidden": 128, "heads": 4, "layers": 2}, True, True),
+    "gpt": ("gpt", {"seq": 64, "hidden": 128, "heads": 4, "layers": 2}, True, True),
+    "light_resnet50": ("light_resnet50", {}, False, False),
+}
+QUICK = ["resnet18", "mobilenet", "bert", "gpt"]
+
+
+def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    inits = {t.name for t in m.graph.initializer}
+    out = {}
+    for v in m.graph.input:
+        if v.name in inits:
+            continue
+        shape = [d.dim_value for d in v.type.tensor_type.shape.dim]
+        if v.type.tensor_type.elem_type == onnx.TensorProto.INT64:
+            out[v.name] = rng.integers(0, 16, shape).astype(np.int64)
+        else:
+            out[v.name] = rng.standard_normal(shape).astype(np.float32)
+    return out
+
+
+def _median_s(fn: Callable[[], Any], runs: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(max(1, runs)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _ort(m: onnx.ModelProto, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _tvm_build(m: onnx.ModelProto, out: Path, options: dict[str, Any]) -> tuple[Any, float]:
+    from backends.tvm.build import build
+    from backends.tvm.executable import load
+
+    t0 = time.perf_counter()
+    build(m, out, options=options)
+    compile_s = time.perf_counter() - t0
+    return load(m, out), compile_s
+
+
+def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    import models_zoo
+    from backends.tvm.executable import configure_threads
+    from partitioner.runtime.comm_local import LocalWorld
+
+    zoo, kwargs, batched, run_zero = MODELS[key]
+    m = models_zoo.build(zoo, **({**kwargs, "batch": batch} if batched else kwargs))
+    m = onnx.shape_inference.infer_shapes(m)
+    feeds = _feeds(m)
+    comm = LocalWorld(1).communicator(0)
+    variants: dict[str, dict[str, Any]] = {"scheduled": {"pipeline": "scheduled"}}
+    if run_zero and not args.no_zero:
+        variants["zero"] = {"pipeline": "zero"}
+    if args.tune_trials > 0:
+        variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db}
+    exes, compile_s = {}, {}
+    for name, opts in variants.items():
+        print(f"  compile {key} b{batch} {name}", file=sys.stderr, flush=True)
+        exes[name], compile_s[name] = _tvm_build(m, work / f"{key}_b{batch}_{name}.so", opts)
+    rows = []
+    for threads in threads_list:
+        configure_threads(threads)
+        sess = _ort(m, threads)
+        ref = sess.run(None, feeds)
+        row: dict[str, Any] = {"model": key, "zoo": zoo, "args": kwargs, "batch": batch, "threads": threads,
+                               "ort_ms": 1e3 * _median_s(lambda: sess.run(None, feeds), args.runs)}
+        for name, ex in exes.items():
+            got = ex.run(feeds, comm)
+            err = max(float(np.max(np.abs(got[o.name] - r))) for o, r in zip(m.graph.output, ref))
+            ok = all(np.allclose(got[o.name], r, rtol=1e-3, atol=1e-4) for o, r in zip(m.graph.output, ref))
+            runs = args.zero_runs if name == "zero" else args.runs
+            row[f"tvm_{name}_ms"] = 1e3 * _median_s(lambda ex=ex: ex.run(feeds, comm), runs)
+            row[f"tvm_{name}_compile_s"] = round(compile_s[name], 2)
+            row[f"tvm_{name}_max_abs_err"] = err
+            row[f"tvm_{name}_matches_ort"] = ok
+            row[f"tvm_{name}_vs_ort"] = row[f"tvm_{name}_ms"] / row["ort_ms"]
+        rows.append(row)
+        print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "args"}),
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    import onnxruntime
+    import tvm
+
+    from backends.tvm.target import _cpuinfo, detect_host_target
+
+    model, _flags, vendor = _cpuinfo()
+    return {"cpu": model, "vendor": vendor, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "tvm_target": detect_host_target(),
+            "versions": {"tvm": str(tvm.__version__), "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__,
+                         "numpy": np.__version__}}
+
+
+def render_markdown(data: dict[str, Any]) -> str:
+    """The results as a markdown table (what the README shows), from the saved JSON."""
+    cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"), ("tuned", "tvm_tuned_ms")]
+    present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
+    head = "| model | batch | threads | " + " | ".join(f"TVM {label} (ms)" for label, _ in present) + \
+        " | ONNX Runtime (ms) | default / ORT |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in data["rows"]:
+        cells = [f"{r[k]:.2f}" if k in r else "-" for _, k in present]
+        ratio = r.get("tvm_scheduled_vs_ort")
+        ratio_s = f"{ratio:.2f}x" if ratio is not None else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['threads']} | " + " | ".join(cells) +
+                     f" | {r['ort_ms']:.2f} | {ratio_s} |")
+    m = data.get("machine", {})
+    lines.append("")
+    lines.append(f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), TVM {m.get('versions', {}).get('tvm', '?')}, "
+                 f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; median of {data['settings']['runs']} runs "
+                 f"after warm-up (untuned: {data['settings']['zero_runs']}).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, batch 1")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--zero-runs", type=int, default=1)
+    ap.add_argument("--no-zero", action="store_true", help="skip the untuned column")
+    ap.add_argument("--tune-trials", type=int, default=0)
+    ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))
+    ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--markdown", action="store_true", help="print the saved results as a markdown table and exit")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(render_markdown(json.loads(Path(args.json).read_text())))
+        return 0
+    models = QUICK if args.quick else [m for m in args.models.split(",") if m]
+    batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="per-device-") as tmp:
+        for key in models:
+            for batch in batches:
+                if batch > 1 and not MODELS[key][2]:
+                    continue
+                rows.extend(bench_model(key, batch, threads, args, Path(tmp)))
+    data = {"machine": machine(), "settings": {"models": models, "batches": batches, "threads": threads, "runs": args.runs,
+                                               "zero_runs": args.zero_runs, "tune_trials": args.tune_trials,
+                                               "model_args": {k: MODELS[k][1] for k in models}},
+            "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    print(render_markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
