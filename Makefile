@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tables clean
+.PHONY: all install demo test test-slow contract ci-example conformance tables clean
 
 all: test
 
@@ -44,6 +44,11 @@ contract: $(STAMP)
 ## The CI pipeline example: compile -> verify -> run --check, keeping the artifact.
 ci-example: $(STAMP)
 	bash examples/ci/pipeline.sh
+
+## The ONNX node conformance suite (1,884 cases, about 11 minutes): prints the pass rate and
+## writes benchmarks/results/conformance.json. `make test` runs a 62-case sample.
+conformance: $(STAMP)
+	$(PY) tests/conformance/run_conformance.py --full
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)

@@ -3,9 +3,11 @@
 Rules:
 
 1. Passes run in the order given; each gets the model the previous one returned.
-2. With ``verify=True``, :func:`passes.verify.verify` runs after every pass. Shapes are
-   required only once a pass that provides them (``provides_shapes = True``, i.e.
-   ``shape_inference``) has run in this manager, unless ``require_shapes`` says otherwise.
+2. With ``verify=True``, :func:`passes.verify.verify` runs after every pass. Static shapes are
+   required from the *last* pass that provides them (``provides_shapes = True``, i.e.
+   ``shape_inference``) onwards, unless ``require_shapes`` says otherwise: an early inference may
+   leave shapes that only constant folding makes static (Expand, Range, Reshape of computed
+   shapes), and the final inference must then see them all.
 3. Any failure, in a pass or in the verification after it, raises one
    :class:`partitioner.errors.PassError` naming the failing pass and the passes that ran before
    it: ``pass 'constant_folding' failed (after: shape_inference): <reason>``.
@@ -39,8 +41,8 @@ class PassManager(ir.passes.PassBase):
     Args:
         passes: pass instances, or names looked up in the registry.
         verify: run :func:`verify` after every pass.
-        require_shapes: ``None`` (default) requires static shapes once a shape-providing pass
-            has run; ``True``/``False`` forces it on or off.
+        require_shapes: ``None`` (default) requires static shapes from the last shape-providing
+            pass on; ``True``/``False`` forces it on or off.
     """
 
     def __init__(
@@ -67,8 +69,9 @@ class PassManager(ir.passes.PassBase):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         ran: list[str] = []
-        shapes_known = False
-        for pass_ in self.passes:
+        providers = [i for i, p in enumerate(self.passes) if getattr(p, "provides_shapes", False)]
+        last_provider = providers[-1] if providers else len(self.passes)
+        for index, pass_ in enumerate(self.passes):
             name = pass_name(pass_)
             after = ", ".join(ran) or "none"
             try:
@@ -77,7 +80,7 @@ class PassManager(ir.passes.PassBase):
                 raise PassError(f"pass '{name}' failed (after: {after}): {_one_line(e)}") from e
             model = result.model
             modified = modified or result.modified
-            shapes_known = shapes_known or bool(getattr(pass_, "provides_shapes", False))
+            shapes_known = index >= last_provider
             if self.verify:
                 require = shapes_known if self.require_shapes is None else self.require_shapes
                 try:

@@ -108,3 +108,32 @@ def test_empty_pipeline_still_verifies():
     broken = to_ir(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])]))
     with pytest.raises(VerifyError, match="dangling"):
         run_pipeline(broken, [])
+
+
+def _shape_from_computed_constant() -> ir.Model:
+    """ConstantOfShape(Max(s, s)): onnx's data propagation does not see through Max, so the first
+    inference leaves ``z`` without a static shape; constant folding makes it static."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Constant", [], ["s"], value=numpy_helper.from_array(np.array([2, 3], np.int64))),
+        helper.make_node("Max", ["s", "s"], ["s2"]),
+        helper.make_node("ConstantOfShape", ["s2"], ["z"], value=numpy_helper.from_array(np.array([1.0], np.float32))),
+        helper.make_node("Add", ["x", "z"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    return ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def test_shapes_are_required_from_the_last_inference_on():
+    from passes import run_pipeline
+
+    # the default pipeline infers, folds, then infers again: only the last inference must be static
+    out = run_pipeline(_shape_from_computed_constant())
+    assert [n.op_type for n in out.graph] == ["Add"]
+    # a lone inference is the last one, so it must leave every shape static
+    with pytest.raises(PassError, match="non-static shape"):
+        PassManager(["shape_inference"])(_shape_from_computed_constant())
