@@ -14,15 +14,19 @@ Rules:
    reduce with :func:`reduce_arrays` in group order, so repeated runs are bit-identical and agree
    with the in-process communicator. ``deterministic=False`` uses MPI's own reductions.
 5. Arrays are passed through the buffer protocol: contiguous inputs are sent without copies and
-   results are received straight into freshly allocated numpy arrays. No pickle: ``Broadcast``
-   sends a small int64 header (ndim, shape, dtype) before the data.
+   results are received straight into freshly allocated numpy arrays, or, with
+   :meth:`MPICommunicator.recv_into`, into the caller's buffer (the TVM backend passes its output
+   tensor). No pickle: ``Broadcast`` sends a small int64 header (ndim, shape, dtype) before the data.
+6. ``comm_s`` accumulates the seconds spent inside the comm ops (posting sends, waiting for
+   receives and collectives; not ``flush``), for the worker's ``--profile``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -41,6 +45,24 @@ def default_timeout() -> float:
         return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     except ValueError:
         return DEFAULT_TIMEOUT_S
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _timed(fn: _F) -> _F:
+    """Add the call's duration to ``self.comm_s``."""
+    clock = time.perf_counter
+
+    @functools.wraps(fn)
+    def wrapper(self: MPICommunicator, *args: Any, **kw: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(self, *args, **kw)
+        finally:
+            self.comm_s += clock() - t0
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _dtype_code(dtype: np.dtype) -> int:
@@ -69,6 +91,7 @@ class MPICommunicator:
         self._pending: list[tuple[Any, np.ndarray, str]] = []
         self._groups: dict[tuple[int, ...], Any] = {}
         self.bytes_sent = 0
+        self.comm_s = 0.0
         for g in groups:
             self._create_group(tuple(int(r) for r in g))
         # a private duplicate for the runtime's own traffic (outputs to rank 0), apart from program tags
@@ -97,20 +120,31 @@ class MPICommunicator:
         return sub
 
     # waiting ------------------------------------------------------------------------------------
-    def _wait(self, req: Any, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while not req.Test():
-            spins += 1
-            if spins > 200:
-                if time.monotonic() > deadline:
-                    try:
-                        req.Cancel()
-                    except Exception:  # noqa: BLE001 - cancel is best effort; we are failing anyway
-                        pass
-                    raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
-                                    f"raise ${TIMEOUT_ENV} for slow steps)")
-                time.sleep(0.00002 if spins < 2000 else 0.0005)
+    def _wait(self, req: Any, what: str, status: Any = None) -> None:
+        """Poll ``req`` until done or the deadline: spin 100 us (as MPICH's blocking waits spin: a
+        pipeline's next message is usually that close), then yield the core until 10 ms (fair when
+        ranks oversubscribe cores), then sleep 0.5 ms between polls."""
+        if req.Test(status):  # the common case on a busy pipeline: already there
+            return
+        clock = time.perf_counter
+        start = clock()
+        deadline = start + self.timeout_s
+        while not req.Test(status):
+            now = clock()
+            waited = now - start
+            if waited < 1e-4:
+                continue
+            if waited < 1e-2:
+                os.sched_yield()
+                continue
+            if now > deadline:
+                try:
+                    req.Cancel()
+                except Exception:  # noqa: BLE001 - cancel is best effort; we are failing anyway
+                    pass
+                raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
+                                f"raise ${TIMEOUT_ENV} for slow steps)")
+            time.sleep(0.0005)
 
     def _enter(self, op: str, detail: str) -> str:
         self.current_op = f"{op} {detail}"
@@ -118,32 +152,32 @@ class MPICommunicator:
         return self.current_op
 
     # point-to-point -----------------------------------------------------------------------------
+    @_timed
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         what = self._enter("send", f"to rank {peer} tag {tag}")
         buf = np.ascontiguousarray(x)
         self._pending.append((self.world.Isend(buf, dest=peer, tag=tag), buf, what))
         self.bytes_sent += buf.nbytes
-        self._reap()
+        self._reap()  # also drives MPI progress on the earlier sends (a few Test calls, ~1 us)
 
     def recv(self, peer: int, tag: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-        what = self._enter("recv", f"from rank {peer} tag {tag}")
         out = np.empty(tuple(int(d) for d in shape), dtype=dtype)
+        self.recv_into(peer, tag, out)
+        return out
+
+    @_timed
+    def recv_into(self, peer: int, tag: int, out: np.ndarray) -> None:
+        """Receive from ``peer`` straight into ``out`` (C-contiguous, the expected shape and dtype)."""
+        what = self._enter("recv", f"from rank {peer} tag {tag}")
         status = self.MPI.Status()
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while not self.world.Iprobe(source=peer, tag=tag, status=status):
-            spins += 1
-            if spins > 200:
-                if time.monotonic() > deadline:
-                    raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
-                                    f"raise ${TIMEOUT_ENV} for slow steps)")
-                time.sleep(0.00002 if spins < 2000 else 0.0005)
+        try:
+            self._wait(self.world.Irecv(out, source=peer, tag=tag), what, status)
+        except self.MPI.Exception as exc:  # e.g. MPI_ERR_TRUNCATE: the message is larger than expected
+            raise RunFailed(f"{what}: expected {out.dtype}{list(out.shape)} ({out.nbytes} bytes): "
+                            f"{str(exc).splitlines()[0]}") from None
         nbytes = status.Get_count(self.MPI.BYTE)
         if nbytes != out.nbytes:
             raise RunFailed(f"{what}: expected {out.dtype}{list(out.shape)} ({out.nbytes} bytes), got {nbytes} bytes")
-        req = self.world.Irecv(out, source=peer, tag=tag)
-        self._wait(req, what)
-        return out
 
     def _reap(self) -> None:
         self._pending = [p for p in self._pending if not p[0].Test()]
@@ -162,6 +196,7 @@ class MPICommunicator:
         self._wait(sub.Iallgather(x, out), what)
         return out
 
+    @_timed
     def allreduce(self, x: np.ndarray, group: Sequence[int], reduction: str, tag: int) -> np.ndarray:
         what = self._enter("allreduce", f"on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
@@ -173,6 +208,7 @@ class MPICommunicator:
         self._wait(sub.Iallreduce(x, out, op=op), what)
         return out
 
+    @_timed
     def allgather(self, x: np.ndarray, group: Sequence[int], axis: int, tag: int) -> np.ndarray:
         what = self._enter("allgather", f"on group {list(group)} tag {tag}")
         stacked = self._gather_all(x, self.group_comm(group, tag), what)
@@ -188,6 +224,7 @@ class MPICommunicator:
         self._wait(sub.Ialltoall(send, recv), what)
         return recv
 
+    @_timed
     def reduce_scatter(self, x: np.ndarray, group: Sequence[int], axis: int, reduction: str, tag: int) -> np.ndarray:
         what = self._enter("reduce_scatter", f"on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
@@ -197,6 +234,7 @@ class MPICommunicator:
         parts = self._alltoall_chunks(x, n, axis, sub, what)  # parts[j] = member j's chunk for me
         return reduce_arrays(list(parts), reduction)
 
+    @_timed
     def alltoall(self, x: np.ndarray, group: Sequence[int], split_axis: int, concat_axis: int, tag: int) -> np.ndarray:
         what = self._enter("alltoall", f"on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
@@ -206,6 +244,7 @@ class MPICommunicator:
         parts = self._alltoall_chunks(x, n, split_axis, sub, what)
         return np.ascontiguousarray(np.concatenate(list(parts), axis=concat_axis))
 
+    @_timed
     def broadcast(self, x: np.ndarray | None, group: Sequence[int], root: int, tag: int) -> np.ndarray:
         what = self._enter("broadcast", f"from rank {root} on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)

@@ -15,7 +15,9 @@ What each rank does, in order:
 5. Reads the inputs (every rank reads the .npz itself) and keeps its own slices
    (:func:`scatter_inputs`), runs its micro-batches (:mod:`partitioner.runtime.schedule`).
 6. Sends its output slices to rank 0, which assembles them (:func:`gather_outputs`) and writes
-   the .npz (and, with ``--timings``, a JSON of step times).
+   the .npz (and, with ``--timings``, a JSON of step times plus every rank's report: its core
+   affinity and thread variables as the worker saw them after pinning, which heavy modules were
+   already imported at that point, and with ``--profile`` its per-step compute/comm/idle times).
 
 On any error a rank prints one line ``rank R: <op>: <message>`` to stderr and calls
 ``MPI.COMM_WORLD.Abort(1)``, which ends every rank.
@@ -34,6 +36,7 @@ import numpy as np
 
 #: tag base of the runtime's own output traffic (on a private duplicate communicator)
 _OUTPUT_TAG = 1000
+_REPORT_TAG = 999
 PIN_ENV = "PARTITIONER_PIN"  # "0" disables core pinning
 
 
@@ -48,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timings", default=None, metavar="JSON", help="where rank 0 writes the step times")
     p.add_argument("--nondeterministic-reduce", action="store_true",
                    help="use MPI's own reductions (faster, not bit-reproducible)")
+    p.add_argument("--profile", action="store_true",
+                   help="record per-step compute / comm / idle seconds on every rank (into --timings)")
     p.add_argument("--comm-timeout", type=float, default=None, metavar="S",
                    help="seconds a receive or collective may wait (default $PARTITIONER_COMM_TIMEOUT or 30)")
 
@@ -92,6 +97,32 @@ def pin_cores(local_rank: int, local_size: int) -> int:
         except OSError:
             pass
     return share
+
+
+_HEAVY_MODULES = ("tvm", "tvm_ffi", "onnxruntime")
+
+
+def rank_report(rank: int, threads: int, imported_before_pin: Sequence[str]) -> dict[str, Any]:
+    """What this rank runs with, read back from the OS and the environment (not from our own plan)."""
+    try:
+        affinity: list[int] | None = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    return {"rank": rank, "pid": os.getpid(), "affinity": affinity, "threads": threads,
+            "env": {v: os.environ.get(v) for v in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")},
+            "imported_before_pin": list(imported_before_pin)}
+
+
+def gather_reports(comm: Any, report: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's JSON report, in rank order, on rank 0 (None elsewhere)."""
+    data = np.frombuffer(json.dumps(report).encode(), dtype=np.uint8)
+    if comm.rank != 0:
+        comm.send_array(data, 0, _REPORT_TAG)
+        return None
+    reports = [report]
+    for r in range(1, comm.world_size):
+        reports.append(json.loads(comm.recv_array(r, _REPORT_TAG).tobytes().decode()))
+    return reports
 
 
 def output_routes(bindings: Any) -> list[tuple[int, int, str]]:
@@ -139,11 +170,13 @@ def run_worker(args: argparse.Namespace) -> int:
             raise ArtifactError(f"{args.artifact}: built for {art.world_size} ranks but MPI started "
                                 f"{world.Get_size()}; run it with mpiexec -n {art.world_size}")
         phase = "pin"
+        imported_before_pin = [m for m in _HEAVY_MODULES if m in sys.modules]
         local = world.Split_type(MPI.COMM_TYPE_SHARED)
         local_size = args.ranks_per_host or local.Get_size()
         threads = pin_cores(local.Get_rank() % local_size, local_size)
         for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
             os.environ[var] = str(threads)
+        report = rank_report(rank, threads, imported_before_pin)
         phase = "comm groups"
         from partitioner.runtime.comm_mpi import MPICommunicator
 
@@ -163,15 +196,20 @@ def run_worker(args: argparse.Namespace) -> int:
         from partitioner.runtime.schedule import timed_steps
 
         outs, times = timed_steps(exe, feeds, comm, warmup=max(0, args.warmup), repeat=max(1, args.repeat),
-                                  barrier=comm.barrier)
+                                  barrier=comm.barrier, profile=args.profile)
         phase = "gather outputs"
         result = gather_to_root(comm, art.bindings, outs)
+        if args.profile:
+            report["profile"] = [p.to_json() for p in times.profile]
+        reports = gather_reports(comm, report)
         if result is not None:
             if args.outputs:
                 write_npz(args.outputs, result)
             if args.timings:
-                Path(args.timings).write_text(json.dumps({"world_size": art.world_size, "threads_per_rank": threads,
-                                                          **times.to_json()}, indent=2) + "\n")
+                doc = {"world_size": art.world_size, "threads_per_rank": threads, "backend": art.backend,
+                       **times.to_json(), "ranks": reports}
+                doc.pop("profile", None)  # rank 0's profile is in ranks[0]
+                Path(args.timings).write_text(json.dumps(doc, indent=2) + "\n")
         comm.flush()
         comm.barrier()
         return 0
