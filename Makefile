@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example conformance tables clean
+.PHONY: all install demo test test-slow contract ci-example conformance fuzz tables clean
 
 all: test
 
@@ -49,6 +49,12 @@ ci-example: $(STAMP)
 ## writes benchmarks/results/conformance.json. `make test` runs a 62-case sample.
 conformance: $(STAMP)
 	$(PY) tests/conformance/run_conformance.py --full
+
+## Differential fuzzing: 5,000 random graphs x random plans, reference backend (and every 50th
+## through TVM) against ONNX Runtime; writes benchmarks/results/fuzz_summary.json. Also fuzzes
+## partitioner.load with mutated bytes. `make test` runs 200 + 10 examples.
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=5000 $(PY) -m pytest tests/fuzz tests/hostile/test_fuzz_load.py -m slow -q
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)

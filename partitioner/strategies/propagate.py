@@ -339,14 +339,26 @@ def _batch_axes(view: ModelView, shards: int) -> dict[str, int]:
             raise StrategyNotApplicable(f"input {n!r}: batch {view.shape(n)[0]} is not divisible by {shards}")
     for node in view.nodes:
         ins, outs = view.node_inputs(node), view.node_outputs(node)
-        r = split_rule(view, node, [axes.get(n) if n else None for n in ins], shards)
+        given = [axes.get(n) if n else None for n in ins]
+        r = split_rule(view, node, given, shards)
         if isinstance(r, str):
             raise StrategyNotApplicable(f"micro-batching: {r}")
+        for n, want, have in zip(ins, r[0], given):
+            # every micro-batch runs the same program: a value without a batch axis (a constant
+            # that is full-size on the batch axis) would need a different slice per micro-batch
+            if n and want is not None and have is None:
+                raise StrategyNotApplicable(f"micro-batching: node {node.name!r} needs {n!r} sliced on axis "
+                                            f"{want}, but it has no batch axis (a constant the size of the batch)")
         for n, ax in zip(outs, r[1]):
             if ax is not None:
                 if view.shape(n)[ax] % shards:
                     raise StrategyNotApplicable(f"micro-batching: value {n!r} axis {ax} is not divisible by {shards}")
                 axes[n] = ax
+    for n in view.outputs:
+        # bindings rule 1: micro-batches are cut and reassembled along axis 0 of every output
+        if axes.get(n) != 0:
+            where = "carries no batch axis" if axes.get(n) is None else f"carries the batch on axis {axes[n]}, not 0"
+            raise StrategyNotApplicable(f"micro-batching: output {n!r} {where}")
     return axes
 
 
