@@ -50,7 +50,7 @@ def data_conv_tensor_fc(view: ModelView, n: int, microbatches: int | None) -> Pl
     assign = {node.name: Assignment(ranks, 0, "data" if i <= convs[-1] else "tensor")
               for i, node in enumerate(view.nodes)}
     inputs = {x: Sharding(ranks, 0) for x in view.inputs}
-    return make_plan(view, "hybrid", n, (n, n), ("data", "tensor"), assign, inputs, microbatches=microbatches or 1,
+    return make_plan(view, "hybrid", n, (n,), ("data|tensor",), assign, inputs, microbatches=microbatches or 1,
                      notes="data-parallel convolutions, tensor-parallel classifier")
 
 

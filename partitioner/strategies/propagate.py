@@ -6,8 +6,9 @@ Modes (per node, on its ordered device group G of size t):
 - ``replicate``: every input whole on every rank of G; outputs replicated.
 - ``data``: split axes pass through (:func:`axis_rules.split_rule`); the graph inputs start split
   on the batch axis 0. A node that cannot run chunk-wise raises :class:`StrategyNotApplicable`.
-- ``tensor``: Megatron-style rules. A 2-D constant weight after a whole input is split on its
-  output features (column-parallel: output split on its last axis); after an input split on the
+- ``tensor``: Megatron-style rules. A 2-D constant weight after a whole or batch-split input
+  (the batch is gathered first: the survey's "one weird trick") is split on its output features
+  (column-parallel: output split on its last axis); after an input split on the
   contracted axis it is split on its input features (row-parallel: the output is a partial sum,
   reduced once, where a non-linear consumer first needs it: one AllReduce per pair). Conv splits
   output channels (then input channels: partial), depthwise Conv splits groups, Gather splits the
@@ -248,6 +249,10 @@ def _matmul(view, node, axes, t):
         if K % t == 0:
             return [(a, None), (0, None)], [(None, "sum")], "plain"
         return _gather(ins, outs)
+    if a == 0 and N % t == 0:
+        # batch-split activations into a weight layer ("one weird trick"): gather the batch and
+        # split the weight's columns, so each rank holds 1/t of the weights
+        return [(None, None), (1, None)], [(R - 1, None)], "plain"
     r = _pass(view, node, [a, None], t)
     return _gather(ins, outs) if isinstance(r, str) else r
 
@@ -260,7 +265,7 @@ def _gemm(view, node, axes, t):
     N, K = w[n_axis], w[k_axis]
     has_c = len(ins) > 2 and bool(ins[2])
     a = axes[0]
-    if a is None:
+    if a is None or (a == 0 and N % t == 0):  # batch-split input: gather it, split the columns
         if N % t:
             return _gather(ins, outs)
         req = [(None, None), (n_axis, None)]

@@ -255,3 +255,26 @@ def test_unmatched_send_is_caught() -> None:
     progs[1].graph.node.remove(recvs[0])
     with pytest.raises(VerifyError):
         verify_programs(progs, res.bindings)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_one_weird_trick_splits_the_classifier(devices: int) -> None:
+    """Data-parallel convolutions, tensor-parallel classifier (survey §6.4): the batch is gathered
+    once before the classifier, whose weight each rank holds 1/devices of."""
+    from partitioner.strategies import hybrid
+
+    proto, model = load("resnet", classes=8)  # 8 classes: the weight's columns divide by 2 and 4
+    view = ModelView(model)
+    plan = hybrid.data_conv_tensor_fc(view, devices, None)
+    low = lower(view, plan)
+    fc = next(n for n in proto.graph.node if n.op_type == "Gemm")
+    full = next(t for t in proto.graph.initializer if t.name == fc.input[1])
+    for prog in low.programs:
+        comm = Counter(n.op_type for n in prog.graph.node if n.domain == comm_ops.DOMAIN)
+        assert comm == {"AllGather": 1}
+        w = next(t for t in prog.graph.initializer if t.name.startswith(fc.input[1]))
+        assert np.prod(w.dims) * devices == np.prod(full.dims)
+    feeds = feeds_for(proto)
+    ref = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = run_reference(low.programs, low.bindings, feeds, timeout_s=60)
+    np.testing.assert_allclose(got[proto.graph.output[0].name], ref[0], rtol=1e-4, atol=1e-5)
