@@ -347,6 +347,7 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
         files: dict[str, dict[str, Any]] = {}
         src = _source_bytes(source)
         (tmp / SOURCE).write_bytes(src)
+        programs, ort_marked = _mark_fallback_segments(programs, backend, fallback)
         plan_json = dict(plan) if plan is not None else {"strategy": "given", "world_size": bindings.world_size}
         (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=_json_default) + "\n")
         for i, p in enumerate(programs):
@@ -365,10 +366,18 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
             fallback_note = {"from": backend, "to": fallback, "reason": str(exc).splitlines()[0]}
             backend, target = fallback, None
             suffix, facts = _build_backend_files(tmp, programs, backend, target, jobs, progress)
+        segments_per_rank: list[list[dict[str, Any]]] = [[] for _ in programs]
+        if ort_marked and backend == "tvm":
+            segments_per_rank = _write_fallback_segments(tmp, programs)
+            fallback_note = _segment_fallback_note(segments_per_rank)
+        elif fallback_note is not None:
+            fallback_note["scope"] = "ranks"
         if report_html is not None:
             (tmp / REPORT).write_text(report_html)
         ranks = [{"rank": i, "program": program_file(i), "executable": f"rank{i}{suffix}",
-                  "build": _clean_facts(facts[i] if i < len(facts) else {})} for i in range(len(programs))]
+                  "build": _clean_facts(facts[i] if i < len(facts) else {}),
+                  **({"fallback_segments": segments_per_rank[i]} if segments_per_rank[i] else {})}
+                 for i in range(len(programs))]
         for path in sorted(tmp.iterdir()):
             files[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         # a backend that cannot build byte-identical files says so in its facts (checked: apache-tvm
@@ -403,6 +412,48 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
         raise
     _replace_dir(tmp, dest)
     return load_artifact(dest)
+
+
+def _mark_fallback_segments(programs: Sequence[onnx.ModelProto], backend: str,
+                            fallback: str | None) -> tuple[list[onnx.ModelProto], bool]:
+    """With ``backend="tvm", fallback="onnxruntime"``, mark the programs holding ops TVM cannot
+    import so that the TVM lowering runs just those segments under ONNX Runtime
+    (:mod:`backends.tvm.fallback`). Other programs are left byte-identical."""
+    if backend != "tvm" or fallback != "onnxruntime":
+        return list(programs), False
+    from backends.tvm import fallback as tvm_fallback
+
+    out, marked = [], False
+    for p in programs:
+        if tvm_fallback.needs_fallback(p):
+            p, marked = tvm_fallback.mark_program(p), True
+        out.append(p)
+    return out, marked
+
+
+def _write_fallback_segments(tmp: Path, programs: Sequence[onnx.ModelProto]) -> list[list[dict[str, Any]]]:
+    """Write ``rank<i>.seg<k>.onnx`` for every ORT segment; return their descriptions per rank."""
+    from backends.tvm import fallback as tvm_fallback
+
+    described: list[list[dict[str, Any]]] = []
+    for i, p in enumerate(programs):
+        rows = []
+        for seg in tvm_fallback.ort_segments(p):
+            name = tvm_fallback.segment_file(f"rank{i}.so", seg.key)
+            (tmp / name).write_bytes(seg.model.SerializeToString(deterministic=True))
+            rows.append({"file": name, **seg.describe()})
+        described.append(rows)
+    return described
+
+
+def _segment_fallback_note(segments_per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    parts = [f"rank {i} segment {s['segment']} ({', '.join(s['op_types'])}: nodes {', '.join(s['nodes'])})"
+             for i, rows in enumerate(segments_per_rank) for s in rows]
+    ops = sorted({t for rows in segments_per_rank for s in rows for t in s["op_types"]})
+    return {"from": "tvm", "to": "onnxruntime", "scope": "segments",
+            "reason": f"TVM cannot import {', '.join(ops)}; ONNX Runtime runs only these segments inside "
+                      f"their rank: {'; '.join(parts)}",
+            "segments": [{"rank": i, **s} for i, rows in enumerate(segments_per_rank) for s in rows]}
 
 
 def _plan_summary(plan: Mapping[str, Any], bindings: Bindings) -> dict[str, Any]:

@@ -130,7 +130,7 @@ def build_one(
     except PartitionerError:
         raise
     except Exception as e:
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        msg = tvm_error_line(e)
         raise BackendError(f"graph {program.graph.name!r}: TVM build failed for target {tdict} ({msg})") from None
     times["build_s"] = time.perf_counter() - t0
 
@@ -174,6 +174,18 @@ def build(program: onnx.ModelProto, out_path: Path, *, target: Any = None, optio
 
 
 # -- many ranks -------------------------------------------------------------------------------
+
+
+def tvm_error_line(exc: BaseException) -> str:
+    """The informative line of a TVM error: TVM appends metadata notes ("# Metadata omitted...")
+    after the message, so prefer the error line itself, then the offending call."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    for pattern in ("Error:", "error:", "Offending call", "Check failed"):
+        hit = next((ln for ln in lines if pattern in ln and not ln.startswith("#")), None)
+        if hit:
+            return hit[:300]
+    useful = [ln for ln in lines if not ln.startswith("#")]
+    return (useful[0] if useful else type(exc).__name__)[:300]
 
 
 def build_all(

@@ -9,8 +9,20 @@ Rules:
    sets around the VM call. The VM runs on the calling thread, so several ranks can run in
    threads of one process (tests, the in-process runner), each seeing its own communicator.
 3. Tensors cross the boundary without copies on the CPU: ``np.from_dlpack(inp)`` and
-   ``np.copyto(np.from_dlpack(out), result)``; device tensors go through ``.numpy()``/``copyfrom``.
-4. An exception inside a comm op is kept and re-raised from ``run`` as itself (a RunFailed from
+   ``np.copyto(np.from_dlpack(out), result)`` (a ``Recv`` receives straight into the output tensor
+   when the communicator has ``recv_into``); device tensors go through ``.numpy()``/``copyfrom``.
+   One exception: ``Send`` copies its input before the non-blocking send, because the VM's static
+   memory plan may reuse that storage for a later tensor of the same call (or the next call may
+   overwrite a persistent input buffer) while the message is still in flight.
+5. The per-call path is kept lean (it is the per-micro-batch runtime overhead): on the CPU each
+   input has one persistent TVM tensor, filled with ``np.copyto`` through a cached numpy view
+   (``tvm.runtime.tensor`` costs ~100x more), and outputs are returned as ``np.from_dlpack`` views
+   of the VM's fresh result tensors (no copy); an output that is an input buffer or a view of one is copied.
+   ``vm_s`` accumulates the seconds spent inside the VM call (for the worker's ``--profile``).
+6. Programs with ONNX Runtime fallback segments (:mod:`backends.tvm.fallback`) get one
+   ``InferenceSession`` per segment at load time, bound thread-locally around the VM call like the
+   communicator; the library calls them through ``partitioner.ort_segment``.
+4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
 Threads: TVM sizes its CPU thread pool from ``TVM_NUM_THREADS`` when the pool first starts;
@@ -24,6 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,6 +46,7 @@ import onnx
 from partitioner.comm_ops import OPS, CommOp, Communicator, execute
 from partitioner.errors import BackendError, InputError, PartitionerError, RunFailed
 
+from . import fallback
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
 
 _local = threading.local()
@@ -57,12 +71,6 @@ def configure_threads(threads: int) -> None:
         _threads = threads
 
 
-def _to_numpy(t: Any) -> np.ndarray:
-    if t.device.dlpack_device_type() == 1:  # kDLCPU: a view, no copy
-        return np.from_dlpack(t)
-    return t.numpy()
-
-
 def _write(out: Any, value: np.ndarray) -> None:
     if out.device.dlpack_device_type() == 1:
         dst = np.from_dlpack(out)
@@ -74,19 +82,30 @@ def _write(out: Any, value: np.ndarray) -> None:
 
 
 def _handler(op_type: str):
+    has_out = op_type != "Send"
+
     def run_comm(*args: Any) -> None:
         ctx = getattr(_local, "ctx", None)
         if ctx is None:
             raise RunFailed(f"{PACKED_PREFIX}{op_type} called outside TvmRankExecutable.run (no communicator bound)")
-        comm, ops = ctx
+        comm, ops, on_cpu = ctx
         try:
-            has_out = op_type != "Send"
-            op_id = int(args[-2] if has_out else args[-1])
-            op: CommOp = ops[op_id]
-            tensors = args[:-2] if has_out else args[:-1]
-            results = execute(op, [_to_numpy(t) for t in tensors], comm)
             if has_out:
-                _write(args[-1], results[0])
+                op: CommOp = ops[int(args[-2])]
+                out = args[-1]
+                if op_type == "Recv" and on_cpu and hasattr(comm, "recv_into"):
+                    comm.recv_into(int(op.attrs["peer"]), op.tag, np.from_dlpack(out))
+                    return
+                tensors = args[:-2]
+            else:
+                op = ops[int(args[-1])]
+                tensors = args[:-1]
+            arrays = [np.from_dlpack(t) if on_cpu else t.numpy() for t in tensors]
+            if not has_out:  # see rule 3: the storage may be reused while the Isend is in flight
+                arrays = [np.array(a, copy=True) for a in arrays]
+            results = execute(op, arrays, comm)
+            if has_out:
+                _write(out, results[0])
         except BaseException as e:  # keep the real error for run() to re-raise
             _local.error = e
             raise
@@ -121,6 +140,7 @@ class TvmRankExecutable:
 
         configure_threads(threads)
         register_comm_functions()
+        fallback.register()  # before the VM is created: it resolves packed functions when it loads
         self.path = Path(path)
         if not self.path.is_file():
             raise BackendError(f"{self.path}: rank library not found; build it first (partitioner compile)")
@@ -135,30 +155,69 @@ class TvmRankExecutable:
         self.inputs = tuple(v.name for v in program.graph.input if v.name not in init_names)
         self.outputs = tuple(v.name for v in program.graph.output)
         self.comm_ops = comm_table(program)
+        self._ort_sessions = fallback.load_sessions(program, self.path, threads=threads)
+        self._on_cpu = self.device.dlpack_device_type() == 1
+        self._in_bufs: list[tuple[Any, np.ndarray] | None] = [None] * len(self.inputs)
+        self.vm_s = 0.0
+
+    def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
+        """Fill (creating on first use) one persistent TVM tensor per input; see rule 5."""
+        import tvm
+
+        args = []
+        for i, name in enumerate(self.inputs):
+            x = feeds[name]
+            buf = self._in_bufs[i]
+            if buf is None or buf[1].shape != x.shape or buf[1].dtype != x.dtype:
+                t = tvm.runtime.empty(x.shape, str(x.dtype), self.device)
+                buf = (t, np.from_dlpack(t))
+                self._in_bufs[i] = buf
+            np.copyto(buf[1], x)
+            args.append(buf[0])
+        return args
 
     def run(self, feeds: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
         import tvm
 
-        missing = [n for n in self.inputs if n not in feeds]
-        if missing:
-            raise InputError(f"{self.path.name}: missing input(s) {', '.join(missing)}; expected {', '.join(self.inputs)}")
-        args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[n]), self.device) for n in self.inputs]
-        _local.ctx = (comm, self.comm_ops)
+        try:
+            if self._on_cpu:
+                args = self._input_buffers(feeds)
+            else:
+                args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[n]), self.device) for n in self.inputs]
+        except KeyError:
+            missing = [n for n in self.inputs if n not in feeds]
+            raise InputError(f"{self.path.name}: missing input(s) {', '.join(missing)}; expected {', '.join(self.inputs)}") from None
+        _local.ctx = (comm, self.comm_ops, self._on_cpu)
         _local.error = None
+        fallback.bind(self._ort_sessions)  # rule 6
+        t0 = time.perf_counter()
         try:
             res = self._main(*args)
         except Exception as e:
-            err = getattr(_local, "error", None)
+            err = getattr(_local, "error", None) or fallback.last_error()
             if isinstance(err, PartitionerError):
                 raise err from None
             if err is not None:
                 raise RunFailed(f"rank {getattr(comm, 'rank', '?')}: comm op failed in {self.path.name}: {type(err).__name__}: {err}") from err
             raise RunFailed(f"rank {getattr(comm, 'rank', '?')}: {self.path.name} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from e
         finally:
+            self.vm_s += time.perf_counter() - t0
             _local.ctx = None
             _local.error = None
-        values = list(res) if not isinstance(res, tvm.runtime.Tensor) else [res]
-        return {name: v.numpy() for name, v in zip(self.outputs, values)}
+            fallback.bind(None)
+        values = [res] if isinstance(res, tvm.runtime.Tensor) else list(res)
+        if not self._on_cpu:
+            return {name: v.numpy() for name, v in zip(self.outputs, values)}
+        out = {}
+        for name, v in zip(self.outputs, values):
+            arr = np.from_dlpack(v)
+            # an output that is an input buffer, or a view of one (Flatten/Reshape of an input
+            # lower to views sharing its storage), is overwritten by the next call: rule 5
+            if any(v.same_as(a) or np.may_share_memory(arr, buf[1])
+                   for a, buf in zip(args, self._in_bufs) if buf is not None):
+                arr = arr.copy()
+            out[name] = arr
+        return out
 
 
 def _has_cuda_code(lib: Any) -> bool:

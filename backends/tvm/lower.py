@@ -18,6 +18,14 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
      unused is (checked on 0.27);
    - a comm output nobody reads is passed to the impure ``partitioner.comm.keep`` so it survives.
 
+Before the import, :func:`rewrite_for_import` replaces ONNX ``Sum``/``Mean`` (any number of
+inputs) with a left-to-right chain of binary ``Add`` (and a ``Div`` by n for ``Mean``): TVM's
+importer turns them into ``stack`` + ``sum``, a rank+1 tensor that ``ConvertLayout`` (NHWC)
+rejects ("Invalid SLayout: can't find S in source layout ABCDE") and that costs a copy of every
+input. The chain is the same arithmetic ONNX Runtime does (left to right). An inference
+``Dropout`` (no ``training_mode`` input, mask unread) becomes ``Identity``: the importer's
+``R.nn.dropout`` returns a tuple that ``ConvertLayout`` rejects ("Expected nested to match tuple").
+
 Invariant: ``op_id`` of a comm node is its index among the program's comm nodes in node order
 (:func:`comm_table`); the runtime uses the same table to find the op to run.
 ``main`` takes the program's graph inputs in order and always returns a tuple of its graph
@@ -47,6 +55,7 @@ class LoweredProgram:
     outputs: tuple[str, ...]
     comm_ops: tuple[CommOp, ...]
     segments: int
+    fallback_segments: tuple[dict, ...] = ()  # ORT segments (backends.tvm.fallback), described
 
 
 def comm_table(program: onnx.ModelProto) -> tuple[CommOp, ...]:
@@ -82,8 +91,56 @@ def check_supported(program: onnx.ModelProto) -> None:
         listing = "; ".join(f"{name} ({t})" for name, t in bad)
         raise BackendError(
             f"graph {program.graph.name!r}: TVM cannot import {len(bad)} node(s) of op type(s) {', '.join(kinds)}: "
-            f"{listing}; use --backend onnxruntime or rewrite these ops"
+            f"{listing}; use --fallback onnxruntime (runs just these nodes under ONNX Runtime inside the rank), "
+            "--backend onnxruntime, or rewrite these ops"
         )
+
+
+def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
+    """Return a copy of ``program`` with every top-level ``Sum``/``Mean`` node rewritten to binary
+    ``Add`` nodes and every inference ``Dropout`` to ``Identity`` (see the module docstring). Node names and outputs keep their meaning: the last
+    node of a chain writes the original output; intermediates are ``<output>__sum<k>``."""
+    from onnx import helper, numpy_helper
+
+    g = program.graph
+    if not any(n.op_type in ("Sum", "Mean", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
+        return program
+    read = {i for n in _all_nodes(g) for i in n.input} | {o.name for o in g.output}
+    out = onnx.ModelProto()
+    out.CopyFrom(program)
+    nodes: list[onnx.NodeProto] = []
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+    elem.update({t.name: t.data_type for t in g.initializer})
+    for node in g.node:
+        ins = [i for i in node.input if i]
+        if (node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.input) < 3
+                and not any(o and o in read for o in node.output[1:])):
+            nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            continue
+        if node.op_type not in ("Sum", "Mean") or node.domain not in ("", "ai.onnx") or not ins:
+            nodes.append(node)
+            continue
+        result = node.output[0]
+        mean = node.op_type == "Mean" and len(ins) > 1
+        if len(ins) == 1:
+            nodes.append(helper.make_node("Identity", ins, [result], name=node.name))
+            continue
+        acc = ins[0]
+        for k, x in enumerate(ins[1:], start=1):
+            last = k == len(ins) - 1 and not mean
+            dst = result if last else f"{result}__sum{k}"
+            nodes.append(helper.make_node("Add", [acc, x], [dst], name=f"{node.name}__add{k}" if not last else node.name))
+            acc = dst
+        if mean:
+            import numpy as np
+
+            dtype = helper.tensor_dtype_to_np_dtype(elem.get(result, elem.get(ins[0], onnx.TensorProto.FLOAT)))
+            n_name = f"{result}__count"
+            out.graph.initializer.append(numpy_helper.from_array(np.array(len(ins), dtype=dtype), n_name))
+            nodes.append(helper.make_node("Div", [acc, n_name], [result], name=node.name))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
 
 
 def _tensor_type(info: onnx.ValueInfoProto, where: str):
@@ -140,13 +197,18 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
     """Build the Relax module of ``program`` (see the module docstring for the layout)."""
     from tvm import relax
 
+    from . import fallback
+
     where = f"graph {program.graph.name!r}"
-    check_supported(program)
+    use_fallback = fallback.wants_fallback(program)
+    if not use_fallback:
+        check_supported(program)
     # Segments need typed boundaries; inference keeps existing value_info (comm outputs carry theirs).
-    program = onnx.shape_inference.infer_shapes(program)
+    program = rewrite_for_import(onnx.shape_inference.infer_shapes(program))
     opset = onnx_opset(program)
     infos = value_infos(program)
-    steps = split_program(program)
+    steps = fallback.split_with_fallback(program) if use_fallback else split_program(program)
+    ort_described: list[dict] = []
     comm_ops = comm_table(program)
     op_ids = {id_key(op): k for k, op in enumerate(comm_ops)}
 
@@ -182,6 +244,20 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
                     for j, name in enumerate(step.outputs):
                         env[name] = bb.emit(relax.TupleGetItem(res, j))
                 continue
+            if isinstance(step, fallback.OrtSegment):
+                if not step.outputs:
+                    continue
+                ort_described.append(step.describe())
+                args = [_lookup(env, n, where) for n in step.inputs]
+                tys = [_tensor_type(infos[n], f"{where} fallback segment {step.key}") for n in step.outputs]
+                res = bb.emit(relax.call_dps_packed(fallback.PACKED_NAME, [relax.prim_value(step.key), *args],
+                                                    out_ty=tys if len(tys) > 1 else tys[0]))
+                if len(tys) == 1:
+                    env[step.outputs[0]] = res
+                else:
+                    for j, name in enumerate(step.outputs):
+                        env[name] = bb.emit(relax.TupleGetItem(res, j))
+                continue
             assert isinstance(step, CommStep)
             op = step.op
             op_id = relax.prim_value(op_ids[id_key(op)])
@@ -202,7 +278,7 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
             if out_name not in read_later:
                 bb.emit(relax.Call(relax.ExternFunc(KEEP_FUNC), [y], ty_args=[relax.ObjectType()]))
         bb.emit_func_output(relax.Tuple([_lookup(env, n, where) for n in graph_outputs]))
-    return LoweredProgram(bb.get(), graph_inputs, graph_outputs, comm_ops, n_segments)
+    return LoweredProgram(bb.get(), graph_inputs, graph_outputs, comm_ops, n_segments, tuple(ort_described))
 
 
 def id_key(op: CommOp) -> tuple[str, tuple[str, ...], tuple[str, ...]]:

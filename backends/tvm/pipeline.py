@@ -25,7 +25,9 @@ from typing import Any
 PIPELINES = ("scheduled", "zero")
 DEFAULT_PIPELINE = "scheduled"
 
-CONV_LAYOUT = {"relax.nn.conv2d": ["NHWC", "HWIO"]}
+# conv2d goes NHWC (the schedules vectorise over output channels); TVM cannot compile a
+# transposed convolution in NHWC, so it stays NCHW (ConvertLayout inserts the transposes).
+CONV_LAYOUT = {"relax.nn.conv2d": ["NHWC", "HWIO"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
 
 
 def _is_cpu(target: Any) -> bool:

@@ -1,0 +1,264 @@
+"""Per-segment ONNX Runtime fallback inside a TVM rank (``--fallback onnxruntime``).
+
+When a per-rank program holds ops TVM's ONNX importer cannot convert, only the runs of those
+ops go to ONNX Runtime; everything else is still compiled by TVM, in the same process.
+
+Rules:
+1. A program opts in with the metadata entry ``partitioner.fallback = "onnxruntime"``
+   (:func:`mark_program`; :func:`partitioner.artifact.build_artifact` sets it only on programs that
+   need it, so other programs stay byte-identical). Without it, unsupported ops are a
+   :class:`BackendError` that lists them all (:func:`backends.tvm.lower.check_supported`).
+2. :func:`split_with_fallback` cuts the program in node order into: comm steps (one per comm node),
+   TVM segments (maximal runs of importable nodes) and ORT segments (maximal runs of nodes that are
+   not importable: an op missing from the importer's convert map, a non-default domain, or a
+   subgraph holding one). Each segment is a valid ONNX model with typed boundaries
+   (:mod:`partitioner.segments` rules 2-4).
+3. ORT segment ``k`` (its ordinal among the program's ORT segments) is stored next to the rank
+   library as ``rank<i>.seg<k>.onnx`` (:func:`segment_file`), hashed in the manifest like every file.
+   In Relax it is ``R.call_dps_packed("partitioner.ort_segment", (k, inputs...), out_ty=...)``;
+   the packed function receives ``(k, inputs..., outputs...)`` and runs the segment's
+   ``InferenceSession`` on the calling thread, writing the destination tensors in place.
+4. The decision depends only on the program and the installed TVM's convert map, so the builder,
+   the artifact writer and the loader all derive the same segments.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from partitioner.comm_ops import CommOp, is_comm
+from partitioner.errors import BackendError, RunFailed
+from partitioner.segments import CommStep, Segment, _segment_model, node_reads, value_infos
+
+META_KEY = "partitioner.fallback"
+ORT = "onnxruntime"
+PACKED_NAME = "partitioner.ort_segment"
+
+
+@dataclass(frozen=True)
+class OrtSegment:
+    """A run of nodes TVM cannot import; runs under ONNX Runtime. ``key`` is k in rank<i>.seg<k>.onnx."""
+
+    index: int
+    key: int
+    model: onnx.ModelProto
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    nodes: tuple[str, ...]
+    op_types: tuple[str, ...]
+
+    def describe(self) -> dict[str, Any]:
+        return {"segment": self.key, "nodes": list(self.nodes), "op_types": sorted(set(self.op_types)),
+                "inputs": list(self.inputs), "outputs": list(self.outputs)}
+
+
+def _known_ops() -> set[str]:
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    return set(_get_convert_map()) | {"Constant", "If"}  # as lower.check_supported: the importer handles these itself
+
+
+def _subgraphs(node: onnx.NodeProto):
+    for attr in node.attribute:
+        yield from list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
+
+
+def unsupported_op(node: onnx.NodeProto, known: set[str] | None = None) -> str | None:
+    """The op type (``domain::Op`` outside the default domain) that keeps TVM from importing
+    ``node``, looking into its subgraphs too; None when TVM can import it. Comm nodes are None."""
+    if is_comm(node):
+        return None
+    known = _known_ops() if known is None else known
+    if node.domain not in ("", "ai.onnx"):
+        return f"{node.domain}::{node.op_type}"
+    if node.op_type not in known:
+        return node.op_type
+    for g in _subgraphs(node):
+        for inner in g.node:
+            bad = unsupported_op(inner, known)
+            if bad is not None:
+                return bad
+    return None
+
+
+def wants_fallback(program: onnx.ModelProto) -> bool:
+    return any(p.key == META_KEY and p.value == ORT for p in program.metadata_props)
+
+
+def needs_fallback(program: onnx.ModelProto) -> bool:
+    """Whether any top-level node of ``program`` cannot be imported by TVM."""
+    known = _known_ops()
+    return any(unsupported_op(n, known) is not None for n in program.graph.node)
+
+
+def mark_program(program: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``program`` that asks the TVM lowering for per-segment ORT fallback (rule 1)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(program)
+    if not wants_fallback(out):
+        entry = out.metadata_props.add()
+        entry.key, entry.value = META_KEY, ORT
+    return out
+
+
+def segment_file(library: str | Path, key: int) -> str:
+    """``rank<i>.seg<k>.onnx`` for the library ``rank<i>.so`` (only the stem is used)."""
+    return f"{Path(library).name.split('.')[0]}.seg{key}.onnx"
+
+
+def split_with_fallback(program: onnx.ModelProto) -> list[Segment | CommStep | OrtSegment]:
+    """Rule 2. ``program`` must be shape-inferred (boundaries need types and shapes)."""
+    g = program.graph
+    known = _known_ops()
+    groups: list[tuple[str, list[onnx.NodeProto]]] = []
+    for node in g.node:
+        kind = "comm" if is_comm(node) else ("ort" if unsupported_op(node, known) else "tvm")
+        if kind != "comm" and groups and groups[-1][0] == kind:
+            groups[-1][1].append(node)
+        else:
+            groups.append((kind, [node]))
+
+    reads = [set().union(*(node_reads(n) for n in nodes)) for _, nodes in groups]
+    later: list[set[str]] = [set() for _ in groups]
+    acc = {o.name for o in g.output}
+    for i in range(len(groups) - 1, -1, -1):
+        later[i] = set(acc)
+        acc |= reads[i]
+
+    infos = value_infos(program)
+    inits = {t.name: t for t in g.initializer}
+    from partitioner.comm_ops import DOMAIN
+
+    opsets = [o for o in program.opset_import if o.domain != DOMAIN]
+    steps: list[Segment | CommStep | OrtSegment] = []
+    n_ort = 0
+    for i, (kind, nodes) in enumerate(groups):
+        if kind == "comm":
+            steps.append(CommStep(i, CommOp.from_node(nodes[0])))
+            continue
+        produced = [o for n in nodes for o in n.output if o]
+        produced_set = set(produced)
+        ins = sorted(r for r in reads[i] if r not in produced_set and r not in inits)
+        outs = [o for o in produced if o in later[i]]
+        seg = _segment_model(program, nodes, ins, outs, [inits[r] for r in sorted(reads[i]) if r in inits],
+                             infos, opsets, i)
+        if kind == "tvm":
+            steps.append(Segment(i, seg, tuple(ins), tuple(outs)))
+            continue
+        seg.graph.name = f"{g.name}_ort{n_ort}"
+        steps.append(OrtSegment(i, n_ort, seg, tuple(ins), tuple(outs), tuple(n.name or "<unnamed>" for n in nodes),
+                                tuple(unsupported_op(n, known) or n.op_type for n in nodes)))
+        n_ort += 1
+    return steps
+
+
+def ort_segments(program: onnx.ModelProto) -> list[OrtSegment]:
+    """The program's ORT segments (empty unless it opted in and needs them)."""
+    if not wants_fallback(program) or not needs_fallback(program):
+        return []
+    inferred = onnx.shape_inference.infer_shapes(program)
+    return [s for s in split_with_fallback(inferred) if isinstance(s, OrtSegment)]
+
+
+# -- run time -----------------------------------------------------------------------------------
+
+_local = threading.local()
+_register_lock = threading.Lock()
+_registered = False
+
+
+@dataclass(frozen=True)
+class _Session:
+    session: Any  # onnxruntime.InferenceSession
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) -> dict[int, _Session]:
+    """ORT sessions for the program's ORT segments, read from the files next to ``library``."""
+    segs = ort_segments(program)
+    if not segs:
+        return {}
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = max(1, int(threads))
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    table = {}
+    for seg in segs:
+        path = Path(library).parent / segment_file(library, seg.key)
+        if not path.is_file():
+            raise BackendError(f"{path}: ONNX Runtime fallback segment {seg.key} is missing; recompile with "
+                               "--fallback onnxruntime")
+        try:
+            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own classes
+            raise BackendError(f"{path}: ONNX Runtime cannot load this fallback segment "
+                               f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
+        table[seg.key] = _Session(sess, seg.inputs, seg.outputs)
+    return table
+
+
+def bind(table: dict[int, _Session] | None) -> None:
+    """Make ``table`` the current thread's sessions (the executable does this around a VM call)."""
+    _local.table = table
+    _local.error = None
+
+
+def last_error() -> BaseException | None:
+    return getattr(_local, "error", None)
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    if t.device.dlpack_device_type() == 1:  # kDLCPU: a view, no copy
+        return np.from_dlpack(t)
+    return t.numpy()
+
+
+def _write(out: Any, value: np.ndarray) -> None:
+    if out.device.dlpack_device_type() == 1:
+        dst = np.from_dlpack(out)
+        if dst.shape != value.shape:
+            raise RunFailed(f"{PACKED_NAME}: segment result has shape {list(value.shape)}, the library expects "
+                            f"{list(dst.shape)}")
+        np.copyto(dst, value, casting="same_kind")
+    else:
+        out.copyfrom(np.ascontiguousarray(value, dtype=out.dtype))
+
+
+def _run_segment(*args: Any) -> None:
+    try:
+        table = getattr(_local, "table", None)
+        if table is None:
+            raise RunFailed(f"{PACKED_NAME} called outside TvmRankExecutable.run (no fallback sessions bound)")
+        key = int(args[0])
+        entry = table.get(key)
+        if entry is None:
+            raise RunFailed(f"{PACKED_NAME}: no ONNX Runtime segment {key} in this rank")
+        n_in = len(entry.inputs)
+        feeds = {name: np.ascontiguousarray(_to_numpy(t)) for name, t in zip(entry.inputs, args[1:1 + n_in])}
+        results = entry.session.run(list(entry.outputs), feeds)
+        for out, value in zip(args[1 + n_in:], results):
+            _write(out, np.asarray(value))
+    except BaseException as e:  # keep the real error for the executable to re-raise
+        _local.error = e
+        raise
+
+
+def register() -> None:
+    """Register ``partitioner.ort_segment`` once per process."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        import tvm
+
+        tvm.register_global_func(PACKED_NAME, _run_segment, override=True)
+        _registered = True

@@ -1,0 +1,92 @@
+"""Every zoo builder (small sizes) x {data, pipeline, tensor} on 2 ranks with the TVM backend.
+
+Each case compiles an artifact (partitioner.artifact.compile, backend tvm), runs it through the
+in-process runtime (threads, LocalWorld) and compares every output with ONNX Runtime on the
+unpartitioned model, run here by the test itself, with seeded inputs:
+``|got - want| <= atol + rtol * |want|`` with rtol 1e-4, atol 1e-5.
+
+A strategy that does not apply to a model must raise ``StrategyNotApplicable``; that case is
+skipped with the reason (a listed skip, never a silent pass). Any other error fails.
+
+TVM compiles take ~1-20 s per program on a contended 2-core machine, so the full matrix is
+``@pytest.mark.slow`` (``make test-slow``); the unmarked subset (mlp x all three, bert x tensor)
+runs in CI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import models_zoo
+from partitioner.errors import StrategyNotApplicable
+
+pytest.importorskip("tvm")
+
+RTOL, ATOL = 1e-4, 1e-5
+BATCH = 2  # data parallelism over 2 ranks needs a batch of at least 2
+SMALL = {  # the sizes of tests/test_foundation.py
+    "mlp": {}, "resnet": {"image": 32, "width": 16}, "resnet50": {"image": 32, "width": 8},
+    "bert": {"seq": 8}, "gpt": {"seq": 8}, "unet": {"image": 32, "base": 8},
+    "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5},
+}
+STRATEGIES = ("data", "pipeline", "tensor")
+FAST = {("mlp", "data"), ("mlp", "pipeline"), ("mlp", "tensor"), ("bert", "tensor")}
+
+
+def _cases():
+    for name in SMALL:
+        for strategy in STRATEGIES:
+            marks = () if (name, strategy) in FAST else (pytest.mark.slow,)
+            yield pytest.param(name, strategy, marks=marks, id=f"{name}-{strategy}")
+
+
+def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [d.dim_value for d in tt.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        feeds[vi.name] = (rng.integers(0, 100, shape) if np.issubdtype(dtype, np.integer)
+                          else rng.standard_normal(shape)).astype(dtype)
+    return feeds
+
+
+def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def test_matrix_covers_every_zoo_builder() -> None:
+    builders = {e.name for e in models_zoo.list_models() if e.kind == "builder"}
+    assert builders <= set(SMALL), f"add {sorted(builders - set(SMALL))} to SMALL"
+
+
+@pytest.mark.parametrize(("name", "strategy"), list(_cases()))
+def test_zoo_model_tvm_two_ranks_matches_ort(name: str, strategy: str, tmp_path) -> None:
+    from partitioner.artifact import compile as compile_artifact
+    from partitioner.runtime.launch import run_in_process
+
+    model = models_zoo.build(name, batch=BATCH, **SMALL[name])
+    feeds = _feeds(model)
+    want = _ort(model, feeds)
+    try:
+        art = compile_artifact(model, "cpu:2", strategy=strategy, backend="tvm", out_dir=tmp_path / "art",
+                               jobs=1, progress=False)
+    except StrategyNotApplicable as exc:
+        pytest.skip(f"{name} x {strategy}: StrategyNotApplicable: {exc}")
+    assert art.backend == "tvm" and art.world_size == 2 and art.manifest["fallback"] is None
+    assert all((art.root / f"rank{i}.so").is_file() for i in range(2))
+    got, _ = run_in_process(art, feeds, timeout=600)
+    assert set(got) == set(want)
+    for out_name, ref in want.items():
+        assert got[out_name].shape == ref.shape, out_name
+        np.testing.assert_allclose(got[out_name], ref, rtol=RTOL, atol=ATOL, err_msg=f"{name} x {strategy}: {out_name}")
