@@ -45,3 +45,28 @@ def test_keeps_send_and_unused_comm_results():
     DeadCodeElimination()(model)
     # Send has no outputs and AllReduce's result is unused: both stay, and so does Relu (feeds Send)
     assert op_types(model) == ["Relu", "Send", "AllReduce", "Identity"]
+
+
+def test_drops_unread_optional_outputs_only():
+    """Dropout's mask and MaxPool's Indices are optional outputs: unread ones are dropped (rule 4),
+    a read one is kept."""
+    nodes = [
+        helper.make_node("Dropout", ["x"], ["d", "mask"], name="drop"),
+        helper.make_node("MaxPool", ["d"], ["p", "idx"], name="pool", kernel_shape=[2]),
+        helper.make_node("Relu", ["p"], ["y"], name="relu"),
+        helper.make_node("Dropout", ["x"], ["d2", "mask2"], name="drop_read"),
+        helper.make_node("Not", ["mask2"], ["m"], name="not"),
+    ]
+    from onnx import TensorProto
+
+    proto = make_model(nodes, [tensor_info("x", [1, 2, 4])],
+                       [tensor_info("y", [1, 2, 3]), tensor_info("m", [1, 2, 4], TensorProto.BOOL)], [])
+    model = to_ir(proto)
+    assert DeadCodeElimination()(model).modified
+    outs = {n.name: [v.name for v in n.outputs] for n in model.graph}
+    assert outs["drop"] == ["d"] and outs["pool"] == ["p"]
+    assert outs["drop_read"] == ["d2", "mask2"]
+    assert op_types(model) == ["Dropout", "MaxPool", "Relu", "Dropout", "Not"]
+    assert not DeadCodeElimination()(model).modified
+    assert_same_outputs(proto, model)
+    check_model(model)
