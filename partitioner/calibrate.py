@@ -7,18 +7,30 @@ What is measured, and how:
    OMP/OPENBLAS/MKL thread counts set to 1), best of several runs, 2n³ FLOPs. It becomes the
    device's float32 peak (efficiency 1.0): it is the rate a tuned kernel reaches on one core.
 2. Per-core memory bandwidth: a large array copy (read + write bytes / time), one thread.
-3. Launch overhead: ONNX Runtime on one thread running a chain of tiny Relu nodes; time per node.
-4. MPI α and β: ``mpiexec -n 2 python -m partitioner.calibrate_mpi`` ping-pong at several sizes,
+3. Launch overhead of the backend being calibrated (``backend``: ``tvm`` by default, or
+   ``onnxruntime``), one thread: TVM runs a chain of 32 tiny MatMuls (each its own kernel);
+   ONNX Runtime a chain of tiny Relu/Neg nodes with graph optimisations off; time per node.
+4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
+   micro-kernels (:func:`micro_kernels`: a dense GEMM, a 3×3 and a 1×1 conv, a depthwise conv, an
+   elementwise chain, softmax + layer norm, max + global average pool, transpose + concat) at one
+   to four representative sizes, median of N runs. efficiency(kernel) = roofline time at
+   efficiency 1 (against the GEMM rate of 1. and the bandwidth of 2., fusion rules of
+   :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
+   efficiency(class) = geometric mean over the class's kernels. It is
+   never fitted on the zoo models that benchmarks/cost_accuracy.py checks against.
+5. MPI α and β: ``mpiexec -n 2 python -m partitioner.calibrate_mpi`` ping-pong at several sizes,
    then a least-squares fit of one-way time = α + nβ weighted by 1/t (relative error), so both
    small and large messages count; α is clamped to [0, time of the smallest message]. The 2-rank allreduce times are kept for checking the model.
 
 The result is a cluster of ``os.cpu_count()`` identical one-core devices in one node, named
-``local``. Everything stays within a minute (``quick``: about 15 s).
+``local``. Everything stays within a minute (``quick``: about 10–20 s; TVM micro-kernels
+compile in a temporary folder, nothing is cached).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -29,11 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.cluster import CPU_LINK, Cluster, Device, LinkLevel, total_memory_bytes
+from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
 from partitioner.errors import PartitionerError
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
+
+
+DEFAULT_BACKEND = "tvm"
+BACKENDS = ("tvm", "onnxruntime")
 
 
 class CalibrationError(PartitionerError):
@@ -55,11 +71,17 @@ class Calibration:
     mpi_ok: bool
     seconds: float
     machine: dict[str, Any] = field(default_factory=dict, hash=False)
+    backend: str = DEFAULT_BACKEND
+    efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
+    kernels: tuple[dict[str, Any], ...] = field(default=(), hash=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "backend": self.backend,
             "gemm_flops_per_core": self.gemm_flops, "gemm_n": self.gemm_n,
             "memory_bandwidth_per_core": self.memory_bandwidth, "launch_overhead_s": self.launch_overhead_s,
+            "efficiency_by_class": dict(self.efficiency_by_class),
+            "kernels": [dict(k) for k in self.kernels],
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                     "bandwidth": 1 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None,
                     "pingpong": [list(p) for p in self.pingpong],
@@ -68,9 +90,227 @@ class Calibration:
         }
 
 
+# ---- per-class micro-kernels (built and run by the backend being calibrated) ------------------
+
+
+@dataclass(frozen=True)
+class MicroKernel:
+    """A one-class ONNX micro-model: ``nodes`` over inputs ``inputs`` (name -> shape) and
+    constant weights ``weights`` (name -> shape), all float32."""
+
+    name: str
+    op_class: str
+    inputs: tuple[tuple[str, tuple[int, ...]], ...]
+    weights: tuple[tuple[str, tuple[int, ...]], ...]
+    nodes: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[tuple[str, Any], ...]], ...]
+    outputs: tuple[str, ...]
+
+
+def _k(name: str, cls: str, inputs: dict[str, tuple[int, ...]], weights: dict[str, tuple[int, ...]],
+       nodes: list[tuple[str, list[str], list[str], dict[str, Any]]], outputs: list[str]) -> MicroKernel:
+    return MicroKernel(name, cls, tuple(inputs.items()), tuple(weights.items()),
+                       tuple((op, tuple(i), tuple(o), tuple(a.items())) for op, i, o, a in nodes), tuple(outputs))
+
+
+def micro_kernels(quick: bool) -> list[MicroKernel]:
+    """The calibration set: one to four representative sizes per class (never a zoo model).
+
+    Sizes are those of the layers in small CNNs and transformers: a compute-bound GEMM and a
+    batch-1 (weight-bound) one; a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
+    changes only how long each kernel is timed, not the set."""
+    ks = [
+        _k("gemm_128x256x256", "gemm", {"x": (128, 256)}, {"w": (256, 256)},
+           [("MatMul", ["x", "w"], ["y"], {})], ["y"]),
+        _k("gemv_1x256x512", "gemm", {"x": (1, 256)}, {"w": (256, 512)},
+           [("MatMul", ["x", "w"], ["y"], {})], ["y"]),
+        _k("conv7x7s2_3c_96", "conv", {"x": (1, 3, 96, 96)}, {"w": (32, 3, 7, 7), "b": (32,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [3, 3, 3, 3], "strides": [2, 2]})], ["y"]),
+        _k("conv3x3_32c_16", "conv", {"x": (1, 32, 16, 16)}, {"w": (32, 32, 3, 3), "b": (32,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
+        _k("conv3x3_64c_28", "conv", {"x": (1, 64, 28, 28)}, {"w": (64, 64, 3, 3), "b": (64,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
+        _k("conv3x3_256c_7", "conv", {"x": (1, 256, 7, 7)}, {"w": (256, 256, 3, 3), "b": (256,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
+        _k("conv1x1_128c_28", "conv", {"x": (1, 128, 28, 28)}, {"w": (128, 128, 1, 1), "b": (128,)},
+           [("Conv", ["x", "w", "b"], ["y"], {})], ["y"]),
+        _k("dwconv3x3_128c_28", "depthwise_conv", {"x": (1, 128, 28, 28)}, {"w": (128, 1, 3, 3), "b": (128,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1], "group": 128})], ["y"]),
+        _k("eltwise_chain_64c_56", "elementwise", {"x": (1, 64, 56, 56), "r": (1, 64, 56, 56)},
+           {"s": (1, 64, 1, 1), "c": (1, 64, 1, 1)},
+           [("Add", ["x", "r"], ["a"], {}), ("Mul", ["a", "s"], ["m"], {}), ("Add", ["m", "c"], ["t"], {}),
+            ("Relu", ["t"], ["y"], {})], ["y"]),
+        _k("softmax_layernorm", "norm", {"s": (4, 64, 64), "h": (64, 128)}, {"g": (128,), "be": (128,)},
+           [("Softmax", ["s"], ["p"], {"axis": -1}), ("LayerNormalization", ["h", "g", "be"], ["n"], {"axis": -1})],
+           ["p", "n"]),
+        _k("maxpool_avgpool_64c_56", "pool", {"x": (1, 64, 56, 56)}, {},
+           [("MaxPool", ["x"], ["p"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+            ("GlobalAveragePool", ["x"], ["g"], {})], ["p", "g"]),
+        _k("transpose_concat_64c_28", "data_movement", {"x": (1, 64, 28, 28), "z": (1, 64, 28, 28)}, {},
+           [("Transpose", ["x"], ["t"], {"perm": [0, 2, 3, 1]}), ("Concat", ["x", "z"], ["c"], {"axis": 1})],
+           ["t", "c"]),
+    ]
+    return ks
+
+
+def launch_chain(length: int) -> MicroKernel:
+    """``length`` tiny MatMuls in a chain: each is its own kernel and does ~no work."""
+    nodes = [("MatMul", [f"t{i}", f"w{i}"], [f"t{i + 1}"], {}) for i in range(length)]
+    return _k(f"launch_chain_{length}", "other", {"t0": (1, 8)}, {f"w{i}": (8, 8) for i in range(length)},
+              nodes, [f"t{length}"])
+
+
+def kernel_model(k: MicroKernel) -> Any:
+    """The ONNX ModelProto of a micro-kernel, shapes inferred, seeded weights."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node(op, list(i), list(o), **dict(a)) for op, i, o, a in k.nodes]
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in k.weights]
+    g = helper.make_graph(nodes, k.name, [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in k.inputs],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in k.outputs], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    # give the outputs their inferred shapes (the TVM importer wants typed outputs)
+    vi = {v.name: v for v in m.graph.value_info}
+    for out in m.graph.output:
+        if out.name in vi:
+            out.CopyFrom(vi[out.name])
+    return m
+
+
+def _feeds(k: MicroKernel) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in k.inputs}
+
+
+def _median_time(fn: Any, quick: bool) -> float:
+    """Median seconds of ``fn()`` over at least 5 and at most 200 runs within a time budget."""
+    import statistics
+
+    fn()
+    fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + (0.3 if quick else 1.0)
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _runner(backend: str, model: Any, workdir: Path) -> Any:
+    """A zero-argument callable that runs ``model`` once on ``backend``, one thread."""
+    if backend == "onnxruntime":
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return lambda feeds: sess.run(None, feeds)
+    from backends.tvm.build import build
+    from backends.tvm.executable import load
+    from partitioner.runtime.comm_local import LocalWorld
+
+    path = workdir / f"{model.graph.name}.so"
+    build(model, path)
+    exe = load(model, path, threads=1)
+    comm = LocalWorld(1).communicator(0)
+    return lambda feeds: exe.run(feeds, comm)
+
+
+def _ort_launch_overhead(chain: int) -> float:
+    """Seconds per tiny node in ONNX Runtime on one thread, graph optimisations off."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu" if i % 2 == 0 else "Neg", [f"t{i}"], [f"t{i + 1}"]) for i in range(chain)]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info(f"t{chain}", TensorProto.FLOAT, [4])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = {"t0": np.ones(4, np.float32)}
+    return _median_time(lambda: sess.run(None, x), quick=False) / chain
+
+
+def kernel_roof(model: Any, device: Device) -> tuple[float, int]:
+    """(Σ roofline seconds at efficiency 1 without launch overheads, kernels launched) of a
+    micro-model under the roofline rules (fusion included), so that calibrating on it and
+    predicting it use one formula."""
+    import onnx_ir as ir
+
+    from partitioner.cost.ops import op_class
+    from partitioner.cost.roofline import fused_nodes, op_time
+    from partitioner.cost.workdepth import constant_values, node_costs
+
+    graph = ir.serde.deserialize_model(model).graph
+    costs = node_costs(graph, constant_values(graph))
+    fused = fused_nodes(graph)
+    unit = Device(device.name, device.kind, dict(device.peak_flops), device.memory_bytes, device.memory_bandwidth,
+                  1.0, 0.0)
+    roof = sum(op_time(c, unit, "float32", None, n in fused) for n, c in zip(graph, costs))
+    launches = sum(1 for n, c in zip(graph, costs) if n not in fused and (c.flops > 0 or c.bytes > 0))
+    return roof, launches
+
+
+def measure_backend(backend: str, quick: bool, gemm_flops: float, bandwidth: float) -> dict[str, Any]:
+    """Launch overhead and per-class efficiencies of ``backend``'s kernels on one thread.
+
+    efficiency(kernel) = roof(kernel) / (median measured − launches · launch overhead), and
+    efficiency(class) = the geometric mean over the class's micro-kernels (capped at
+    :data:`~partitioner.cluster.MAX_CLASS_EFFICIENCY`), where roof is the roofline time at efficiency 1 against the measured
+    GEMM rate and bandwidth (:func:`kernel_roof`). ``reduction`` has no micro-kernel of its own
+    and takes the ``norm`` value (both are row reductions)."""
+    import tempfile
+
+    if backend not in BACKENDS:
+        raise CalibrationError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    device = Device("probe", "cpu", {"float32": gemm_flops}, 1e9, bandwidth)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="partitioner-calibrate-") as tmp:
+        work = Path(tmp)
+        if backend == "onnxruntime":
+            launch = _ort_launch_overhead(200)
+        else:
+            chain = launch_chain(32)
+            run = _runner(backend, kernel_model(chain), work)
+            feeds = _feeds(chain)
+            launch = _median_time(lambda: run(feeds), quick) / 32
+        for k in micro_kernels(quick):
+            model = kernel_model(k)
+            t0 = time.perf_counter()
+            run = _runner(backend, model, work)
+            build_s = time.perf_counter() - t0
+            feeds = _feeds(k)
+            measured = _median_time(lambda: run(feeds), quick)
+            roof, launches = kernel_roof(model, device)
+            rows.append({"kernel": k.name, "class": k.op_class, "measured_s": measured, "roof_s": roof,
+                         "launches": launches, "build_s": round(build_s, 3)})
+    for r in rows:
+        busy = max(r["measured_s"] - r["launches"] * launch, 0.25 * r["measured_s"])
+        r["efficiency"] = r["roof_s"] / busy
+    by_class: dict[str, float] = {}
+    for cls in dict.fromkeys(r["class"] for r in rows):
+        effs = [r["efficiency"] for r in rows if r["class"] == cls]
+        by_class[cls] = min(math.exp(sum(math.log(e) for e in effs) / len(effs)), MAX_CLASS_EFFICIENCY)
+    if "norm" in by_class:
+        by_class["reduction"] = by_class["norm"]
+    return {"launch_overhead_s": launch, "efficiency_by_class": by_class, "kernels": rows, "backend": backend}
+
+
 # ---- single-core probe (runs in a subprocess with one BLAS thread) ----------------------------
 
-def _probe(quick: bool) -> dict[str, float]:
+def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
     import numpy as np
 
     n = 512 if quick else 1024
@@ -99,46 +339,21 @@ def _probe(quick: bool) -> dict[str, float]:
         bw_best = min(bw_best, time.perf_counter() - t0)
     bandwidth = 2.0 * size / bw_best
 
-    launch = _launch_overhead(120 if quick else 400)
-    return {"gemm_flops": gemm, "gemm_n": n, "memory_bandwidth": bandwidth, "launch_overhead_s": launch}
-
-
-def _launch_overhead(chain: int) -> float:
-    """Seconds per tiny node in ONNX Runtime on one thread (0 when ORT is missing)."""
-    try:
-        import numpy as np
-        import onnxruntime as ort
-        from onnx import TensorProto, helper
-    except ImportError:
-        return 0.0
-    nodes = [helper.make_node("Relu" if i % 2 == 0 else "Neg", [f"t{i}"], [f"t{i + 1}"]) for i in range(chain)]
-    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [4])],
-                          [helper.make_tensor_value_info(f"t{chain}", TensorProto.FLOAT, [4])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    x = {"t0": np.ones(4, np.float32)}
-    for _ in range(5):
-        sess.run(None, x)
-    best = float("inf")
-    for _ in range(20):
-        t0 = time.perf_counter()
-        sess.run(None, x)
-        best = min(best, time.perf_counter() - t0)
-    return best / chain
+    measured = measure_backend(backend, quick, gemm, bandwidth)
+    return {"gemm_flops": gemm, "gemm_n": n, "memory_bandwidth": bandwidth, **measured}
 
 
 def _probe_main() -> None:
-    print(json.dumps(_probe("--quick" in sys.argv)))
+    backend = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--backend=")), DEFAULT_BACKEND)
+    print(json.dumps(_probe("--quick" in sys.argv, backend)))
 
 
-def _run_probe(quick: bool, timeout: float) -> dict[str, float]:
-    env = dict(os.environ, **_SINGLE_THREAD_ENV)
+def _run_probe(quick: bool, timeout: float, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
+    env = dict(os.environ, **_SINGLE_THREAD_ENV, TVM_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parents[1])  # the backends package sits beside partitioner
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     code = "import sys; from partitioner.calibrate import _probe_main; _probe_main()"
-    args = [sys.executable, "-c", code] + (["--quick"] if quick else [])
+    args = [sys.executable, "-c", code, f"--backend={backend}"] + (["--quick"] if quick else [])
     try:
         out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -211,11 +426,15 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
-def calibrate(quick: bool = False) -> Calibration:
-    """Run the probes (module docstring) and return the measurements."""
+def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = True) -> Calibration:
+    """Run the probes (module docstring) and return the measurements; ``backend`` selects whose
+    kernels the per-class efficiencies and launch overhead describe; ``mpi=False`` skips the
+    MPI probe (the link keeps nominal numbers)."""
+    if backend not in BACKENDS:
+        raise CalibrationError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     t0 = time.perf_counter()
-    single = _run_probe(quick, timeout=30 if quick else 60)
-    mpi = _run_mpi(quick, timeout=20 if quick else 40)
+    single = _run_probe(quick, timeout=120 if quick else 300, backend=backend)
+    mpi = _run_mpi(quick, timeout=20 if quick else 40) if mpi else None
     if mpi is not None:
         pp = [tuple(map(float, p)) for p in mpi["pingpong"]]
         ar = [tuple(map(float, p)) for p in mpi.get("allreduce", [])]
@@ -229,6 +448,8 @@ def calibrate(quick: bool = False) -> Calibration:
         launch_overhead_s=float(single["launch_overhead_s"]),
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
         mpi_ok=mpi is not None, seconds=time.perf_counter() - t0, machine=machine_info(),
+        backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
+        kernels=tuple(single.get("kernels", ())),
     )
 
 
@@ -238,9 +459,11 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     f32 = cal.gemm_flops
     peak = {"float32": f32, "float16": f32, "bfloat16": f32, "int8": 2 * f32}
     mem = total_memory_bytes() / n
-    devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s)
+    devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s,
+                        dict(cal.efficiency_by_class))
                  for i in range(n))
     link = LinkLevel("shm-mpi" if cal.mpi_ok else "shm", cal.alpha_s, cal.beta_s_per_byte)
-    notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')}"
+    notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')} "
+             f"for the {cal.backend} backend"
              f"{'' if cal.mpi_ok else '; MPI probe failed, link is nominal'}")
     return Cluster("local", devs, (tuple(range(n)),), (link,), notes)

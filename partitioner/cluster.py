@@ -47,9 +47,20 @@ DTYPES = ("float32", "float16", "bfloat16", "int8")
 SELF_LINK_NAME = "self"
 
 
+OP_CLASSES = ("gemm", "conv", "depthwise_conv", "elementwise", "norm", "reduction", "pool", "data_movement")
+MAX_CLASS_EFFICIENCY = 16.0  # a class may beat the DRAM roof when its kernels run from cache
+
+
 @dataclass(frozen=True)
 class Device:
-    """One device. ``peak_flops`` maps a dtype name to FLOP/s; ``memory_bandwidth`` is in B/s."""
+    """One device. ``peak_flops`` maps a dtype name to FLOP/s; ``memory_bandwidth`` is in B/s.
+
+    ``efficiency_by_class`` maps an op class (:data:`OP_CLASSES`, see
+    :func:`partitioner.cost.ops.op_class`) to the achieved fraction of the roofline for that
+    class's kernels; classes not listed use ``efficiency``. Class values are measured by
+    ``partitioner calibrate`` on micro-kernels and may exceed 1 (up to
+    :data:`MAX_CLASS_EFFICIENCY`) when small kernels run from cache faster than the measured
+    DRAM bandwidth."""
 
     name: str
     kind: str
@@ -58,6 +69,13 @@ class Device:
     memory_bandwidth: float
     efficiency: float = 1.0
     launch_overhead_s: float = 0.0
+    efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
+
+    def class_efficiency(self, op_class: str | None) -> float:
+        """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
+        if op_class is None:
+            return self.efficiency
+        return self.efficiency_by_class.get(op_class, self.efficiency)
 
     def peak(self, dtype: str = "float32") -> float:
         """Peak FLOP/s for ``dtype``; dtypes not listed fall back to float32."""
@@ -69,7 +87,8 @@ class Device:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "peak_flops": dict(self.peak_flops),
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
-                "efficiency": self.efficiency, "launch_overhead_s": self.launch_overhead_s}
+                "efficiency": self.efficiency, "launch_overhead_s": self.launch_overhead_s,
+                **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {})}
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,13 @@ class Cluster:
                 raise ClusterError(f"{where}: device {d.name!r}: efficiency must be in (0, 1]")
             if not (d.launch_overhead_s >= 0 and math.isfinite(d.launch_overhead_s)):
                 raise ClusterError(f"{where}: device {d.name!r}: launch_overhead_s must be >= 0")
+            for cls_name, v in d.efficiency_by_class.items():
+                if cls_name not in OP_CLASSES:
+                    raise ClusterError(f"{where}: device {d.name!r}: efficiency_by_class has unknown class "
+                                       f"{cls_name!r}; use {', '.join(OP_CLASSES)}")
+                if not (isinstance(v, (int, float)) and 0 < v <= MAX_CLASS_EFFICIENCY):
+                    raise ClusterError(f"{where}: device {d.name!r}: efficiency_by_class[{cls_name!r}] must be "
+                                       f"in (0, {MAX_CLASS_EFFICIENCY:g}]")
         for lv in self.levels:
             if not (lv.alpha_s >= 0 and lv.beta_s_per_byte >= 0 and math.isfinite(lv.alpha_s)
                     and math.isfinite(lv.beta_s_per_byte)):
@@ -277,6 +303,10 @@ def _parse(data: Any, source: str) -> Cluster:
         if not isinstance(pf, dict) or not pf:
             raise ClusterError(f"{where}: field 'peak_flops' must be an object such as {{\"float32\": 1e11}}")
         peak = {str(k): _num(pf, k, f"{where}.peak_flops") for k in pf}
+        ebc = d.get("efficiency_by_class", {})
+        if not isinstance(ebc, dict):
+            raise ClusterError(f"{where}: field 'efficiency_by_class' must be an object such as {{\"conv\": 0.5}}")
+        by_class = {str(k): _num(ebc, k, f"{where}.efficiency_by_class") for k in ebc}
         count = d.get("count", 1)
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ClusterError(f"{where}: field 'count' must be a positive integer")
@@ -292,6 +322,7 @@ def _parse(data: Any, source: str) -> Cluster:
                 memory_bandwidth=_num(d, "memory_bandwidth", where),
                 efficiency=_num(d, "efficiency", where, 1.0),
                 launch_overhead_s=_num(d, "launch_overhead_s", where, 0.0),
+                efficiency_by_class=dict(by_class),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -439,7 +470,7 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     """n copies of the first device, one node, the first link level (for ``local:N``)."""
     d0 = cluster.devices[0]
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
-                        d0.efficiency, d0.launch_overhead_s) for i in range(n))
+                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class)) for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 
 

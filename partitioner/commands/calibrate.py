@@ -1,5 +1,9 @@
-"""``partitioner calibrate``: measure this machine's per-core GEMM rate, memory bandwidth,
-per-op launch overhead and MPI α/β, and write a cluster file (see partitioner/calibrate.py).
+"""``partitioner calibrate``: measure this machine's per-core GEMM rate, memory bandwidth, the
+chosen backend's per-op launch overhead and per-op-class efficiencies (on micro-kernels that
+backend builds), and MPI α/β, and write a cluster file (see partitioner/calibrate.py).
+
+``--backend tvm`` (default) calibrates the code the TVM backend generates with its default
+schedules; ``--backend onnxruntime`` calibrates ONNX Runtime's kernels (for predicting ORT).
 
 Without ``-o`` the file goes to the ``local`` preset's path (``~/.cache/partitioner/local.json``
 or ``$PARTITIONER_CALIBRATION``); with ``-o FILE`` it goes to FILE only.
@@ -12,13 +16,16 @@ import argparse
 from partitioner.commands._options import add_json_argument, print_json
 
 NAME = "calibrate"
-HELP = "measure this machine (GEMM FLOP/s, memory bandwidth, launch overhead, MPI alpha/beta) and write a cluster file"
+HELP = ("measure this machine (GEMM FLOP/s, memory bandwidth, per-op-class efficiency and launch overhead "
+        "of a backend's kernels, MPI alpha/beta) and write a cluster file")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None, metavar="FILE",
                    help="write the cluster file here instead of the 'local' preset's path")
-    p.add_argument("--quick", action="store_true", help="smaller, faster probes (about 15 s)")
+    p.add_argument("--quick", action="store_true", help="smaller, faster probes (well under a minute)")
+    p.add_argument("--backend", choices=("tvm", "onnxruntime"), default="tvm",
+                   help="whose kernels the per-class efficiencies describe (default: tvm)")
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="devices in the written cluster (default: all cores)")
     add_json_argument(p)
@@ -31,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.devices is not None and args.devices < 1:
         raise UsageError("--devices must be at least 1")
-    cal = calibrate(quick=args.quick)
+    cal = calibrate(quick=args.quick, backend=args.backend)
     cluster = cluster_from_calibration(cal, args.devices)
     written = []
     for path in [args.output] if args.output else [str(calibration_path())]:
@@ -45,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"GEMM (1 core, n={cal.gemm_n}):  {cal.gemm_flops / 1e9:8.1f} GFLOP/s")
     print(f"memory bandwidth (1 core):  {cal.memory_bandwidth / 1e9:8.1f} GB/s")
-    print(f"launch overhead (ORT):      {cal.launch_overhead_s * 1e6:8.2f} µs/op")
+    print(f"launch overhead ({cal.backend}):{' ' * max(1, 15 - len(cal.backend))}{cal.launch_overhead_s * 1e6:8.2f} µs/op")
+    for cls, eff in cal.efficiency_by_class.items():
+        print(f"efficiency {cls + ':':<17s}{eff:8.3f}")
     if cal.mpi_ok:
         print(f"MPI alpha:                  {cal.alpha_s * 1e6:8.2f} µs")
         print(f"MPI bandwidth (1/beta):     {1 / cal.beta_s_per_byte / 1e9:8.2f} GB/s")

@@ -27,6 +27,14 @@ of elements touched (read + written) for pure data-movement ops whose FLOP count
 (Concat, Transpose, Gather, Pad, ...), so that copies still add to W.
 
 Values whose shape is not fully static count as zero elements: run shape inference first.
+
+Op classes (:func:`op_class`), which select a device's per-class efficiency
+(``Device.efficiency_by_class``): ``gemm`` (MatMul, Gemm, Einsum), ``conv`` (Conv with one
+group, ConvTranspose), ``depthwise_conv`` (Conv with more than one group), ``elementwise``
+(unary, binary and variadic elementwise ops, Where, BatchNormalization), ``norm`` (Softmax,
+LogSoftmax, LayerNormalization, Instance/GroupNormalization, LRN), ``reduction`` (Reduce*,
+ArgMax/ArgMin), ``pool`` (Max/Average/Lp pools and their global forms), ``data_movement``
+(views, copies, Gather, Slice, Resize) and ``other`` (comm ops, unknown ops).
 """
 
 from __future__ import annotations
@@ -332,6 +340,32 @@ for _op in _COPIES:
     _RULES[_op] = _copy
 for _op in _REDUCES:
     _RULES[_op] = _reduce
+
+
+_CLASS_OF: dict[str, str] = {"MatMul": "gemm", "Gemm": "gemm", "Einsum": "gemm", "ConvTranspose": "conv",
+                             "BatchNormalization": "elementwise", "Where": "elementwise",
+                             "Softmax": "norm", "LogSoftmax": "norm", "LayerNormalization": "norm",
+                             "InstanceNormalization": "norm", "GroupNormalization": "norm", "LRN": "norm",
+                             "MaxPool": "pool", "AveragePool": "pool", "LpPool": "pool",
+                             "GlobalAveragePool": "pool", "GlobalMaxPool": "pool", "GlobalLpPool": "pool",
+                             "Gather": "data_movement", "GatherElements": "data_movement",
+                             "Slice": "data_movement", "Resize": "data_movement", "Upsample": "data_movement"}
+for _op in (*_UNARY_FLOPS, *_BINARY, *_VARIADIC):
+    _CLASS_OF[_op] = "elementwise"
+for _op in _REDUCES:
+    _CLASS_OF[_op] = "reduction"
+for _op in (*_COPIES, *_VIEWS, *_FREE):
+    _CLASS_OF[_op] = "data_movement"
+
+
+def op_class(node: ir.Node) -> str:
+    """The op class of ``node`` (list in the module docstring); ``"other"`` when unknown."""
+    if node.domain not in ("", "ai.onnx"):
+        return "other"
+    op = node.op_type
+    if op == "Conv":
+        return "depthwise_conv" if node.attributes.get_int("group", 1) > 1 else "conv"
+    return _CLASS_OF.get(op, "other")
 
 
 def op_cost(node: ir.Node) -> OpCost:

@@ -36,8 +36,8 @@ import onnx_ir as ir
 
 from partitioner.cluster import Cluster, Device
 from partitioner.cost.comm import collective_time, p2p_time
-from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel
-from partitioner.cost.roofline import op_time
+from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
+from partitioner.cost.roofline import fused_nodes, op_time
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
 from partitioner.errors import PlanError, VerifyError
 
@@ -194,6 +194,7 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
     where = f"rank {rank}"
     const = constant_values(graph)
     costs = node_costs(graph, const)
+    fused = fused_nodes(graph)
     steps: list[_Step] = []
     seg_time, seg_ops = 0.0, []
     for node, cost in zip(graph, costs):
@@ -203,7 +204,7 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
                 seg_time, seg_ops = 0.0, []
             steps.append(_comm_step(node, rank, where))
             continue
-        t = op_time(cost, device, _dtype_name(node))
+        t = op_time(cost, device, _dtype_name(node), op_class(node), node in fused)
         if t > 0:
             seg_time += t
             seg_ops.append(node.op_type)

@@ -19,20 +19,22 @@ import numpy as np
 from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
-from partitioner.cost.roofline import op_time
+from partitioner.cost.roofline import graph_op_times
 from partitioner.lowering.model_view import ModelView
 from partitioner.plan import Plan, Sharding
 
 
 def node_times(view: ModelView, device: Any) -> np.ndarray:
-    """Seconds of each node (in view order) on ``device`` (cached on the view per device kind)."""
+    """Seconds of each node (in view order) on ``device``, with the device's per-class efficiency
+    and fused elementwise ops (:func:`cost.roofline.graph_op_times`); cached per device kind."""
     cache = view.__dict__.setdefault("_node_time_cache", {})
     key = (device.kind, tuple(sorted(device.peak_flops.items())), device.memory_bandwidth,
-           device.efficiency, device.launch_overhead_s)
+           device.efficiency, device.launch_overhead_s,
+           tuple(sorted((getattr(device, "efficiency_by_class", None) or {}).items())))
     if key not in cache:
         if "_op_costs" not in view.__dict__:
             view.__dict__["_op_costs"] = [op_cost(n) for n in view.nodes]
-        cache[key] = np.array([op_time(c, device) for c in view.__dict__["_op_costs"]], dtype=np.float64)
+        cache[key] = np.array(graph_op_times(view.model.graph, device, view.__dict__["_op_costs"]), dtype=np.float64)
     return cache[key]
 
 

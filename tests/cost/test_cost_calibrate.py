@@ -47,7 +47,8 @@ def test_calibrate_cli_quick(tmp_path, monkeypatch, capsys):
     cal = doc["calibration"]
     assert 1e9 < cal["gemm_flops_per_core"] < 1e13  # between 1 GFLOP/s and 10 TFLOP/s per core
     assert 1e8 < cal["memory_bandwidth_per_core"] < 1e12
-    assert cal["seconds"] < 15
+    assert cal["seconds"] < 60  # TVM micro-kernels compile and run inside the budget
+    assert cal["backend"] == "tvm" and 0 < cal["efficiency_by_class"]["conv"] <= 16
     local = Cluster.resolve("local")
     assert local.name == "local" and local.devices[0].peak() == pytest.approx(cal["gemm_flops_per_core"])
     if cal["mpi"]["ok"]:
