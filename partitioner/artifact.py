@@ -303,7 +303,8 @@ def _source_bytes(source: onnx.ModelProto | bytes | str | os.PathLike[str]) -> b
 
 
 def _build_backend_files(tmp: Path, programs: Sequence[onnx.ModelProto], backend: str, target: Any,
-                         jobs: int | None, progress: bool | None) -> tuple[str, list[dict]]:
+                         jobs: int | None, progress: bool | None,
+                         options: Mapping[str, Any] | None = None) -> tuple[str, list[dict]]:
     from backends import get_backend
 
     mod = get_backend(backend)
@@ -316,9 +317,12 @@ def _build_backend_files(tmp: Path, programs: Sequence[onnx.ModelProto], backend
     try:
         build_all = getattr(mod, "build_all", None)
         if build_all is not None:
-            facts = build_all(list(programs), work, target=target, jobs=jobs, progress=progress)
+            if options and options.get("tune_trials"):
+                jobs = 1  # tuning writes one database: ranks must not tune it concurrently
+            facts = build_all(list(programs), work, target=target, jobs=jobs, progress=progress,
+                              options=dict(options) if options else None)
         else:
-            facts = [mod.build(p, work / f"rank{i}{suffix}", target=target, options=None)
+            facts = [mod.build(p, work / f"rank{i}{suffix}", target=target, options=dict(options) if options else None)
                      for i, p in enumerate(programs)]
         for i in range(len(programs)):
             if not (work / f"rank{i}{suffix}").is_file():
@@ -335,7 +339,7 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
                    cluster: Mapping[str, Any] | None = None, prediction: Mapping[str, Any] | None = None,
                    explanation: str | None = None, report_html: str | None = None, jobs: int | None = None,
                    fallback: str | None = None, source_sha256: str | None = None,
-                   progress: bool | None = None) -> Artifact:
+                   progress: bool | None = None, build_options: Mapping[str, Any] | None = None) -> Artifact:
     """Write an artifact directory from per-rank programs and their bindings (the mechanism under
     :func:`compile`; tests use it with hand-built programs). Returns the verified artifact."""
     bindings.check()
@@ -354,7 +358,7 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
             (tmp / program_file(i)).write_bytes(p.SerializeToString())
         fallback_note = None
         try:
-            suffix, facts = _build_backend_files(tmp, programs, backend, target, jobs, progress)
+            suffix, facts = _build_backend_files(tmp, programs, backend, target, jobs, progress, build_options)
         except Exception as exc:  # noqa: BLE001 - any build failure may fall back, when asked to
             if not fallback or fallback == backend:
                 if isinstance(exc, PartitionerError):
@@ -481,13 +485,16 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
             out_dir: str | os.PathLike[str] | None = None, batch: int | None = None,
             shapes: Mapping[str, Sequence[int]] | None = None, passes: Sequence[str] | None = None,
             fallback: str | None = None, jobs: int | None = None, progress: bool | None = None,
-            source: onnx.ModelProto | bytes | None = None, source_path: str | None = None) -> Artifact:
+            source: onnx.ModelProto | bytes | None = None, source_path: str | None = None,
+            build_options: Mapping[str, Any] | None = None) -> Artifact:
     """Load, partition and build ``model`` into an artifact directory.
 
     ``model``: an .onnx path, an ``onnx.ModelProto``, a zoo name or an (already prepared)
     ``onnx_ir.Model``. ``cluster``: a :class:`partitioner.cluster.Cluster`, a spec string
     (``"cpu:2"``, a file, a preset) or None (``cpu:1``). ``out_dir``: where to write; a fresh
-    temporary directory when None (``Artifact.save`` copies it elsewhere). ``source``: the model
+    temporary directory when None (``Artifact.save`` copies it elsewhere). ``build_options``: the
+    backend's options, e.g. ``{"tune_trials": 64, "tuning_db": "db/"}`` or ``{"pipeline": "zero"}``
+    for TVM (``backends/tvm/build.py``). ``source``: the model
     ``run --check`` compares against (default: ``model`` as loaded, before the passes).
     """
     import onnx_ir as ir
@@ -527,7 +534,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
                           plan=result.plan.to_json(), cluster=cluster_obj.to_json(),
                           prediction=prediction, explanation=result.explanation,
                           report_html=html, jobs=jobs, fallback=fallback,
-                          source_sha256=original_sha, progress=progress)
+                          source_sha256=original_sha, progress=progress, build_options=build_options)
 
 
 def _resolve_cluster(cluster: Any) -> Any:

@@ -13,6 +13,7 @@ import sys
 from partitioner.commands._options import (add_cluster_arguments, add_json_argument, add_model_arguments,
                                            add_strategy_arguments, cluster_from_args, parse_bytes,
                                            parse_shape_option, print_json)
+from partitioner.errors import UsageError
 
 NAME = "compile"
 HELP = "partition a model and build an artifact directory (manifest, plan, per-rank programs and executables)"
@@ -28,6 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", choices=("onnxruntime",), default=None,
                    help="build with this backend when the chosen one fails")
     p.add_argument("--jobs", type=int, default=None, metavar="J", help="parallel build processes (default: cores)")
+    p.add_argument("--tune-trials", type=int, default=None, metavar="N",
+                   help="TVM: tune each distinct kernel with MetaSchedule for N trials (needs --tuning-db)")
+    p.add_argument("--tuning-db", default=None, metavar="DIR",
+                   help="TVM: the tuning database (shared across ranks and models, keyed by target); "
+                        "with it alone, compile reuses what it holds without tuning")
+    p.add_argument("--tvm-pipeline", choices=("scheduled", "zero"), default=None,
+                   help="TVM: 'scheduled' (default CPU schedules, the default) or 'zero' (untuned)")
     add_json_argument(p)
 
 
@@ -42,20 +50,34 @@ def run(args: argparse.Namespace) -> int:
     source = ir.serde.serialize_model(raw)  # before the passes: `run --check` compares against it
     passes = None if args.passes is None else [s for s in args.passes.split(",") if s and s != "none"]
     model = run_pipeline(raw, passes)
+    if args.tune_trials is not None and (args.tune_trials < 1 or not args.tuning_db):
+        raise UsageError("--tune-trials N needs N >= 1 and --tuning-db DIR")
+    if (args.tune_trials or args.tuning_db or args.tvm_pipeline) and args.backend != "tvm":
+        raise UsageError("--tune-trials, --tuning-db and --tvm-pipeline apply to --backend tvm only")
+    build_options = {k: v for k, v in (("tune_trials", args.tune_trials), ("tuning_db", args.tuning_db),
+                                       ("pipeline", args.tvm_pipeline)) if v}
     art = compile_artifact(model, cluster_from_args(args), strategy=args.strategy, target=args.target,
                            backend=args.backend, microbatches=args.microbatches, objective=args.objective,
                            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
                            out_dir=args.output, fallback=args.fallback, jobs=args.jobs, source=source,
-                           source_path=args.model, progress=None if not args.json else False)
+                           source_path=args.model, progress=None if not args.json else False,
+                           build_options=build_options or None)
     m = art.manifest
     if args.json:
         print_json({"artifact": str(art.root), "world_size": m["world_size"], "microbatches": m["microbatches"],
                     "backend": m["backend"], "fallback": m["fallback"], "plan_summary": m["plan_summary"],
                     "prediction": m["prediction"], "files": m["files"]})
         return 0
-    fb = f" (fell back from {m['fallback']['from']}: {m['fallback']['reason']})" if m.get("fallback") else ""
+    fallback = m.get("fallback") or {}
+    if fallback.get("scope") == "segments":
+        fb = f" with {len(fallback.get('segments', []))} segment(s) on {fallback['to']}"
+    else:
+        fb = f" (fell back from {fallback['from']}: {fallback['reason']})" if fallback else ""
     print(f"wrote {art.root}: {m['world_size']} rank(s), {m['microbatches']} micro-batch(es), "
           f"strategy {m['plan_summary'].get('strategy', '?')}, backend {m['backend']}{fb}")
+    for seg in fallback.get("segments", []) if fallback.get("scope") == "segments" else []:
+        print(f"  rank {seg['rank']} segment {seg['segment']} runs on {fallback['to']}: "
+              f"{', '.join(seg['op_types'])} (nodes {', '.join(seg['nodes'])}) in {seg['file']}")
     if m.get("explanation"):
         print(str(m["explanation"]).strip().splitlines()[0])
     sys.stdout.flush()
