@@ -191,18 +191,26 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+
+    def save(complete: bool) -> dict[str, Any]:
+        # written after every model, so an interrupted run still leaves what it measured
+        data = {"machine": machine(), "settings": {"models": models, "batches": batches, "threads": threads,
+                                                   "runs": args.runs, "zero_runs": args.zero_runs,
+                                                   "tune_trials": args.tune_trials,
+                                                   "model_args": {k: MODELS[k][1] for k in models}},
+                "complete": complete, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+        return data
+
     with tempfile.TemporaryDirectory(prefix="per-device-") as tmp:
         for key in models:
             for batch in batches:
                 if batch > 1 and not MODELS[key][2]:
                     continue
                 rows.extend(bench_model(key, batch, threads, args, Path(tmp)))
-    data = {"machine": machine(), "settings": {"models": models, "batches": batches, "threads": threads, "runs": args.runs,
-                                               "zero_runs": args.zero_runs, "tune_trials": args.tune_trials,
-                                               "model_args": {k: MODELS[k][1] for k in models}},
-            "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+                save(complete=False)
+    data = save(complete=True)
     print(render_markdown(data))
     return 0
 

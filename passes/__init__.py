@@ -77,10 +77,13 @@ def run_pipeline(model: ir.Model, names: list[str] | None = None, *, verify: boo
     """Run the named passes (``None``: :data:`DEFAULT_PIPELINE`) on ``model`` and return the result.
 
     With ``names == []`` no pass runs, but the model is still verified (structure only: no pass
-    inferred shapes). Unknown names raise UsageError before any pass runs; a failing pass raises
-    PassError naming it and the passes before it.
+    inferred shapes). The names ``default`` and ``optimize`` stand for :data:`DEFAULT_PIPELINE`
+    and :data:`OPTIMIZE_PIPELINE` (so ``--passes optimize`` works). Unknown names raise
+    UsageError before any pass runs; a failing pass raises PassError naming it and the passes
+    before it.
     """
-    selected = list(DEFAULT_PIPELINE if names is None else names)
+    aliases = {"default": DEFAULT_PIPELINE, "optimize": OPTIMIZE_PIPELINE}
+    selected = [p for name in (["default"] if names is None else names) for p in aliases.get(name, (name,))]
     manager = PassManager([get_pass(name)() for name in selected], verify=verify)
     if not selected and verify:
         from passes.verify import verify as verify_model

@@ -177,6 +177,7 @@ def stage_assignment(view: ModelView, groups: Sequence[tuple[int, ...]], mode: s
     bytes_ = cut_bytes(view, order)
     send = np.array([p2p_time(b / max(1, len(groups[0])), groups[0][0], groups[min(1, p - 1)][0], cluster)
                      if p > 1 else 0.0 for b in bytes_])
+    send[fused_group_interior(view, order)] = np.inf  # a stage boundary never cuts a fusion group
     mem = node_weight_bytes(view, order)
     if shard_memory:
         mem = mem / len(groups[0])
@@ -197,6 +198,23 @@ def stage_assignment(view: ModelView, groups: Sequence[tuple[int, ...]], mode: s
         stages = [assign[u] for v in view.node_outputs(node) for u in view.consumers.get(v, []) if u in assign]
         assign[node.name] = min(stages, key=lambda a: a.stage) if stages else Assignment(tuple(groups[0]), 0, mode)
     return assign, ends, bottleneck
+
+
+def fused_group_interior(view: ModelView, order: Sequence[str]) -> np.ndarray:
+    """Positions k where a cut between order[k] and order[k+1] would split a fusion group (the
+    ``partitioner.fusion_group`` annotation of :mod:`passes.fusion_groups`): a fused group is
+    compiled as one kernel, so the partitioner treats it as one unit."""
+    from passes.fusion_groups import group_of
+
+    span: dict[str, list[int]] = {}
+    for i, name in enumerate(order):
+        gid = group_of(view.node_by_name[name])
+        if gid:
+            span.setdefault(gid, [i, i])[1] = i
+    inside = np.zeros(len(order), dtype=bool)
+    for lo, hi in span.values():
+        inside[lo:hi] = True
+    return inside
 
 
 def choose_microbatches(view: ModelView, stage_times: Sequence[float], send: float, p: int, split: int = 1) -> int:

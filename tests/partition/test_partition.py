@@ -278,3 +278,26 @@ def test_one_weird_trick_splits_the_classifier(devices: int) -> None:
     ref = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     got = run_reference(low.programs, low.bindings, feeds, timeout_s=60)
     np.testing.assert_allclose(got[proto.graph.output[0].name], ref[0], rtol=1e-4, atol=1e-5)
+
+
+def test_pipeline_never_cuts_a_fusion_group() -> None:
+    """After the optimisation passes, Conv+Relu / Add+Relu groups are single kernels: stage
+    boundaries fall between groups, and the result still matches ONNX Runtime."""
+    from passes import run_pipeline
+    from passes.fusion_groups import group_of
+
+    proto, _ = load("resnet")
+    model = run_pipeline(ir.serde.deserialize_model(proto), ["optimize"])
+    groups = {group_of(n) for n in model.graph if group_of(n)}
+    assert len(groups) >= 10
+    res = partition(model, Cluster.resolve("cpu:4"), strategy="pipeline", degree=4)
+    stage_of_group: dict[str, set[int]] = {}
+    for n in model.graph:
+        if group_of(n):
+            stage_of_group.setdefault(group_of(n), set()).add(res.plan.nodes[n.name].stage)
+    assert all(len(s) == 1 for s in stage_of_group.values())
+    assert res.plan.num_stages == 4
+    feeds = feeds_for(proto)
+    ref = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = run_reference(res.programs, res.bindings, feeds, timeout_s=60)
+    np.testing.assert_allclose(got[proto.graph.output[0].name], ref[0], rtol=1e-4, atol=1e-5)
