@@ -73,13 +73,50 @@ def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size
     every comm op the lowering inserted, in program order)."""
     from partitioner.cost.simulate import simulate
 
-    models = [ir.serde.deserialize_model(p) for p in programs]
+    # Ranks whose programs differ only in weight values (tensor- and data-parallel shards) cost
+    # the same: deserialise and cost each distinct structure once.
+    by_key: dict[str, ir.Model] = {}
+    models = []
+    for p in programs:
+        key = _structure_key(p)
+        if key not in by_key:
+            by_key[key] = ir.serde.deserialize_model(p)
+        models.append(by_key[key])
     return simulate(models, cluster, microbatches, batch_size)
+
+
+def _structure_key(program: onnx.ModelProto) -> str:
+    """A digest of everything the cost model reads, with value names replaced by their order of
+    first use (ranks name their comm outputs differently): each node's op, domain, attributes and
+    wiring, each value's type and shape, each initializer's type and dims; not weight data."""
+    import hashlib
+
+    g = program.graph
+    types: dict[str, bytes] = {v.name: v.type.SerializeToString(deterministic=True)
+                               for part in (g.input, g.output, g.value_info) for v in part}
+    for t in g.initializer:
+        types[t.name] = f"init:{t.data_type}:{list(t.dims)}".encode()
+    ids: dict[str, int] = {}
+    h = hashlib.sha256()
+
+    def ref(name: str) -> bytes:
+        if name not in ids:
+            ids[name] = len(ids)
+            h.update(types.get(name, b"?"))
+        return str(ids[name]).encode()
+
+    for v in g.input:
+        h.update(b"in:" + ref(v.name))
+    for node in g.node:
+        h.update(f"{node.domain}::{node.op_type}(".encode())
+        for a in node.attribute:
+            h.update(a.SerializeToString(deterministic=True))
+        h.update(b",".join(ref(i) if i else b"-" for i in node.input) + b"->")
+        h.update(b",".join(ref(o) if o else b"-" for o in node.output) + b")")
+    for v in g.output:
+        h.update(b"out:" + ref(v.name))
+    return h.hexdigest()
 
 
 def _batch_size(view: ModelView) -> int:
     return max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)
-
-
-def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:
-    return partition(model, cluster, strategy="auto", **kw)

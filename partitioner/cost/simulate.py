@@ -235,7 +235,7 @@ def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int =
     for r, model in enumerate(programs):
         dev = cluster.devices[r]
         key = (id(model), tuple(sorted(dev.peak_flops.items())), dev.memory_bandwidth, dev.efficiency,
-               dev.launch_overhead_s)
+               dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())))
         if key not in cache:  # data-parallel ranks share one program object: cost it once
             cache[key] = compile_program(model, dev, r)
         progs.append(cache[key])
