@@ -40,21 +40,9 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compile_and_shard.json"
 
 
 def _feeds(program, seed: int = 0) -> dict:
-    import numpy as np
-    import onnx
+    import models_zoo
 
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in program.graph.initializer}
-    feeds = {}
-    for vi in program.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [d.dim_value for d in tt.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        feeds[vi.name] = (rng.integers(0, 100, shape) if np.issubdtype(dtype, np.integer)
-                          else rng.standard_normal(shape)).astype(dtype)
-    return feeds
+    return models_zoo.sample_inputs(program, seed)
 
 
 def _median_ms(fn, repeat: int, warmup: int = 2, budget_s: float = 20.0) -> tuple[float, int]:

@@ -50,18 +50,9 @@ QUICK = ["resnet18", "mobilenet", "bert", "gpt"]
 
 
 def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    inits = {t.name for t in m.graph.initializer}
-    out = {}
-    for v in m.graph.input:
-        if v.name in inits:
-            continue
-        shape = [d.dim_value for d in v.type.tensor_type.shape.dim]
-        if v.type.tensor_type.elem_type == onnx.TensorProto.INT64:
-            out[v.name] = rng.integers(0, 16, shape).astype(np.int64)
-        else:
-            out[v.name] = rng.standard_normal(shape).astype(np.float32)
-    return out
+    import models_zoo
+
+    return models_zoo.sample_inputs(m, 0)
 
 
 def _median_s(fn: Callable[[], Any], runs: int) -> float:

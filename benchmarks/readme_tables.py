@@ -1,7 +1,8 @@
 """Regenerate the README's result tables from the JSON in benchmarks/results/.
 
 Each table sits between ``<!-- table: SCRIPT -->`` and ``<!-- /table -->`` in README.md, and is
-what ``python benchmarks/SCRIPT.py --markdown`` prints (each script renders its own JSON). So no
+what ``python benchmarks/SCRIPT.py --markdown`` prints (``SCRIPT`` with a slash is a path from
+the repository root, e.g. ``tests/conformance/run_conformance``) (each script renders its own JSON). So no
 figure in the README is typed by hand.
 
     .venv/bin/python benchmarks/readme_tables.py          # rewrite README.md
@@ -22,7 +23,8 @@ PATTERN = re.compile(r"(<!-- table: (?P<script>[\w./-]+)(?P<args>[^>]*?) -->\n)(
 
 
 def render(script: str, args: str) -> str:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--markdown", *args.split()]
+    path = ROOT / f"{script}.py" if "/" in script else ROOT / "benchmarks" / f"{script}.py"
+    cmd = [sys.executable, str(path), "--markdown", *args.split()]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     if proc.returncode != 0:
         raise SystemExit(f"readme_tables: {' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")

@@ -30,13 +30,15 @@ from models_zoo.graph_builder import OPSET, PRODUCER_NAME
 from models_zoo.inception import build_inception
 from models_zoo.light import describe as _describe_light
 from models_zoo.light import light_names, load_light
+from models_zoo.sample_inputs import sample_inputs
 from models_zoo.mlp import build_mlp
 from models_zoo.mobilenet import build_mobilenet
 from models_zoo.resnet import build_resnet
 from models_zoo.unet import build_unet
 from partitioner.errors import UsageError
 
-__all__ = ["ZooEntry", "list_models", "build", "is_zoo_name", "OPSET", "PRODUCER_NAME"]
+__all__ = [
+    "sample_inputs","ZooEntry", "list_models", "build", "is_zoo_name", "OPSET", "PRODUCER_NAME"]
 
 
 @dataclass(frozen=True)

@@ -28,18 +28,7 @@ LIGHT = [e.name for e in models_zoo.list_models() if e.kind == "light"]
 
 
 def _feeds(proto: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in proto.graph.initializer}
-    feeds = {}
-    for vi in proto.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [d.dim_value for d in tt.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        feeds[vi.name] = (rng.integers(0, 100, shape) if np.issubdtype(dtype, np.integer)
-                          else rng.standard_normal(shape)).astype(dtype)
-    return feeds
+    return models_zoo.sample_inputs(proto, seed)
 
 
 def _ort(proto: onnx.ModelProto, feeds) -> list[np.ndarray]:
@@ -128,3 +117,13 @@ def test_symbolic_batch_is_bound_by_option(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["inputs"][0]["shape"] == [3, 8]
     assert main(["inspect", str(path), "--json", "--shape", "input_ids=2,8"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"][0]["shape"] == [2, 8]
+
+
+def test_sample_inputs_keep_token_ids_inside_the_embedding_table():
+    proto = models_zoo.build("gpt", seq=8, vocab=7, batch=3)
+    feeds = models_zoo.sample_inputs(proto, seed=1)
+    ids = feeds["input_ids"]
+    assert ids.shape == (3, 8) and ids.dtype == np.int64
+    assert ids.min() >= 0 and ids.max() < 7 and len(np.unique(ids)) > 2
+    again = models_zoo.sample_inputs(proto, seed=1)
+    assert all(np.array_equal(feeds[k], again[k]) for k in feeds)

@@ -30,18 +30,7 @@ def _model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
 
 
 def _feeds(m: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in m.graph.initializer}
-    out = {}
-    for v in m.graph.input:
-        if v.name in inits:
-            continue
-        shape = [d.dim_value for d in v.type.tensor_type.shape.dim]
-        if v.type.tensor_type.elem_type == TensorProto.INT64:
-            out[v.name] = rng.integers(0, 16, shape).astype(np.int64)
-        else:
-            out[v.name] = rng.standard_normal(shape).astype(np.float32)
-    return out
+    return models_zoo.sample_inputs(m, seed)
 
 
 def _compile_and_run(m: onnx.ModelProto, feeds: dict[str, np.ndarray]):

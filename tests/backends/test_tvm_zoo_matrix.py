@@ -44,18 +44,7 @@ def _cases():
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [d.dim_value for d in tt.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        feeds[vi.name] = (rng.integers(0, 100, shape) if np.issubdtype(dtype, np.integer)
-                          else rng.standard_normal(shape)).astype(dtype)
-    return feeds
+    return models_zoo.sample_inputs(model, seed)
 
 
 def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -43,15 +43,7 @@ def load(name: str, **kw) -> tuple[onnx.ModelProto, ir.Model]:
 
 
 def feeds_for(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = {}
-    for i in proto.graph.input:
-        shp = [d.dim_value for d in i.type.tensor_type.shape.dim]
-        if i.type.tensor_type.elem_type == TensorProto.INT64:
-            out[i.name] = rng.integers(0, 64, shp).astype(np.int64)
-        else:
-            out[i.name] = rng.standard_normal(shp).astype(np.float32)
-    return out
+    return models_zoo.sample_inputs(proto, 0)
 
 
 def check_against_ort(name: str, strategy: str, devices: int) -> None:
