@@ -170,8 +170,17 @@ class TvmRankExecutable:
             buf = self._in_bufs[i]
             if buf is None or buf[1].shape != x.shape or buf[1].dtype != x.dtype:
                 t = tvm.runtime.empty(x.shape, str(x.dtype), self.device)
-                buf = (t, np.from_dlpack(t))
+                try:
+                    view = np.from_dlpack(t)
+                except (RuntimeError, BufferError, TypeError, ValueError):
+                    view = None  # bfloat16/float8/int4: numpy's DLPack import lacks the dtype
+                buf = (t, view)
                 self._in_bufs[i] = buf
+                if view is None:
+                    self._in_bufs[i] = None  # no view to reuse: a fresh tensor per call
+                    t.copyfrom(np.ascontiguousarray(x))
+                    args.append(t)
+                    continue
             np.copyto(buf[1], x)
             args.append(buf[0])
         return args
@@ -207,17 +216,36 @@ class TvmRankExecutable:
             fallback.bind(None)
         values = [res] if isinstance(res, tvm.runtime.Tensor) else list(res)
         if not self._on_cpu:
-            return {name: v.numpy() for name, v in zip(self.outputs, values)}
+            return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}
         out = {}
         for name, v in zip(self.outputs, values):
-            arr = np.from_dlpack(v)
+            arr = _output_array(v)
             # an output that is an input buffer, or a view of one (Flatten/Reshape of an input
             # lower to views sharing its storage), is overwritten by the next call: rule 5
-            if any(v.same_as(a) or np.may_share_memory(arr, buf[1])
+            if isinstance(v, tvm.runtime.Tensor) and any(v.same_as(a) or np.may_share_memory(arr, buf[1])
                    for a, buf in zip(args, self._in_bufs) if buf is not None):
                 arr = arr.copy()
             out[name] = arr
         return out
+
+
+def _output_array(v: Any, *, copy: bool = False) -> np.ndarray:
+    """A VM result as numpy: a zero-copy DLPack view when numpy knows the dtype, else a copy via
+    ``Tensor.numpy()`` (bfloat16, float8, int4: ml_dtypes arrays); a static ``Shape`` result
+    (R.shape_of of a Shape op folded at compile time) becomes an int64 vector."""
+    import tvm
+
+    if not isinstance(v, tvm.runtime.Tensor):
+        try:
+            return np.array([int(d) for d in v], dtype=np.int64)
+        except TypeError:
+            raise RunFailed(f"library returned a {type(v).__name__}, not a tensor; expected a tensor output") from None
+    if not copy:
+        try:
+            return np.from_dlpack(v)
+        except (RuntimeError, BufferError, TypeError, ValueError):
+            pass  # a dtype numpy's DLPack import lacks
+    return v.numpy()
 
 
 def _has_cuda_code(lib: Any) -> bool:

@@ -8,7 +8,9 @@ Rules:
    (:func:`mark_program`; :func:`partitioner.artifact.build_artifact` sets it only on programs that
    need it, so other programs stay byte-identical). Without it, unsupported ops are a
    :class:`BackendError` that lists them all (:func:`backends.tvm.lower.check_supported`).
-2. :func:`split_with_fallback` cuts the program in node order into: comm steps (one per comm node),
+2. Nodes TVM lacks but whose ONNX schema has a function body are expanded first
+   (:mod:`backends.tvm.expand_functions`, the same expansion :func:`backends.tvm.lower.lower_program`
+   applies); only what remains unimportable goes to ONNX Runtime. :func:`split_with_fallback` cuts the program in node order into: comm steps (one per comm node),
    TVM segments (maximal runs of importable nodes) and ORT segments (maximal runs of nodes that are
    not importable: an op missing from the importer's convert map, a non-default domain, or a
    subgraph holding one). Each segment is a valid ONNX model with typed boundaries
@@ -93,7 +95,10 @@ def wants_fallback(program: onnx.ModelProto) -> bool:
 
 def needs_fallback(program: onnx.ModelProto) -> bool:
     """Whether any top-level node of ``program`` cannot be imported by TVM."""
+    from .expand_functions import expand_nodes
+
     known = _known_ops()
+    program = expand_nodes(program)[0]
     return any(unsupported_op(n, known) is not None for n in program.graph.node)
 
 
@@ -162,7 +167,9 @@ def ort_segments(program: onnx.ModelProto) -> list[OrtSegment]:
     """The program's ORT segments (empty unless it opted in and needs them)."""
     if not wants_fallback(program) or not needs_fallback(program):
         return []
-    inferred = onnx.shape_inference.infer_shapes(program)
+    from .expand_functions import expand_nodes
+
+    inferred = onnx.shape_inference.infer_shapes(expand_nodes(program)[0])
     return [s for s in split_with_fallback(inferred) if isinstance(s, OrtSegment)]
 
 

@@ -18,8 +18,12 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
      unused is (checked on 0.27);
    - a comm output nobody reads is passed to the impure ``partitioner.comm.keep`` so it survives.
 
-Before the import, :func:`rewrite_for_import` replaces ONNX ``Sum``/``Mean`` (any number of
-inputs) with a left-to-right chain of binary ``Add`` (and a ``Div`` by n for ``Mean``): TVM's
+Before the import, nodes TVM's importer lacks (or mis-converts, e.g. Attention) but whose ONNX
+schema defines a function body are expanded into that body (:func:`expand_for_import`,
+:mod:`backends.tvm.expand_functions`); :func:`check_supported` judges the expanded program.
+Then :func:`rewrite_for_import` replaces ONNX ``Sum``/``Mean`` (any number of
+inputs) with a left-to-right chain of binary ``Add`` (and a ``Div`` by n for ``Mean``), and
+variadic ``Max``/``Min`` with a chain of two-input ``Max``/``Min`` (one input: ``Identity``): TVM's
 importer turns them into ``stack`` + ``sum``, a rank+1 tensor that ``ConvertLayout`` (NHWC)
 rejects ("Invalid SLayout: can't find S in source layout ABCDE") and that costs a copy of every
 input. The chain is the same arithmetic ONNX Runtime does (left to right). An inference
@@ -78,10 +82,20 @@ def _all_nodes(graph: onnx.GraphProto):
                 yield from _all_nodes(g)
 
 
+def expand_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
+    """``program`` with the nodes TVM cannot import expanded into their ONNX function bodies
+    (:mod:`backends.tvm.expand_functions`); the same object when nothing needs it."""
+    from .expand_functions import expand_nodes
+
+    return expand_nodes(program)[0]
+
+
 def check_supported(program: onnx.ModelProto) -> None:
-    """Raise one BackendError listing every op TVM's ONNX importer cannot convert."""
+    """Raise one BackendError listing every op TVM's ONNX importer cannot convert, after the
+    function-body expansion :func:`lower_program` applies (:func:`expand_for_import`)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
+    program = expand_for_import(program)
     known = set(_get_convert_map()) | {"Constant", "If"}
     bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
            for n in _all_nodes(program.graph)
@@ -103,7 +117,7 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     from onnx import helper, numpy_helper
 
     g = program.graph
-    if not any(n.op_type in ("Sum", "Mean", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
+    if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program
     read = {i for n in _all_nodes(g) for i in n.input} | {o.name for o in g.output}
     out = onnx.ModelProto()
@@ -117,7 +131,7 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
                 and not any(o and o in read for o in node.output[1:])):
             nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
             continue
-        if node.op_type not in ("Sum", "Mean") or node.domain not in ("", "ai.onnx") or not ins:
+        if node.op_type not in ("Sum", "Mean", "Max", "Min") or node.domain not in ("", "ai.onnx") or not ins:
             nodes.append(node)
             continue
         result = node.output[0]
@@ -129,7 +143,11 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
         for k, x in enumerate(ins[1:], start=1):
             last = k == len(ins) - 1 and not mean
             dst = result if last else f"{result}__sum{k}"
-            nodes.append(helper.make_node("Add", [acc, x], [dst], name=f"{node.name}__add{k}" if not last else node.name))
+            step_name = f"{node.name}__add{k}" if not last else node.name
+            if node.op_type in ("Sum", "Mean"):
+                nodes.append(helper.make_node("Add", [acc, x], [dst], name=step_name))
+            else:  # Max/Min: TVM's converter stacks even two inputs (see the module docstring)
+                nodes.extend(_select_chain(node.op_type, acc, x, dst, step_name, elem.get(result, elem.get(ins[0]))))
             acc = dst
         if mean:
             import numpy as np
@@ -143,11 +161,43 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+_SUB_BYTE = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "INT2", "UINT2", "FLOAT4E2M1")
+                      if hasattr(onnx.TensorProto, n))
+
+
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16})
+
+
+def _select_chain(op: str, a: str, b: str, dst: str, name: str, elem: int | None) -> list[onnx.NodeProto]:
+    """``dst = Max(a, b)`` (or Min) as ``Where(a >= b or isnan(a), a, b)`` (``<=`` for Min), with
+    broadcasting; a NaN in either input gives NaN, as ONNX Max/Min (numpy maximum) does."""
+    from onnx import helper
+
+    cmp = "GreaterOrEqual" if op == "Max" else "LessOrEqual"
+    nodes = [helper.make_node(cmp, [a, b], [f"{dst}__pick{name}"], name=f"{name}__cmp")]
+    pick = f"{dst}__pick{name}"
+    if elem in _FLOAT_TYPES:
+        nodes += [helper.make_node("IsNaN", [a], [f"{dst}__nan{name}"], name=f"{name}__isnan"),
+                  helper.make_node("Or", [pick, f"{dst}__nan{name}"], [f"{dst}__pickn{name}"], name=f"{name}__or")]
+        pick = f"{dst}__pickn{name}"
+    nodes.append(helper.make_node("Where", [pick, a, b], [dst], name=name))
+    return nodes
+
+
 def _tensor_type(info: onnx.ValueInfoProto, where: str):
     from onnx import helper
     from tvm import relax
 
+    if not info.type.HasField("tensor_type") or info.type.tensor_type.elem_type == 0:
+        kind = info.type.WhichOneof("value") or "untyped"
+        raise BackendError(f"{where}: value {info.name!r} is {kind.replace('_type', '')}-typed, not a typed tensor; "
+                           "the TVM backend takes tensors only (use --backend onnxruntime)")
     t = info.type.tensor_type
+    if t.elem_type in _SUB_BYTE:
+        raise BackendError(f"{where}: value {info.name!r} has the sub-byte type "
+                           f"{onnx.TensorProto.DataType.Name(t.elem_type)}; TVM's runtime cannot pass tensors of fewer "
+                           "than 8 bits per element (use --backend onnxruntime)")
     dims = []
     for d in t.shape.dim:
         if not d.HasField("dim_value"):
@@ -201,6 +251,7 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
 
     where = f"graph {program.graph.name!r}"
     use_fallback = fallback.wants_fallback(program)
+    program = expand_for_import(program)
     if not use_fallback:
         check_supported(program)
     # Segments need typed boundaries; inference keeps existing value_info (comm outputs carry theirs).
@@ -228,6 +279,9 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
             seg_funcs[step.index] = _add_segment(bb, _import_segment(step, opset, where), step.index)
 
     params = [relax.Var(_var_name(n, i), _tensor_type(infos[n], where)) for i, n in enumerate(graph_inputs)]
+    for n in graph_outputs:  # outputs TVM's runtime cannot hand back: refuse before building
+        if n in infos:
+            _tensor_type(infos[n], where)
     env: dict[str, object] = dict(zip(graph_inputs, params))
     n_segments = 0
     with bb.function("main", params):

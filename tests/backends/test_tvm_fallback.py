@@ -1,6 +1,6 @@
 """Per-segment ONNX Runtime fallback inside a TVM rank (``--fallback onnxruntime``).
 
-The model puts ``Celu`` (an ONNX op missing from apache-tvm 0.27's ONNX convert map; asserted
+The model puts ``LpNormalization`` (an ONNX op missing from apache-tvm 0.27's ONNX convert map; asserted
 below, so the test notices when TVM gains it) between supported ops. Outputs are compared with
 ONNX Runtime on the unpartitioned model with seeded inputs (rtol 1e-4, atol 1e-5).
 """
@@ -21,11 +21,11 @@ from partitioner.errors import BackendError
 pytest.importorskip("tvm")
 
 RTOL, ATOL = 1e-4, 1e-5
-UNSUPPORTED = "Celu"
+UNSUPPORTED = "LpNormalization"
 
 
 def _model(batch: int = 4) -> onnx.ModelProto:
-    """x[b,16] -> MatMul(16x32) -> Relu -> Celu -> Celu -> MatMul(32x8) -> Add -> y."""
+    """x[b,16] -> MatMul(16x32) -> Relu -> LpNormalization -> LpNormalization -> MatMul(32x8) -> Add -> y."""
     rng = np.random.default_rng(0)
     w1 = numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w1")
     w2 = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "w2")
@@ -33,12 +33,12 @@ def _model(batch: int = 4) -> onnx.ModelProto:
     nodes = [
         helper.make_node("MatMul", ["x", "w1"], ["h1"], name="mm1"),
         helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
-        helper.make_node(UNSUPPORTED, ["h2"], ["h3"], name="celu1", alpha=0.5),
-        helper.make_node(UNSUPPORTED, ["h3"], ["h4"], name="celu2", alpha=2.0),
+        helper.make_node(UNSUPPORTED, ["h2"], ["h3"], name="lpnorm1", axis=-1),
+        helper.make_node(UNSUPPORTED, ["h3"], ["h4"], name="lpnorm2", axis=-1),
         helper.make_node("MatMul", ["h4", "w2"], ["h5"], name="mm2"),
         helper.make_node("Add", ["h5", "b2"], ["y"], name="add2"),
     ]
-    graph = helper.make_graph(nodes, "celu_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16])],
+    graph = helper.make_graph(nodes, "lpnorm_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 8])], [w1, w2, b2])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model, full_check=True)
@@ -54,7 +54,7 @@ def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     return sess.run(["y"], feeds)[0]
 
 
-def test_celu_is_missing_from_tvms_importer() -> None:
+def test_lpnormalization_is_missing_from_tvms_importer() -> None:
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
     assert UNSUPPORTED not in _get_convert_map()
@@ -70,16 +70,16 @@ def test_fallback_runs_only_the_unsupported_segment_under_ort(strategy: str, tmp
                            out_dir=tmp_path / "art", jobs=1, progress=False)
     m = art.manifest
     assert m["backend"] == "tvm"
-    assert m["fallback"]["scope"] == "segments" and "Celu" in m["fallback"]["reason"]
+    assert m["fallback"]["scope"] == "segments" and "LpNormalization" in m["fallback"]["reason"]
     segs = m["fallback"]["segments"]
     assert segs, m["fallback"]
     for s in segs:
-        # only the two Celu nodes fall back; MatMul/Relu/Add stay in TVM
-        assert s["op_types"] == ["Celu"] and set(s["nodes"]) <= {"celu1", "celu2"}
+        # only the two LpNormalization nodes fall back; MatMul/Relu/Add stay in TVM
+        assert s["op_types"] == ["LpNormalization"] and set(s["nodes"]) <= {"lpnorm1", "lpnorm2"}
         assert s["file"] == f"rank{s['rank']}.seg{s['segment']}.onnx" and s["file"] in m["files"]
         seg_model = onnx.load(str(art.root / s["file"]))
-        assert {n.op_type for n in seg_model.graph.node} == {"Celu"}
-    assert {n for s in segs for n in s["nodes"]} == {"celu1", "celu2"}
+        assert {n.op_type for n in seg_model.graph.node} == {"LpNormalization"}
+    assert {n for s in segs for n in s["nodes"]} == {"lpnorm1", "lpnorm2"}
     for i in range(2):
         assert (art.root / f"rank{i}.so").is_file()
     feeds = _feeds()
@@ -94,7 +94,7 @@ def test_without_fallback_the_build_fails_listing_the_op(tmp_path) -> None:
         compile_artifact(_model(), "cpu:2", strategy="data", backend="tvm", out_dir=tmp_path / "art", jobs=1,
                          progress=False)
     msg = str(info.value)
-    assert "\n" not in msg and "Celu" in msg and "celu1" in msg and "celu2" in msg
+    assert "\n" not in msg and "LpNormalization" in msg and "lpnorm1" in msg and "lpnorm2" in msg
     assert not (tmp_path / "art").exists()
 
 
@@ -111,14 +111,14 @@ def test_fallback_segment_failure_is_a_clean_run_error(tmp_path) -> None:
 
 
 def test_cli_compile_prints_the_fallback_segments(tmp_path, capsys) -> None:
-    path = tmp_path / "celu.onnx"
+    path = tmp_path / "lpnorm.onnx"
     onnx.save(_model(), path)
     out = tmp_path / "art"
     rc = cli.main(["compile", str(path), "-o", str(out), "--devices", "2", "--strategy", "pipeline",
                    "--backend", "tvm", "--fallback", "onnxruntime", "--jobs", "1"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert "Celu" in captured.out and "celu1" in captured.out and "segment" in captured.out
+    assert "LpNormalization" in captured.out and "lpnorm1" in captured.out and "segment" in captured.out
     np.savez(tmp_path / "in.npz", **_feeds())
     capsys.readouterr()
     rc = cli.main(["run", str(out), "--inputs", str(tmp_path / "in.npz"), "--check", "--json"])

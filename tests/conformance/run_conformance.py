@@ -305,6 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-timeout", type=float, default=300.0, help="seconds a worker may take to load the cases")
     p.add_argument("--out", type=Path, help="JSON output (default benchmarks/results/conformance[_sample].json)")
     p.add_argument("--no-filter", action="store_true", help="ignore filter.txt")
+    p.add_argument("--markdown", nargs="?", const=RESULTS_DIR / "conformance.json", type=Path, metavar="JSON",
+                   help="print the README table from a results JSON (default benchmarks/results/conformance.json) and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -319,8 +321,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+MODE_LABELS = {"tvm": "1 rank, TVM only", "fallback": "1 rank, TVM + ONNX Runtime fallback",
+               "2rank": "2 ranks (cpu:2), TVM only"}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The README table of a results JSON: per mode, node cases passed out of the selected
+    total, supported ops, crashes (worker deaths and timeouts) and errors."""
+    total = report["cases_selected"]
+    lines = [f"ONNX node conformance ({report['selection']}, onnx {report['versions']['onnx']}, "
+             f"apache-tvm {report['versions']['tvm']}; {report['cases_skipped_by_filter']} cases skipped by design):",
+             "",
+             "| mode | node cases passed | supported ops | crashes | errors | refused | mismatches |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, totals in report["totals"].items():
+        passed = totals.get("pass", 0)
+        extra = ""
+        if mode == "2rank":
+            extra = f" (split over 2 ranks: {len(report.get('2rank_split_cases', []))}; single-only: {totals.get('single-only', 0)})"
+        lines.append(f"| {MODE_LABELS.get(mode, mode)} | {passed:,} / {total:,}{extra} | "
+                     f"{report['supported_op_count'][mode]} / {report['op_count']} | "
+                     f"{totals.get('crash', 0) + totals.get('timeout', 0)} | {totals.get('error', 0)} | "
+                     f"{totals.get('refused', 0)} | {totals.get('mismatch', 0)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.markdown is not None:
+        if not args.markdown.is_file():
+            print(f"conformance: {args.markdown}: no results JSON; run with --full first", file=sys.stderr)
+            return 2
+        print(markdown_table(json.loads(args.markdown.read_text())))
+        return 0
     if args.worker:
         return worker_main(args.ranks, args.fallback)
     import re
