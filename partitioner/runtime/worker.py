@@ -109,7 +109,7 @@ def rank_report(rank: int, threads: int, imported_before_pin: Sequence[str]) -> 
     except AttributeError:
         affinity = None
     return {"rank": rank, "pid": os.getpid(), "affinity": affinity, "threads": threads,
-            "env": {v: os.environ.get(v) for v in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")},
+            "env": {v: os.environ.get(v) for v in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "TVM_BIND_THREADS")},
             "imported_before_pin": list(imported_before_pin)}
 
 
@@ -176,6 +176,8 @@ def run_worker(args: argparse.Namespace) -> int:
         threads = pin_cores(local.Get_rank() % local_size, local_size)
         for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
             os.environ[var] = str(threads)
+        # TVM would re-pin its threads starting from core 0, undoing the share chosen above
+        os.environ.setdefault("TVM_BIND_THREADS", "0")
         report = rank_report(rank, threads, imported_before_pin)
         phase = "comm groups"
         from partitioner.runtime.comm_mpi import MPICommunicator

@@ -68,6 +68,7 @@ def test_tvm_data_parallel_check_and_pinning(zoo, tmp_path, capsys):
         # read back inside the worker: its affinity is its share, and TVM's thread count matches it
         assert len(r["affinity"]) == share and set(r["affinity"]) <= set(usable)
         assert r["env"]["TVM_NUM_THREADS"] == str(share) == r["env"]["OMP_NUM_THREADS"]
+        assert r["env"]["TVM_BIND_THREADS"] == "0"  # TVM must not re-pin its threads to core 0
         assert "tvm" not in r["imported_before_pin"] and "tvm_ffi" not in r["imported_before_pin"]
     if len(usable) >= 2:
         assert not set(ranks[0]["affinity"]) & set(ranks[1]["affinity"]), "ranks share a core"
