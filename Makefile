@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example conformance fuzz tables clean
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables clean
 
 all: test
 
@@ -55,6 +55,11 @@ conformance: $(STAMP)
 ## partitioner.load with mutated bytes. `make test` runs 200 + 10 examples.
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=5000 $(PY) -m pytest tests/fuzz tests/hostile/test_fuzz_load.py -m slow -q
+
+## Tune the zoo mlp end to end with MetaSchedule (64 trials), check it against ONNX Runtime and
+## that a second compile reuses the database without tuning (about 70 s; CI runs it).
+tune-smoke: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/backends/test_tvm_tuning.py
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)
