@@ -4,8 +4,10 @@ Both backends use this: ONNX Runtime runs each segment as a session, and the TVM
 each segment with ``from_onnx`` and calls the comm ops between them (DESIGN.md, "Facts checked").
 
 Rules:
-1. Nodes keep their order; a maximal run of non-comm nodes is one :class:`Segment`, and each comm
-   node is one :class:`CommStep`.
+1. Nodes keep their order; a maximal run of non-comm nodes of the same kind is one
+   :class:`Segment`, and each comm node is one :class:`CommStep`. The kind is ``"compute"``
+   unless a ``kind_of`` function says otherwise (the TVM backend marks the nodes ONNX Runtime
+   must run, so they form segments of their own).
 2. A segment's inputs are the values it reads that come from outside it (graph inputs, earlier
    steps); initializers it reads are copied into it. Values read by subgraphs count too.
 3. A segment's outputs are the values it produces that a later step or the graph output reads.
@@ -16,7 +18,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Callable, Iterable, Union
 
 import onnx
 from onnx import helper
@@ -31,6 +33,7 @@ class Segment:
     model: onnx.ModelProto
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    kind: str = "compute"
 
 
 @dataclass(frozen=True)
@@ -79,17 +82,21 @@ def value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return infos
 
 
-def split_program(model: onnx.ModelProto) -> list[Step]:
+def split_program(model: onnx.ModelProto, kind_of: Callable[[onnx.NodeProto], str] | None = None) -> list[Step]:
     """Split ``model`` (a per-rank program, shape-inferred) into segments and comm steps."""
     g = model.graph
     groups: list[list[onnx.NodeProto] | onnx.NodeProto] = []
+    kinds: list[str] = []
     for node in g.node:
-        if is_comm(node):
+        kind = "comm" if is_comm(node) else (kind_of(node) if kind_of else "compute")
+        if kind == "comm":
             groups.append(node)
-        elif groups and isinstance(groups[-1], list):
+        elif groups and isinstance(groups[-1], list) and kinds[-1] == kind:
             groups[-1].append(node)
+            continue
         else:
             groups.append([node])
+        kinds.append(kind)
 
     # later_reads[i] = every name read by groups after i (and the graph outputs)
     reads = [set().union(*(node_reads(n) for n in grp)) if isinstance(grp, list) else node_reads(grp) for grp in groups]
@@ -112,7 +119,7 @@ def split_program(model: onnx.ModelProto) -> list[Step]:
         ins = sorted(r for r in reads[i] if r not in produced_set and r not in inits)
         outs = [o for o in produced if o in later[i]]
         seg = _segment_model(model, grp, ins, outs, [inits[r] for r in sorted(reads[i]) if r in inits], infos, opsets, i)
-        steps.append(Segment(i, seg, tuple(ins), tuple(outs)))
+        steps.append(Segment(i, seg, tuple(ins), tuple(outs), kinds[i]))
     return steps
 
 

@@ -128,3 +128,12 @@ def test_uncovered_output_is_refused():
     y = TensorBinding("y", (8, 5), "float32", (Placement(0, "y", 0, 0, 4),))
     with pytest.raises(VerifyError, match="do not cover"):
         Bindings((), (y,), world_size=2).check()
+
+
+def test_kind_of_separates_segments_by_kind():
+    """Nodes of another kind (e.g. ones ONNX Runtime must run) form segments of their own."""
+    steps = split_program(_program(1), kind_of=lambda n: "ort" if n.op_type == "Add" else "tvm")
+    assert [(type(s).__name__, getattr(s, "kind", None)) for s in steps] == [
+        ("Segment", "tvm"), ("CommStep", None), ("Segment", "ort"), ("CommStep", None), ("Segment", "tvm")]
+    seg = steps[2]
+    assert [n.op_type for n in seg.model.graph.node] == ["Add"] and set(seg.inputs) == {"b", "x"}

@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from partitioner.comm_ops import CommOp, is_comm
+from partitioner.comm_ops import is_comm
 from partitioner.errors import BackendError, RunFailed
-from partitioner.segments import CommStep, Segment, _segment_model, node_reads, value_infos
+from partitioner.segments import CommStep, Segment, split_program
 
 META_KEY = "partitioner.fallback"
 ORT = "onnxruntime"
@@ -119,45 +119,17 @@ def segment_file(library: str | Path, key: int) -> str:
 
 def split_with_fallback(program: onnx.ModelProto) -> list[Segment | CommStep | OrtSegment]:
     """Rule 2. ``program`` must be shape-inferred (boundaries need types and shapes)."""
-    g = program.graph
     known = _known_ops()
-    groups: list[tuple[str, list[onnx.NodeProto]]] = []
-    for node in g.node:
-        kind = "comm" if is_comm(node) else ("ort" if unsupported_op(node, known) else "tvm")
-        if kind != "comm" and groups and groups[-1][0] == kind:
-            groups[-1][1].append(node)
-        else:
-            groups.append((kind, [node]))
-
-    reads = [set().union(*(node_reads(n) for n in nodes)) for _, nodes in groups]
-    later: list[set[str]] = [set() for _ in groups]
-    acc = {o.name for o in g.output}
-    for i in range(len(groups) - 1, -1, -1):
-        later[i] = set(acc)
-        acc |= reads[i]
-
-    infos = value_infos(program)
-    inits = {t.name: t for t in g.initializer}
-    from partitioner.comm_ops import DOMAIN
-
-    opsets = [o for o in program.opset_import if o.domain != DOMAIN]
     steps: list[Segment | CommStep | OrtSegment] = []
     n_ort = 0
-    for i, (kind, nodes) in enumerate(groups):
-        if kind == "comm":
-            steps.append(CommStep(i, CommOp.from_node(nodes[0])))
+    for step in split_program(program, kind_of=lambda n: "ort" if unsupported_op(n, known) else "tvm"):
+        if not (isinstance(step, Segment) and step.kind == "ort"):
+            steps.append(step)
             continue
-        produced = [o for n in nodes for o in n.output if o]
-        produced_set = set(produced)
-        ins = sorted(r for r in reads[i] if r not in produced_set and r not in inits)
-        outs = [o for o in produced if o in later[i]]
-        seg = _segment_model(program, nodes, ins, outs, [inits[r] for r in sorted(reads[i]) if r in inits],
-                             infos, opsets, i)
-        if kind == "tvm":
-            steps.append(Segment(i, seg, tuple(ins), tuple(outs)))
-            continue
-        seg.graph.name = f"{g.name}_ort{n_ort}"
-        steps.append(OrtSegment(i, n_ort, seg, tuple(ins), tuple(outs), tuple(n.name or "<unnamed>" for n in nodes),
+        nodes = step.model.graph.node
+        step.model.graph.name = f"{program.graph.name}_ort{n_ort}"
+        steps.append(OrtSegment(step.index, n_ort, step.model, step.inputs, step.outputs,
+                                tuple(n.name or "<unnamed>" for n in nodes),
                                 tuple(unsupported_op(n, known) or n.op_type for n in nodes)))
         n_ort += 1
     return steps
