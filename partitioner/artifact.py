@@ -43,6 +43,7 @@ import onnx
 from partitioner.bindings import Bindings
 from partitioner.comm_ops import CommOp, is_comm
 from partitioner.errors import ArtifactError, BackendError, PartitionerError
+from partitioner.segments import all_nodes
 
 FORMAT = "partitioner-artifact"
 FORMAT_VERSION = 1
@@ -249,20 +250,12 @@ def comm_groups(programs: Sequence[onnx.ModelProto]) -> list[list[int]]:
     sub-communicators (all ranks must create them in the same order)."""
     groups: set[tuple[int, ...]] = set()
     for program in programs:
-        for node in _all_nodes(program.graph):
+        for node in all_nodes(program.graph):
             if is_comm(node):
                 op = CommOp.from_node(node)
                 if op.group:
                     groups.add(op.group)
     return [list(g) for g in sorted(groups, key=lambda g: (len(g), g))]
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for g in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
-                yield from _all_nodes(g)
 
 
 def _staging_dir(dest: Path) -> Path:

@@ -68,6 +68,15 @@ def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def all_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    """Every node of ``graph`` and, depth first, of its subgraphs."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for g in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
+                yield from all_nodes(g)
+
+
 def node_reads(node: onnx.NodeProto) -> set[str]:
     return {i for i in node.input if i} | _subgraph_reads(node)
 

@@ -44,7 +44,7 @@ import onnx
 
 from partitioner.comm_ops import CommOp, is_comm
 from partitioner.errors import BackendError
-from partitioner.segments import CommStep, Segment, split_program, value_infos
+from partitioner.segments import CommStep, Segment, all_nodes, split_program, value_infos
 
 PACKED_PREFIX = "partitioner.comm."
 KEEP_FUNC = PACKED_PREFIX + "keep"
@@ -74,14 +74,6 @@ def onnx_opset(model: onnx.ModelProto) -> int:
     raise BackendError(f"graph {model.graph.name!r}: no default-domain opset_import; add one (e.g. opset 17)")
 
 
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for g in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
-                yield from _all_nodes(g)
-
-
 def expand_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     """``program`` with the nodes TVM cannot import expanded into their ONNX function bodies
     (:mod:`backends.tvm.expand_functions`); the same object when nothing needs it."""
@@ -98,7 +90,7 @@ def check_supported(program: onnx.ModelProto) -> None:
     program = expand_for_import(program)
     known = set(_get_convert_map()) | {"Constant", "If"}
     bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
-           for n in _all_nodes(program.graph)
+           for n in all_nodes(program.graph)
            if not is_comm(n) and (n.op_type not in known or n.domain not in ("", "ai.onnx"))]
     if bad:
         kinds = sorted({t for _, t in bad})
@@ -119,7 +111,7 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     g = program.graph
     if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program
-    read = {i for n in _all_nodes(g) for i in n.input} | {o.name for o in g.output}
+    read = {i for n in all_nodes(g) for i in n.input} | {o.name for o in g.output}
     out = onnx.ModelProto()
     out.CopyFrom(program)
     nodes: list[onnx.NodeProto] = []
