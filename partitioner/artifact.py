@@ -514,9 +514,9 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
                        memory_limit=memory_limit)
     if backend == "tvm" and target is not None:
-        from backends.tvm.target import resolve_target
+        from backends.tvm.target import target_dict
 
-        target = resolve_target(target)
+        target = target_dict(target)  # validate early (one line on a bad spec); the build takes the dict
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-artifact-")) / "artifact"
     html, sim = _simulate_and_render(result, cluster_obj)
     prediction = dict(result.prediction or {})

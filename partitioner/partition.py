@@ -68,6 +68,11 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
     return PartitionResult(plan, lowered.programs, lowered.bindings, prediction, explanation, alternatives, sim)
 
 
+def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:
+    """``partition(..., strategy="auto")``: search strategies, degrees and meshes with the cost model."""
+    return partition(model, cluster, strategy="auto", **kw)
+
+
 def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size: int) -> Any:
     """Run the event simulator on the lowered per-rank programs (the faithful prediction: it sees
     every comm op the lowering inserted, in program order)."""

@@ -35,3 +35,16 @@ def test_bad_tuning_options_exit_2(mlp, tmp_path, capsys, argv, message):
     assert main(["compile", str(mlp), "-o", str(tmp_path / "art"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_target_option_forms(mlp, tmp_path, capsys):
+    """--target takes a preset name or TVM's JSON target dict; a bad one is one line, exit 2."""
+    assert main(["compile", str(mlp), "-o", str(tmp_path / "a"), "--target", "host"]) == 0
+    out = tmp_path / "b"
+    assert main(["compile", str(mlp), "-o", str(out), "--target", '{"kind": "llvm", "mcpu": "x86-64"}']) == 0
+    assert json.loads((out / "manifest.json").read_text())["target"]["mcpu"] == "x86-64"
+    assert main(["run", str(out), "--check", "--in-process"]) == 0
+    capsys.readouterr()
+    assert main(["compile", str(mlp), "-o", str(tmp_path / "c"), "--target", "{bad"]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON" in err and err.count("\n") == 1
