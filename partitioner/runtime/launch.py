@@ -213,7 +213,24 @@ def failure_message(output: str, rc: int, watcher: _RankWatcher | None = None) -
 def launch_mpi(artifact_dir: str | os.PathLike[str], world_size: int, worker_args: Sequence[str], *,
                ranks_per_host: int | None = None, timeout: float | None = None,
                env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """Run the workers under mpiexec; returns (stdout, stderr) or raises RunFailed."""
+    """Run the workers under mpiexec; returns (stdout, stderr) or raises RunFailed.
+
+    A failing rank also writes its one-line reason to an error file: MPI_Abort can end the job
+    before mpiexec has forwarded that rank's stderr, and the message must still name the rank."""
+    with tempfile.TemporaryDirectory(prefix="partitioner-launch-") as tmp:
+        error_file = Path(tmp) / "errors.txt"
+        try:
+            return _launch(artifact_dir, world_size, [*worker_args, "--error-file", str(error_file)],
+                           ranks_per_host=ranks_per_host, timeout=timeout, env=env)
+        except RunFailed as exc:
+            said = error_file.read_text(errors="replace") if error_file.exists() else ""
+            if said and not _RANK_LINE.search(str(exc)):
+                raise RunFailed(failure_message(said, -1)) from None
+            raise
+
+
+def _launch(artifact_dir: str | os.PathLike[str], world_size: int, worker_args: Sequence[str], *,
+            ranks_per_host: int | None, timeout: float | None, env: Mapping[str, str] | None) -> tuple[str, str]:
     cmd = [find_mpiexec(), "-n", str(world_size)]
     if ranks_per_host:
         cmd += ["-ppn", str(ranks_per_host)]

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=0, metavar="K", help="untimed steps before the timed ones")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="timed steps")
     p.add_argument("--timings", default=None, metavar="JSON", help="where rank 0 writes the step times")
+    p.add_argument("--error-file", default=None, metavar="PATH",
+                   help="a failing rank appends its one-line reason here too (used by `partitioner run`)")
     p.add_argument("--nondeterministic-reduce", action="store_true",
                    help="use MPI's own reductions (faster, not bit-reproducible)")
     p.add_argument("--profile", action="store_true",
@@ -220,6 +222,14 @@ def run_worker(args: argparse.Namespace) -> int:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         sys.stderr.write(f"rank {rank}: {op}: {msg}\n")
         sys.stderr.flush()
+        if args.error_file:  # the launcher's copy: Abort may end the job before stderr is forwarded
+            try:
+                with open(args.error_file, "a", encoding="utf-8") as fh:
+                    fh.write(f"rank {rank}: {op}: {msg}\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except OSError:
+                pass
         world.Abort(1)
         return 1
 
