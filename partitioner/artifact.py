@@ -518,7 +518,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
 
         target = target_dict(target)  # validate early (one line on a bad spec); the build takes the dict
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-artifact-")) / "artifact"
-    html, sim = _simulate_and_render(result, cluster_obj)
+    html, sim = _simulate_and_render(prepared, result, cluster_obj)
     prediction = dict(result.prediction or {})
     if sim is not None:
         prediction["simulated"] = sim
@@ -542,31 +542,17 @@ def _resolve_cluster(cluster: Any) -> Any:
     return cluster
 
 
-def _simulate_and_render(result: Any, cluster: Any) -> tuple[str | None, dict[str, Any] | None]:
-    """The cost model's simulated step of the lowered programs and the HTML report of it.
+def _simulate_and_render(model: Any, result: Any, cluster: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """The report and the simulated step that :func:`partition` already computed (nothing is
+    simulated twice). The report is left out, not fatal, when it cannot be drawn."""
+    from partitioner.report_graph import plan_report_html
 
-    Either part is None when its module is missing or cannot handle these programs (the artifact
-    is still complete without them)."""
-    import onnx_ir as ir
-
-    try:
-        from partitioner.cost.simulate import simulate
-    except ImportError:
+    sim = result.simulation
+    if sim is None:
         return None, None
-    b = result.bindings
-    batch = int(b.inputs[0].shape[0]) if b.inputs and b.inputs[0].shape else 1
     try:
-        sim = simulate([ir.serde.deserialize_model(p) for p in result.programs], cluster,
-                       microbatches=b.microbatches, batch_size=batch)
+        html = plan_report_html(model, result, cluster)
     except PartitionerError:
-        return None, None
-    html = None
-    try:
-        from partitioner.report_html import render_report
-
-        title = f"partition plan: {result.plan.to_json().get('strategy', '?')} on {b.world_size} rank(s)"
-        html = render_report(title, sim, cluster, {"explanation": result.explanation})
-    except (ImportError, PartitionerError):
         html = None
     return html, sim.to_json()
 

@@ -86,3 +86,15 @@ def graph_svg_for_plan(model: Any, plan: Any, **kw: Any) -> str:
     ranks_of = {name: np_.ranks for name, np_ in plan.nodes.items()}
     stage_of = {name: np_.stage for name, np_ in plan.nodes.items()}
     return legend_html(plan.world_size) + plan_graph_svg(nodes, ranks_of, stage_of, **kw)
+
+
+def plan_report_html(model: Any, result: Any, cluster: Any) -> str:
+    """The whole report of a :class:`partitioner.partition.PartitionResult`: predicted timeline,
+    memory against capacity, bytes per link, and the graph coloured by device (self-contained)."""
+    from partitioner.report_html import render_report
+
+    plan = result.plan
+    title = f"{model.graph.name or 'model'}: {plan.strategy} on {cluster.name}"
+    extra = {"strategy": plan.strategy, "mesh": f"{list(plan.mesh_shape)} {list(plan.mesh_axes)}",
+             "stages": plan.num_stages, "explanation": result.explanation}
+    return render_report(title, result.simulation, cluster, extra=extra, graph_svg=graph_svg_for_plan(model, plan))

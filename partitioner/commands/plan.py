@@ -62,13 +62,9 @@ def run(args: argparse.Namespace) -> int:
 def _write_html(path: str, model, res, cluster) -> None:
     """The report: predicted timeline (Gantt), memory against capacity, bytes per link, and the
     graph coloured by device. Self-contained: inline SVG and CSS, no network."""
-    from partitioner.report_graph import graph_svg_for_plan
-    from partitioner.report_html import render_report
+    from partitioner.report_graph import plan_report_html
 
-    title = f"{model.graph.name or 'model'}: {res.plan.strategy} on {cluster.name}"
-    extra = {"strategy": res.plan.strategy, "mesh": f"{list(res.plan.mesh_shape)} {list(res.plan.mesh_axes)}",
-             "stages": res.plan.num_stages, "explanation": res.explanation}
-    html = render_report(title, res.simulation, cluster, extra=extra, graph_svg=graph_svg_for_plan(model, res.plan))
+    html = plan_report_html(model, res, cluster)
     try:
         Path(path).write_text(html, encoding="utf-8")
     except OSError as exc:
