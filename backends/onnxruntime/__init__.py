@@ -10,15 +10,14 @@ naming the rank.
 from __future__ import annotations
 
 import pathlib
-import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 
 from partitioner import comm_ops
-from partitioner.bindings import Bindings, gather_outputs, scatter_inputs
-from partitioner.errors import BackendError, PartitionerError, RunFailed
+from partitioner.bindings import Bindings
+from partitioner.errors import BackendError
 from partitioner.segments import CommStep, Segment, split_program
 
 NAME = "onnxruntime"
@@ -82,38 +81,6 @@ def load(program: onnx.ModelProto, path: pathlib.Path | None = None, *, threads:
 def run_reference(programs: Sequence[onnx.ModelProto], bindings: Bindings, feeds: Mapping[str, np.ndarray], *,
                   timeout_s: float = 120.0, threads: int = 1) -> dict[str, np.ndarray]:
     """Run every rank in this process and return the global outputs (see the module docstring)."""
-    from partitioner.runtime.comm_local import LocalWorld
+    from partitioner.runtime.in_process import run_in_threads
 
-    per_rank_in = scatter_inputs(bindings, feeds)
-    world = LocalWorld(bindings.world_size, timeout_s=timeout_s)
-    exes = [load(p, threads=threads) for p in programs]
-    results: list[list[dict[str, np.ndarray]]] = [[] for _ in programs]
-    errors: dict[int, BaseException] = {}
-
-    def work(r: int) -> None:
-        comm = world.communicator(r)
-        try:
-            for k in range(bindings.microbatches):
-                results[r].append(exes[r].run(per_rank_in[r][k], comm))
-        except BaseException as exc:  # any failure must wake the other ranks
-            errors[r] = exc
-            world.abort(f"rank {r} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-
-    threads_ = [threading.Thread(target=work, args=(r,), name=f"rank{r}", daemon=True) for r in range(len(programs))]
-    for t in threads_:
-        t.start()
-    for t in threads_:
-        t.join(timeout_s + 5)
-    if any(t.is_alive() for t in threads_):
-        world.abort("run_reference timed out")
-        raise RunFailed(f"run_reference: rank(s) {[i for i, t in enumerate(threads_) if t.is_alive()]} did not finish "
-                        f"within {timeout_s:.0f} s")
-    if errors:
-        # report the first rank that failed on its own (others were woken by the abort)
-        first = min(errors, key=lambda r: (isinstance(errors[r], RunFailed) and "aborted" in str(errors[r]), r))
-        exc = errors[first]
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if isinstance(exc, PartitionerError) and not isinstance(exc, RunFailed):
-            raise RunFailed(f"rank {first}: {msg}") from exc
-        raise RunFailed(msg if msg.startswith(f"rank {first}") else f"rank {first}: {msg}") from exc
-    return gather_outputs(bindings, results)
+    return run_in_threads([load(p, threads=threads) for p in programs], bindings, feeds, timeout_s=timeout_s)

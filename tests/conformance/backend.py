@@ -31,7 +31,6 @@ Every refusal is a :class:`partitioner.errors.PartitionerError`; anything else e
 from __future__ import annotations
 
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,7 +39,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from partitioner.errors import BackendError, PartitionerError, RunFailed, StrategyNotApplicable
+from partitioner.errors import BackendError, PartitionerError, StrategyNotApplicable
 
 FALLBACKS = (None, "onnxruntime")
 # op type -> input slots whose values decide output shapes (or are attributes in older opsets),
@@ -168,38 +167,9 @@ def run_compiled(compiled: Compiled, feeds: dict[str, np.ndarray], timeout_s: fl
         world = LocalWorld(1, timeout_s=timeout_s)
         return compiled.executables[0].run(feeds, world.communicator(0))
 
-    from partitioner.bindings import gather_outputs, scatter_inputs
+    from partitioner.runtime.in_process import run_in_threads
 
-    b = compiled.bindings
-    per_rank = scatter_inputs(b, feeds)
-    world = LocalWorld(b.world_size, timeout_s=timeout_s)
-    results: list[list[dict[str, np.ndarray]]] = [[] for _ in range(b.world_size)]
-    errors: dict[int, BaseException] = {}
-
-    def work(r: int) -> None:
-        comm = world.communicator(r)
-        try:
-            for k in range(b.microbatches):
-                results[r].append(compiled.executables[r].run(per_rank[r][k], comm))
-        except BaseException as exc:  # wake the other ranks
-            errors[r] = exc
-            world.abort(f"rank {r} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-
-    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(b.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 5)
-    if any(t.is_alive() for t in threads):
-        world.abort("timed out")
-        raise RunFailed(f"2-rank run did not finish within {timeout_s:.0f} s")
-    if errors:
-        r = min(errors)
-        exc = errors[r]
-        if isinstance(exc, PartitionerError):
-            raise exc
-        raise RunFailed(f"rank {r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    return gather_outputs(b, results)
+    return run_in_threads(compiled.executables, compiled.bindings, feeds, timeout_s=timeout_s)
 
 
 def shape_inputs(model: onnx.ModelProto) -> tuple[str, ...]:
