@@ -259,7 +259,7 @@ def test_failure_on_one_rank_aborts_the_other(tmp_path: Path) -> None:
     facts = bt.build_all(progs, tmp_path, progress=False, jobs=1)
     t0 = time.monotonic()
     res = run_ranks(progs, [tmp_path / f["file"] for f in facts], [{}, {"x": X}], timeout_s=30)
-    assert time.monotonic() - t0 < 10, "the waiting rank should be woken by abort, not by its timeout"
+    assert time.monotonic() - t0 < 20, "the waiting rank should be woken by abort, not by its 30 s timeout"
     assert "missing input" in str(res[0])
     assert isinstance(res[1], RunFailed) and "aborted" in str(res[1])
 

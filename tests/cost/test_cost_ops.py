@@ -145,4 +145,4 @@ def test_analyze_is_fast_on_thousands_of_nodes():
     s = analyze(model)
     dt = time.perf_counter() - t0
     assert s.depth == n  # a chain of elementwise ops: depth 1 each
-    assert dt < 1.0
+    assert dt < 5.0  # about 0.1 s idle; the bound only catches a quadratic blow-up

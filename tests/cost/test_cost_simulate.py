@@ -131,6 +131,6 @@ def test_fast_on_thousands_of_nodes_and_32_ranks():
     c = Cluster.resolve("h200:4x8")
     t0 = time.perf_counter()
     res = simulate([model] * 32, c, microbatches=4)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # about 0.1 s idle; the bound only catches a quadratic blow-up
     assert res.compute_time[0] > 0 and res.comm_time[0] > 0
     assert set(res.bytes_per_level) == {"nvlink4", "ib-ndr-400g"}  # hierarchical allreduce

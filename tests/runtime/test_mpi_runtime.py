@@ -115,7 +115,7 @@ def test_raise_on_rank1_ends_fast_naming_rank1(tmp_path, inputs_npz, monkeypatch
     err = capsys.readouterr().err
     assert rc == 1
     assert "rank 1" in err and "recv" in err and "Traceback" not in err
-    assert elapsed < 5 + 3, elapsed  # 5 s to end every rank, plus mpiexec start-up on a busy machine
+    assert elapsed < 5 + 10, elapsed  # 5 s to end every rank, plus mpiexec start-up on a busy machine (the timeout is 10 s + 120 s)
     assert not _worker_procs(art.root)
 
 
