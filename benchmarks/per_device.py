@@ -98,7 +98,8 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     if run_zero and not args.no_zero:
         variants["zero"] = {"pipeline": "zero"}
     if args.tune_trials > 0:
-        variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db}
+        variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db,
+                             "tune_progress": True}
     exes, compile_s = {}, {}
     for name, opts in variants.items():
         print(f"  compile {key} b{batch} {name}", file=sys.stderr, flush=True)
@@ -143,20 +144,26 @@ def render_markdown(data: dict[str, Any]) -> str:
     """The results as a markdown table (what the README shows), from the saved JSON."""
     cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"), ("tuned", "tvm_tuned_ms")]
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
+    tuned = any("tvm_tuned_ms" in r for r in data["rows"])
     head = "| model | batch | threads | " + " | ".join(f"TVM {label} (ms)" for label, _ in present) + \
-        " | ONNX Runtime (ms) | default / ORT |"
+        " | ONNX Runtime (ms) | default / ORT |" + (" tuned / ORT |" if tuned else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in data["rows"]:
         cells = [f"{r[k]:.2f}" if k in r else "-" for _, k in present]
         ratio = r.get("tvm_scheduled_vs_ort")
         ratio_s = f"{ratio:.2f}x" if ratio is not None else "-"
+        tuned_s = ""
+        if tuned:
+            t = r.get("tvm_tuned_vs_ort")
+            tuned_s = f" {t:.2f}x |" if t is not None else " - |"
         lines.append(f"| {r['model']} | {r['batch']} | {r['threads']} | " + " | ".join(cells) +
-                     f" | {r['ort_ms']:.2f} | {ratio_s} |")
+                     f" | {r['ort_ms']:.2f} | {ratio_s} |" + tuned_s)
     m = data.get("machine", {})
     lines.append("")
     lines.append(f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), TVM {m.get('versions', {}).get('tvm', '?')}, "
                  f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; median of {data['settings']['runs']} runs "
-                 f"after warm-up (untuned: {data['settings']['zero_runs']}).")
+                 f"after warm-up (untuned: {data['settings']['zero_runs']})" +
+                 (f"; tuned: MetaSchedule, {data['settings']['tune_trials']} trials per contraction kernel." if tuned else "."))
     return "\n".join(lines)
 
 

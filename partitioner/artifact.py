@@ -312,6 +312,8 @@ def _build_backend_files(tmp: Path, programs: Sequence[onnx.ModelProto], backend
         if build_all is not None:
             if options and options.get("tune_trials"):
                 jobs = 1  # tuning writes one database: ranks must not tune it concurrently
+                if progress is not False:  # the tuning bar (trials done, best time) on stderr
+                    options = {**options, "tune_progress": True}
             facts = build_all(list(programs), work, target=target, jobs=jobs, progress=progress,
                               options=dict(options) if options else None)
         else:

@@ -111,7 +111,7 @@ def scatter_inputs(bindings: Bindings, feeds: Mapping[str, np.ndarray]) -> list[
         for k, x in enumerate(micro):
             for p in b.placements:
                 part = x if p.axis is None else np.take(x, range(p.start, p.stop), axis=p.axis)
-                out[p.rank][k][p.local_name] = np.ascontiguousarray(part)
+                out[p.rank][k][p.local_name] = np.asarray(part, order="C")
     return out
 
 

@@ -117,7 +117,13 @@ class CommOp:
 
 def make_node(op_type: str, inputs: Sequence[str], outputs: Sequence[str], *, name: str, **attrs: Any) -> onnx.NodeProto:
     """Build a comm ``NodeProto``; checks the attributes against the contract."""
-    node = helper.make_node(op_type, list(inputs), list(outputs), name=name, domain=DOMAIN, **attrs)
+    lists = {k: v for k, v in attrs.items() if isinstance(v, (list, tuple))}
+    node = helper.make_node(op_type, list(inputs), list(outputs), name=name, domain=DOMAIN,
+                            **{k: v for k, v in attrs.items() if k not in lists})
+    # list attributes (shape, group) are integer lists; typed explicitly, since an empty list
+    # (the shape of a scalar) has no element to infer the type from
+    node.attribute.extend(helper.make_attribute(k, list(v), attr_type=onnx.AttributeProto.INTS)
+                          for k, v in lists.items())
     CommOp.from_node(node)
     return node
 
@@ -150,7 +156,7 @@ def execute(op: CommOp, inputs: Sequence[np.ndarray | None], comm: Communicator)
     a = op.attrs
     t = op.op_type
     if t == "Send":
-        comm.send(np.ascontiguousarray(inputs[0]), int(a["peer"]), op.tag)
+        comm.send(np.asarray(inputs[0], order="C"), int(a["peer"]), op.tag)
         return []
     if t == "Recv":
         return [comm.recv(int(a["peer"]), op.tag, [int(d) for d in a["shape"]], op.np_dtype)]

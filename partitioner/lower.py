@@ -118,7 +118,7 @@ class _Lowerer:
         rk = self.ranks[r]
         name = base if base not in rk.names else self.fresh(base, "w")
         rk.names.add(name)
-        rk.inits[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        rk.inits[name] = numpy_helper.from_array(np.asarray(array, order="C"), name)
         return name
 
     def const_i64(self, r: int, base: str, values: Sequence[int]) -> str:

@@ -7,12 +7,16 @@ Rules (onnx-ir's):
    the graph output; the node goes.
 3. ``y`` a graph output and ``x`` a graph input or initializer: the node stays (the graph's
    signature keeps both names).
+4. ``y`` a graph output and ``x`` a graph output too: the node stays. onnx-ir renames ``x`` to
+   ``y``, which leaves the graph with two outputs named ``y`` and loses ``x`` (found by the
+   pipeline property test: ``v2 = Identity(v0)`` with outputs ``(v0, v2)``).
 
 Invariant: the model's inputs and outputs keep their names; the values computed are unchanged.
 """
 
 from __future__ import annotations
 
+import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass
 
 from passes.registry import register
@@ -21,3 +25,10 @@ from passes.registry import register
 @register("identity_elimination")
 class IdentityElimination(IdentityEliminationPass):
     """Remove ``Identity`` nodes that do not hold the graph's signature together."""
+
+    def _try_eliminate_identity_node(self, node: ir.Node) -> bool:
+        if (node.op_type == "Identity" and node.domain == "" and len(node.inputs) == 1 and len(node.outputs) == 1
+                and node.inputs[0] is not None and node.outputs[0].is_graph_output()
+                and node.inputs[0].is_graph_output()):
+            return False  # rule 4
+        return super()._try_eliminate_identity_node(node)

@@ -84,7 +84,7 @@ def _write(out: Any, value: np.ndarray) -> None:
             raise RunFailed(f"comm op result has shape {list(value.shape)}, the library expects {list(dst.shape)}")
         np.copyto(dst, value, casting="same_kind")
     else:
-        out.copyfrom(np.ascontiguousarray(value, dtype=out.dtype))
+        out.copyfrom(np.asarray(value, dtype=out.dtype, order="C"))
 
 
 def _handler(op_type: str):
@@ -184,7 +184,7 @@ class TvmRankExecutable:
                 self._in_bufs[i] = buf
                 if view is None:
                     self._in_bufs[i] = None  # no view to reuse: a fresh tensor per call
-                    t.copyfrom(np.ascontiguousarray(x))
+                    t.copyfrom(np.asarray(x, order="C"))
                     args.append(t)
                     continue
             np.copyto(buf[1], x)
@@ -198,7 +198,7 @@ class TvmRankExecutable:
             if self._on_cpu:
                 args = self._input_buffers(feeds)
             else:
-                args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[n]), self.device) for n in self.inputs]
+                args = [tvm.runtime.tensor(np.asarray(feeds[n], order="C"), self.device) for n in self.inputs]
         except KeyError:
             missing = [n for n in self.inputs if n not in feeds]
             raise InputError(f"{self.path.name}: missing input(s) {', '.join(missing)}; expected {', '.join(self.inputs)}") from None

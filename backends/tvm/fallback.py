@@ -209,7 +209,7 @@ def _write(out: Any, value: np.ndarray) -> None:
                             f"{list(dst.shape)}")
         np.copyto(dst, value, casting="same_kind")
     else:
-        out.copyfrom(np.ascontiguousarray(value, dtype=out.dtype))
+        out.copyfrom(np.asarray(value, dtype=out.dtype, order="C"))
 
 
 def _run_segment(*args: Any) -> None:
@@ -222,7 +222,7 @@ def _run_segment(*args: Any) -> None:
         if entry is None:
             raise RunFailed(f"{PACKED_NAME}: no ONNX Runtime segment {key} in this rank")
         n_in = len(entry.inputs)
-        feeds = {name: np.ascontiguousarray(_to_numpy(t)) for name, t in zip(entry.inputs, args[1:1 + n_in])}
+        feeds = {name: np.asarray(_to_numpy(t), order="C") for name, t in zip(entry.inputs, args[1:1 + n_in])}
         results = entry.session.run(list(entry.outputs), feeds)
         for out, value in zip(args[1 + n_in:], results):
             _write(out, np.asarray(value))

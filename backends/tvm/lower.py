@@ -29,6 +29,8 @@ rejects ("Invalid SLayout: can't find S in source layout ABCDE") and that costs 
 input. The chain is the same arithmetic ONNX Runtime does (left to right). An inference
 ``Dropout`` (no ``training_mode`` input, mask unread) becomes ``Identity``: the importer's
 ``R.nn.dropout`` returns a tuple that ``ConvertLayout`` rejects ("Expected nested to match tuple").
+A reduction over an empty input (``ReduceSum`` of a ``[2, 0, 4]`` tensor) becomes a ``Constant`` of
+its empty-set value: TVM's kernel returns uninitialised memory there.
 
 Invariant: ``op_id`` of a comm node is its index among the program's comm nodes in node order
 (:func:`comm_table`); the runtime uses the same table to find the op to run.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 from partitioner.comm_ops import CommOp, is_comm
@@ -108,6 +111,7 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     node of a chain writes the original output; intermediates are ``<output>__sum<k>``."""
     from onnx import helper, numpy_helper
 
+    program = _fold_empty_reductions(program)
     g = program.graph
     if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program
@@ -150,6 +154,60 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(helper.make_node("Div", [acc, n_name], [result], name=node.name))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    return out
+
+
+# The value of a reduction over an empty set, per op (ONNX's definitions: the identity of the
+# reduction; log of an empty sum is log 0; the mean of nothing is 0/0).
+_EMPTY_REDUCTION = {"ReduceSum": 0.0, "ReduceL1": 0.0, "ReduceL2": 0.0, "ReduceSumSquare": 0.0,
+                    "ReduceProd": 1.0, "ReduceMax": -np.inf, "ReduceMin": np.inf,
+                    "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf, "ReduceMean": np.nan}
+
+
+def _fold_empty_reductions(program: onnx.ModelProto) -> onnx.ModelProto:
+    """Replace every reduction whose input has no elements but whose output has some with a
+    ``Constant`` of the reduction's empty-set value. TVM's kernels never run the init of a
+    reduction loop of extent 0 and return uninitialised memory (checked on 0.27: the ONNX
+    ``*_empty_set`` node cases gave garbage); the result does not depend on any data."""
+    from onnx import helper, numpy_helper
+
+    g = program.graph
+    info = {v.name: v for v in [*g.input, *g.value_info, *g.output]}
+
+    def static(name: str) -> tuple[int, list[int]] | None:
+        v = info.get(name)
+        if v is None or not v.type.HasField("tensor_type") or not v.type.tensor_type.HasField("shape"):
+            return None
+        dims = v.type.tensor_type.shape.dim
+        if not all(d.HasField("dim_value") for d in dims):
+            return None
+        return v.type.tensor_type.elem_type, [int(d.dim_value) for d in dims]
+
+    replaced: dict[int, onnx.NodeProto] = {}
+    for k, node in enumerate(g.node):
+        if node.op_type not in _EMPTY_REDUCTION or node.domain not in ("", "ai.onnx") or not node.input:
+            continue
+        src, dst = static(node.input[0]), static(node.output[0])
+        if src is None or dst is None or int(np.prod(src[1])) != 0 or int(np.prod(dst[1])) == 0:
+            continue
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(dst[0]))
+        value = _EMPTY_REDUCTION[node.op_type]
+        if dtype.kind == "b":  # bool Max/Min: max of nothing is False, min of nothing True
+            if np.isnan(value):
+                continue
+            value = bool(value > 0)
+        elif dtype.kind in "iu":  # integer reductions: the type's extremes stand for +-inf
+            value = np.iinfo(dtype).min if value == -np.inf else np.iinfo(dtype).max if value == np.inf else value
+            if np.isnan(value):
+                continue  # integer mean of nothing is undefined: leave it to the kernel
+        tensor = numpy_helper.from_array(np.full(dst[1], value, dtype=dtype), f"{node.output[0]}__empty")
+        replaced[k] = helper.make_node("Constant", [], [node.output[0]], name=node.name, value=tensor)
+    if not replaced:
+        return program
+    out = onnx.ModelProto()
+    out.CopyFrom(program)
+    for k, node in replaced.items():
+        out.graph.node[k].CopyFrom(node)
     return out
 
 
@@ -235,6 +293,35 @@ def _add_segment(bb, seg_mod, k: int):
     return bb.add_func(main, f"seg{k}")
 
 
+def _static_dims(ty) -> list[int] | None:
+    from tvm import relax
+
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    try:
+        return [int(d) for d in ty.shape.values]
+    except (TypeError, ValueError):  # a symbolic dimension
+        return None
+
+
+def _as_declared(bb, expr, info: onnx.ValueInfoProto | None, where: str):
+    """``expr`` reshaped to the shape ONNX declares for it, when TVM's importer produced another
+    shape with the same element count (it turns some scalars into ``(1,)`` tensors). A segment
+    boundary must keep ONNX's shape: it is what a ``Send`` ships and the next segment expects."""
+    from tvm import relax
+
+    if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
+        return expr
+    dims = info.type.tensor_type.shape.dim
+    if not all(d.HasField("dim_value") for d in dims):
+        return expr
+    want = [int(d.dim_value) for d in dims]
+    have = _static_dims(expr.ty)
+    if have is None or have == want or int(np.prod(have)) != int(np.prod(want)):
+        return expr
+    return bb.emit(relax.op.reshape(expr, want))
+
+
 def lower_program(program: onnx.ModelProto) -> LoweredProgram:
     """Build the Relax module of ``program`` (see the module docstring for the layout)."""
     from tvm import relax
@@ -285,10 +372,10 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
                 args = [_lookup(env, n, where) for n in step.inputs]
                 res = bb.emit(relax.Call(seg_funcs[step.index], args))
                 if len(step.outputs) == 1 and not isinstance(res.ty, relax.TupleType):
-                    env[step.outputs[0]] = res
+                    env[step.outputs[0]] = _as_declared(bb, res, infos.get(step.outputs[0]), where)
                 else:
                     for j, name in enumerate(step.outputs):
-                        env[name] = bb.emit(relax.TupleGetItem(res, j))
+                        env[name] = _as_declared(bb, bb.emit(relax.TupleGetItem(res, j)), infos.get(name), where)
                 continue
             if isinstance(step, fallback.OrtSegment):
                 if not step.outputs:

@@ -112,12 +112,12 @@ class LocalCommunicator:
     def reduce_scatter(self, x: np.ndarray, group: Sequence[int], axis: int, reduction: str, tag: int) -> np.ndarray:
         total = reduce_arrays(self.world.exchange(self.rank, group, tag, x), reduction)
         chunks = np.split(total, len(group), axis=axis)
-        return np.ascontiguousarray(chunks[list(group).index(self.rank)])
+        return np.asarray(chunks[list(group).index(self.rank)], order="C")
 
     def alltoall(self, x: np.ndarray, group: Sequence[int], split_axis: int, concat_axis: int, tag: int) -> np.ndarray:
         parts = self.world.exchange(self.rank, group, tag, np.split(x, len(group), axis=split_axis))
         me = list(group).index(self.rank)
-        return np.ascontiguousarray(np.concatenate([p[me] for p in parts], axis=concat_axis))
+        return np.asarray(np.concatenate([p[me] for p in parts], axis=concat_axis), order="C")
 
     def broadcast(self, x: np.ndarray | None, group: Sequence[int], root: int, tag: int) -> np.ndarray:
         values = self.world.exchange(self.rank, group, tag, x if self.rank == root else None)

@@ -155,7 +155,7 @@ class MPICommunicator:
     @_timed
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         what = self._enter("send", f"to rank {peer} tag {tag}")
-        buf = np.ascontiguousarray(x)
+        buf = np.asarray(x, order="C")
         self._pending.append((self.world.Isend(buf, dest=peer, tag=tag), buf, what))
         self.bytes_sent += buf.nbytes
         self._reap()  # also drives MPI progress on the earlier sends (a few Test calls, ~1 us)
@@ -191,7 +191,7 @@ class MPICommunicator:
 
     # collectives --------------------------------------------------------------------------------
     def _gather_all(self, x: np.ndarray, sub: Any, what: str) -> np.ndarray:
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         out = np.empty((sub.Get_size(),) + x.shape, dtype=x.dtype)
         self._wait(sub.Iallgather(x, out), what)
         return out
@@ -202,7 +202,7 @@ class MPICommunicator:
         sub = self.group_comm(group, tag)
         if self.deterministic:
             return reduce_arrays(list(self._gather_all(x, sub, what)), reduction)
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         out = np.empty_like(x)
         op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN, "prod": self.MPI.PROD}[reduction]
         self._wait(sub.Iallreduce(x, out, op=op), what)
@@ -218,8 +218,8 @@ class MPICommunicator:
 
     def _alltoall_chunks(self, x: np.ndarray, n: int, split_axis: int, sub: Any, what: str) -> np.ndarray:
         chunks = np.split(x, n, axis=split_axis)
-        send = np.ascontiguousarray(np.stack(chunks)) if split_axis not in (0, -x.ndim) else \
-            np.ascontiguousarray(x).reshape((n,) + chunks[0].shape)
+        send = np.asarray(np.stack(chunks), order="C") if split_axis not in (0, -x.ndim) else \
+            np.asarray(x, order="C").reshape((n,) + chunks[0].shape)
         recv = np.empty_like(send)
         self._wait(sub.Ialltoall(send, recv), what)
         return recv
@@ -242,7 +242,7 @@ class MPICommunicator:
         if x.shape[split_axis] % n:
             raise RunFailed(f"{what}: axis {split_axis} of size {x.shape[split_axis]} does not split into {n} chunks")
         parts = self._alltoall_chunks(x, n, split_axis, sub, what)
-        return np.ascontiguousarray(np.concatenate(list(parts), axis=concat_axis))
+        return np.asarray(np.concatenate(list(parts), axis=concat_axis), order="C")
 
     @_timed
     def broadcast(self, x: np.ndarray | None, group: Sequence[int], root: int, tag: int) -> np.ndarray:
@@ -253,7 +253,7 @@ class MPICommunicator:
         if self.rank == root:
             if x is None:
                 raise RunFailed(f"{what}: the root has no input to broadcast")
-            x = np.ascontiguousarray(x)
+            x = np.asarray(x, order="C")
             if x.ndim > _HEADER - 2:
                 raise RunFailed(f"{what}: {x.ndim}-d tensors are not supported (at most {_HEADER - 2})")
             header[0], header[1] = x.ndim, _dtype_code(x.dtype)
@@ -268,7 +268,7 @@ class MPICommunicator:
 
     # the runtime's own traffic: whole arrays of unknown shape to one rank ----------------------------
     def send_array(self, x: np.ndarray, dest: int, tag: int) -> None:
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         header = np.zeros(_HEADER, dtype=np.int64)
         header[0], header[1] = x.ndim, _dtype_code(x.dtype)
         header[2:2 + x.ndim] = x.shape

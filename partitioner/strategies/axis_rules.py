@@ -110,6 +110,8 @@ def split_rule(view: ModelView, node: ir.Node, in_axes: Axes, shards: int) -> Ru
             ax = o - (R - r)
             req.append(ax if ax >= 0 and view.shape(name)[ax] != 1 else None)
         return req, [o] * len(outs)
+    if op == "CastLike":  # input 1 gives only the element type: its split does not matter
+        return [in_axes[0], in_axes[1] if len(in_axes) > 1 else None], [in_axes[0]] * len(outs)
     (i0, a0), = split[:1]
     if len(split) > 1 and op not in ("Concat", "MatMul", "Sum", "Mean", "Max", "Min"):
         return f"node {node.name!r} ({op}): more than one input is split"

@@ -64,7 +64,10 @@ def best_split(times: Sequence[np.ndarray], send: np.ndarray, mem: np.ndarray | 
         # vectorised over (k, j) in row blocks: cost of stage s covering nodes j+1..k
         # a stage longer than a known feasible bottleneck cannot be optimal: only columns j with
         # T(j+1..k) + send[k] <= bound are candidates (pruning keeps the DP exact)
-        jlo = np.maximum(np.searchsorted(pre, pre[ks_all + 1] + send[ks_all] - bound * (1 + 1e-12), "left") - 1, s - 1)
+        # send[k] = inf (a fusion group must not be cut after k) with bound = inf gives NaN;
+        # searchsorted puts NaN past the end, so k gets no candidate columns, as it should
+        with np.errstate(invalid="ignore"):
+            jlo = np.maximum(np.searchsorted(pre, pre[ks_all + 1] + send[ks_all] - bound * (1 + 1e-12), "left") - 1, s - 1)
         for start in range(0, len(ks_all), 256):
             ks = ks_all[start:start + 256][:, None]
             c0 = int(jlo[start:start + 256].min())

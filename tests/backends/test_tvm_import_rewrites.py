@@ -71,3 +71,23 @@ def test_dropout_with_a_read_mask_is_kept() -> None:
     m.graph.output.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 8, 8, 8]))
     ops = [n.op_type for n in rewrite_for_import(m).graph.node]
     assert "Dropout" in ops
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceProd", "ReduceMax", "ReduceMin", "ReduceL2", "ReduceLogSumExp"])
+def test_reduction_over_an_empty_axis_matches_ort(op: str, tmp_path: Path) -> None:
+    """A reduction over a zero-length axis: TVM's kernel returned uninitialised memory; the rewrite
+    makes it the empty-set value (0, 1, -inf, inf, 0, -inf), as ONNX Runtime computes it."""
+    axes = numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")
+    nodes = [helper.make_node(op, ["x", "axes"], ["r"], name="reduce", keepdims=1),
+             helper.make_node("Add", ["r", "b"], ["y"], name="add")]
+    g = helper.make_graph(nodes, f"empty_{op}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 0, 4]),
+                                                 helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1, 4])], [axes])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(m, full_check=True)
+    feeds = {"x": np.zeros((2, 0, 4), np.float32), "b": np.random.default_rng(0).standard_normal((2, 1, 4)).astype(np.float32)}
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], feeds)[0]
+    assert [n.op_type for n in rewrite_for_import(onnx.shape_inference.infer_shapes(m)).graph.node] == ["Constant", "Add"]
+    bt.build(m, tmp_path / "rank0.so")
+    got = bt.load(m, tmp_path / "rank0.so").run(feeds, LocalWorld(1).communicator(0))["y"]
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

@@ -34,6 +34,9 @@ SMALL = {  # the sizes of tests/test_foundation.py
 }
 STRATEGIES = ("data", "pipeline", "tensor")
 FAST = {("mlp", "data"), ("mlp", "pipeline"), ("mlp", "tensor"), ("bert", "tensor")}
+# with --passes optimize (Conv+BN folding, NHWC layout, GELU/LayerNorm recognition, bias and
+# activation fusion, elementwise groups) before partitioning: 1 rank and the 2-rank strategies
+OPTIMIZED_FAST = {("mlp", "single"), ("resnet", "single"), ("resnet", "pipeline"), ("gpt", "tensor")}
 
 
 def _cases():
@@ -41,6 +44,13 @@ def _cases():
         for strategy in STRATEGIES:
             marks = () if (name, strategy) in FAST else (pytest.mark.slow,)
             yield pytest.param(name, strategy, marks=marks, id=f"{name}-{strategy}")
+
+
+def _optimized_cases():
+    for name in SMALL:
+        for strategy in ("single", *STRATEGIES):
+            marks = () if (name, strategy) in OPTIMIZED_FAST else (pytest.mark.slow,)
+            yield pytest.param(name, strategy, marks=marks, id=f"{name}-{strategy}-optimize")
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
@@ -79,3 +89,28 @@ def test_zoo_model_tvm_two_ranks_matches_ort(name: str, strategy: str, tmp_path)
     for out_name, ref in want.items():
         assert got[out_name].shape == ref.shape, out_name
         np.testing.assert_allclose(got[out_name], ref, rtol=RTOL, atol=ATOL, err_msg=f"{name} x {strategy}: {out_name}")
+
+
+@pytest.mark.parametrize(("name", "strategy"), list(_optimized_cases()))
+def test_zoo_model_optimized_tvm_matches_ort(name: str, strategy: str, tmp_path) -> None:
+    """The optimize pass pipeline, then the TVM default schedules, at 1 rank and at 2 ranks."""
+    from partitioner.artifact import compile as compile_artifact
+    from partitioner.runtime.launch import run_in_process
+
+    model = models_zoo.build(name, batch=BATCH, **SMALL[name])
+    feeds = _feeds(model)
+    want = _ort(model, feeds)
+    cluster, strat = ("cpu:1", "auto") if strategy == "single" else ("cpu:2", strategy)
+    try:
+        art = compile_artifact(model, cluster, strategy=strat, backend="tvm", out_dir=tmp_path / "art",
+                               passes=["optimize"], jobs=1, progress=False)
+    except StrategyNotApplicable as exc:
+        pytest.skip(f"{name} x {strategy} (optimize): StrategyNotApplicable: {exc}")
+    assert art.backend == "tvm" and art.manifest["fallback"] is None
+    assert art.world_size == (1 if strategy == "single" else 2)
+    got, _ = run_in_process(art, feeds, timeout=600)
+    assert set(got) == set(want)
+    for out_name, ref in want.items():
+        assert got[out_name].shape == ref.shape, out_name
+        np.testing.assert_allclose(got[out_name], ref, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{name} x {strategy} (optimize): {out_name}")

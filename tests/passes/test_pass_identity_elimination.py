@@ -28,3 +28,20 @@ def test_removes_inner_identities_keeps_signature():
     assert [o.name for o in model.graph.outputs] == ["y", "b_out"]
     assert_same_outputs(proto, model)
     check_model(model)
+
+
+def test_identity_between_two_graph_outputs_stays():
+    """v2 = Identity(v0) with both v0 and v2 graph outputs (found by the pipeline property test):
+    onnx-ir renamed v0 to v2, leaving two outputs named v2."""
+    nodes = [
+        helper.make_node("Add", ["x", "x"], ["v0"], name="n0"),
+        helper.make_node("Add", ["x", "x"], ["v1"], name="n1"),
+        helper.make_node("Identity", ["v0"], ["v2"], name="n2"),
+    ]
+    proto = make_model(nodes, [tensor_info("x", [2, 3])], [tensor_info("v0", [2, 3]), tensor_info("v2", [2, 3])], [])
+    model = to_ir(proto)
+    IdentityElimination()(model)
+    assert [o.name for o in model.graph.outputs] == ["v0", "v2"]
+    assert "Identity" in op_types(model)
+    assert_same_outputs(proto, model)
+    check_model(model)
