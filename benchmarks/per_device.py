@@ -5,8 +5,9 @@
 
 Columns (one row per model x batch x threads): TVM untuned (``"zero"`` pipeline: TVM's
 legalize+fuse, no schedules), TVM default schedules (``"scheduled"`` pipeline), TVM tuned
-(MetaSchedule, ``--tune-trials`` per kernel, database in ``--tuning-db``; skipped when 0) and
-ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). Each time is the
+(MetaSchedule, ``--tune-trials`` per kernel, database in ``--tuning-db``; skipped when 0), for
+the conv models TVM default schedules with ``--conv-algorithm`` (im2col / Winograd / ``auto``:
+the fastest per conv by measurement; skipped when ``direct``) and ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). Each time is the
 median of ``--runs`` runs after one warm-up (the untuned column: ``--zero-runs``, since it is
 up to 100x slower); ratios are computed from times of the same invocation. Every TVM output is
 checked against ONNX Runtime (rtol 1e-3, atol 1e-4) and the max error is saved.
@@ -47,6 +48,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "light_resnet50": ("light_resnet50", {}, False, False),
 }
 QUICK = ["resnet18", "mobilenet", "bert", "gpt"]
+CONV_MODELS = {"resnet18", "resnet50", "mobilenet", "light_resnet50"}  # where --conv-algorithm applies
 
 
 def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -97,6 +99,8 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     variants: dict[str, dict[str, Any]] = {"scheduled": {"pipeline": "scheduled"}}
     if run_zero and not args.no_zero:
         variants["zero"] = {"pipeline": "zero"}
+    if args.conv_algorithm != "direct" and key in CONV_MODELS:
+        variants["conv"] = {"pipeline": "scheduled", "conv_algorithm": args.conv_algorithm}
     if args.tune_trials > 0:
         variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db,
                              "tune_progress": True}
@@ -142,7 +146,9 @@ def machine() -> dict[str, Any]:
 
 def render_markdown(data: dict[str, Any]) -> str:
     """The results as a markdown table (what the README shows), from the saved JSON."""
-    cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"), ("tuned", "tvm_tuned_ms")]
+    conv = data.get("settings", {}).get("conv_algorithm", "direct")
+    cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"),
+            (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms")]
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
     tuned = any("tvm_tuned_ms" in r for r in data["rows"])
     head = "| model | batch | threads | " + " | ".join(f"TVM {label} (ms)" for label, _ in present) + \
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero-runs", type=int, default=1)
     ap.add_argument("--no-zero", action="store_true", help="skip the untuned column")
     ap.add_argument("--tune-trials", type=int, default=0)
+    ap.add_argument("--conv-algorithm", default="direct", choices=("direct", "im2col", "winograd", "auto"),
+                    help="also build the conv models with this convolution algorithm (its own column)")
     ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))
     ap.add_argument("--json", default=str(RESULTS))
     ap.add_argument("--markdown", action="store_true", help="print the saved results as a markdown table and exit")
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         data = {"machine": machine(), "settings": {"models": models, "batches": batches, "threads": threads,
                                                    "runs": args.runs, "zero_runs": args.zero_runs,
                                                    "tune_trials": args.tune_trials,
+                                                   "conv_algorithm": args.conv_algorithm,
                                                    "model_args": {k: MODELS[k][1] for k in models}},
                 "complete": complete, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import onnx
 
 from partitioner import comm_ops
 from partitioner.bindings import Bindings
-from partitioner.errors import BackendError
+from partitioner.errors import BackendError, RunFailed
 from partitioner.segments import CommStep, Segment, split_program
 
 NAME = "onnxruntime"
@@ -45,6 +45,15 @@ class RankExecutable:
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         self.outputs = [o.name for o in program.graph.output]
+        inits = {t.name for t in program.graph.initializer}
+        for kind, values in (("input", [v for v in program.graph.input if v.name not in inits]),
+                             ("output", list(program.graph.output))):
+            for v in values:
+                which = v.type.WhichOneof("value")
+                if which not in ("tensor_type", None):
+                    raise BackendError(f"graph {program.graph.name!r}: {kind} {v.name!r} is {which.replace('_type', '')}-typed; "
+                                       "artifacts take and return tensors only (npz files)")
+        self.name = program.graph.name
         self.steps: list[tuple[Any, Any]] = []
         for step in split_program(program):
             if isinstance(step, Segment):
@@ -66,7 +75,12 @@ class RankExecutable:
                 outs = comm_ops.execute(step.op, [env.get(i) for i in step.op.inputs], comm)
                 env.update(zip(step.outputs, outs))
             else:
-                res = sess.run(list(step.outputs), {n: env[n] for n in step.inputs})
+                try:
+                    res = sess.run(list(step.outputs), {n: env[n] for n in step.inputs})
+                except Exception as exc:  # noqa: BLE001 - ORT raises its own classes; one line names it
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise RunFailed(f"onnxruntime failed on segment {step.index} of {self.name!r}: "
+                                    f"{type(exc).__name__}: {first[:300]}") from None
                 env.update(zip(step.outputs, res))
         return {n: env[n] for n in self.outputs}
 

@@ -84,15 +84,21 @@ def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -
 
     trials = int(options.get("tune_trials") or 0)
     db_dir = options.get("tuning_db")
+    conv = str(options.get("conv_algorithm") or "direct")
+    from .conv_algorithms import ALGORITHMS
+
+    if conv not in ALGORITHMS:
+        raise BackendError(f"unknown conv_algorithm {conv!r}; use one of {', '.join(ALGORITHMS)}")
     if trials <= 0 and not db_dir:
-        return run_pipeline(mod, pipeline, target), {}
+        facts: dict[str, Any] = {}
+        return run_pipeline(mod, pipeline, target, conv_algorithm=conv, facts=facts), facts
     from . import tuning
 
     if not db_dir:
         raise BackendError("options tune_trials > 0 needs a tuning database directory; pass --tuning-db DIR")
     if trials > 0:
-        tuning.tune(mod, target, trials, db_dir, progress=bool(options.get("tune_progress", False)))
-    scheduled, facts = tuning.apply_database(mod, target, db_dir, pipeline=pipeline)
+        tuning.tune(mod, target, trials, db_dir, progress=bool(options.get("tune_progress", False)), conv_algorithm=conv)
+    scheduled, facts = tuning.apply_database(mod, target, db_dir, pipeline=pipeline, conv_algorithm=conv)
     return scheduled, facts
 
 
@@ -112,6 +118,7 @@ def build_one(
     out_path = Path(out_path)
     times: dict[str, float] = {}
     tuning: dict[str, Any] = {}
+    conv_used = None
 
     report("import")
     t0 = time.perf_counter()
@@ -126,6 +133,7 @@ def build_one(
             mod = _gpu_schedules(relax.get_pipeline("zero")(lowered.mod), target)
         else:
             mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
+        conv_used = tuning.pop("conv_algorithms", None)
         ex = tvm.compile(mod, target)
     except PartitionerError:
         raise
@@ -158,6 +166,7 @@ def build_one(
         "pipeline": pipeline,
         "tuned": bool(tuning.get("tuned", False)),
         **({"tuning": tuning} if tuning else {}),
+        **({"conv_algorithms": conv_used} if conv_used else {}),
         "segments": lowered.segments,
         "comm_ops": len(lowered.comm_ops),
         "program_sha256": program_key(program),

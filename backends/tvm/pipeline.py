@@ -8,6 +8,8 @@ Phases, in order (:func:`passes`):
 2. ``layout`` (CPU only): ``ConvertLayout`` conv2d -> NHWC data / HWIO weights. Channels
    become the innermost axis, so conv, depthwise conv and pooling vectorise over channels and
    a 1x1 conv is a plain GEMM; weights are transposed once, at compile time, by FoldConstant.
+   Then, when the build asks for it (option ``conv_algorithm``), convolutions are rewritten to
+   im2col+GEMM or Winograd (:mod:`backends.tvm.conv_algorithms`).
 3. ``legalize``: TVM's zero pipeline (LegalizeOps, AnnotateTIROpPattern, FoldConstant,
    FuseOps, FuseTIR), plus MetaScheduleApplyDatabase when a tuning database is current.
 4. ``schedule`` (CPU only): the default rules of :mod:`backends.tvm.schedules` for every
@@ -76,9 +78,37 @@ def passes(name: str, target: Any) -> list[Any]:
     raise BackendError(f"unknown TVM pipeline {name!r}; use one of {', '.join(PIPELINES)}")
 
 
-def run_pipeline(mod: Any, name: str, target: Any) -> Any:
-    """Apply pipeline ``name`` to ``mod`` under ``target`` (dlight rules read the current target)."""
+def run_pipeline(mod: Any, name: str, target: Any, conv_algorithm: str = "direct", conv_cache: Any = None,
+                 facts: dict[str, Any] | None = None) -> Any:
+    """Apply pipeline ``name`` to ``mod`` under ``target`` (dlight rules read the current target).
+
+    ``conv_algorithm`` (``"scheduled"`` pipeline on the CPU only; see
+    :mod:`backends.tvm.conv_algorithms`): ``"direct"`` (default), ``"im2col"``, ``"winograd"`` or
+    ``"auto"`` (by measurement, cached in ``conv_cache``). ``facts``, when given, receives
+    ``{"conv_algorithms": {algorithm: count}}``.
+    """
+    import tvm
+
+    if name == "scheduled" and conv_algorithm != "direct" and _is_cpu(target):
+        mod = pre_legalize(mod, target, conv_algorithm, conv_cache, facts)
+        with target:
+            return tvm.transform.Sequential(legalize_passes(target) + schedule_passes(target))(mod)
+    with target:
+        return tvm.transform.Sequential(passes(name, target))(mod)
+
+
+def pre_legalize(mod: Any, target: Any, conv_algorithm: str = "direct", conv_cache: Any = None,
+                 facts: dict[str, Any] | None = None) -> Any:
+    """Phases 1-2 (simplify, layout), then the convolution algorithm rewrite."""
     import tvm
 
     with target:
-        return tvm.transform.Sequential(passes(name, target))(mod)
+        mod = tvm.transform.Sequential(simplify_passes(target) + layout_passes(target))(mod)
+    if conv_algorithm == "direct" or not _is_cpu(target):
+        return mod
+    from .conv_algorithms import rewrite_convolutions
+
+    mod, counts = rewrite_convolutions(mod, conv_algorithm, target, conv_cache)
+    if facts is not None:
+        facts["conv_algorithms"] = counts
+    return mod

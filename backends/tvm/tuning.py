@@ -28,7 +28,7 @@ from typing import Any
 
 from partitioner.errors import BackendError
 
-from .pipeline import layout_passes, legalize_passes, schedule_passes, simplify_passes
+from .pipeline import legalize_passes, pre_legalize, schedule_passes
 
 _BUILT: dict[str, Any] = {}  # artifact key -> runtime module, between builder and runner
 WORKLOAD_FILE = "database_workload.json"
@@ -84,12 +84,14 @@ def open_database(db_dir: str | Path, target: Any) -> Any:
     return ms.database.JSONDatabase(str(d / WORKLOAD_FILE), str(d / RECORD_FILE), allow_missing=True)
 
 
-def prepare(mod: Any, target: Any) -> Any:
+def prepare(mod: Any, target: Any, conv_algorithm: str = "direct", conv_cache: Any = None,
+            facts: dict[str, Any] | None = None) -> Any:
     """The module as the scheduled pipeline has it just before its schedule phase."""
     import tvm
 
+    mod = pre_legalize(mod, target, conv_algorithm, conv_cache, facts)
     with target:
-        return tvm.transform.Sequential(simplify_passes(target) + layout_passes(target) + legalize_passes(target))(mod)
+        return tvm.transform.Sequential(legalize_passes(target))(mod)
 
 
 def _region_name(region: Any) -> str:
@@ -247,7 +249,8 @@ def missing_tasks(mod: Any, target: Any, db_dir: str | Path) -> list[str]:
     return [t.task_name for t in extract_tasks(prepare(mod, target), target) if not _covered(db, t, target)]
 
 
-def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool = True) -> Any:
+def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool = True,
+         conv_algorithm: str = "direct") -> Any:
     """Tune the uncovered contraction kernels of ``mod`` (``trials`` each); return the database."""
     target = tuning_target(target)
     import sys
@@ -255,7 +258,8 @@ def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool 
     from tvm.s_tir import meta_schedule as ms
 
     db = open_database(db_dir, target)
-    tasks = [t for t in extract_tasks(prepare(mod, target), target) if not _covered(db, t, target)]
+    tasks = [t for t in extract_tasks(prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target)), target)
+             if not _covered(db, t, target)]
     if not tasks or trials <= 0:
         return db
     if progress:
@@ -287,7 +291,15 @@ def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool 
     return db
 
 
-def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "scheduled") -> tuple[Any, dict[str, Any]]:
+def conv_cache_file(db_dir: str | Path, target: Any) -> Path:
+    """Where ``conv_algorithm="auto"`` keeps its measurements beside the tuning records."""
+    from .conv_algorithms import CACHE_FILE
+
+    return database_dir(db_dir, target) / CACHE_FILE
+
+
+def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "scheduled",
+                   conv_algorithm: str = "direct") -> tuple[Any, dict[str, Any]]:
     """Compile-ready module: tuned kernels from the database, default schedules for the rest.
 
     Returns ``(module, facts)`` with facts ``{"tuned": bool, "tuned_kernels": n,
@@ -300,12 +312,13 @@ def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "s
     if pipeline != "scheduled":
         raise BackendError(f"a tuning database needs the 'scheduled' pipeline, not {pipeline!r}")
     db = open_database(db_dir, target)
-    prepared = prepare(mod, target)
+    conv_facts: dict[str, Any] = {}
+    prepared = prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target), conv_facts)
     tasks = extract_tasks(prepared, target)
     missing = [t.task_name for t in tasks if not _covered(db, t, target)]
     with target, db:
         applied = relax.transform.MetaScheduleApplyDatabase()(prepared)
         out = tvm.transform.Sequential(schedule_passes(target))(applied)
     facts = {"tuned": len(tasks) > len(missing), "tuned_kernels": len(tasks) - len(missing),
-             "untuned_kernels": missing, "database": str(database_dir(db_dir, target))}
+             "untuned_kernels": missing, "database": str(database_dir(db_dir, target)), **conv_facts}
     return out, facts

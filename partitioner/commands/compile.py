@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with it alone, compile reuses what it holds without tuning")
     p.add_argument("--tvm-pipeline", choices=("scheduled", "zero"), default=None,
                    help="TVM: 'scheduled' (default CPU schedules, the default) or 'zero' (untuned)")
+    p.add_argument("--conv-algorithm", choices=("direct", "im2col", "winograd", "auto"), default=None,
+                   help="TVM on the CPU: how convolutions are computed; 'auto' times each distinct conv "
+                        "with every eligible algorithm and keeps the fastest (default direct)")
     add_json_argument(p)
 
 
@@ -52,10 +55,12 @@ def run(args: argparse.Namespace) -> int:
     model = run_pipeline(raw, passes)
     if args.tune_trials is not None and (args.tune_trials < 1 or not args.tuning_db):
         raise UsageError("--tune-trials N needs N >= 1 and --tuning-db DIR")
-    if (args.tune_trials or args.tuning_db or args.tvm_pipeline) and args.backend != "tvm":
-        raise UsageError("--tune-trials, --tuning-db and --tvm-pipeline apply to --backend tvm only")
+    if (args.tune_trials or args.tuning_db or args.tvm_pipeline or args.conv_algorithm) and args.backend != "tvm":
+        raise UsageError("--tune-trials, --tuning-db, --tvm-pipeline and --conv-algorithm apply to --backend tvm only")
+    if args.conv_algorithm not in (None, "direct") and args.tvm_pipeline == "zero":
+        raise UsageError("--conv-algorithm needs the 'scheduled' TVM pipeline, not --tvm-pipeline zero")
     build_options = {k: v for k, v in (("tune_trials", args.tune_trials), ("tuning_db", args.tuning_db),
-                                       ("pipeline", args.tvm_pipeline)) if v}
+                                       ("pipeline", args.tvm_pipeline), ("conv_algorithm", args.conv_algorithm)) if v}
     art = compile_artifact(model, cluster_from_args(args), strategy=args.strategy, target=args.target,
                            backend=args.backend, microbatches=args.microbatches, objective=args.objective,
                            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,

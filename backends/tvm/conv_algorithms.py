@@ -1,0 +1,292 @@
+"""Convolution algorithms for the CPU pipeline: direct, im2col+GEMM, Winograd F(m x m, 3 x 3).
+
+The survey (Ben-Nun & Hoefler, section 4.2) lists three ways to compute a convolution. The
+backend builds all of them from TE and schedules them with the same default rules
+(:mod:`backends.tvm.schedules`), so they compete on equal terms:
+
+- ``direct``: ``relax.nn.conv2d`` as TVM legalizes it (NHWC, HWIO): one reduction over
+  (kh, kw, ci), register-tiled by :class:`~backends.tvm.schedules.Contraction`;
+- ``im2col``: a ``[N*OH*OW, KH*KW*C]`` patch matrix (an injective gather), then one GEMM with
+  the ``[KH*KW*C, CO]`` weights. Any kernel, stride, padding and dilation; ``groups == 1``;
+- ``winograd`` (tile ``m`` = 4, so F(4x4, 3x3)): input transform ``B^T d B``, ``(m+2)^2``
+  batched GEMMs over channels, output transform ``A^T M A``. Only 3x3, stride 1, dilation 1,
+  ``groups == 1``; the weight transform ``G g G^T`` runs at compile time (the weights are
+  constants, folded by ``FoldConstant``).
+
+Rules:
+
+1. :func:`rewrite_convolutions` (a Relax pass, after ``ConvertLayout`` and ``FoldConstant``)
+   replaces each eligible ``relax.nn.conv2d`` (NHWC data, HWIO constant weights, float32) by the
+   chosen algorithm's TE stages; its output has the conv's shape and layout, so the epilogue
+   (bias, batch-norm affine, ReLU) still fuses into the last stage.
+2. The choice (build option ``conv_algorithm``): ``"direct"`` (the default: nothing is
+   rewritten), ``"im2col"``, ``"winograd"`` (where eligible; otherwise direct), or ``"auto"``:
+   by measurement, like cuDNN's ``Find``: every distinct eligible conv (shape, stride, padding)
+   is built alone with each eligible algorithm, timed (median of 5 after a warm-up, on the
+   threads the build runs with) and the fastest kept. Results are cached per process and, when a
+   tuning database directory is given, in ``<db>/<target key>/conv_algorithms.json``.
+3. Every algorithm computes the same convolution; Winograd rounds differently (relative error
+   ~1e-6 in float32 for F(4x4, 3x3) on unit-scale data, checked against ONNX Runtime in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partitioner.errors import BackendError
+
+ALGORITHMS = ("direct", "im2col", "winograd", "auto")
+WINOGRAD_TILE = 4
+CACHE_FILE = "conv_algorithms.json"
+_MEASURED: dict[str, str] = {}  # conv key -> fastest algorithm, for this process
+
+
+def im2col_te(data: Any, weight: Any, strides, padding, dilation) -> Any:
+    """Conv2d NHWC x HWIO as im2col + GEMM. ``weight`` is a TE tensor [KH, KW, C, CO]."""
+    from tvm import te, topi
+
+    n, h, w, c = (int(d) for d in data.shape)
+    kh, kw, _, co = (int(d) for d in weight.shape)
+    (sh, sw), (dh, dw) = strides, dilation
+    pt, pl, pb, pr = padding
+    oh = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    pad = topi.nn.pad(data, [0, pt, pl, 0], [0, pb, pr, 0], name="pad") if any(padding) else data
+    k_len = kh * kw * c
+    cols = te.compute((n * oh * ow, k_len),
+                      lambda p, k: pad[p // (oh * ow), (p // ow) % oh * sh + k // (kw * c) * dh,
+                                       p % ow * sw + (k // c) % kw * dw, k % c], name="im2col")
+    w2 = te.compute((k_len, co), lambda k, o: weight[k // (kw * c), (k // c) % kw, k % c, o], name="weight_matrix")
+    r = te.reduce_axis((0, k_len), "k")
+    gemm = te.compute((n * oh * ow, co), lambda p, o: te.sum(cols[p, r] * w2[r, o], axis=[r]), name="im2col_gemm")
+    return te.compute((n, oh, ow, co), lambda b, i, j, o: gemm[(b * oh + i) * ow + j, o], name="im2col_out")
+
+
+def winograd_kernel_te(weight: Any, m: int = WINOGRAD_TILE) -> Any:
+    """The transformed weights ``G g G^T``: [m+2, m+2, C, CO] (run on constants at compile time)."""
+    from tvm import te
+    from tvm.topi.nn.winograd_util import winograd_transform_matrices
+
+    _, _, c, co = (int(d) for d in weight.shape)
+    alpha = m + 2
+    _, _, g = winograd_transform_matrices(m, 3, "float32")
+    rh, rw = te.reduce_axis((0, 3), "rh"), te.reduce_axis((0, 3), "rw")
+    return te.compute((alpha, alpha, c, co),
+                      lambda e, v, ci, o: te.sum(g[e, rh] * weight[rh, rw, ci, o] * g[v, rw], axis=[rh, rw]),
+                      name="winograd_kernel")
+
+
+def winograd_data_te(data: Any, padding, m: int = WINOGRAD_TILE) -> Any:
+    """The transformed input tiles ``B^T d B``: [m+2, m+2, tiles, C]."""
+    from tvm import te, topi
+    from tvm.topi.nn.winograd_util import winograd_transform_matrices
+
+    n, h, w, c = (int(d) for d in data.shape)
+    pt, pl, pb, pr = padding
+    oh, ow = h + pt + pb - 2, w + pl + pr - 2
+    nh, nw = (oh + m - 1) // m, (ow + m - 1) // m
+    alpha, tiles = m + 2, n * nh * nw
+    # pad so that every tile of (m+2)^2 input pixels is in range
+    pad = topi.nn.pad(data, [0, pt, pl, 0], [0, nh * m + 2 - h - pt, nw * m + 2 - w - pl, 0], name="pad")
+    _, b, _ = winograd_transform_matrices(m, 3, "float32")
+    tile = te.compute((alpha, alpha, tiles, c),
+                      lambda e, v, p, ci: pad[p // (nh * nw), (p // nw) % nh * m + e, p % nw * m + v, ci],
+                      name="winograd_tile")
+    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
+    return te.compute((alpha, alpha, tiles, c),
+                      lambda e, v, p, ci: te.sum(tile[ra, rb, p, ci] * b[ra, e] * b[rb, v], axis=[ra, rb]),
+                      name="winograd_data")
+
+
+def winograd_gemm_te(data_t: Any, kernel_t: Any) -> Any:
+    """``(m+2)^2`` GEMMs over channels: [m+2, m+2, tiles, CO]."""
+    from tvm import te
+
+    alpha, _, tiles, c = (int(d) for d in data_t.shape)
+    co = int(kernel_t.shape[3])
+    ci = te.reduce_axis((0, c), "ci")
+    return te.compute((alpha, alpha, tiles, co),
+                      lambda e, v, p, o: te.sum(data_t[e, v, p, ci] * kernel_t[e, v, ci, o], axis=[ci]),
+                      name="winograd_gemm")
+
+
+def winograd_output_te(prod: Any, out_shape, m: int = WINOGRAD_TILE) -> Any:
+    """The output transform ``A^T M A``, cropped to the conv's NHWC output shape."""
+    from tvm import te
+    from tvm.topi.nn.winograd_util import winograd_transform_matrices
+
+    alpha, _, tiles, co = (int(d) for d in prod.shape)
+    n, oh, ow, _ = out_shape
+    nh, nw = (oh + m - 1) // m, (ow + m - 1) // m
+    a, _, _ = winograd_transform_matrices(m, 3, "float32")
+    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
+    inv = te.compute((m, m, tiles, co),
+                     lambda i, j, p, o: te.sum(prod[ra, rb, p, o] * a[ra, i] * a[rb, j], axis=[ra, rb]),
+                     name="winograd_inverse")
+    return te.compute((n, oh, ow, co), lambda b, i, j, o: inv[i % m, j % m, (b * nh + i // m) * nw + j // m, o],
+                      name="winograd_out")
+
+
+def _conv_params(call: Any, weight: Any) -> dict[str, Any] | None:
+    """Eligibility and parameters of a ``relax.nn.conv2d`` call whose weight (resolved through
+    its binding) is ``weight`` (None: leave it direct)."""
+    a = call.attrs
+    if str(a.data_layout) != "NHWC" or str(a.kernel_layout) != "HWIO" or str(a.out_layout) != "NHWC":
+        return None
+    if int(a.groups) != 1:
+        return None
+    data = call.args[0]
+    if weight is None or type(weight).__name__ not in ("GenericConst", "Constant"):  # not a constant: cannot transform it ahead
+        return None
+    try:
+        dshape = [int(d) for d in data.ty.shape.values]
+        wshape = [int(d) for d in weight.ty.shape.values]
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if str(data.ty.dtype) != "float32" or str(weight.ty.dtype) != "float32" or (a.out_dtype and str(a.out_dtype) not in ("", "float32")):
+        return None
+    strides = tuple(int(s) for s in a.strides)
+    dilation = tuple(int(s) for s in a.dilation)
+    padding = tuple(int(p) for p in a.padding)
+    out_shape = [int(d) for d in call.ty.shape.values]
+    winograd_ok = wshape[:2] == [3, 3] and strides == (1, 1) and dilation == (1, 1) and wshape[3] >= 8
+    im2col_ok = wshape[0] * wshape[1] > 1  # a 1x1 conv is already a GEMM
+    if not (winograd_ok or im2col_ok):
+        return None
+    return {"data": dshape, "weight": wshape, "strides": strides, "dilation": dilation, "padding": padding,
+            "out": out_shape, "winograd": winograd_ok, "im2col": im2col_ok}
+
+
+def _key(p: dict[str, Any]) -> str:
+    return json.dumps([p["data"], p["weight"], p["strides"], p["dilation"], p["padding"]])
+
+
+def _emit(bb: Any, algorithm: str, data: Any, weight: Any, p: dict[str, Any]) -> Any:
+    if algorithm == "im2col":
+        return bb.emit_te(im2col_te, data, weight, p["strides"], p["padding"], p["dilation"],
+                          primfunc_name_hint="im2col_conv2d")
+    k = bb.emit_te(winograd_kernel_te, weight, primfunc_name_hint="winograd_kernel")
+    d = bb.emit_te(winograd_data_te, data, p["padding"], primfunc_name_hint="winograd_data")
+    g = bb.emit_te(winograd_gemm_te, d, k, primfunc_name_hint="winograd_gemm")
+    return bb.emit_te(winograd_output_te, g, p["out"], primfunc_name_hint="winograd_output")
+
+
+def _candidates(p: dict[str, Any]) -> list[str]:
+    return ["direct"] + [a for a in ("im2col", "winograd") if p[a]]
+
+
+def _time_alone(p: dict[str, Any], algorithm: str, target: Any, runs: int = 5) -> float:
+    """Build one conv (+ReLU) with ``algorithm`` and the default schedules; median seconds."""
+    import tvm
+    from tvm import relax
+
+    from .pipeline import run_pipeline
+
+    rng = np.random.default_rng(0)
+    w_np = (rng.standard_normal(p["weight"]) / np.sqrt(np.prod(p["weight"][:3]))).astype(np.float32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(p["data"], "float32"))
+    with bb.function("main", [x]):
+        w = relax.const(w_np)
+        if algorithm == "direct":
+            y = bb.emit(relax.op.nn.conv2d(x, w, strides=p["strides"], padding=p["padding"], dilation=p["dilation"],
+                                           data_layout="NHWC", kernel_layout="HWIO"))
+        else:
+            y = _emit(bb, algorithm, x, w, p)
+        bb.emit_func_output(bb.emit(relax.op.nn.relu(y)))
+    mod = bb.get()
+    with target:
+        mod = relax.transform.FoldConstant()(mod)
+    vm = relax.VirtualMachine(tvm.compile(run_pipeline(mod, "scheduled", target), target), tvm.cpu())
+    xt = tvm.runtime.tensor(rng.standard_normal(p["data"]).astype(np.float32))
+    vm["main"](xt)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        vm["main"](xt)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(p: dict[str, Any], target: Any, cache_file: Path | None = None) -> str:
+    """The fastest eligible algorithm for conv ``p`` on this machine (cached)."""
+    key = _key(p)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    disk: dict[str, Any] = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            disk = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            disk = {}
+        if isinstance(disk.get(key), dict) and disk[key].get("fastest") in _candidates(p):
+            _MEASURED[key] = disk[key]["fastest"]
+            return _MEASURED[key]
+    times = {a: _time_alone(p, a, target) for a in _candidates(p)}
+    best = min(times, key=times.get)
+    _MEASURED[key] = best
+    if cache_file is not None:
+        disk[key] = {"fastest": best, "seconds": times}
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(disk, indent=1, sort_keys=True) + "\n")
+        except OSError:
+            pass  # a cache that cannot be written only costs a re-measurement
+    return best
+
+
+def rewrite_convolutions(mod: Any, algorithm: str, target: Any, cache_file: Path | None = None) -> tuple[Any, dict[str, int]]:
+    """Replace eligible ``relax.nn.conv2d`` calls by ``algorithm`` (rule 1); returns the module and
+    a count of the algorithm used per conv."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    if algorithm not in ALGORITHMS:
+        raise BackendError(f"unknown conv algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    counts: dict[str, int] = {}
+    if algorithm == "direct":
+        return mod, counts
+    conv_op = tvm.ir.Op.get("relax.nn.conv2d")
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def __init__(self, module):
+            super().__init__(module)
+            self.module = module
+
+        def transform(self):
+            for gv, func in self.module.functions_items():
+                if isinstance(func, relax.Function):
+                    self.builder_.update_func(gv, self.visit_expr(func))
+            return self.builder_.get()
+
+        def visit_call_(self, call):  # noqa: N802 - TVM's method name
+            call = self.builder_.normalize(super().visit_call_(call))
+            if not isinstance(call, relax.Call) or not call.op.same_as(conv_op):
+                return call
+            weight = call.args[1]
+            if isinstance(weight, relax.Var):
+                weight = self.lookup_binding(weight)
+            p = _conv_params(call, weight)
+            chosen = "direct"
+            if p is not None:
+                if algorithm == "auto":
+                    chosen = measure(p, target, cache_file)
+                elif p.get(algorithm):
+                    chosen = algorithm
+            counts[chosen] = counts.get(chosen, 0) + 1
+            if chosen == "direct":
+                return call
+            return _emit(self.builder_, chosen, call.args[0], weight, p)
+
+    with target:
+        mod = relax.transform.FoldConstant()(mod)
+    mod = _Rewrite(mod).transform()
+    return relax.transform.Normalize()(relax.transform.DeadCodeElimination()(mod)) if counts else mod, counts
