@@ -11,8 +11,11 @@ relative to the output's max |value|; Winograd's transforms round differently).
 
 - ``direct``: ``relax.op.nn.conv2d`` NHWC/HWIO, what the backend builds;
 - ``im2col``: a ``[N*H*W, 9*C]`` patch matrix (injective) times the ``[9*C, CO]`` weights;
-- ``winograd_m``: input transform ``B^T d B``, 16 or 36 batched GEMMs over channels,
-  output transform ``A^T M A`` (tile m = 2: F(2x2,3x3); m = 4: F(4x4,3x3)).
+- ``winograd``: input transform ``B^T d B``, 36 batched GEMMs over channels, output transform
+  ``A^T M A`` (F(4x4, 3x3)).
+
+These are the stages ``--conv-algorithm`` builds (the TE comes from
+``backends/tvm/conv_algorithms.py``); ``auto`` makes the same comparison per conv at compile time.
 
 Shapes: the 3x3 layers of the benchmark's resnet18 (112x112 input) at batch 8.
 Writes ``benchmarks/results/conv_algorithms.json``; ``--markdown`` renders the README table.
@@ -41,95 +44,27 @@ import numpy as np  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "conv_algorithms.json"
 # (N, H, W, C, CO): resnet18 at 112x112 has its 3x3 stages at 28, 14, 7 and 4 pixels
 SHAPES = [(8, 28, 28, 64, 64), (8, 14, 14, 128, 128), (8, 7, 7, 256, 256), (8, 4, 4, 512, 512)]
-ALGORITHMS = ("direct", "im2col", "winograd_2", "winograd_4")
+ALGORITHMS = ("direct", "im2col", "winograd")
 
 
-def _direct(shape, w_np):
+def _module(shape, w_np, algorithm: str):
+    """One conv + ReLU as Relax; the algorithms' TE stages are the backend's own
+    (backends/tvm/conv_algorithms.py), so the benchmark measures what a build would run."""
     from tvm import relax
 
+    from backends.tvm.conv_algorithms import _emit
+
     n, h, w, c, co = shape
+    p = {"strides": (1, 1), "dilation": (1, 1), "padding": (1, 1, 1, 1), "out": [n, h, w, co]}
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((n, h, w, c), "float32"))
     with bb.function("main", [x]):
-        y = bb.emit(relax.op.nn.conv2d(x, relax.const(w_np), padding=[1, 1, 1, 1], data_layout="NHWC",
-                                       kernel_layout="HWIO"))
+        if algorithm == "direct":
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(w_np), padding=[1, 1, 1, 1], data_layout="NHWC",
+                                           kernel_layout="HWIO"))
+        else:
+            y = _emit(bb, algorithm, x, relax.const(w_np), p)
         bb.emit_func_output(bb.emit(relax.op.nn.relu(y)))
-    return bb.get()
-
-
-def _im2col(shape, w_np):
-    from tvm import relax, te, topi
-
-    n, h, w, c, co = shape
-
-    def cols(x):
-        pad = topi.nn.pad(x, [0, 1, 1, 0], [0, 1, 1, 0], name="pad")
-        return te.compute((n * h * w, 9 * c), lambda p, k: pad[p // (h * w), (p // w) % h + k // (3 * c),
-                                                               p % w + (k // c) % 3, k % c], name="im2col")
-
-    def gemm(a, b):
-        k = te.reduce_axis((0, 9 * c), "k")
-        return te.compute((n * h * w, co), lambda p, j: te.sum(a[p, k] * b[k, j], axis=[k]), name="gemm")
-
-    def out(y):
-        return te.compute((n, h, w, co), lambda b, i, j, o: te.max(y[(b * h + i) * w + j, o], 0.0), name="out")
-
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((n, h, w, c), "float32"))
-    with bb.function("main", [x]):
-        a = bb.emit_te(cols, x)
-        y = bb.emit_te(gemm, a, relax.const(w_np.reshape(9 * c, co)))
-        bb.emit_func_output(bb.emit_te(out, y))
-    return bb.get()
-
-
-def _winograd(shape, w_np, m: int):
-    from tvm import relax, te, topi
-    from tvm.topi.nn.winograd_util import winograd_transform_matrices
-
-    n, h, w, c, co = shape
-    r, alpha = 3, m + 2
-    nh, nw = (h + m - 1) // m, (w + m - 1) // m
-    p_tiles = n * nh * nw
-
-    def kernel_pack(wt):
-        _, _, g = winograd_transform_matrices(m, r, "float32")
-        rh, rw = te.reduce_axis((0, r), "rh"), te.reduce_axis((0, r), "rw")
-        return te.compute((alpha, alpha, c, co), lambda e, v, ci, o: te.sum(g[e, rh] * wt[rh, rw, ci, o] * g[v, rw],
-                                                                            axis=[rh, rw]), name="kernel_pack")
-
-    def data_pack(x):
-        _, b, _ = winograd_transform_matrices(m, r, "float32")
-        pad = topi.nn.pad(x, [0, 1, 1, 0], [0, nh * m + 1 - h, nw * m + 1 - w, 0], name="pad")
-        tile = te.compute((alpha, alpha, p_tiles, c),
-                          lambda e, v, p, ci: pad[p // (nh * nw), (p // nw) % nh * m + e, p % nw * m + v, ci],
-                          name="input_tile")
-        ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
-        return te.compute((alpha, alpha, p_tiles, c), lambda e, v, p, ci: te.sum(tile[ra, rb, p, ci] * b[ra, e] * b[rb, v],
-                                                                                 axis=[ra, rb]), name="data_pack")
-
-    def bgemm(d, k):
-        ci = te.reduce_axis((0, c), "ci")
-        return te.compute((alpha, alpha, p_tiles, co), lambda e, v, p, o: te.sum(d[e, v, p, ci] * k[e, v, ci, o], axis=[ci]),
-                          name="bgemm")
-
-    def inverse(bg):
-        a, _, _ = winograd_transform_matrices(m, r, "float32")
-        ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
-        return te.compute((m, m, p_tiles, co), lambda i, j, p, o: te.sum(bg[ra, rb, p, o] * a[ra, i] * a[rb, j], axis=[ra, rb]),
-                          name="inverse")
-
-    def out(inv):
-        return te.compute((n, h, w, co), lambda b, i, j, o: te.max(inv[i % m, j % m, (b * nh + i // m) * nw + j // m, o], 0.0),
-                          name="out")
-
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((n, h, w, c), "float32"))
-    with bb.function("main", [x]):
-        k = bb.emit_te(kernel_pack, relax.const(w_np))  # constant: FoldConstant transforms it at compile time
-        d = bb.emit_te(data_pack, x)
-        g = bb.emit_te(bgemm, d, k)
-        bb.emit_func_output(bb.emit_te(out, bb.emit_te(inverse, g)))
     return bb.get()
 
 
@@ -177,9 +112,7 @@ def bench(shape, runs: int, target) -> dict[str, Any]:
     x_np = rng.standard_normal((n, h, w, c)).astype(np.float32)
     w_np = (rng.standard_normal((3, 3, c, co)) / np.sqrt(9 * c)).astype(np.float32)
     ref, ort_s = _ort_conv(x_np, w_np)
-    makers: dict[str, Callable[[], Any]] = {
-        "direct": lambda: _direct(shape, w_np), "im2col": lambda: _im2col(shape, w_np),
-        "winograd_2": lambda: _winograd(shape, w_np, 2), "winograd_4": lambda: _winograd(shape, w_np, 4)}
+    makers: dict[str, Callable[[], Any]] = {a: (lambda a=a: _module(shape, w_np, a)) for a in ALGORITHMS}
     row: dict[str, Any] = {"shape": list(shape), "gflop": 2 * n * h * w * c * co * 9 / 1e9, "ort_ms": ort_s * 1e3}
     xt = tvm.runtime.tensor(x_np)
     for name, make in makers.items():

@@ -31,10 +31,12 @@ share a worker pinned the process to: two 1-thread ranks then both land on core 
 at half speed (measured: resnet b4 315 ms with binding, 149 ms without, two ranks at once). So
 :func:`configure_threads` sets ``TVM_BIND_THREADS=0`` (unless the user set it) and the process
 affinity decides;
-:func:`configure_threads` sets that variable and also calls ``runtime.config_threadpool(1, n)``
-(mode 1 = TVM's default "big cores" mode) so a later change takes effect too. The pool is
-per process: ranks running as threads of one process share it. Untuned TVM kernels are mostly
-serial loops, so threads matter little until schedules/tuning arrive.
+:func:`configure_threads` creates the pool with as many workers as the process may run on
+(its affinity; a later ``config_threadpool`` can use fewer workers than the pool has, never
+more: a pool created for 1 thread stayed at 1 after asking for 2) and then calls
+``runtime.config_threadpool(1, n)`` (mode 1 = TVM's default "big cores" mode) to use ``n`` of
+them, so any later change takes effect. The pool is per process: ranks running as threads of
+one process share it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ _registered = False
 _threads: int | None = None
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def configure_threads(threads: int) -> None:
     """Ask TVM's runtime for ``threads`` worker threads (see the module docstring)."""
     global _threads
@@ -67,7 +76,12 @@ def configure_threads(threads: int) -> None:
     with _register_lock:
         if _threads == threads:  # reconfiguring restarts the pool: only when the count changes
             return
-        os.environ["TVM_NUM_THREADS"] = str(threads)
+        if _threads is None:
+            # TVM sizes its pool once, from TVM_NUM_THREADS, when it is first created, and a later
+            # config_threadpool can only use fewer workers than that: create it with as many
+            # workers as this process may run on, then use ``threads`` of them (measured: a pool
+            # created for 1 thread stayed at 1 thread after asking for 2)
+            os.environ["TVM_NUM_THREADS"] = str(max(threads, _usable_cores()))
         os.environ.setdefault("TVM_BIND_THREADS", "0")  # keep the affinity the worker chose
         import tvm
 

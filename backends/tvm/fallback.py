@@ -20,8 +20,10 @@ Rules:
    In Relax it is ``R.call_dps_packed("partitioner.ort_segment", (k, inputs...), out_ty=...)``;
    the packed function receives ``(k, inputs..., outputs...)`` and runs the segment's
    ``InferenceSession`` on the calling thread, writing the destination tensors in place.
-4. The decision depends only on the program and the installed TVM's convert map, so the builder,
-   the artifact writer and the loader all derive the same segments.
+4. The decision depends only on the program and the installed TVM's convert map, so the builder
+   and the artifact writer derive the same segments; the loader reads the segment files
+   themselves (:func:`load_sessions`), so an artifact does not depend on how a later version
+   would cut the program.
 """
 
 from __future__ import annotations
@@ -160,9 +162,27 @@ class _Session:
 
 
 def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) -> dict[int, _Session]:
-    """ORT sessions for the program's ORT segments, read from the files next to ``library``."""
-    segs = ort_segments(program)
-    if not segs:
+    """ORT sessions for the ORT segments stored next to ``library`` (``rank<i>.seg<k>.onnx``).
+
+    The segments are read from the files the artifact holds (verified by the manifest's hashes),
+    not re-derived from the program: an artifact keeps working when a later version of the
+    project would cut the program differently. Each file's graph inputs and outputs, in order,
+    are the packed call's arguments (rule 3).
+    """
+    import re
+
+    if not wants_fallback(program):
+        return {}
+    library = Path(library)
+    stem = library.name.split(".")[0]
+    pattern = re.compile(rf"{re.escape(stem)}\.seg(\d+)\.onnx")
+    files = {int(m.group(1)): p for p in library.parent.glob(f"{stem}.seg*.onnx") if (m := pattern.fullmatch(p.name))}
+    if not files:
+        segs = ort_segments(program)
+        if segs:
+            path = library.parent / segment_file(library, segs[0].key)
+            raise BackendError(f"{path}: ONNX Runtime fallback segment {segs[0].key} is missing; recompile with "
+                               "--fallback onnxruntime")
         return {}
     import onnxruntime as ort
 
@@ -171,17 +191,16 @@ def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) 
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     table = {}
-    for seg in segs:
-        path = Path(library).parent / segment_file(library, seg.key)
-        if not path.is_file():
-            raise BackendError(f"{path}: ONNX Runtime fallback segment {seg.key} is missing; recompile with "
-                               "--fallback onnxruntime")
+    for key, path in sorted(files.items()):
         try:
-            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # noqa: BLE001 - ORT raises its own classes
+            model = onnx.load(str(path), load_external_data=False)
+            sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - onnx and ORT raise their own classes
             raise BackendError(f"{path}: ONNX Runtime cannot load this fallback segment "
                                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
-        table[seg.key] = _Session(sess, seg.inputs, seg.outputs)
+        inits = {t.name for t in model.graph.initializer}
+        inputs = tuple(v.name for v in model.graph.input if v.name not in inits)
+        table[key] = _Session(sess, inputs, tuple(v.name for v in model.graph.output))
     return table
 
 

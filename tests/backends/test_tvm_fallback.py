@@ -87,6 +87,27 @@ def test_fallback_runs_only_the_unsupported_segment_under_ort(strategy: str, tmp
     np.testing.assert_allclose(got["y"], _ort(model, feeds), rtol=RTOL, atol=ATOL)
 
 
+def test_loader_reads_the_segment_files_instead_of_recutting(tmp_path, monkeypatch) -> None:
+    """An artifact keeps running when the code that cuts programs into segments changes: the
+    loader takes each segment's inputs and outputs from its rank<i>.seg<k>.onnx file."""
+    from backends.tvm import fallback
+    from partitioner.artifact import compile as compile_artifact, load_artifact
+    from partitioner.runtime.launch import run_in_process
+
+    model = _model()
+    art = compile_artifact(model, "cpu:2", strategy="pipeline", backend="tvm", fallback="onnxruntime",
+                           out_dir=tmp_path / "art", jobs=1, progress=False)
+
+    def recut(*_args, **_kwargs):
+        raise AssertionError("the loader re-derived the fallback segments")
+
+    monkeypatch.setattr(fallback, "ort_segments", recut)
+    monkeypatch.setattr(fallback, "split_with_fallback", recut)
+    feeds = _feeds()
+    got, _ = run_in_process(load_artifact(art.root), feeds, timeout=120)
+    np.testing.assert_allclose(got["y"], _ort(model, feeds), rtol=RTOL, atol=ATOL)
+
+
 def test_without_fallback_the_build_fails_listing_the_op(tmp_path) -> None:
     from partitioner.artifact import compile as compile_artifact
 
