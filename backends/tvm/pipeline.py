@@ -10,8 +10,10 @@ Phases, in order (:func:`passes`):
    a 1x1 conv is a plain GEMM; weights are transposed once, at compile time, by FoldConstant.
    Then, when the build asks for it (option ``conv_algorithm``), convolutions are rewritten to
    im2col+GEMM or Winograd (:mod:`backends.tvm.conv_algorithms`).
-3. ``legalize``: TVM's zero pipeline (LegalizeOps, AnnotateTIROpPattern, FoldConstant,
-   FuseOps, FuseTIR), plus MetaScheduleApplyDatabase when a tuning database is current.
+3. ``legalize``: on the CPU, float32 ``erf``/``tanh``/``softmax`` first become TOPI's fast
+   polynomial versions (:func:`_fast_math_map`); then TVM's zero pipeline (LegalizeOps,
+   AnnotateTIROpPattern, FoldConstant, FuseOps, FuseTIR), plus MetaScheduleApplyDatabase when a
+   tuning database is current.
 4. ``schedule`` (CPU only): the default rules of :mod:`backends.tvm.schedules` for every
    PrimFunc not already scheduled (a tuned function from the database is kept as tuned).
 
@@ -50,10 +52,40 @@ def layout_passes(target: Any) -> list[Any]:
     return [relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()]
 
 
+def _fast_math_map() -> dict[str, Any]:
+    """float32 ``erf``, ``tanh`` and ``softmax`` legalized to TOPI's vectorisable polynomial
+    versions (the approximations Eigen uses). TVM's default ``erf``/``tanh`` become scalar libm
+    calls that LLVM cannot vectorise: measured on 512x512 float32, one thread, erf 4.08 ms ->
+    0.078 ms, tanh 1.48 -> 0.076 ms, softmax over [8,4,64,64] 0.47 -> 0.16 ms, with max relative
+    error 3.6e-7 against numpy/scipy (the default tanh's was 1.1e-4). Other dtypes keep TVM's
+    legalization."""
+    import tvm
+    from tvm import topi
+
+    def fast(op_name: str, make):
+        default = tvm.ir.Op.get(op_name).get_attr("FLegalize")
+
+        def legalize(bb, call):
+            if str(call.args[0].ty.dtype) != "float32":
+                return default(bb, call)
+            return make(bb, call)
+
+        return legalize
+
+    return {
+        "relax.erf": fast("relax.erf", lambda bb, call: bb.call_te(topi.fast_erf, call.args[0])),
+        "relax.tanh": fast("relax.tanh", lambda bb, call: bb.call_te(topi.fast_tanh, call.args[0])),
+        "relax.nn.softmax": fast("relax.nn.softmax",
+                                 lambda bb, call: bb.call_te(topi.nn.fast_softmax, call.args[0], int(call.attrs.axis))),
+    }
+
+
 def legalize_passes(target: Any) -> list[Any]:
     from tvm import relax
 
-    return [relax.get_pipeline("zero")]
+    if not _is_cpu(target):
+        return [relax.get_pipeline("zero")]
+    return [relax.transform.LegalizeOps(customize_legalize_map=_fast_math_map()), relax.get_pipeline("zero")]
 
 
 def schedule_passes(target: Any) -> list[Any]:
