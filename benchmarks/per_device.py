@@ -104,6 +104,8 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     if args.tune_trials > 0:
         variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db,
                              "tune_progress": True}
+        if "conv" in variants:  # tune what the conv-algorithm build runs (Winograd GEMMs included)
+            variants["tuned"]["conv_algorithm"] = args.conv_algorithm
     exes, compile_s = {}, {}
     for name, opts in variants.items():
         print(f"  compile {key} b{batch} {name}", file=sys.stderr, flush=True)
@@ -169,7 +171,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines.append(f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), TVM {m.get('versions', {}).get('tvm', '?')}, "
                  f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; median of {data['settings']['runs']} runs "
                  f"after warm-up (untuned: {data['settings']['zero_runs']})" +
-                 (f"; tuned: MetaSchedule, {data['settings']['tune_trials']} trials per contraction kernel." if tuned else "."))
+                 (f"; tuned: MetaSchedule, {data['settings']['tune_trials']} trials per contraction kernel"
+                  + (f", conv models built with conv {conv}" if conv != "direct" else "") + "." if tuned else "."))
     return "\n".join(lines)
 
 

@@ -111,7 +111,7 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     node of a chain writes the original output; intermediates are ``<output>__sum<k>``."""
     from onnx import helper, numpy_helper
 
-    program = _fold_empty_reductions(program)
+    program = _clip_as_selects(_fold_empty_reductions(program))
     g = program.graph
     if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program
@@ -162,6 +162,94 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
 _EMPTY_REDUCTION = {"ReduceSum": 0.0, "ReduceL1": 0.0, "ReduceL2": 0.0, "ReduceSumSquare": 0.0,
                     "ReduceProd": 1.0, "ReduceMax": -np.inf, "ReduceMin": np.inf,
                     "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf, "ReduceMean": np.nan}
+
+
+_CLIP_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16})
+
+
+def _clip_as_selects(program: onnx.ModelProto) -> onnx.ModelProto:
+    """``Clip(x, lo, hi)`` with constant scalar float bounds becomes
+    ``Where(Greater(t, hi), hi, t)`` with ``t = Where(Less(x, lo), lo, x)``.
+
+    TVM's importer turns Clip into ``emit_te(topi.maximum/minimum)`` calls, which
+    ``ConvertLayout`` cannot see through: on an NHWC graph it wrapped every ReLU6 in two
+    transposes (mobilenet: 24 of them), and the clip never fused into the convolution before it.
+    Compares and selects are elementwise Relax ops: they keep the layout and fuse into the conv's
+    epilogue. NaN inputs stay NaN (both compares are false), as in ONNX; a NaN bound means no
+    bound, as in ONNX and ORT. Clips with bounds computed at run time are left as they are."""
+    from onnx import helper, numpy_helper
+
+    g = program.graph
+    if not any(n.op_type == "Clip" and n.domain in ("", "ai.onnx") for n in g.node):
+        return program
+    consts = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = n.attribute[0].t
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+    elem.update({t.name: t.data_type for t in g.initializer})
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*g.input, *g.value_info, *g.output]
+             if v.type.tensor_type.HasField("shape")}
+
+    def bound(node: onnx.NodeProto, i: int, attr: str) -> tuple[bool, float | None]:
+        """(usable, value): value None = no bound on this side."""
+        if len(node.input) > 1 or not node.attribute:  # opset >= 11: inputs
+            name = node.input[i] if len(node.input) > i else ""
+            if not name:
+                return True, None
+            if name not in consts:
+                return False, None
+            arr = numpy_helper.to_array(consts[name])
+            if arr.size != 1:
+                return False, None
+            v = float(arr.reshape(()))
+        else:  # opset 6: attributes
+            a = next((x for x in node.attribute if x.name == attr), None)
+            if a is None:
+                return True, None
+            v = float(a.f)
+        return True, (None if np.isnan(v) else v)
+
+    out = onnx.ModelProto()
+    out.CopyFrom(program)
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for node in g.node:
+        dtype = elem.get(node.input[0]) if node.input else None
+        if node.op_type != "Clip" or node.domain not in ("", "ai.onnx") or dtype not in _CLIP_TYPES:
+            nodes.append(node)
+            continue
+        (ok_lo, lo), (ok_hi, hi) = bound(node, 1, "min"), bound(node, 2, "max")
+        if not (ok_lo and ok_hi):
+            nodes.append(node)
+            continue
+        np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+        cur, y = node.input[0], node.output[0]
+        rank = ranks.get(cur)
+        if rank is None:
+            nodes.append(node)
+            continue
+        steps = [(s, v) for s, v in (("lo", lo), ("hi", hi)) if v is not None]
+        if not steps:
+            nodes.append(helper.make_node("Identity", [cur], [y], name=node.name))
+            changed = True
+            continue
+        for k, (side, v) in enumerate(steps):
+            c = f"{y}__clip_{side}"
+            # shaped [1] * rank(x), not 0-d: ConvertLayout transposes a same-rank Where operand,
+            # but wrapped the 0-d version in transposes again
+            out.graph.initializer.append(numpy_helper.from_array(np.full([1] * rank, v, dtype=np_dtype), c))
+            dst = y if k == len(steps) - 1 else f"{y}__clip_t"
+            cmp = f"{y}__clip_{side}_cmp"
+            nodes.append(helper.make_node("Less" if side == "lo" else "Greater", [cur, c], [cmp], name=f"{node.name}__{side}_cmp"))
+            nodes.append(helper.make_node("Where", [cmp, c, cur], [dst], name=node.name if dst == y else f"{node.name}__{side}"))
+            cur = dst
+        changed = True
+    if not changed:
+        return program
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
 
 
 def _fold_empty_reductions(program: onnx.ModelProto) -> onnx.ModelProto:

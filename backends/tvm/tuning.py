@@ -11,8 +11,10 @@ Rules:
 3. Only contraction kernels (a reduction block that reads two or more buffers: conv, matmul,
    dense, batched matmul) are tuned; elementwise kernels and one-buffer reductions (softmax,
    LayerNorm, pooling) keep the default schedules.
-4. :func:`tune` skips every task the database already has a record for (resume), and does
-   nothing when all are covered. ``trials`` is the number of trials per task.
+4. :func:`tune` brings every task to ``trials`` trials in total: a task the database has no
+   record of gets them all, one tuned with fewer before (``trials.json`` counts them) gets the
+   difference (a top-up that starts from its records), one with as many is skipped (resume);
+   when no task needs trials it does nothing.
 5. :func:`apply_database` compiles with the database: tuned kernels replace their default
    schedule, the rest get the default schedules; it never tunes.
 """
@@ -249,46 +251,98 @@ def missing_tasks(mod: Any, target: Any, db_dir: str | Path) -> list[str]:
     return [t.task_name for t in extract_tasks(prepare(mod, target), target) if not _covered(db, t, target)]
 
 
+TRIALS_FILE = "trials.json"  # per kernel: the trials asked of it so far (for top-ups)
+
+
+def _task_key(task: Any) -> str:
+    import tvm_ffi  # TVM 0.27 moved structural_hash out of tvm.ir
+
+    return f"{task.task_name}:{tvm_ffi.structural_hash(task.dispatched[0]) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _trials_done(db_dir: str | Path, target: Any) -> dict[str, int]:
+    path = database_dir(db_dir, target) / TRIALS_FILE
+    try:
+        data = json.loads(path.read_text())
+        return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
 def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool = True,
          conv_algorithm: str = "direct") -> Any:
-    """Tune the uncovered contraction kernels of ``mod`` (``trials`` each); return the database."""
+    """Bring every contraction kernel of ``mod`` to ``trials`` trials in total; return the database.
+
+    A kernel the database has no record of gets ``trials`` trials; one tuned before with fewer
+    (``trials.json`` beside the records) gets the difference, and MetaSchedule's search starts
+    from the records it already has; one with as many or more is skipped (rule 4). Kernels
+    grouped by the trials they still need are tuned together.
+    """
     target = tuning_target(target)
     import sys
 
     from tvm.s_tir import meta_schedule as ms
 
     db = open_database(db_dir, target)
-    tasks = [t for t in extract_tasks(prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target)), target)
-             if not _covered(db, t, target)]
-    if not tasks or trials <= 0:
+    done = _trials_done(db_dir, target)
+    need: dict[int, list[Any]] = {}
+    for t in extract_tasks(prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target)), target):
+        # a kernel with records but no count (a database from before trials.json) counts as done
+        had = done.get(_task_key(t), trials if _covered(db, t, target) else 0)
+        if trials - had > 0:
+            need.setdefault(trials - had, []).append(t)
+    if not need or trials <= 0:
         return db
+    work_dir = database_dir(db_dir, target)
+    n_tasks = sum(len(ts) for ts in need.values())
     if progress:
-        print(f"tuning {len(tasks)} kernel(s), {trials} trials each, database {database_dir(db_dir, target)} "
+        print(f"tuning {n_tasks} kernel(s) up to {trials} trials each, database {work_dir} "
               f"(MetaSchedule's logs in its logs/ folder; PARTITIONER_TUNING_VERBOSE=1 shows them here)",
               file=sys.stderr, flush=True)
-    callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.UpdateCostModel()]
-    bar = TuningProgress(len(tasks), trials, sys.stderr) if progress else None
-    work_dir = database_dir(db_dir, target)
     # MetaSchedule's console handler takes this logger's level: WARNING keeps its per-round
     # tables and XGBoost lines out of the terminal; they still go to <database>/logs/*.log
-    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
-        logging.DEBUG if os.environ.get("PARTITIONER_TUNING_VERBOSE") else logging.WARNING)
-    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, str(work_dir), seed=0)
-    per_iter = max(1, min(64, trials))
-    builder, runner = _in_process_builder_runner(bar)
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    ms_logger.setLevel(logging.DEBUG if os.environ.get("PARTITIONER_TUNING_VERBOSE") else logging.WARNING)
+    # MetaSchedule re-creates its loggers with dictConfig, naming every handler already on this
+    # logger; an unnamed one (pytest's capture handler, an application's own) made it fail with
+    # "'NoneType' object has no attribute 'format'": set those aside while tuning
+    unnamed = [h for h in ms_logger.handlers if not h.get_name()]
+    for h in unnamed:
+        ms_logger.removeHandler(h)
     try:
-        ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work_dir / "logs"),
-                      max_trials_global=trials * len(contexts), max_trials_per_task=trials,
-                      num_trials_per_iter=per_iter, database=db, builder=builder, runner=runner,
-                      cost_model="xgb",
-                      # no RemoveBuildArtifact: in-process artifacts are not files
-                      measure_callbacks=callbacks)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise BackendError(f"MetaSchedule tuning failed ({msg}); check apache-tvm-ffi==0.1.14.post0, psutil and xgboost are installed") from None
-    if bar is not None:
-        bar.close()
+        _tune_groups(ms, need, trials, db, db_dir, target, work_dir, done, progress)
+    finally:
+        for h in unnamed:
+            ms_logger.addHandler(h)
     return db
+
+
+def _tune_groups(ms: Any, need: dict[int, list[Any]], trials: int, db: Any, db_dir: Any, target: Any,
+                 work_dir: Path, done: dict[str, int], progress: bool) -> None:
+    import sys
+
+    for remaining, tasks in sorted(need.items(), reverse=True):
+        bar = TuningProgress(len(tasks), remaining, sys.stderr) if progress else None
+        callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.UpdateCostModel()]
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, str(work_dir), seed=0)
+        builder, runner = _in_process_builder_runner(bar)
+        try:
+            ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work_dir / "logs"),
+                          max_trials_global=remaining * len(contexts), max_trials_per_task=remaining,
+                          num_trials_per_iter=max(1, min(64, remaining)), database=db, builder=builder,
+                          runner=runner, cost_model="xgb",
+                          # no RemoveBuildArtifact: in-process artifacts are not files
+                          measure_callbacks=callbacks)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise BackendError(f"MetaSchedule tuning failed ({msg}); check apache-tvm-ffi==0.1.14.post0, psutil and xgboost are installed") from None
+        if bar is not None:
+            bar.close()
+        done.update({_task_key(t): trials for t in tasks})
+        try:
+            (work_dir / TRIALS_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
+        except OSError as e:
+            raise BackendError(f"{work_dir / TRIALS_FILE}: cannot record the trials ({e.strerror})") from None
 
 
 def conv_cache_file(db_dir: str | Path, target: Any) -> Path:

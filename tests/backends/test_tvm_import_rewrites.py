@@ -91,3 +91,50 @@ def test_reduction_over_an_empty_axis_matches_ort(op: str, tmp_path: Path) -> No
     bt.build(m, tmp_path / "rank0.so")
     got = bt.load(m, tmp_path / "rank0.so").run(feeds, LocalWorld(1).communicator(0))["y"]
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def _clip_model(opset: int, lo, hi, runtime_bound: bool = False) -> onnx.ModelProto:
+    inits, ins, attrs = [], ["x"], {}
+    if opset < 11:
+        attrs = {k: v for k, v in (("min", lo), ("max", hi)) if v is not None}
+    else:
+        for name, v in (("lo", lo), ("hi", hi)):
+            if v is None:
+                ins.append("")
+            elif runtime_bound and name == "hi":
+                ins.append("hi_in")
+            else:
+                inits.append(numpy_helper.from_array(np.array(v, np.float32), name))
+                ins.append(name)
+        while ins and ins[-1] == "":
+            ins.pop()
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c", *ins[1:]], ["y"], name="clip", **attrs)]
+    w = numpy_helper.from_array(np.random.default_rng(2).standard_normal((8, 4, 3, 3)).astype(np.float32), "w")
+    graph_inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])]
+    if runtime_bound:
+        graph_inputs.append(helper.make_tensor_value_info("hi_in", TensorProto.FLOAT, []))
+    g = helper.make_graph(nodes, "clip", graph_inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])],
+                          [w, *inits])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize(("opset", "lo", "hi"), [(13, 0.0, 6.0), (13, None, 1.5), (13, -1.0, float("nan")), (6, 0.0, 6.0)])
+def test_clip_with_constant_bounds_becomes_selects(opset: int, lo, hi, tmp_path: Path) -> None:
+    """Clip with constant bounds becomes Less/Greater + Where (TVM's Clip was a call_tir that
+    ConvertLayout wrapped in transposes); same values as ONNX Runtime, NaN inputs stay NaN."""
+    m = onnx.shape_inference.infer_shapes(_clip_model(opset, lo, hi))
+    ops = [n.op_type for n in rewrite_for_import(m).graph.node]
+    assert "Clip" not in ops and "Where" in ops
+    x = (np.random.default_rng(3).standard_normal((1, 4, 6, 6)) * 3).astype(np.float32)
+    x[0, 0, 2, 2] = np.nan
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], {"x": x})[0]
+    bt.build(m, tmp_path / "rank0.so")
+    got = bt.load(m, tmp_path / "rank0.so").run({"x": x}, LocalWorld(1).communicator(0))["y"]
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_clip_with_a_runtime_bound_is_left_alone() -> None:
+    m = onnx.shape_inference.infer_shapes(_clip_model(13, 0.0, 6.0, runtime_bound=True))
+    assert "Clip" in [n.op_type for n in rewrite_for_import(m).graph.node]

@@ -74,3 +74,33 @@ def test_tuned_mlp_matches_ort_and_reuses_database(tmp_path, monkeypatch):
     got = ex.run({name: x}, LocalWorld(1).communicator(0))
     for r, o in zip(ref, m.graph.output):
         np.testing.assert_allclose(got[o.name], r, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_more_trials_top_up_the_database(tmp_path, monkeypatch):
+    """Asking for 8 trials after 4 tunes each kernel 4 more times (starting from its records);
+    asking for 8 again, or fewer, tunes nothing."""
+    from tvm.s_tir import meta_schedule as ms
+
+    m = models_zoo.build("mlp", layers=1, hidden=32, in_features=16)
+    db = tmp_path / "db"
+    real = ms.tune_tasks
+    asked: list[tuple[int, int]] = []
+
+    def spy(**kw):
+        asked.append((len(kw["tasks"]), kw["max_trials_per_task"]))
+        return real(**kw)
+
+    monkeypatch.setattr(ms, "tune_tasks", spy)
+    build(m, tmp_path / "a.so", options={"tune_trials": 4, "tuning_db": str(db)})
+    (n_kernels, first), = asked
+    assert first == 4 and n_kernels >= 1
+    asked.clear()
+    build(m, tmp_path / "b.so", options={"tune_trials": 8, "tuning_db": str(db)})
+    assert asked == [(n_kernels, 4)]
+    asked.clear()
+    facts = build(m, tmp_path / "c.so", options={"tune_trials": 8, "tuning_db": str(db)})
+    build(m, tmp_path / "d.so", options={"tune_trials": 2, "tuning_db": str(db)})
+    assert asked == [] and facts["tuned"]
+    counts = tuning._trials_done(db, tuning.tuning_target(__import__("tvm").target.Target(facts["target"])))
+    assert len(counts) == n_kernels and set(counts.values()) == {8}
