@@ -96,10 +96,11 @@ def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -
 
     if not db_dir:
         raise BackendError("options tune_trials > 0 needs a tuning database directory; pass --tuning-db DIR")
+    prepared = tuning.prepare_for_database(mod, target, db_dir, conv)  # once, for tuning and applying
     if trials > 0:
-        tuning.tune(mod, target, trials, db_dir, progress=bool(options.get("tune_progress", False)), conv_algorithm=conv)
-    scheduled, facts = tuning.apply_database(mod, target, db_dir, pipeline=pipeline, conv_algorithm=conv)
-    return scheduled, facts
+        tuning.tune(mod, target, trials, db_dir, progress=bool(options.get("tune_progress", False)),
+                    conv_algorithm=conv, prepared=prepared[0])
+    return tuning.apply_database(mod, target, db_dir, pipeline=pipeline, conv_algorithm=conv, prepared=prepared)
 
 
 def build_one(

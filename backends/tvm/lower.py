@@ -119,8 +119,7 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(program)
     nodes: list[onnx.NodeProto] = []
-    elem = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
-    elem.update({t.name: t.data_type for t in g.initializer})
+    elem = _elem_types(g)
     for node in g.node:
         ins = [i for i in node.input if i]
         if (node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.input) < 3
@@ -164,6 +163,13 @@ _EMPTY_REDUCTION = {"ReduceSum": 0.0, "ReduceL1": 0.0, "ReduceL2": 0.0, "ReduceS
                     "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf, "ReduceMean": np.nan}
 
 
+def _elem_types(g: onnx.GraphProto) -> dict[str, int]:
+    """ONNX element type of every typed value of ``g`` (inputs, value_info, outputs, initializers)."""
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+    elem.update({t.name: t.data_type for t in g.initializer})
+    return elem
+
+
 _CLIP_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16})
 
 
@@ -186,8 +192,7 @@ def _clip_as_selects(program: onnx.ModelProto) -> onnx.ModelProto:
     for n in g.node:
         if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
             consts[n.output[0]] = n.attribute[0].t
-    elem = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
-    elem.update({t.name: t.data_type for t in g.initializer})
+    elem = _elem_types(g)
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*g.input, *g.value_info, *g.output]
              if v.type.tensor_type.HasField("shape")}
 

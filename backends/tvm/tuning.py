@@ -269,14 +269,23 @@ def _trials_done(db_dir: str | Path, target: Any) -> dict[str, int]:
         return {}
 
 
+def prepare_for_database(mod: Any, target: Any, db_dir: str | Path, conv_algorithm: str = "direct") -> tuple[Any, dict[str, Any]]:
+    """``(prepared module, conv facts)`` for :func:`tune` and :func:`apply_database`: prepared once
+    when a build does both (the layout and constant folding take seconds on a resnet)."""
+    target = tuning_target(target)
+    facts: dict[str, Any] = {}
+    return prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target), facts), facts
+
+
 def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool = True,
-         conv_algorithm: str = "direct") -> Any:
+         conv_algorithm: str = "direct", prepared: Any = None) -> Any:
     """Bring every contraction kernel of ``mod`` to ``trials`` trials in total; return the database.
 
     A kernel the database has no record of gets ``trials`` trials; one tuned before with fewer
     (``trials.json`` beside the records) gets the difference, and MetaSchedule's search starts
     from the records it already has; one with as many or more is skipped (rule 4). Kernels
-    grouped by the trials they still need are tuned together.
+    grouped by the trials they still need are tuned together. ``prepared``: the module from
+    :func:`prepare_for_database` (with the same ``conv_algorithm``), when the caller has it.
     """
     target = tuning_target(target)
     import sys
@@ -286,7 +295,9 @@ def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool 
     db = open_database(db_dir, target)
     done = _trials_done(db_dir, target)
     need: dict[int, list[Any]] = {}
-    for t in extract_tasks(prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target)), target):
+    if prepared is None:
+        prepared, _ = prepare_for_database(mod, target, db_dir, conv_algorithm)
+    for t in extract_tasks(prepared, target):
         # a kernel with records but no count (a database from before trials.json) counts as done
         had = done.get(_task_key(t), trials if _covered(db, t, target) else 0)
         if trials - had > 0:
@@ -310,15 +321,15 @@ def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool 
     for h in unnamed:
         ms_logger.removeHandler(h)
     try:
-        _tune_groups(ms, need, trials, db, db_dir, target, work_dir, done, progress)
+        _tune_groups(ms, need, trials, db, work_dir, done, progress)
     finally:
         for h in unnamed:
             ms_logger.addHandler(h)
     return db
 
 
-def _tune_groups(ms: Any, need: dict[int, list[Any]], trials: int, db: Any, db_dir: Any, target: Any,
-                 work_dir: Path, done: dict[str, int], progress: bool) -> None:
+def _tune_groups(ms: Any, need: dict[int, list[Any]], trials: int, db: Any, work_dir: Path, done: dict[str, int],
+                 progress: bool) -> None:
     import sys
 
     for remaining, tasks in sorted(need.items(), reverse=True):
@@ -353,7 +364,8 @@ def conv_cache_file(db_dir: str | Path, target: Any) -> Path:
 
 
 def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "scheduled",
-                   conv_algorithm: str = "direct") -> tuple[Any, dict[str, Any]]:
+                   conv_algorithm: str = "direct", prepared: tuple[Any, dict[str, Any]] | None = None
+                   ) -> tuple[Any, dict[str, Any]]:
     """Compile-ready module: tuned kernels from the database, default schedules for the rest.
 
     Returns ``(module, facts)`` with facts ``{"tuned": bool, "tuned_kernels": n,
@@ -366,8 +378,7 @@ def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "s
     if pipeline != "scheduled":
         raise BackendError(f"a tuning database needs the 'scheduled' pipeline, not {pipeline!r}")
     db = open_database(db_dir, target)
-    conv_facts: dict[str, Any] = {}
-    prepared = prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target), conv_facts)
+    prepared, conv_facts = prepared if prepared is not None else prepare_for_database(mod, target, db_dir, conv_algorithm)
     tasks = extract_tasks(prepared, target)
     missing = [t.task_name for t in tasks if not _covered(db, t, target)]
     with target, db:
