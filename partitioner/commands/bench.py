@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-threads", type=int, default=None, metavar="T",
                    help="threads of the 1-rank build (default: the partitioned run's total)")
     p.add_argument("-o", "--output", default=None, metavar="JSON", help="write the results as JSON here")
+    from partitioner.signing import add_trusted_key_argument
+
+    add_trusted_key_argument(p)
     add_json_argument(p)
 
 
@@ -250,6 +253,11 @@ def format_table(doc: Mapping[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.single_threads is not None and args.single_threads < 1:
         raise UsageError("--single-threads must be at least 1")
+    from partitioner import signing
+
+    if signing.check_trusted(args.artifact, args.trusted_key) and args.baseline == "single":
+        raise UsageError("--baseline single builds an unsigned artifact, which the trusted key would refuse; "
+                         "bench a signed artifact with the default baseline")
     doc = bench_artifact(args.artifact, baseline=args.baseline, repeat=args.repeat, warmup=args.warmup,
                          inputs=args.inputs, ranks_per_host=args.ranks_per_host, single_threads=args.single_threads)
     if args.output:

@@ -39,12 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conv-algorithm", choices=("direct", "im2col", "winograd", "auto"), default=None,
                    help="TVM on the CPU: how convolutions are computed; 'auto' times each distinct conv "
                         "with every eligible algorithm and keeps the fastest (default direct)")
+    p.add_argument("--sign-key", default=None, metavar="KEY.pem",
+                   help="sign the artifact with this EC private key (writes DIR/model.sig, see `partitioner sign`)")
     add_json_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import onnx_ir as ir
 
+    from partitioner import signing
     from partitioner.artifact import compile as compile_artifact
     from partitioner.load import load
     from passes import run_pipeline
@@ -59,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--tune-trials, --tuning-db, --tvm-pipeline and --conv-algorithm apply to --backend tvm only")
     if args.conv_algorithm not in (None, "direct") and args.tvm_pipeline == "zero":
         raise UsageError("--conv-algorithm needs the 'scheduled' TVM pipeline, not --tvm-pipeline zero")
+    if args.sign_key:  # a bad key fails now, not after the build
+        signing.load_private_key(args.sign_key)
     build_options = {k: v for k, v in (("tune_trials", args.tune_trials), ("tuning_db", args.tuning_db),
                                        ("pipeline", args.tvm_pipeline), ("conv_algorithm", args.conv_algorithm)) if v}
     art = compile_artifact(model, cluster_from_args(args), strategy=args.strategy, target=args.target,
@@ -67,11 +72,14 @@ def run(args: argparse.Namespace) -> int:
                            out_dir=args.output, fallback=args.fallback, jobs=args.jobs, source=source,
                            source_path=args.model, progress=None if not args.json else False,
                            build_options=build_options or None)
+    if args.sign_key:
+        signing.sign_artifact(art.root, args.sign_key)
     m = art.manifest
     if args.json:
         print_json({"artifact": str(art.root), "world_size": m["world_size"], "microbatches": m["microbatches"],
                     "backend": m["backend"], "fallback": m["fallback"], "plan_summary": m["plan_summary"],
-                    "prediction": m["prediction"], "files": m["files"]})
+                    "prediction": m["prediction"], "files": m["files"],
+                    "signature": signing.SIGNATURE if args.sign_key else None})
         return 0
     fallback = m.get("fallback") or {}
     if fallback.get("scope") == "segments":
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         fb = f" (fell back from {fallback['from']}: {fallback['reason']})" if fallback else ""
     print(f"wrote {art.root}: {m['world_size']} rank(s), {m['microbatches']} micro-batch(es), "
-          f"strategy {m['plan_summary'].get('strategy', '?')}, backend {m['backend']}{fb}")
+          f"strategy {m['plan_summary'].get('strategy', '?')}, backend {m['backend']}{fb}"
+          + (f", signed ({signing.SIGNATURE})" if args.sign_key else ""))
     for seg in fallback.get("segments", []) if fallback.get("scope") == "segments" else []:
         print(f"  rank {seg['rank']} segment {seg['segment']} runs on {fallback['to']}: "
               f"{', '.join(seg['op_types'])} (nodes {', '.join(seg['nodes'])}) in {seg['file']}")

@@ -31,12 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-host", type=int, default=None, metavar="N", help="ranks per host (mpiexec -ppn)")
     p.add_argument("--in-process", action="store_true", help="run the ranks as threads, without MPI")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the whole run after S seconds")
+    from partitioner.signing import add_trusted_key_argument
+
+    add_trusted_key_argument(p)
     add_json_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from partitioner import signing
     from partitioner.artifact import load_artifact
 
+    signing.check_trusted(args.artifact, args.trusted_key)
     art = load_artifact(args.artifact)
     if args.microbatches is not None and args.microbatches != art.microbatches:
         raise UsageError(f"--microbatches {args.microbatches}: {args.artifact} was compiled for "

@@ -6,7 +6,8 @@ path, e.g. on a shared file system).
 
 What each rank does, in order:
 1. Verifies the whole artifact (hashes, layout, rank count) before it loads any library, and
-   checks that the MPI world has exactly ``world_size`` ranks.
+   checks that the MPI world has exactly ``world_size`` ranks. With ``--trusted-key`` (or
+   ``$PARTITIONER_TRUSTED_KEY``) it first checks the artifact's signature (exit 2 when refused).
 2. Pins itself to its share of the host's cores (C cores / R ranks on this host, from
    ``COMM_TYPE_SHARED`` or ``--ranks-per-host``) and sets ``TVM_NUM_THREADS`` /
    ``OMP_NUM_THREADS`` before the backend (and so TVM) is imported.
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record per-step compute / comm / idle seconds on every rank (into --timings)")
     p.add_argument("--comm-timeout", type=float, default=None, metavar="S",
                    help="seconds a receive or collective may wait (default $PARTITIONER_COMM_TIMEOUT or 30)")
+    from partitioner.signing import add_trusted_key_argument
+
+    add_trusted_key_argument(p)
 
 
 def read_npz(path: str | os.PathLike[str], what: str = "inputs") -> dict[str, np.ndarray]:
@@ -166,7 +170,9 @@ def run_worker(args: argparse.Namespace) -> int:
         from partitioner.artifact import load_artifact
         from partitioner.errors import ArtifactError
         from partitioner.runtime.fault import from_env
+        from partitioner.signing import check_trusted
 
+        check_trusted(args.artifact, args.trusted_key)  # before anything of the artifact is read
         art = load_artifact(args.artifact)
         if world.Get_size() != art.world_size:
             raise ArtifactError(f"{args.artifact}: built for {art.world_size} ranks but MPI started "
@@ -230,7 +236,9 @@ def run_worker(args: argparse.Namespace) -> int:
                     os.fsync(fh.fileno())
             except OSError:
                 pass
-        world.Abort(1)
+        from partitioner.signing import SignatureError
+
+        world.Abort(2 if isinstance(exc, SignatureError) else 1)  # a refused signature is bad input
         return 1
 
 
