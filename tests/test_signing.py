@@ -232,11 +232,12 @@ def test_verify_refuses(env, tampered, capsys):
     assert not env["marker"].exists()
 
 
-def test_run_refuses(env, tampered, capsys, monkeypatch):
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_run_and_bench_refuse(env, tampered, command, capsys, monkeypatch):
     d, expected = tampered
     monkeypatch.setenv(signing.TRUSTED_KEY_ENV, str(env["pub"]))  # the environment variable this time
     capsys.readouterr()
-    assert cli.main(["run", str(d), "--inputs", str(env["inputs"])]) == 2
+    assert cli.main([command, str(d), "--inputs", str(env["inputs"])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert not env["marker"].exists()
@@ -270,11 +271,14 @@ def test_bad_keys_are_one_line_refusals(env, tmp_path, capsys):
         (["sign", str(env["art"]), "--key", str(ed)], "type Ed25519 is not supported"),
         (["sign", str(env["art"]), "--key", str(tmp_path / "missing.pem")], "no such private key file"),
         (["verify", str(env["art"]), "--trusted-key", str(env["key"])], "a private key; verify with its public key"),
+        (["compile", str(env["dir"] / "mlp.onnx"), "-o", str(tmp_path / "never"), "--backend", "onnxruntime",
+          "--sign-key", str(ed)], "type Ed25519 is not supported"),
     ):
         capsys.readouterr()
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "never").exists()  # compile refused the key before building
     signing.verify_signature(env["art"], env["pub"])  # the refused signing left the signature intact
 
 
