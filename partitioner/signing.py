@@ -174,9 +174,12 @@ def sign_artifact(directory: str | os.PathLike[str], private_key: str | os.PathL
     from model_signing import signing
 
     password = os.environ.get(PASSWORD_ENV) or None
+    # model-signing 1.1 types the password as str but hands it to cryptography, which wants bytes
+    password_bytes: Any = password.encode() if password else None
     tmp = root / f".{SIGNATURE}.tmp"
+    tmp.unlink(missing_ok=True)  # a stale one from a crash would otherwise be hashed (it is written after)
     try:
-        (signing.Config().use_elliptic_key_signer(private_key=Path(private_key), password=password)
+        (signing.Config().use_elliptic_key_signer(private_key=Path(private_key), password=password_bytes)
          .set_hashing_config(_hashing_config()).sign(root, tmp))
         os.replace(tmp, root / SIGNATURE)
     except ValueError as exc:  # a symlink or a special file in the directory

@@ -297,3 +297,17 @@ def test_signature_is_model_signing_format(env):
     (verifying.Config().use_elliptic_key_verifier(public_key=env["pub"])
      .set_hashing_config(hashing.Config().set_ignored_paths(paths=[signing.SIGNATURE], ignore_git_paths=False))
      .verify(env["art"], env["art"] / signing.SIGNATURE))
+
+
+def test_encrypted_key_signs_with_the_password_from_the_environment(env, tmp_path, monkeypatch, capsys):
+    enc = tmp_path / "enc.pem"
+    _openssl("ec", "-in", str(env["key"]), "-aes256", "-passout", "pass:s3cret", "-out", str(enc))
+    d = tmp_path / "art"
+    shutil.copytree(env["art"], d)
+    (d / signing.SIGNATURE).unlink()
+    capsys.readouterr()
+    assert cli.main(["sign", str(d), "--key", str(enc)]) == 2
+    assert "is encrypted" in capsys.readouterr().err
+    monkeypatch.setenv(signing.PASSWORD_ENV, "s3cret")
+    assert cli.main(["sign", str(d), "--key", str(enc)]) == 0
+    assert signing.verify_signature(d, env["pub"]).files == len(list(d.iterdir())) - 1
