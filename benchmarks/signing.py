@@ -123,12 +123,14 @@ def make_artifact(d: Path, total_bytes: int, seed: int = 0) -> int:
 
 
 def _run_child(op: str, d: Path, key: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     env.pop("PARTITIONER_TRUSTED_KEY", None)
     proc = subprocess.run([sys.executable, __file__, "--child", op, str(d), str(key)], capture_output=True,
                           text=True, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"{op} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise SystemExit(f"{op} failed: {last}")
     return json.loads(proc.stdout)
 
 

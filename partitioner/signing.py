@@ -95,8 +95,8 @@ def _check_curve(key: Any, path: str | os.PathLike[str], what: str) -> None:
         kind = f"elliptic curve {key.curve.name}"
     else:
         kind = type(key).__name__.lstrip("_").replace("PrivateKey", "").replace("PublicKey", "")
-    raise SignatureError(f"{path}: {what} of type {kind} is not supported; model-signing signs with ECDSA keys on P-256, P-384 or P-521 only "
-                         f"(no Ed25519 or RSA): {_KEYGEN_HINT}")
+    raise SignatureError(f"{path}: {what} of type {kind} is not supported; model-signing signs with ECDSA keys "
+                         f"on P-256, P-384 or P-521 only (no Ed25519 or RSA): {_KEYGEN_HINT}")
 
 
 def load_private_key(path: str | os.PathLike[str]) -> Any:
@@ -107,7 +107,8 @@ def load_private_key(path: str | os.PathLike[str]) -> Any:
     try:
         key = serialization.load_pem_private_key(data, password.encode() if password else None)
     except TypeError:
-        raise SignatureError(f"{path}: the private key is encrypted; put its password in ${PASSWORD_ENV}") from None
+        raise SignatureError(f"{path}: the private key is encrypted; put its password in "
+                             f"${PASSWORD_ENV}") from None
     except ValueError as exc:
         why = "wrong password in $" + PASSWORD_ENV if password else str(exc).splitlines()[0]
         raise SignatureError(f"{path}: not a PEM private key ({why}); {_KEYGEN_HINT}") from None
@@ -228,7 +229,8 @@ def _describe_mismatch(root: Path, message: str) -> str:
              (("changed", changed), ("added", added), ("removed", removed)) if names]
     if not parts:
         return f"{root}: does not match its signature ({message[:300]})"
-    return f"{root}: files differ from what was signed: {'; '.join(parts)}; the artifact was modified after signing"
+    return (f"{root}: files differ from what was signed: {'; '.join(parts)}; "
+            "the artifact was modified after signing")
 
 
 def verify_signature(directory: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> SignatureCheck:
@@ -262,13 +264,14 @@ def verify_signature(directory: str | os.PathLike[str], public_key: str | os.Pat
             raise SignatureError(f"{sig}: signed by another key, not by the trusted key {public_key} "
                                  f"(public key sha256 {key_fingerprint(key)[:16]}...)") from None
         if m := _SYMLINK.match(msg):
-            raise SignatureError(f"{m.group(1)}: a symbolic link; a signed artifact holds plain files only") from None
+            raise SignatureError(f"{m.group(1)}: a symbolic link; a signed artifact holds plain files only") \
+                from None
         if msg.startswith("Signature mismatch"):
             raise SignatureError(_describe_mismatch(root, msg)) from None
         raise SignatureError(f"{sig}: cannot be verified: {msg}") from None
     except Exception as exc:  # noqa: BLE001 - e.g. JSON or pydantic errors from a damaged bundle
-        raise SignatureError(f"{sig}: not a model-signing signature ({type(exc).__name__}: {_first_line(exc)})") \
-            from None
+        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        raise SignatureError(f"{sig}: not a model-signing signature ({why})") from None
     files = sum(1 for p in root.rglob("*") if p.is_file() and p.name != SIGNATURE)
     return SignatureCheck(str(root), str(public_key), key_fingerprint(key), files)
 

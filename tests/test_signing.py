@@ -62,7 +62,8 @@ def _replace_file(d: Path, name: str, src: Path | None) -> None:
     else:
         if Path(src).resolve() != (d / name).resolve():
             shutil.copyfile(src, d / name)
-        m["files"][name] = {**m["files"][name], "sha256": sha256_file(d / name), "size": (d / name).stat().st_size}
+        m["files"][name] = {**m["files"][name], "sha256": sha256_file(d / name),
+                            "size": (d / name).stat().st_size}
     m["manifest_sha256"] = manifest_checksum(m)
     (d / MANIFEST).write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
 
@@ -270,7 +271,8 @@ def test_bad_keys_are_one_line_refusals(env, tmp_path, capsys):
     for argv, expected in (
         (["sign", str(env["art"]), "--key", str(ed)], "type Ed25519 is not supported"),
         (["sign", str(env["art"]), "--key", str(tmp_path / "missing.pem")], "no such private key file"),
-        (["verify", str(env["art"]), "--trusted-key", str(env["key"])], "a private key; verify with its public key"),
+        (["verify", str(env["art"]), "--trusted-key", str(env["key"])],
+         "a private key; verify with its public key"),
         (["compile", str(env["dir"] / "mlp.onnx"), "-o", str(tmp_path / "never"), "--backend", "onnxruntime",
           "--sign-key", str(ed)], "type Ed25519 is not supported"),
     ):
@@ -295,7 +297,8 @@ def test_signature_is_model_signing_format(env):
     assert names == {p.name for p in env["art"].iterdir()} - {signing.SIGNATURE}
     assert statement["predicate"]["serialization"]["ignore_paths"] == [signing.SIGNATURE]
     (verifying.Config().use_elliptic_key_verifier(public_key=env["pub"])
-     .set_hashing_config(hashing.Config().set_ignored_paths(paths=[signing.SIGNATURE], ignore_git_paths=False))
+     .set_hashing_config(hashing.Config().set_ignored_paths(paths=[signing.SIGNATURE],
+                                                             ignore_git_paths=False))
      .verify(env["art"], env["art"] / signing.SIGNATURE))
 
 

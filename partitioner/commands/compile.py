@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TVM on the CPU: how convolutions are computed; 'auto' times each distinct conv "
                         "with every eligible algorithm and keeps the fastest (default direct)")
     p.add_argument("--sign-key", default=None, metavar="KEY.pem",
-                   help="sign the artifact with this EC private key (writes DIR/model.sig, see `partitioner sign`)")
+                   help="sign the artifact with this EC private key (writes DIR/model.sig; see `partitioner sign`)")
     add_json_argument(p)
 
 

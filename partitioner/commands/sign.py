@@ -18,8 +18,8 @@ HELP = "sign every file of an artifact directory with an EC private key (writes 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", metavar="DIR", help="the artifact directory")
     p.add_argument("--key", required=True, metavar="KEY.pem",
-                   help="PEM elliptic-curve private key (openssl ecparam -name prime256v1 -genkey -noout -out KEY.pem); "
-                        "an encrypted one is opened with $PARTITIONER_SIGN_KEY_PASSWORD")
+                   help="PEM elliptic-curve private key (openssl ecparam -name prime256v1 -genkey -noout "
+                        "-out KEY.pem); an encrypted one is opened with $PARTITIONER_SIGN_KEY_PASSWORD")
     add_json_argument(p)
 
 

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
 
     signed = signing.check_trusted(args.artifact, args.trusted_key)
     m = verify_artifact(args.artifact)
-    sig = signed.to_json() if signed else {"status": signing.signature_status(args.artifact), "file": signing.SIGNATURE}
+    sig = signed.to_json() if signed else {"status": signing.signature_status(args.artifact),
+                                           "file": signing.SIGNATURE}
     if args.json:
         print_json({"ok": True, "artifact": args.artifact, "format_version": m["format_version"],
                     "world_size": m["world_size"], "backend": m["backend"], "files": len(m["files"]) + 1,
