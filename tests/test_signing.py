@@ -153,7 +153,8 @@ def test_bait_is_loaded_when_its_signature_holds(env):
     verify_artifact(env["bait"])
     signing.verify_signature(env["bait"], env["pub"])
     proc = _worker(env["bait"], env, "--trusted-key", str(env["pub"]))
-    assert proc.returncode != 0 and "rank 0: load:" in proc.stderr + proc.stdout, proc.stderr
+    # every rank loads the bait; which rank reports first is a race
+    assert proc.returncode != 0 and re.search(r"rank \d+: load:", proc.stderr + proc.stdout), proc.stderr
     assert env["marker"].exists()
 
 
