@@ -60,7 +60,6 @@ def test_reference_backend_matches_onnxruntime(data: st.DataObject) -> None:
           suppress_health_check=_LENIENT, phases=[Phase.explicit, Phase.generate])  # shrinking TVM builds takes minutes
 @given(data=st.data())
 def test_tvm_backend_matches_onnxruntime(data: st.DataObject) -> None:
-    pytest.importorskip("tvm")
     fg = data.draw(graphs(max_ops=8), label="graph")
     fp = data.draw(plans(fg.batch), label="plan")
     outcome = check_tvm(fg, fp)
