@@ -467,7 +467,14 @@ def test_cli_zoo_export_light_and_errors(tmp_path, capsys: pytest.CaptureFixture
     assert "batch" in capsys.readouterr().err
     assert main(["zoo", "export", "mlp", "--seq", "4", "-o", str(tmp_path / "x.onnx")]) == 2
     assert "seq" in capsys.readouterr().err
+    assert main(["zoo", "export", "mlp", "--weights", "as_shipped", "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "weights" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+    shipped = tmp_path / "sq_shipped.onnx"
+    assert main(["zoo", "export", "light_squeezenet", "--weights", "as_shipped", "-o", str(shipped)]) == 0
+    assert shipped.read_bytes() == (light_dir() / "light_squeezenet.onnx").read_bytes() or \
+        onnx.load(shipped).SerializeToString() == onnx.load(light_dir() / "light_squeezenet.onnx").SerializeToString()
+    assert not any(n.op_type == "ConstantOfShape" for n in onnx.load(path).graph.node)  # the default: random
 
 
 @pytest.mark.slow
