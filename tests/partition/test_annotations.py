@@ -19,6 +19,7 @@ import models_zoo
 from backends.onnxruntime import run_reference
 from partitioner import cli
 from partitioner.errors import StrategyNotApplicable
+from partitioner.lowering.model_view import ModelView
 from partitioner.partition import partition
 from partitioner.plan import CONFIGURATION_NAME, Plan, Sharding, annotate_model
 from partitioner.strategies.constraints import read_constraints, violation
@@ -105,20 +106,14 @@ def test_sharding_specs_are_read_and_auto_keeps_them() -> None:
     cons = read_constraints(model)
     assert not cons.stages and len(cons.shardings) >= len(proto.graph.node)
     assert any(c.sharding.axis is not None for c in cons.shardings)
-    assert violation(tensor.plan, cons, tensor_view(model)) == ""
+    assert violation(tensor.plan, cons, ModelView(model)) == ""
     res = partition(model, "cpu:2", strategy="auto")
     assert res.plan.strategy == "tensor" and res.plan.world_size == 2
-    assert violation(res.plan, cons, tensor_view(model)) == ""
+    assert violation(res.plan, cons, ModelView(model)) == ""
     _check_ort(proto, res)
     with pytest.raises(StrategyNotApplicable, match="ShardingSpec") as info:
         partition(model, "cpu:2", strategy="data")
     assert "\n" not in str(info.value)
-
-
-def tensor_view(model: ir.Model):  # noqa: ANN201
-    from partitioner.lowering.model_view import ModelView
-
-    return ModelView(model)
 
 
 def test_auto_says_why_when_no_plan_keeps_the_annotations() -> None:
