@@ -118,9 +118,10 @@ def build(name: str, **kwargs: Any) -> onnx.ModelProto:
                                  f"use {builder.alias_of!r} with {key}={given[key]} instead")
         return builder.fn(**{**accepted, **given}, name=name)
     if name in light_names():
-        unknown = sorted(set(given) - {"batch"})
+        unknown = sorted(set(given) - {"batch", "weights", "seed"})
         if unknown:
             raise UsageError(f"zoo model {name!r} is a fixed real model and does not take "
-                             f"{', '.join(unknown)}; it accepts: batch (=1 only)")
-        return load_light(name, given.get("batch"))
+                             f"{', '.join(unknown)}; it accepts: batch (=1 only), "
+                             "weights (random|as_shipped), seed")
+        return load_light(name, given.get("batch"), given.get("weights", "random"), int(given.get("seed", 0)))
     raise UsageError(f"unknown zoo model {name!r}; valid names: {_valid_names()}")

@@ -74,6 +74,7 @@ class Calibration:
     backend: str = DEFAULT_BACKEND
     efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
     kernels: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    mpi_error: str = ""  # why the MPI probe failed ("" when it ran)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,7 +86,8 @@ class Calibration:
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                     "bandwidth": 1 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None,
                     "pingpong": [list(p) for p in self.pingpong],
-                    "allreduce": [list(p) for p in self.allreduce]},
+                    "allreduce": [list(p) for p in self.allreduce],
+                    **({"error": self.mpi_error} if not self.mpi_ok else {})},
             "seconds": self.seconds, "machine": dict(self.machine),
         }
 
@@ -392,23 +394,31 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(alpha), float(beta)
 
 
-def _run_mpi(quick: bool, timeout: float) -> dict[str, Any] | None:
+def _run_mpi(quick: bool, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """Run :mod:`partitioner.calibrate_mpi` under ``mpiexec -n 2`` (the mpich wheel's, next to
+    this interpreter, else PATH's). Returns ``(measurements, "")`` or ``(None, why)``: a failed
+    probe is reported with its reason (``mpi.error`` in ``calibrate --json``), never silently."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        return None
+        return None, "mpiexec not found: install the mpich wheel (pip install mpich) or put mpiexec on PATH"
     args = [mpiexec, "-n", "2", sys.executable, "-m", "partitioner.calibrate_mpi"] + (["--quick"] if quick else [])
     env = dict(os.environ, **_SINGLE_THREAD_ENV)
     try:
         out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return None
+        return None, f"{mpiexec} -n 2 took longer than {timeout:.0f} s"
+    except OSError as exc:
+        return None, f"cannot start {mpiexec}: {exc.strerror}"
+    last_err = (out.stderr.strip().splitlines() or ["no output on stderr"])[-1][:300]
     if out.returncode != 0 or not out.stdout.strip():
-        return None
+        return None, f"{mpiexec} -n 2 exited with {out.returncode}: {last_err}"
     try:
         data = json.loads(out.stdout.strip().splitlines()[-1])
     except json.JSONDecodeError:
-        return None
-    return data if "pingpong" in data else None
+        return None, f"the MPI probe printed no JSON: {out.stdout.strip().splitlines()[-1][:200]}"
+    if "pingpong" not in data:
+        return None, f"the MPI probe failed: {data.get('error', data)}"
+    return data, ""
 
 
 # ---- putting it together ---------------------------------------------------------------------
@@ -434,7 +444,8 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         raise CalibrationError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     t0 = time.perf_counter()
     single = _run_probe(quick, timeout=120 if quick else 300, backend=backend)
-    mpi = _run_mpi(quick, timeout=20 if quick else 40) if mpi else None
+    # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
+    mpi, mpi_error = _run_mpi(quick, timeout=60 if quick else 120) if mpi else (None, "skipped (mpi=False)")
     if mpi is not None:
         pp = [tuple(map(float, p)) for p in mpi["pingpong"]]
         ar = [tuple(map(float, p)) for p in mpi.get("allreduce", [])]
@@ -447,7 +458,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         memory_bandwidth=float(single["memory_bandwidth"]),
         launch_overhead_s=float(single["launch_overhead_s"]),
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
-        mpi_ok=mpi is not None, seconds=time.perf_counter() - t0, machine=machine_info(),
+        mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
         kernels=tuple(single.get("kernels", ())),
     )

@@ -54,6 +54,11 @@ class BackendError(PartitionerError):
     """A backend could not build or run a per-rank program."""
 
 
+class UnsupportedByBackendError(BackendError):
+    """Before anything is built, the backend lists ops or dtypes it does not support (a clean
+    refusal: nothing failed). Every other BackendError is a failure of the build or the run."""
+
+
 class ArtifactError(PartitionerError):
     """An artifact directory is missing files, tampered with, or of another format version."""
 

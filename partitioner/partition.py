@@ -11,11 +11,12 @@ import onnx
 import onnx_ir as ir
 
 from partitioner.bindings import Bindings
-from partitioner.errors import UsageError
+from partitioner.errors import StrategyNotApplicable, UsageError
 from partitioner.lower import lower
 from partitioner.lowering.model_view import ModelView
 from partitioner.plan import Plan
 from partitioner.strategies import costing, get_strategy
+from partitioner.strategies.constraints import read_constraints, violation
 from partitioner.strategies.search import search
 
 
@@ -57,6 +58,10 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
     else:
         plan = get_strategy(strategy).plan(view, cluster, degree=degree, microbatches=microbatches,
                                            memory_limit=memory_limit, objective=objective)
+        broken = violation(plan, read_constraints(model), view)
+        if broken:  # annotations already in the model are user constraints (DESIGN.md, "Plan")
+            raise StrategyNotApplicable(f"{strategy}: {broken}; choose a strategy that keeps the "
+                                        "model's annotations (auto searches only those) or remove them")
         explanation = f"{strategy}: {plan.notes}"
     lowered = lower(view, plan)
     pred = costing.estimate(view, plan, cluster, memory_limit=memory_limit)

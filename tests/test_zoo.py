@@ -317,11 +317,42 @@ def test_light_models_are_listed_as_on_disk() -> None:
 
 @pytest.mark.parametrize("name", LIGHT)
 def test_light_model_loads_by_name(name: str) -> None:
-    model = build(name)
+    model = build(name, weights="as_shipped")
     onnx.checker.check_model(model, full_check=True)
     assert model.SerializeToString() == onnx.load(str(light_dir() / f"{name}.onnx")).SerializeToString()
     assert any(n.op_type == "ConstantOfShape" for n in model.graph.node)
-    assert build(name, batch=1, seed=None).SerializeToString() == model.SerializeToString()
+    assert build(name, batch=1, seed=None, weights="as_shipped").SerializeToString() == model.SerializeToString()
+
+
+@pytest.mark.parametrize("name", ["light_squeezenet", "light_resnet50"])
+def test_light_model_default_weights_are_seeded_random(name: str) -> None:
+    """The shipped weights are all 0.02 (the softmax is then 1/1000 whatever runs); the loader's
+    default replaces them with seeded random values: same seed same bytes, another seed other
+    values, no ConstantOfShape weight left, and ONNX Runtime's output is finite and not flat."""
+    import onnxruntime as ort
+
+    model = build(name)
+    onnx.checker.check_model(model, full_check=True)
+    assert not any(n.op_type == "ConstantOfShape" for n in model.graph.node)
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 4}
+    assert len(weights) >= 10
+    assert all(np.unique(w).size > 1 for w in weights.values())
+    if name == "light_squeezenet":  # (cheap to load three times)
+        assert build(name, seed=0).SerializeToString() == model.SerializeToString()
+        some = next(iter(weights))
+        assert not np.array_equal(weights[some], onnx.numpy_helper.to_array(
+            next(t for t in build(name, seed=1).graph.initializer if t.name == some)))
+    x = np.random.default_rng(3).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {sess.get_inputs()[0].name: x})[0].ravel()
+    assert np.isfinite(y).all()
+    assert y.std() > 1e-4 * max(1.0, float(np.abs(y).max()))  # classes differ
+    assert y.max() < 0.9 if name == "light_resnet50" else True  # softmax not one-hot
+
+
+def test_light_model_weights_option_is_checked() -> None:
+    with pytest.raises(UsageError, match="weights"):
+        build("light_squeezenet", weights="zeros")
 
 
 def test_light_model_batch_is_fixed() -> None:
@@ -332,7 +363,7 @@ def test_light_model_batch_is_fixed() -> None:
 
 
 def test_light_squeezenet_runs_to_onnx_reference_output() -> None:
-    model = build("light_squeezenet")
+    model = build("light_squeezenet", weights="as_shipped")  # the reference output is for 0.02 weights
     inits = {t.name for t in model.graph.initializer}
     feeds = {}
     for x in model.graph.input:  # onnx's backend runner feeds arange(n) / n
@@ -436,7 +467,14 @@ def test_cli_zoo_export_light_and_errors(tmp_path, capsys: pytest.CaptureFixture
     assert "batch" in capsys.readouterr().err
     assert main(["zoo", "export", "mlp", "--seq", "4", "-o", str(tmp_path / "x.onnx")]) == 2
     assert "seq" in capsys.readouterr().err
+    assert main(["zoo", "export", "mlp", "--weights", "as_shipped", "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "weights" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+    shipped = tmp_path / "sq_shipped.onnx"
+    assert main(["zoo", "export", "light_squeezenet", "--weights", "as_shipped", "-o", str(shipped)]) == 0
+    assert shipped.read_bytes() == (light_dir() / "light_squeezenet.onnx").read_bytes() or \
+        onnx.load(shipped).SerializeToString() == onnx.load(light_dir() / "light_squeezenet.onnx").SerializeToString()
+    assert not any(n.op_type == "ConstantOfShape" for n in onnx.load(path).graph.node)  # the default: random
 
 
 @pytest.mark.slow

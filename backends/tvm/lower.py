@@ -46,7 +46,7 @@ import numpy as np
 import onnx
 
 from partitioner.comm_ops import CommOp, is_comm
-from partitioner.errors import BackendError
+from partitioner.errors import BackendError, UnsupportedByBackendError
 from partitioner.segments import CommStep, Segment, all_nodes, split_program, value_infos
 
 PACKED_PREFIX = "partitioner.comm."
@@ -98,7 +98,7 @@ def check_supported(program: onnx.ModelProto) -> None:
     if bad:
         kinds = sorted({t for _, t in bad})
         listing = "; ".join(f"{name} ({t})" for name, t in bad)
-        raise BackendError(
+        raise UnsupportedByBackendError(
             f"graph {program.graph.name!r}: TVM cannot import {len(bad)} node(s) of op type(s) {', '.join(kinds)}: "
             f"{listing}; use --fallback onnxruntime (runs just these nodes under ONNX Runtime inside the rank), "
             "--backend onnxruntime, or rewrite these ops"
@@ -334,11 +334,11 @@ def _tensor_type(info: onnx.ValueInfoProto, where: str):
 
     if not info.type.HasField("tensor_type") or info.type.tensor_type.elem_type == 0:
         kind = info.type.WhichOneof("value") or "untyped"
-        raise BackendError(f"{where}: value {info.name!r} is {kind.replace('_type', '')}-typed, not a typed tensor; "
+        raise UnsupportedByBackendError(f"{where}: value {info.name!r} is {kind.replace('_type', '')}-typed, not a typed tensor; "
                            "the TVM backend takes tensors only (use --backend onnxruntime)")
     t = info.type.tensor_type
     if t.elem_type in _SUB_BYTE:
-        raise BackendError(f"{where}: value {info.name!r} has the sub-byte type "
+        raise UnsupportedByBackendError(f"{where}: value {info.name!r} has the sub-byte type "
                            f"{onnx.TensorProto.DataType.Name(t.elem_type)}; TVM's runtime cannot pass tensors of fewer "
                            "than 8 bits per element (use --backend onnxruntime)")
     dims = []

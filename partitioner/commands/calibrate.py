@@ -61,6 +61,6 @@ def run(args: argparse.Namespace) -> int:
         for n, t in cal.allreduce:
             print(f"allreduce 2 ranks {int(n):>9d} B: {t * 1e6:10.1f} µs")
     else:
-        print("MPI probe failed or mpiexec not found: the link uses nominal shared-memory numbers")
+        print(f"MPI probe failed ({cal.mpi_error}): the link uses nominal shared-memory numbers")
     print(f"took {cal.seconds:.1f} s; wrote {', '.join(written)}")
     return 0

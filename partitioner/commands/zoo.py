@@ -30,6 +30,7 @@ _EXPORT_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--width-mult", "width_mult", float, "MobileNet width multiplier"),
     ("--classes", "classes", int, "number of classes (classifiers)"),
     ("--seed", "seed", int, "weight seed"),
+    ("--weights", "weights", str, "light models: random (seeded, the default) or as_shipped (onnx's 0.02 constants)"),
 )
 
 

@@ -15,6 +15,7 @@ from partitioner.errors import StrategyNotApplicable
 from partitioner.lowering.model_view import ModelView
 from partitioner.plan import Plan, Sharding
 from partitioner.strategies import costing, data, make_plan, pipeline
+from partitioner.strategies.constraints import read_constraints, violation
 from partitioner.strategies.propagate import Assignment
 
 
@@ -62,6 +63,12 @@ def plan(view: ModelView, cluster: Any, *, degree: int | None = None, microbatch
     cands = [(p, why) for p, why in candidates(view, cluster, n, microbatches, memory_limit) if p is not None]
     if not cands:
         raise StrategyNotApplicable(f"hybrid: no 2-D mesh applies to {n} devices")
+    constraints = read_constraints(view.model)  # keep only meshes that keep the model's annotations
+    kept = [(p, why) for p, why in cands if not (constraints and violation(p, constraints, view))]
+    if not kept:
+        raise StrategyNotApplicable(f"hybrid: no 2-D mesh over {n} devices keeps the model's annotations "
+                                    f"({cands[0][1]}: {violation(cands[0][0], constraints, view)})")
+    cands = kept
     scored = []
     for p, why in cands:
         pred = costing.estimate(view, p, cluster, memory_limit=memory_limit)

@@ -12,6 +12,7 @@ from partitioner.errors import PartitionerError, StrategyNotApplicable
 from partitioner.lowering.model_view import ModelView
 from partitioner.plan import Plan
 from partitioner.strategies import costing, get_strategy
+from partitioner.strategies.constraints import read_constraints, violation
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Candidate:
 def search(view: ModelView, cluster: Any, *, objective: str = "latency", memory_limit: float | None = None,
            microbatches: int | None = None, max_devices: int | None = None) -> tuple[Plan, list[Candidate], str]:
     n = max_devices or cluster.size
+    constraints = read_constraints(view.model)  # the model's own annotations: only plans that keep them
     cands: list[Candidate] = []
     degrees = [d for d in range(1, n + 1) if n % d == 0]
     for d in degrees:
@@ -43,6 +45,9 @@ def search(view: ModelView, cluster: Any, *, objective: str = "latency", memory_
             try:
                 plan = get_strategy(s).plan(view, cluster, degree=d, microbatches=microbatches,
                                             memory_limit=memory_limit, objective=objective)
+                broken = violation(plan, constraints, view) if constraints else ""
+                if broken:
+                    raise StrategyNotApplicable(f"breaks the model's annotations: {broken}")
                 pred = costing.estimate(view, plan, cluster, memory_limit=memory_limit)
                 cands.append(Candidate(label, plan, pred))
             except StrategyNotApplicable as exc:
@@ -51,6 +56,10 @@ def search(view: ModelView, cluster: Any, *, objective: str = "latency", memory_
                 cands.append(Candidate(label, None, None, f"failed: {exc}"))
     ok = [c for c in cands if c.plan is not None]
     if not ok:
+        kept = [c for c in cands if "breaks the model's annotations" in c.reason]
+        if kept:
+            raise StrategyNotApplicable(f"auto: no plan over degrees {degrees} keeps the model's pipeline_stage/"
+                                        f"ShardingSpec annotations ({kept[0].name} {kept[0].reason})")
         raise StrategyNotApplicable("auto: no strategy applies: " + "; ".join(c.reason for c in cands[:4]))
 
     def key(c: Candidate):

@@ -5,8 +5,8 @@ in-process runtime (threads, LocalWorld) and compares every output with ONNX Run
 unpartitioned model, run here by the test itself, with seeded inputs:
 ``|got - want| <= atol + rtol * |want|`` with rtol 1e-4, atol 1e-5.
 
-A strategy that does not apply to a model must raise ``StrategyNotApplicable``; that case is
-skipped with the reason (a listed skip, never a silent pass). Any other error fails.
+Which strategy must apply to which model is the table of tests/partition/applicability.py, asserted
+both ways: a listed refusal must be raised with its reason, any other refusal or error fails.
 
 TVM compiles take ~1-20 s per program on a contended 2-core machine, so the full matrix is
 ``@pytest.mark.slow`` (``make test-slow``); the unmarked subset (mlp x all three, bert x tensor)
@@ -15,15 +15,19 @@ runs in CI.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
 import models_zoo
-from partitioner.errors import StrategyNotApplicable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
+from applicability import partition_as_expected  # noqa: E402  (the table of tests/partition)
 
-pytest.importorskip("tvm")
+import tvm  # noqa: E402,F401  (a broken install fails, never skips)
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH = 2  # data parallelism over 2 ranks needs a batch of at least 2
@@ -77,11 +81,10 @@ def test_zoo_model_tvm_two_ranks_matches_ort(name: str, strategy: str, tmp_path)
     model = models_zoo.build(name, batch=BATCH, **SMALL[name])
     feeds = _feeds(model)
     want = _ort(model, feeds)
-    try:
-        art = compile_artifact(model, "cpu:2", strategy=strategy, backend="tvm", out_dir=tmp_path / "art",
-                               jobs=1, progress=False)
-    except StrategyNotApplicable as exc:
-        pytest.skip(f"{name} x {strategy}: StrategyNotApplicable: {exc}")
+    art = partition_as_expected(name, strategy, 2, BATCH, lambda: compile_artifact(
+        model, "cpu:2", strategy=strategy, backend="tvm", out_dir=tmp_path / "art", jobs=1, progress=False))
+    if art is None:
+        return
     assert art.backend == "tvm" and art.world_size == 2 and art.manifest["fallback"] is None
     assert all((art.root / f"rank{i}.so").is_file() for i in range(2))
     got, _ = run_in_process(art, feeds, timeout=600)
@@ -101,11 +104,11 @@ def test_zoo_model_optimized_tvm_matches_ort(name: str, strategy: str, tmp_path)
     feeds = _feeds(model)
     want = _ort(model, feeds)
     cluster, strat = ("cpu:1", "auto") if strategy == "single" else ("cpu:2", strategy)
-    try:
-        art = compile_artifact(model, cluster, strategy=strat, backend="tvm", out_dir=tmp_path / "art",
-                               passes=["optimize"], jobs=1, progress=False)
-    except StrategyNotApplicable as exc:
-        pytest.skip(f"{name} x {strategy} (optimize): StrategyNotApplicable: {exc}")
+    art = partition_as_expected(name, strategy, 2, BATCH, lambda: compile_artifact(
+        model, cluster, strategy=strat, backend="tvm", out_dir=tmp_path / "art", passes=["optimize"], jobs=1,
+        progress=False))
+    if art is None:
+        return
     assert art.backend == "tvm" and art.manifest["fallback"] is None
     assert art.world_size == (1 if strategy == "single" else 2)
     got, _ = run_in_process(art, feeds, timeout=600)

@@ -11,9 +11,13 @@
    communicator, one thread per rank, inputs scattered and outputs gathered by
    :mod:`partitioner.bindings`.
 
-With ``fallback="onnxruntime"``, a program TVM's importer refuses (``check_supported`` raises a
-BackendError listing the ops) runs in ONNX Runtime instead (the reference backend); the
-prepared rep records that it fell back (:attr:`PartitionerRep.engine`).
+With ``fallback="onnxruntime"``, the case goes through the product's own path for
+``partitioner compile --fallback onnxruntime``: :func:`partitioner.artifact.build_artifact` with
+``fallback="onnxruntime"`` (per-segment: only the runs of ops TVM cannot import go to ONNX
+Runtime inside the TVM rank; a rank whose TVM build fails falls back whole), then each rank is
+loaded with the artifact's backend. So the fallback row measures what a user gets. The prepared
+rep records what ran (:attr:`PartitionerRep.engine`: ``tvm``, ``tvm+onnxruntime-segments`` or
+``onnxruntime``).
 
 Shape inputs: a static compiler needs the values that decide shapes at compile time (TVM's
 importer refuses a Reshape whose shape, or a Reduce whose axes, is a runtime tensor, and the
@@ -92,7 +96,7 @@ class Compiled:
     bindings: Any  # partitioner.bindings.Bindings, or None for the 1-rank program
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    engine: str  # "tvm" or "onnxruntime" (fallback)
+    engine: str  # "tvm", "tvm+onnxruntime-segments" or "onnxruntime" (what ran; see the module docstring)
     strategy: str  # "single" for 1 rank, else the strategy that split the model
 
 
@@ -103,18 +107,29 @@ def _load_and_optimise(model: onnx.ModelProto) -> Any:
     return passes.run_pipeline(load(model))
 
 
-def _make_executable(program: onnx.ModelProto, fallback: str | None) -> tuple[Any, str]:
+def _make_executable(program: onnx.ModelProto) -> Any:
     from backends.tvm.lower import check_supported
 
-    try:
-        check_supported(program)
-    except BackendError:
-        if fallback != "onnxruntime":
-            raise
-        import backends.onnxruntime as bo
+    check_supported(program)
+    return compile_program(program)
 
-        return bo.load(program), "onnxruntime"
-    return compile_program(program), "tvm"
+
+def _build_as_product(programs: Sequence[onnx.ModelProto], bindings: Any, source: onnx.ModelProto,
+                      fallback: str) -> tuple[tuple[Any, ...], Any, str]:
+    """Build ``programs`` exactly as ``partitioner compile --fallback <fallback>`` does (an artifact
+    in a temporary folder), load every rank with the artifact's backend, and say what ran."""
+    from backends import get_backend
+    from partitioner.artifact import build_artifact
+
+    with tempfile.TemporaryDirectory(prefix="conformance-fallback-") as tmp:
+        art = build_artifact(Path(tmp) / "artifact", list(programs), bindings, source=source, backend="tvm",
+                             target=host_target(), jobs=1, fallback=fallback, progress=False)
+        backend = get_backend(art.backend)
+        exes = tuple(backend.load(art.programs[r], art.backend_file(r), threads=1) for r in range(art.world_size))
+        note = art.manifest.get("fallback")
+        engine = ("tvm" if not note else "tvm+onnxruntime-segments" if note.get("scope") == "segments"
+                  else "onnxruntime")
+        return exes, art.bindings, engine
 
 
 def _split(ir_model: Any) -> tuple[Any, str]:
@@ -143,20 +158,25 @@ def compile_model(model: onnx.ModelProto, *, ranks: int = 1, fallback: str | Non
 
     if fallback not in FALLBACKS:
         raise BackendError(f"fallback {fallback!r} is not one of {FALLBACKS}")
+    if ranks not in (1, 2):
+        raise BackendError(f"ranks={ranks}: the conformance backend runs 1 or 2 ranks")
     optimised = _load_and_optimise(model)
     init_names = {v.name for v in model.graph.initializer}
     inputs = tuple(v.name for v in model.graph.input if v.name not in init_names)
     outputs = tuple(v.name for v in model.graph.output)
+    if fallback:
+        from partitioner.partition import partition
+
+        res, strategy = ((partition(optimised, "cpu:1", strategy="single"), "single") if ranks == 1
+                         else _split(optimised))
+        exes, bindings, engine = _build_as_product(res.programs, res.bindings, model, fallback)
+        return Compiled(exes, bindings, inputs, outputs, engine, strategy)
     if ranks == 1:
         program = ir.serde.serialize_model(optimised)
-        exe, engine = _make_executable(program, fallback)
-        return Compiled((exe,), None, inputs, outputs, engine, "single")
-    if ranks != 2:
-        raise BackendError(f"ranks={ranks}: the conformance backend runs 1 or 2 ranks")
+        return Compiled((_make_executable(program),), None, inputs, outputs, "tvm", "single")
     res, strategy = _split(optimised)
-    made = [_make_executable(p, fallback) for p in res.programs]
-    engine = "onnxruntime" if any(e == "onnxruntime" for _, e in made) else "tvm"
-    return Compiled(tuple(x for x, _ in made), res.bindings, inputs, outputs, engine, strategy)
+    exes = tuple(_make_executable(p) for p in res.programs)
+    return Compiled(exes, res.bindings, inputs, outputs, "tvm", strategy)
 
 
 def run_compiled(compiled: Compiled, feeds: dict[str, np.ndarray], timeout_s: float = 60.0) -> dict[str, np.ndarray]:

@@ -11,9 +11,15 @@ Rules:
    skipped case is listed with its reason, never dropped silently.
 4. A run is classified as exactly one of: ``pass``; ``mismatch`` (outputs differ from the
    case's expected outputs under the case's own rtol/atol, compared by onnx's
-   ``Runner.assert_similar_outputs``); ``refused`` (a clean project error, :class:`PartitionerError`);
-   ``error`` (any other exception: a project bug, listed); ``crash``/``timeout`` are set by
-   the runner when a worker process dies or stalls.
+   ``Runner.assert_similar_outputs``); ``refused`` (a clean refusal before anything is built:
+   the op or dtype is listed as unsupported, :class:`UnsupportedOpError` from the loader or
+   :class:`UnsupportedByBackendError` from the TVM lowering; on 2 ranks also "no strategy splits
+   it", counted as ``single-only``); ``error`` (everything else that went wrong, with its
+   ``kind``, :func:`classify_failure`: a TVM build failure, a failure of our shape inference or
+   of a pass, a library that fails to load, a run failure, a plan failure, or a Python exception
+   that is a project bug); ``crash``/``timeout`` are set by the runner when a worker process
+   dies or stalls. Any :class:`PartitionerError` used to count as a refusal: that hid ~120
+   errors (a build or pass failure is not a decision to refuse).
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ class CaseResult:
     reason: str = ""
     seconds: float = 0.0
     specialised: bool = False  # shape inputs were bound to the case's values (backend.SHAPE_SLOTS)
+    kind: str = ""  # error: what failed (classify_failure); refused: "unsupported" or "strategy"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +120,40 @@ class CaseResult:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:400]}"
+
+
+ERROR_KINDS = ("tvm-build", "tvm-import", "library-load", "shape-inference", "pass", "load", "plan", "run", "backend", "other", "bug")
+
+
+def classify_failure(exc: BaseException) -> tuple[str, str]:
+    """``(status, kind)`` of an exception raised while preparing or running a case (rule 4)."""
+    from partitioner.errors import (BackendError, ModelLoadError, PassError, PlanError, RunFailed,
+                                    StrategyNotApplicable, UnsupportedByBackendError, UnsupportedOpError)
+
+    msg = str(exc)
+    if isinstance(exc, (UnsupportedOpError, UnsupportedByBackendError)):
+        return "refused", "unsupported"
+    if isinstance(exc, StrategyNotApplicable):
+        return "refused", "strategy"
+    if isinstance(exc, PassError):
+        return "error", "shape-inference" if "shape_inference" in msg or "shape inference" in msg else "pass"
+    if isinstance(exc, ModelLoadError):
+        return "error", "shape-inference" if "shape inference" in msg else "load"
+    if isinstance(exc, RunFailed):
+        return "error", "run"
+    if isinstance(exc, PlanError):
+        return "error", "plan"
+    if isinstance(exc, BackendError):
+        if "cannot load" in msg:
+            return "error", "library-load"
+        if "build failed" in msg:
+            return "error", "tvm-build"
+        if "importer failed" in msg:
+            return "error", "tvm-import"
+        return "error", "backend"
+    if isinstance(exc, PartitionerError):
+        return "error", "other"
+    return "error", "bug"
 
 
 def run_case(case: Any, *, ranks: int = 1, fallback: str | None = None) -> tuple[CaseResult, Any]:
@@ -139,18 +180,26 @@ def run_case(case: Any, *, ranks: int = 1, fallback: str | None = None) -> tuple
         return CaseResult(case.name, mode, "mismatch", engine, strategy, _one_line(exc),
                           time.perf_counter() - t0, spec), exc
     except PartitionerError as exc:
-        from partitioner.errors import StrategyNotApplicable
-
-        if ranks == 2 and isinstance(exc, StrategyNotApplicable):
+        status, kind = classify_failure(exc)
+        if ranks == 2 and kind == "strategy":
             strategy = "single-only"
-        return CaseResult(case.name, mode, "refused", engine, strategy, _one_line(exc),
-                          time.perf_counter() - t0, spec), exc
+        return CaseResult(case.name, mode, status, engine, strategy, _one_line(exc),
+                          time.perf_counter() - t0, spec, kind), exc
     except Exception as exc:  # a bug somewhere in the pipeline: listed, never fatal
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         return CaseResult(case.name, mode, "error", engine, strategy, _one_line(exc) + where,
-                          time.perf_counter() - t0, spec), exc
+                          time.perf_counter() - t0, spec, "bug"), exc
     return CaseResult(case.name, mode, "pass", engine, strategy, "", time.perf_counter() - t0, spec), None
+
+
+# Old results (format 1) recorded every PartitionerError as "refused"; these texts mark the ones
+# that really were refusals (rule 4), so an old JSON can be shown with the split re-derived.
+REFUSAL_TEXTS = ("TVM cannot import", "has the sub-byte type", "not a typed tensor", "UnsupportedOpError")
+
+
+def reason_is_refusal(reason: str) -> bool:
+    return any(t in reason for t in REFUSAL_TEXTS)
 
 
 def is_unsupported_op_refusal(result: CaseResult) -> bool:

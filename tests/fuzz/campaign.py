@@ -1,7 +1,9 @@
 """Tallies of a fuzzing campaign and the JSON summary it writes.
 
 The summary (``benchmarks/results/fuzz_summary.json``) records: examples run, the strategies and
-device counts exercised, what ``auto`` chose, not-applicable counts and their (normalised)
+device counts exercised, what ``auto`` chose, how many examples that matched were really split
+over 2+ ranks (``split``: an ``auto`` run that chose ``single`` matched but split nothing, so it
+is counted apart, in ``matched_unsplit``), not-applicable counts and their (normalised)
 reasons, the operator histogram of the generated graphs, how many examples also ran through TVM,
 and every mismatch and crash with its plan, the ops of its graph and a one-line detail.
 """
@@ -39,6 +41,9 @@ class Campaign:
     devices: Counter = field(default_factory=Counter)
     microbatches: Counter = field(default_factory=Counter)
     auto_chose: Counter = field(default_factory=Counter)
+    split: Counter = field(default_factory=Counter)  # strategy -> ok outcomes whose plan had >= 2 ranks
+    unsplit: Counter = field(default_factory=Counter)  # strategy -> ok outcomes on 1 rank
+    tvm_split: int = 0
     not_applicable_reasons: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)
     input_ranks: Counter = field(default_factory=Counter)
@@ -48,7 +53,10 @@ class Campaign:
         if backend == "tvm":
             self.tvm_examples += 1
             self.tvm_by_status[outcome.status] += 1
+            self.tvm_split += outcome.status == "ok" and outcome.world_size > 1
         else:
+            if outcome.status == "ok":
+                (self.split if outcome.world_size > 1 else self.unsplit)[outcome.strategy] += 1
             self.examples += 1
             self.by_strategy.setdefault(outcome.strategy, Counter())[outcome.status] += 1
             self.devices[str(outcome.devices)] += 1
@@ -82,6 +90,9 @@ class Campaign:
             "not_applicable": sum(v["not_applicable"] for v in self.by_strategy.values()),
             "not_applicable_reasons": dict(self.not_applicable_reasons.most_common(25)),
             "auto_chose": dict(self.auto_chose),
+            "split": dict(sorted(self.split.items())),
+            "matched_unsplit": dict(sorted(self.unsplit.items())),
+            "tvm_split": self.tvm_split,
             "devices": dict(self.devices),
             "microbatches": dict(self.microbatches),
             "input_ranks": dict(self.input_ranks),

@@ -43,6 +43,7 @@ class Outcome:
     microbatches: int | None
     chosen: str = ""  # the strategy auto picked (or the one asked for)
     detail: str = ""
+    world_size: int = 0  # ranks of the plan that ran (1: not split, e.g. auto chose single); 0: none ran
 
 
 def seeded_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
@@ -124,7 +125,7 @@ def check_reference(fg: FuzzGraph, fp: FuzzPlan) -> Outcome:
     except Exception as exc:  # noqa: BLE001
         return Outcome("crash", *base, chosen=chosen, detail="run_reference: " + _one_line(exc))
     diff = compare(got, want, fg.reduction)
-    return Outcome("mismatch" if diff else "ok", *base, chosen=chosen, detail=diff)
+    return Outcome("mismatch" if diff else "ok", *base, chosen=chosen, detail=diff, world_size=res.plan.world_size)
 
 
 def run_tvm_ranks(programs: Any, bindings: Any, feeds: Mapping[str, np.ndarray], build_dir: Path) -> dict[str, np.ndarray]:
@@ -176,4 +177,5 @@ def check_tvm(fg: FuzzGraph, fp: FuzzPlan) -> Outcome:
     except Exception as exc:  # noqa: BLE001
         return Outcome("crash", *base, chosen=res.plan.strategy, detail="tvm: " + _one_line(exc))
     diff = compare(got, want, fg.reduction)
-    return Outcome("mismatch" if diff else "ok", *base, chosen=res.plan.strategy, detail=diff)
+    return Outcome("mismatch" if diff else "ok", *base, chosen=res.plan.strategy, detail=diff,
+                   world_size=res.plan.world_size)

@@ -14,7 +14,8 @@ run partitioned and compared with an unpartitioned ONNX Runtime run on the same 
 
 Tolerance: see :mod:`tests.fuzz.differential` (rtol 1e-4, atol 1e-5 scaled by the output's
 magnitude and the square root of the longest reduction). A strategy that raises
-StrategyNotApplicable is not a failure (the example is discarded); any other exception is.
+StrategyNotApplicable is not a failure (the example is discarded); any other exception is. An
+``auto`` example that chose 1 rank is discarded too in the CI tests (it splits nothing).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def test_reference_backend_matches_onnxruntime(data: st.DataObject) -> None:
     fp = data.draw(plans(fg.batch), label="plan")
     outcome = check_reference(fg, fp)
     assume(outcome.status != "not_applicable")
+    assume(outcome.status != "ok" or outcome.world_size > 1)  # auto choosing 1 rank splits nothing
     assert outcome.status == "ok", _report(fg, fp, outcome)
 
 
@@ -60,11 +62,11 @@ def test_reference_backend_matches_onnxruntime(data: st.DataObject) -> None:
           suppress_health_check=_LENIENT, phases=[Phase.explicit, Phase.generate])  # shrinking TVM builds takes minutes
 @given(data=st.data())
 def test_tvm_backend_matches_onnxruntime(data: st.DataObject) -> None:
-    pytest.importorskip("tvm")
     fg = data.draw(graphs(max_ops=8), label="graph")
     fp = data.draw(plans(fg.batch), label="plan")
     outcome = check_tvm(fg, fp)
     assume(outcome.status != "not_applicable")
+    assume(outcome.status != "ok" or outcome.world_size > 1)  # auto choosing 1 rank splits nothing
     assert outcome.status == "ok", _report(fg, fp, outcome)
 
 
@@ -72,12 +74,9 @@ def test_tvm_backend_matches_onnxruntime(data: st.DataObject) -> None:
 @pytest.mark.fuzz
 def test_fuzz_campaign() -> None:
     campaign = Campaign(seed=CAMPAIGN_SEED)
-    try:
-        import tvm  # noqa: F401
+    import tvm  # noqa: F401  (a broken install fails the campaign, never skips its TVM part)
 
-        have_tvm = True
-    except ImportError:
-        have_tvm = False
+    have_tvm = True
     applicable = [0]
 
     @seed(CAMPAIGN_SEED)

@@ -26,11 +26,14 @@ from partitioner.partition import partition
 from partitioner.plan import Plan, annotate_model, pinned_stages
 from partitioner.strategies import pipeline as pipeline_strategy
 
+from applicability import DEVICES, MODELS, STRATEGIES, partition_as_expected
+
 SMALL = {
     "mlp": dict(batch=4, hidden=64, in_features=32),
     "gpt": dict(batch=4, seq=16, hidden=32, heads=4, vocab=64),
     "bert": dict(batch=4, seq=16, hidden=32, heads=4, vocab=64),
     "resnet": dict(batch=4, image=32, width=8, classes=10),
+    "resnet50": dict(batch=4, image=32, width=8),
     "inception": dict(batch=4, image=32),
     "unet": dict(batch=4, image=32),
     "mobilenet": dict(batch=4, image=32),
@@ -47,12 +50,13 @@ def feeds_for(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def check_against_ort(name: str, strategy: str, devices: int) -> None:
+    """Partition ``name`` and compare with ONNX Runtime; a refusal must be the one the
+    applicability table (tests/partition/applicability.py) lists, never a silent pass."""
     proto, model = load(name)
-    try:
-        res = partition(model, Cluster.resolve(f"cpu:{devices}"), strategy=strategy, degree=devices)
-    except StrategyNotApplicable as exc:
-        msg = str(exc)
-        assert msg and "\n" not in msg  # says why, in one line
+    batch = SMALL[name]["batch"]
+    res = partition_as_expected(name, strategy, devices, batch, lambda: partition(
+        model, Cluster.resolve(f"cpu:{devices}"), strategy=strategy, degree=devices))
+    if res is None:
         return
     check_programs(res.programs)
     verify_programs(res.programs, res.bindings)
@@ -70,6 +74,18 @@ FAST = [("mlp", "tensor", 2), ("gpt", "tensor", 2), ("bert", "data", 2), ("resne
 @pytest.mark.parametrize("name,strategy,devices", FAST)
 def test_matches_onnxruntime_fast(name: str, strategy: str, devices: int) -> None:
     check_against_ort(name, strategy, devices)
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", MODELS)
+def test_applicability_table(name: str, strategy: str, devices: int) -> None:
+    """Every cell of the table, partition only (fast): applies, or is refused with its reason."""
+    _, model = load(name)
+    res = partition_as_expected(name, strategy, devices, SMALL[name]["batch"], lambda: partition(
+        model, Cluster.resolve(f"cpu:{devices}"), strategy=strategy, degree=devices))
+    if res is not None:
+        assert res.plan.world_size == devices and res.plan.strategy == strategy
 
 
 @pytest.mark.slow
