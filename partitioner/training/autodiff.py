@@ -171,13 +171,18 @@ def is_float(v: ir.Value | None) -> bool:
     return v is not None and v.dtype is not None and v.dtype.is_floating_point()
 
 
+def _may_be_float(v: ir.Value | None) -> bool:
+    """Float, or emitted by a forward rewrite (BN) before types were inferred."""
+    return v is not None and (v.dtype is None or v.dtype.is_floating_point())
+
+
 def differentiable_nodes(graph: ir.Graph, sources: set[str], targets: set[str]) -> tuple[list[ir.Node], set[str]]:
     """Nodes on a path from ``sources`` to ``targets`` (the values whose gradient is seeded) in
     topological order, and the value names that require a gradient (rule 1)."""
     requires: set[str] = set(sources)
     for node in graph:
         if any(v is not None and v.name in requires for v in node.inputs):
-            requires.update(o.name for o in node.outputs if is_float(o))
+            requires.update(o.name for o in node.outputs if _may_be_float(o))
     reaches: set[str] = set(targets)
     nodes: list[ir.Node] = []
     for node in reversed(list(graph)):
@@ -234,7 +239,7 @@ def backward(graph: ir.Graph, loss: ir.Value, dloss: dict[str, ir.Value], source
         dy = [total(o) for o in node.outputs]
         if all(d is None for d in dy):
             continue
-        needs = [v is not None and v.name in requires and is_float(v) for v in node.inputs]
+        needs = [v is not None and v.name in requires and _may_be_float(v) for v in node.inputs]
         if not any(needs):
             continue
         em.tag = node.name or node.op_type

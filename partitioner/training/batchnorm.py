@@ -50,10 +50,15 @@ def expand_batchnorm(graph: ir.Graph, em: Emitter,
         for n in new_nodes:
             graph.remove(n)
         graph.insert_before(node, new_nodes)
-        node.outputs[0].replace_all_uses_with(y)
-        if node.outputs[0].is_graph_output():
-            idx = [o is node.outputs[0] for o in graph.outputs].index(True)
+        old = node.outputs[0]
+        if old.is_graph_output():
+            idx = [o is old for o in graph.outputs].index(True)
             graph.outputs[idx] = y
+        old.replace_all_uses_with(y)
+        name = old.name
+        y.shape, y.type = old.shape, old.type
+        old.name = f"{name}.inference"
+        y.name = name  # the model's value keeps its name (it may be the loss's output)
         graph.remove(node, safe=True)
         for n in new_nodes:
             n.metadata_props[FORWARD_NODE_KEY] = node.name or "BatchNormalization"

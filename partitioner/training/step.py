@@ -177,11 +177,14 @@ def build_training_graph(
     world_size: int = 1,
     output: str | None = None,
     label_name: str = "labels",
+    gradients_only: bool = False,
 ) -> ir.Model:
     """Build the training step of ``model`` (see the module docstring for the rules).
 
     ``batch`` rebinds the data inputs' first dimension (the per-rank batch for data
     parallelism); ``output`` picks the model output the loss applies to (default: the first).
+    ``gradients_only`` builds no update: the outputs are ``loss`` and ``W.grad`` per weight
+    (the gradient checks use it).
     """
     optimizer = optimizer or SGD()
     fwd = _load(model, batch)
@@ -211,9 +214,14 @@ def build_training_graph(
 
     for v in w_values:
         promote(v)
+    out_name = out_value.name
     bn_state = expand_batchnorm(graph, em, promote)
-    out_value = graph.outputs[[o.name for o in graph.outputs].index(out_value.name)] \
-        if out_value.name in [o.name for o in graph.outputs] else graph.outputs[0]
+    if bn_state or any(n.op_type == "BatchNormalization" for n in nodes):
+        # the rules read static shapes (autodiff rule 5): infer those of the rewritten forward
+        from onnx_ir.passes.common.shape_inference import ShapeInferencePass
+
+        ShapeInferencePass()(fwd)
+    out_value = next(o for o in graph.outputs if o.name == out_name)
 
     labels = ir.Value(name=spec.name, shape=ir.Shape(spec.shape), type=ir.TensorType(spec.dtype))
     graph.inputs.append(labels)
@@ -221,6 +229,19 @@ def build_training_graph(
     grads = backward(graph, loss_value, {out_value.name: dout}, w_values, em)
 
     em.tag = "optimizer"
+    if gradients_only:
+        graph.outputs.clear()
+        graph.outputs.append(loss_value)
+        for w in w_values:
+            graph.outputs.append(em.op("Identity", grads[w.name], _name=f"{w.name}.grad"))
+        for v in w_values + [a for a, _ in bn_state]:  # BN statistics keep their values as defaults
+            v.const_value = ir.tensor(initial[v.name], name=v.name)
+            graph.initializers[v.name] = v
+        fwd.metadata_props[SIGNATURE_KEY] = TrainingSignature(
+            data=tuple(data_inputs), labels=spec.name, loss="loss", output=out_value.name, weights=tuple(weights),
+            state=tuple((w, w) for w in weights), loss_kind=loss).to_json()
+        fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
+        return _infer(fwd)
     if world_size > 1:
         grads = {w: _allreduce_mean(em, g, world_size, f"{w}.grad") for w, g in grads.items()}
         loss_value = _allreduce_mean(em, loss_value, world_size, "loss.global", name="loss.mean")
