@@ -153,7 +153,8 @@ def rebatch(proto: onnx.ModelProto, batch: int) -> onnx.ModelProto:
             dims[0].Clear()
             dims[0].dim_value = batch
     for vi in out.graph.output:
-        vi.type.tensor_type.ClearField("shape")
+        for d in vi.type.tensor_type.shape.dim:
+            d.Clear()
     return out
 
 
@@ -243,8 +244,10 @@ def build_training_graph(
         fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
         return _infer(fwd)
     if world_size > 1:
-        grads = {w: _allreduce_mean(em, g, world_size, f"{w}.grad") for w, g in grads.items()}
-        loss_value = _allreduce_mean(em, loss_value, world_size, "loss.global", name="loss.mean")
+        shapes = {v.name: v.shape for v in w_values}
+        grads = {w: _allreduce_mean(em, g, world_size, f"{w}.grad", shapes[w], dtype) for w, g in grads.items()}
+        loss_value.name = "loss.local"
+        loss_value = _allreduce_mean(em, loss_value, world_size, "loss.global", ir.Shape([]), dtype, name="loss")
     step_in = step_out = None
     if optimizer.uses_step:
         step_in = ir.Value(name=STEP_NAME, shape=ir.Shape([]), type=ir.TensorType(dtype))
@@ -303,7 +306,10 @@ def _infer(model: ir.Model) -> ir.Model:
     return ir.serde.deserialize_model(proto)
 
 
-def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, name: str | None = None) -> ir.Value:
+def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, shape: ir.Shape, dtype: ir.DataType,
+                    name: str | None = None) -> ir.Value:
+    """Rule 5: ``AllReduce(sum)`` over every rank, then ``* 1/world_size``. The comm output's
+    type and shape are set here (ONNX inference does not know the comm domain)."""
     from partitioner.comm_ops import DOMAIN
 
     em._count += 1
@@ -311,8 +317,8 @@ def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, na
         {"group": list(range(world_size)), "reduction": "sum", "tag": 7000 + em._count}),
         num_outputs=1, name=f"allreduce.{tag_name}", metadata_props={"training.forward_node": "optimizer"})
     node.outputs[0].name = f"{tag_name}.sum"
-    node.outputs[0].shape = g.shape
-    node.outputs[0].type = g.type
+    node.outputs[0].shape = ir.Shape(shape)
+    node.outputs[0].type = ir.TensorType(dtype)
     em.graph.append(node)
     return em.op("Mul", node.outputs[0], em.scalar(1.0 / world_size), _name=name)
 

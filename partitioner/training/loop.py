@@ -1,0 +1,211 @@
+"""The training loop: ``train(model, data, ...)`` for one rank or data-parallel ranks.
+
+Rules:
+
+1. Data come from an ``.npz`` with ``x`` and ``y`` (or a dict of the same), checked before any
+   step runs: a missing key, a sample shape that does not match the model's input, labels that
+   are not integers in ``[0, classes)`` for cross-entropy: one :class:`InputError` line (exit 2).
+2. Each epoch shuffles the samples with ``numpy.random.default_rng(seed + epoch)`` and runs
+   ``len(x) // batch`` steps (the last partial batch is dropped, so every step has the same
+   shape). With ``devices = R`` (strategy ``data``) rank r takes rows ``[r*b/R, (r+1)*b/R)`` of
+   each global batch; the step's AllReduce makes every rank apply the global mean gradient.
+   The ranks run as threads of this process over the project's in-process communicator.
+3. State (weights, BN statistics, optimizer moments) stays in each rank's
+   :class:`~partitioner.training.runner.StepRunner` between steps.
+4. After each epoch a checkpoint is written: ``checkpoint_epoch<k>.onnx`` is the original model
+   with the trained initializers (``partitioner compile`` deploys it as is) and
+   ``checkpoint_epoch<k>.state.npz`` holds the optimizer state beside it; ``model.onnx`` is the
+   latest, and ``history.json`` the loss curve (one entry per step).
+5. A NaN or infinite loss stops training at once, naming the epoch and step; the last good
+   checkpoint is left as it was (:class:`RunFailed`, exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from partitioner.errors import InputError, RunFailed, UsageError
+from partitioner.training.optimizers import Optimizer, make_optimizer
+from partitioner.training.runner import StepRunner
+from partitioner.training.step import build_training_graph, signature
+
+STRATEGIES = ("data", "single", "auto")
+
+
+@dataclass
+class TrainResult:
+    """The trained model (original graph, trained initializers) and the loss history."""
+
+    model: onnx.ModelProto
+    history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def load_data(data: str | os.PathLike[str] | Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(data, Mapping):
+        arrays, label = dict(data), "the data"
+    else:
+        label = str(data)
+        if not os.path.isfile(data):
+            raise InputError(f"{label}: no such file; give an .npz with arrays x and y")
+        try:
+            with np.load(data, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is bad input
+            raise InputError(f"{label}: cannot read it as .npz ({type(exc).__name__}: {exc})") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise InputError(f"{label}: missing array(s) {', '.join(missing)}; the .npz needs x (inputs) and y (labels), "
+                         f"found {', '.join(sorted(arrays)) or 'none'}")
+    x, y = np.asarray(arrays["x"]), np.asarray(arrays["y"])
+    if len(x) != len(y):
+        raise InputError(f"{label}: x has {len(x)} samples but y has {len(y)}")
+    return x, y
+
+
+def _check_data(x: np.ndarray, y: np.ndarray, step_proto: onnx.ModelProto, loss: str, batch: int) -> None:
+    sig = signature(step_proto)
+    if len(sig.data) != 1:
+        raise UsageError(f"the model has {len(sig.data)} data inputs ({', '.join(sig.data)}); train takes models "
+                         "with one (x)")
+    vi = {v.name: v for v in step_proto.graph.input}
+    want = [d.dim_value for d in vi[sig.data[0]].type.tensor_type.shape.dim][1:]
+    if list(x.shape[1:]) != want:
+        raise InputError(f"x has samples of shape {list(x.shape[1:])} but the model's input {sig.data[0]!r} takes "
+                         f"{want}")
+    lab = [d.dim_value for d in vi[sig.labels].type.tensor_type.shape.dim][1:]
+    if list(y.shape[1:]) != lab:
+        raise InputError(f"y has labels of shape {list(y.shape[1:])} but loss {loss} on this model needs {lab}")
+    if loss == "cross_entropy":
+        out = next(o for o in step_proto.graph.value_info if o.name == sig.output) if sig.output not in vi else None
+        classes = [d.dim_value for d in out.type.tensor_type.shape.dim][-1] if out is not None else None
+        if y.dtype.kind not in "iu":
+            raise InputError(f"y is {y.dtype}; cross_entropy needs integer class labels")
+        if classes and (y.min() < 0 or y.max() >= classes):
+            raise InputError(f"y has labels in [{y.min()}, {y.max()}] but the model has {classes} classes "
+                             f"(labels must be in [0, {classes - 1}])")
+    if len(x) < batch:
+        raise InputError(f"the data have {len(x)} samples, fewer than one batch of {batch}")
+
+
+def checkpoint_model(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The original model with its initializers replaced by the trained ``weights``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for i, t in enumerate(out.graph.initializer):
+        if t.name in weights:
+            out.graph.initializer[i].CopyFrom(numpy_helper.from_array(
+                np.asarray(weights[t.name]).astype(numpy_helper.to_array(t).dtype), t.name))
+    return out
+
+
+def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str | Optimizer = "sgd",
+          lr: float = 0.01, weight_decay: float = 0.0, batch: int = 32, epochs: int = 1, devices: int = 1,
+          strategy: str = "data", backend: str = "onnxruntime", out_dir: str | os.PathLike[str] | None = None,
+          seed: int = 0, progress: bool = True, trainable: list[str] | None = None) -> TrainResult:
+    """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history."""
+    from partitioner.load import load_proto
+
+    if strategy not in STRATEGIES:
+        raise UsageError(f"train --strategy {strategy}: this version trains with data parallelism only "
+                         f"({', '.join(STRATEGIES)}); pipeline and tensor training are not implemented yet")
+    if devices < 1 or batch < 1 or epochs < 1:
+        raise UsageError("--devices, --batch and --epochs must be at least 1")
+    if strategy == "single" and devices != 1:
+        raise UsageError("--strategy single runs on one device; give --devices 1")
+    if batch % devices:
+        raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
+    opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
+    x, y = load_data(data)
+    original = load_proto(model)
+    local = batch // devices
+    step = build_training_graph(original, loss=loss, optimizer=opt, batch=local, world_size=devices,
+                                trainable=trainable)
+    from partitioner.training.step import step_program
+
+    _check_data(x, y, step_program(step), loss, batch)
+    sig = signature(step)
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+
+    if devices == 1:
+        runners = [StepRunner(step, backend=backend, workdir=out)]
+    else:
+        from partitioner.runtime.comm_local import LocalWorld
+
+        world = LocalWorld(devices)
+        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out) for r in range(devices)]
+
+    from tqdm import tqdm
+
+    steps_per_epoch = len(x) // batch
+    history: list[dict[str, Any]] = []
+    checkpoints: list[str] = []
+    bar = tqdm(total=steps_per_epoch * epochs, disable=not progress, unit="step", dynamic_ncols=True)
+    y_dtype = np.int64 if loss == "cross_entropy" else np.float32
+    try:
+        for epoch in range(1, epochs + 1):
+            order = np.random.default_rng(seed + epoch).permutation(len(x))
+            for k in range(steps_per_epoch):
+                idx = order[k * batch:(k + 1) * batch]
+                xb, yb = x[idx].astype(np.float32, copy=False), y[idx].astype(y_dtype, copy=False)
+                t0 = time.perf_counter()
+                value = _run_step(runners, sig.data[0], xb, yb, local)
+                dt = time.perf_counter() - t0
+                step_no = (epoch - 1) * steps_per_epoch + k + 1
+                if not np.isfinite(value):
+                    last = checkpoints[-1] if checkpoints else "none written yet"
+                    raise RunFailed(f"the loss is {value} at step {step_no} (epoch {epoch}); training stopped; "
+                                    f"last good checkpoint: {last}")
+                history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt})
+                bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{batch / dt:.0f}")
+                bar.update(1)
+            trained = checkpoint_model(original, runners[0].weights())
+            if out is not None:
+                path = out / f"checkpoint_epoch{epoch}.onnx"
+                onnx.save(trained, str(path))
+                np.savez(out / f"checkpoint_epoch{epoch}.state.npz", **runners[0].state)
+                onnx.save(trained, str(out / "model.onnx"))
+                checkpoints.append(str(path))
+                (out / "history.json").write_text(json.dumps({"loss": loss, "optimizer": sig.optimizer,
+                                                              "devices": devices, "batch": batch,
+                                                              "steps": history}, indent=1))
+    finally:
+        bar.close()
+    return TrainResult(checkpoint_model(original, runners[0].weights()), history, checkpoints)
+
+
+def _run_step(runners: list[StepRunner], data_name: str, xb: np.ndarray, yb: np.ndarray, local: int) -> float:
+    if len(runners) == 1:
+        return runners[0].step({data_name: xb}, yb)
+    losses: list[float] = [float("nan")] * len(runners)
+    errors: list[BaseException] = []
+
+    def work(r: int) -> None:
+        try:
+            sl = slice(r * local, (r + 1) * local)
+            losses[r] = runners[r].step({data_name: xb[sl]}, yb[sl])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the rank
+            errors.append(exc)
+            runners[r].comm.world.abort(f"rank {r}: {exc}") if hasattr(runners[r].comm, "world") else None
+
+    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(len(runners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return losses[0]
