@@ -153,7 +153,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     steps_per_epoch = len(x) // batch
     history: list[dict[str, Any]] = []
     checkpoints: list[str] = []
-    bar = tqdm(total=steps_per_epoch * epochs, disable=not progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=steps_per_epoch * epochs, disable=None if progress else True, unit="step", dynamic_ncols=True)
     y_dtype = np.int64 if loss == "cross_entropy" else np.float32
     try:
         for epoch in range(1, epochs + 1):
