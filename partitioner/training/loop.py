@@ -128,9 +128,12 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
         raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
     opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
     x, y = load_data(data)
-    original = load_proto(model)
+    checked = load_proto(model, batch=batch)  # validated; a symbolic batch is bound for the step
+    # the checkpoint keeps the model as given (a symbolic batch stays symbolic)
+    original = (onnx.load(str(model)) if isinstance(model, (str, os.PathLike)) and os.path.isfile(model)
+                else model if isinstance(model, onnx.ModelProto) else checked)
     local = batch // devices
-    step = build_training_graph(original, loss=loss, optimizer=opt, batch=local, world_size=devices,
+    step = build_training_graph(checked, loss=loss, optimizer=opt, batch=local, world_size=devices,
                                 trainable=trainable)
     from partitioner.training.step import step_program
 
