@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--strategy", default="data", help="data (default; auto means data) or single")
     p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
+    p.add_argument("--launcher", default="threads", choices=("threads", "mpi"),
+                   help="data-parallel ranks as threads of this process (default) or processes under mpiexec")
     p.add_argument("--seed", type=int, default=0, help="shuffling seed")
     p.add_argument("-o", "--output", default="run", metavar="DIR", help="run folder (checkpoints, history.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(args.model, args.data, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
                    weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
-                   progress=not (args.no_progress or args.json))
+                   progress=not (args.no_progress or args.json), launcher=args.launcher)
     h = result.history
     report = {"steps": len(h), "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
               "checkpoints": result.checkpoints, "output": args.output}

@@ -9,7 +9,8 @@ Rules:
    ``len(x) // batch`` steps (the last partial batch is dropped, so every step has the same
    shape). With ``devices = R`` (strategy ``data``) rank r takes rows ``[r*b/R, (r+1)*b/R)`` of
    each global batch; the step's AllReduce makes every rank apply the global mean gradient.
-   The ranks run as threads of this process over the project's in-process communicator.
+   The ranks run as threads of this process over the project's in-process communicator, or as
+   processes under ``mpiexec`` (``launcher="mpi"``, :mod:`partitioner.training.mpi_worker`).
 3. State (weights, BN statistics, optimizer moments) stays in each rank's
    :class:`~partitioner.training.runner.StepRunner` between steps.
 4. After each epoch a checkpoint is written: ``checkpoint_epoch<k>.onnx`` is the original model
@@ -113,8 +114,15 @@ def checkpoint_model(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) 
 def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str | Optimizer = "sgd",
           lr: float = 0.01, weight_decay: float = 0.0, batch: int = 32, epochs: int = 1, devices: int = 1,
           strategy: str = "data", backend: str = "onnxruntime", out_dir: str | os.PathLike[str] | None = None,
-          seed: int = 0, progress: bool = True, trainable: list[str] | None = None) -> TrainResult:
-    """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history."""
+          seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
+          launcher: str = "threads", comm: Any = None) -> TrainResult:
+    """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
+
+    ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
+    in-process communicator); ``mpi`` starts ``devices`` processes under ``mpiexec``
+    (:mod:`partitioner.training.mpi_worker`), each with its own state, and reads rank 0's
+    results from ``out_dir``. ``comm`` is set by that worker: this process is one MPI rank.
+    """
     from partitioner.load import load_proto
 
     if strategy not in STRATEGIES:
@@ -126,6 +134,8 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
         raise UsageError("--strategy single runs on one device; give --devices 1")
     if batch % devices:
         raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
+    if launcher not in ("threads", "mpi"):
+        raise UsageError(f"unknown launcher {launcher!r}; choose threads or mpi")
     opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
     x, y = load_data(data)
     checked = load_proto(model, batch=batch)  # validated; a symbolic batch is bound for the step
@@ -137,20 +147,36 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
                                 trainable=trainable)
     from partitioner.training.step import step_program
 
-    _check_data(x, y, step_program(step), loss, batch)
-    sig = signature(step)
+    _check_data(x, y, step_program(step), loss, batch)  # bad input is refused before any rank starts
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    if launcher == "mpi" and devices > 1 and comm is None:
+        return _launch_mpi(model, data, out, dict(loss=loss, optimizer=optimizer if isinstance(optimizer, str) else None,
+                                                  lr=lr, weight_decay=weight_decay, batch=batch, epochs=epochs,
+                                                  devices=devices, strategy=strategy, backend=backend, seed=seed,
+                                                  progress=progress, trainable=trainable), original)
 
-    if devices == 1:
+    if comm is not None:  # one MPI rank of ``devices``
+        ranks = [comm.rank]
+        runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None)]
+    elif devices == 1:
+        ranks = [0]
         runners = [StepRunner(step, backend=backend, workdir=out)]
     else:
         from partitioner.runtime.comm_local import LocalWorld
 
         world = LocalWorld(devices)
-        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out) for r in range(devices)]
+        ranks = list(range(devices))
+        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out) for r in ranks]
+    writer = ranks[0] == 0
+    return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
+                 seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
 
+
+def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.ModelProto, x: np.ndarray,
+          y: np.ndarray, *, loss: str, batch: int, local: int, epochs: int, seed: int, out: Path | None,
+          progress: bool, devices: int) -> TrainResult:
     from tqdm import tqdm
 
     steps_per_epoch = len(x) // batch
@@ -165,7 +191,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
                 idx = order[k * batch:(k + 1) * batch]
                 xb, yb = x[idx].astype(np.float32, copy=False), y[idx].astype(y_dtype, copy=False)
                 t0 = time.perf_counter()
-                value = _run_step(runners, sig.data[0], xb, yb, local)
+                value = _run_step(runners, ranks, sig.data[0], xb, yb, local)
                 dt = time.perf_counter() - t0
                 step_no = (epoch - 1) * steps_per_epoch + k + 1
                 if not np.isfinite(value):
@@ -184,15 +210,38 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
                 checkpoints.append(str(path))
                 (out / "history.json").write_text(json.dumps({"loss": loss, "optimizer": sig.optimizer,
                                                               "devices": devices, "batch": batch,
-                                                              "steps": history}, indent=1))
+                                                              "checkpoints": checkpoints, "steps": history}, indent=1))
     finally:
         bar.close()
     return TrainResult(checkpoint_model(original, runners[0].weights()), history, checkpoints)
 
 
-def _run_step(runners: list[StepRunner], data_name: str, xb: np.ndarray, yb: np.ndarray, local: int) -> float:
+def _launch_mpi(model: Any, data: Any, out: Path | None, options: dict[str, Any],
+                original: onnx.ModelProto) -> TrainResult:
+    """Start the ranks under mpiexec; rank 0 writes the run folder, read back here."""
+    import tempfile
+
+    from partitioner.runtime.launch import launch_mpi
+
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="partitioner-train-"))
+    if options["optimizer"] is None:
+        raise UsageError("launcher mpi takes the optimizer by name (sgd, momentum, adam)")
+    if not isinstance(model, (str, os.PathLike)) or not isinstance(data, (str, os.PathLike)):
+        raise UsageError("launcher mpi takes the model and the data as file paths (every rank reads them)")
+    config = out / "train_config.json"
+    config.write_text(json.dumps({"model": os.path.abspath(model), "data": os.path.abspath(data),
+                                  "out_dir": str(out.resolve()), **options}))
+    launch_mpi(out, int(options["devices"]), ["--config", str(config)], module="partitioner.training.mpi_worker")
+    doc = json.loads((out / "history.json").read_text())
+    return TrainResult(onnx.load(str(out / "model.onnx")), doc["steps"], doc.get("checkpoints", []))
+
+
+def _run_step(runners: list[StepRunner], ranks: list[int], data_name: str, xb: np.ndarray, yb: np.ndarray,
+              local: int) -> float:
     if len(runners) == 1:
-        return runners[0].step({data_name: xb}, yb)
+        sl = slice(ranks[0] * local, (ranks[0] + 1) * local)
+        return runners[0].step({data_name: xb[sl]}, yb[sl])
     losses: list[float] = [float("nan")] * len(runners)
     errors: list[BaseException] = []
 

@@ -55,3 +55,25 @@ def test_two_ranks_match_one_rank_after_10_steps(optimizer) -> None:
             np.testing.assert_allclose(r.state[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
     start = StepRunner(build_training_graph(model, optimizer=optimizer)).state
     assert any(not np.allclose(one.state[n], start[n]) for n in one.signature.weights), "no weight moved"
+
+
+def test_mpi_ranks_match_in_process_ranks(tmp_path) -> None:
+    """``--launcher mpi`` (2 processes under mpiexec, MPI AllReduce) trains to the same weights
+    as the in-process ranks, which the test above ties to a 1-rank run."""
+    import onnx
+
+    from partitioner.training import train
+
+    model = tmp_path / "mlp.onnx"
+    onnx.save(models_zoo.build("mlp", batch=8, hidden=32, in_features=16), str(model))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((40, 16)).astype(np.float32), y=rng.integers(0, 10, 40))
+    common = dict(loss="cross_entropy", optimizer="sgd", lr=0.1, batch=8, epochs=2, devices=2, progress=False)
+    threads = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", **common)
+    mpi = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "m", launcher="mpi", **common)
+    assert len(mpi.history) == len(threads.history) == 10
+    np.testing.assert_allclose([h["loss"] for h in mpi.history], [h["loss"] for h in threads.history],
+                               rtol=1e-5, atol=1e-6)
+    for a, b in zip(mpi.model.graph.initializer, threads.model.graph.initializer):
+        np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
+                                   atol=1e-5, err_msg=a.name)
