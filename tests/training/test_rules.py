@@ -106,6 +106,13 @@ CASES: dict[str, tuple[str, dict[str, np.ndarray], dict, tuple[int, ...]]] = {
     "ReduceSum": ("ReduceSum", {"x": _r(2, 3, 4), "axes": _i([0])}, {"keepdims": 0}, (3, 4)),
     "ReduceSum_all": ("ReduceSum", {"x": _r(2, 3)}, {"keepdims": 1}, (1, 1)),
     "Sum": ("Sum", {"a": _r(2, 3), "b": _r(3), "c": _r(2, 1)}, {}, (2, 3)),
+    "Resize_nearest_x2": ("Resize", {"x": _r(1, 2, 3, 3), "roi": np.zeros(0, np.float32),
+                                     "scales": np.array([1.0, 1.0, 2.0, 2.0], np.float32)}, {"mode": "nearest"},
+                          (1, 2, 6, 6)),
+    "Resize_nearest_down": ("Resize", {"x": _r(1, 2, 6, 5), "roi": np.zeros(0, np.float32),
+                                       "scales": np.array([1.0, 1.0, 0.5, 3.0], np.float32)},
+                            {"mode": "nearest", "nearest_mode": "floor", "coordinate_transformation_mode": "asymmetric"},
+                            (1, 2, 3, 15)),
 }
 
 #: rules TVM Relax 0.27 has no gradient for (or imports differently); checked by finite differences only
@@ -129,6 +136,8 @@ NO_RELAX = {
     "Slice": "Relax has no gradient for strided_slice",
     "Squeeze": "Relax has no gradient for squeeze",
     "Sum": "imported as stack, which has no Relax gradient",
+    "Resize_nearest_x2": "Relax has no gradient for image.resize2d",
+    "Resize_nearest_down": "Relax has no gradient for image.resize2d",
     "Where": "Relax's where gradient is not reduced to a broadcast operand's shape (returns (2, 3) for b (3,))",
 }
 
@@ -142,7 +151,7 @@ def _model(case: str) -> tuple[onnx.ModelProto, str, tuple[int, ...]]:
     names = []
     for name, arr in inputs.items():
         arr = np.asarray(arr)
-        if arr.dtype == np.float64 or arr.dtype.kind == "f":
+        if arr.dtype.kind == "f" and name not in ("roi", "scales"):  # Resize's stay float32 (ONNX's type)
             arr = arr.astype(np.float64)
         inits.append(numpy_helper.from_array(arr, name))
         names.append(name)
@@ -158,7 +167,7 @@ def _model(case: str) -> tuple[onnx.ModelProto, str, tuple[int, ...]]:
 def _trainable(case: str) -> list[str]:
     op, inputs, _, _ = CASES[case]
     names = [n for n, a in inputs.items() if np.asarray(a).dtype.kind == "f"]
-    if op in ("Clip",):
+    if op in ("Clip", "Resize"):
         return ["x"]
     if op == "BatchNormalization":
         return ["x", "scale", "bias"]

@@ -104,3 +104,36 @@ def reduce_mean(g: GradContext) -> list:
     sx = g.shape(g.x[0])
     count = int(np.prod([sx[a] for a in _reduce_axes(g, len(sx))]))
     return _reduce_grad(g, 1.0 / max(count, 1))
+
+
+@register_gradient("Resize")
+def resize(g: GradContext) -> list:
+    """Nearest-neighbour Resize (constant scales or sizes): each output copied one input element,
+    so dx adds dy into those elements. Which element is found at build time by running the
+    forward Resize on the element indices (onnx.reference, float64: exact for any index below
+    2**53), then a ScatterElements(add) routes dy. Linear and cubic modes have no rule yet."""
+    mode = g.attr("mode", "nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "nearest":
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): mode {mode} has no gradient rule (nearest only)")
+    consts = [g.const_input(i) if i < len(g.x) and g.x[i] is not None else None for i in range(1, 4)]
+    if any(v is not None and c is None for v, c in zip(g.x[1:4], consts)):
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): roi/scales/sizes must be constants")
+    import onnx
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    sx = g.shape(g.x[0])
+    names = ["x"] + [f"c{i}" if c is not None else "" for i, c in enumerate(consts)]
+    inits = [numpy_helper.from_array(np.asarray(c), f"c{i}") for i, c in enumerate(consts) if c is not None]
+    attrs = {k: a.value for k, a in g.node.attributes.items()}
+    node = helper.make_node("Resize", names, ["y"], **attrs)
+    model = helper.make_model(helper.make_graph([node], "resize_index", [helper.make_tensor_value_info(
+        "x", onnx.TensorProto.DOUBLE, list(sx))], [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        initializer=inits), opset_imports=[helper.make_opsetid("", 18)])
+    index = np.arange(int(np.prod(sx)), dtype=np.float64).reshape(sx)
+    taken = ReferenceEvaluator(model).run(None, {"x": index})[0].astype(np.int64).reshape(-1)
+    zeros = g.const(np.zeros(int(np.prod(sx))), name="zeros")
+    dx = g.op("ScatterElements", zeros, g.const(taken, name="resize_index"), g.op("Reshape", g.dy[0], g.ints([-1])),
+              axis=0, reduction="add")
+    return [g.op("Reshape", dx, g.ints(sx)), None, None, None]
