@@ -12,12 +12,29 @@ from typing import Any
 
 from partitioner.training.autodiff import GRADIENTS, MissingGradientError, register_gradient
 from partitioner.training.optimizers import SGD, AdamW, Momentum, make_optimizer
-from partitioner.training.step import (TrainingSignature, build_training_graph, initial_state, signature,
-                                       step_program)
+from partitioner.training.step import (
+    TrainingSignature,
+    build_training_graph,
+    initial_state,
+    signature,
+    step_program,
+)
 
-__all__ = ["GRADIENTS", "MissingGradientError", "register_gradient", "SGD", "AdamW", "Momentum",
-           "make_optimizer", "TrainingSignature", "build_training_graph", "initial_state", "signature",
-           "step_program", "train"]
+__all__ = [
+    "GRADIENTS",
+    "SGD",
+    "AdamW",
+    "MissingGradientError",
+    "Momentum",
+    "TrainingSignature",
+    "build_training_graph",
+    "initial_state",
+    "make_optimizer",
+    "register_gradient",
+    "signature",
+    "step_program",
+    "train",
+]
 
 
 def __getattr__(name: str) -> Any:

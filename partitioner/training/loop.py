@@ -152,10 +152,10 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     if launcher == "mpi" and devices > 1 and comm is None:
-        return _launch_mpi(model, data, out, dict(loss=loss, optimizer=optimizer if isinstance(optimizer, str) else None,
-                                                  lr=lr, weight_decay=weight_decay, batch=batch, epochs=epochs,
-                                                  devices=devices, strategy=strategy, backend=backend, seed=seed,
-                                                  progress=progress, trainable=trainable), original)
+        return _launch_mpi(model, data, out, {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None,
+                                                  "lr": lr, "weight_decay": weight_decay, "batch": batch, "epochs": epochs,
+                                                  "devices": devices, "strategy": strategy, "backend": backend, "seed": seed,
+                                                  "progress": progress, "trainable": trainable}, original)
 
     if comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = world.Get_rank()
     try:
         os.environ.setdefault("TVM_BIND_THREADS", "0")
-        cfg = json.loads(open(args.config, encoding="utf-8").read())
+        with open(args.config, encoding="utf-8") as fh:
+            cfg = json.load(fh)
         from partitioner.runtime.comm_mpi import MPICommunicator
         from partitioner.training.loop import train
 

@@ -88,7 +88,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 
 def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: float = 0.9) -> Optimizer:
     """The optimizer a CLI name stands for (``adam`` and ``adamw`` are both AdamW)."""
-    if lr <= 0 or lr != lr:
+    if not lr > 0:  # also refuses NaN
         raise UsageError(f"--lr {lr}: the learning rate must be positive")
     if name == "sgd":
         return SGD(lr=lr, weight_decay=weight_decay)

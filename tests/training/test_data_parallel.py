@@ -26,7 +26,7 @@ def _run_two_ranks(step2, batches, backend: str = "onnxruntime"):
     for x, y in batches:
         out = [None, None]
 
-        def work(r: int) -> None:
+        def work(r: int, x=x, y=y, out=out) -> None:
             out[r] = runners[r].step({"input": x[r * 4:(r + 1) * 4]}, y[r * 4:(r + 1) * 4])
 
         threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
@@ -68,7 +68,7 @@ def test_mpi_ranks_match_in_process_ranks(tmp_path) -> None:
     onnx.save(models_zoo.build("mlp", batch=8, hidden=32, in_features=16), str(model))
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "d.npz", x=rng.standard_normal((40, 16)).astype(np.float32), y=rng.integers(0, 10, 40))
-    common = dict(loss="cross_entropy", optimizer="sgd", lr=0.1, batch=8, epochs=2, devices=2, progress=False)
+    common = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.1, "batch": 8, "epochs": 2, "devices": 2, "progress": False}
     threads = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", **common)
     mpi = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "m", launcher="mpi", **common)
     assert len(mpi.history) == len(threads.history) == 10

@@ -18,17 +18,17 @@ from tests.training.gradcheck import finite_differences, gradients, to_float64
 
 # name -> (builder kwargs, loss, learning rate)
 ZOO = {
-    "mlp": (dict(batch=4, hidden=32, in_features=16), "cross_entropy", 0.1),
-    "bert": (dict(batch=2, seq=8, hidden=32, heads=2, layers=1, vocab=50), "mse", 0.5),
-    "gpt": (dict(batch=2, seq=8, hidden=32, heads=2, layers=1, vocab=50), "cross_entropy", 0.5),
-    "resnet": (dict(batch=16, image=32, width=8, classes=10), "cross_entropy", 0.01),
-    "inception": (dict(batch=2, image=32, blocks=1, classes=10), "cross_entropy", 0.01),
-    "unet": (dict(batch=2, image=32), "mse", 0.05),
-    "mobilenet": (dict(batch=8, image=64, width_mult=0.25, classes=10), "cross_entropy", 0.001),
+    "mlp": ({"batch": 4, "hidden": 32, "in_features": 16}, "cross_entropy", 0.1),
+    "bert": ({"batch": 2, "seq": 8, "hidden": 32, "heads": 2, "layers": 1, "vocab": 50}, "mse", 0.5),
+    "gpt": ({"batch": 2, "seq": 8, "hidden": 32, "heads": 2, "layers": 1, "vocab": 50}, "cross_entropy", 0.5),
+    "resnet": ({"batch": 16, "image": 32, "width": 8, "classes": 10}, "cross_entropy", 0.01),
+    "inception": ({"batch": 2, "image": 32, "blocks": 1, "classes": 10}, "cross_entropy", 0.01),
+    "unet": ({"batch": 2, "image": 32}, "mse", 0.05),
+    "mobilenet": ({"batch": 8, "image": 64, "width_mult": 0.25, "classes": 10}, "cross_entropy", 0.001),
 }
 FAST = {"mlp", "bert"}
 #: smaller instances for the float64 finite differences (ORT has no float64 Conv: onnx.reference runs them)
-FD_KWARGS = {"resnet": dict(batch=2, image=32, width=4, classes=10)}
+FD_KWARGS = {"resnet": {"batch": 2, "image": 32, "width": 4, "classes": 10}}
 
 
 def _batch(model, loss: str, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:

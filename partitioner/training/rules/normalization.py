@@ -46,7 +46,7 @@ def layer_norm(g: GradContext) -> list:
 @register_gradient("BatchNormalization")
 def batch_norm_inference(g: GradContext) -> list:
     """Inference form: y = (x - mean) * scale / sqrt(var + eps) + b, per channel (axis 1)."""
-    x, scale, bias, mean, var = g.x[:5]
+    x, scale, _bias, mean, var = g.x[:5]
     dy = g.dy[0]
     if int(g.attr("training_mode", 0)):
         from partitioner.training.autodiff import MissingGradientError

@@ -67,7 +67,7 @@ def max_pool(g: GradContext) -> list:
 def average_pool(g: GradContext) -> list:
     x, dy = g.x[0], g.dy[0]
     sx, sy = g.shape(x), g.shape(g.y[0])
-    n, c, *spatial = sx
+    _n, c, *spatial = sx
     nsp = len(spatial)
     kernel, strides, pads, dilations = _pool_attrs(g, nsp)
     # the number of elements each output averaged: the full window, or only the unpadded part
