@@ -94,3 +94,23 @@ def test_zoo_step_same_loss_on_ort_and_tvm_and_loss_goes_down(name: str, tmp_pat
     assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
     assert tvm_losses[2] < tvm_losses[1] < tvm_losses[0], tvm_losses
     assert set(signature(step).weights) <= set(ort_runner.weights())
+
+
+@pytest.mark.slow
+def test_zoo_mlp_gradients_match_relax_gradient() -> None:
+    """The whole zoo mlp (MatMul, Add, Relu, Gemm) against TVM Relax's relax.transform.Gradient
+    of the same float64 forward model + MSE loss (the other zoo models hold ops Relax cannot
+    differentiate: take/erf in bert and gpt, max_pool2d with padding in resnet)."""
+    from tests.training.gradcheck import relax_gradients, with_mse_loss
+
+    kwargs, _, _ = ZOO["mlp"]
+    model = to_float64(models_zoo.build("mlp", **kwargs))
+    data, _ = _batch(model, "mse")
+    data = {k: v.astype(np.float64) for k, v in data.items()}
+    labels = np.random.default_rng(2).standard_normal((4, 10))
+    value, grads, _, weights = gradients(model, {**data, "labels": labels}, "mse")
+    rloss, rgrads = relax_gradients(with_mse_loss(model, model.graph.output[0].name), {**data, "labels": labels},
+                                    weights)
+    assert abs(rloss - value) <= 1e-9 + 1e-6 * abs(value)
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, rgrads[name], rtol=1e-6, atol=1e-9, err_msg=name)
