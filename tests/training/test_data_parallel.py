@@ -77,3 +77,27 @@ def test_mpi_ranks_match_in_process_ranks(tmp_path) -> None:
     for a, b in zip(mpi.model.graph.initializer, threads.model.graph.initializer):
         np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
                                    atol=1e-5, err_msg=a.name)
+
+
+@pytest.mark.slow
+def test_tvm_ranks_under_mpi_match_onnxruntime_ranks(tmp_path) -> None:
+    """2 TVM ranks under mpiexec (comm ops as call_dps_packed into the MPI communicator) follow
+    the ONNX Runtime in-process ranks' losses within 1e-4 and end at the same weights."""
+    import onnx
+
+    from partitioner.training import train
+
+    model = tmp_path / "mlp.onnx"
+    onnx.save(models_zoo.build("mlp", batch=8, hidden=32, in_features=16), str(model))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((40, 16)).astype(np.float32), y=rng.integers(0, 10, 40))
+    common = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.1, "batch": 8, "epochs": 2, "devices": 2,
+              "progress": False}
+    ort_run = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "o", **common)
+    tvm_run = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", launcher="mpi", backend="tvm",
+                    **common)
+    np.testing.assert_allclose([h["loss"] for h in tvm_run.history], [h["loss"] for h in ort_run.history],
+                               rtol=0, atol=1e-4)
+    for a, b in zip(tvm_run.model.graph.initializer, ort_run.model.graph.initializer):
+        np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
+                                   atol=1e-5, err_msg=a.name)
