@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", default="threads", choices=("threads", "mpi"),
                    help="data-parallel ranks as threads of this process (default) or processes under mpiexec")
     p.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="start from a checkpoint_epoch<k>.onnx of this model (and its .state.npz), any --devices")
     p.add_argument("-o", "--output", default="run", metavar="DIR", help="run folder (checkpoints, history.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json_argument(p)
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(args.model, args.data, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
                    weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
-                   progress=not (args.no_progress or args.json), launcher=args.launcher)
+                   progress=not (args.no_progress or args.json), launcher=args.launcher, resume=args.resume)
     h = result.history
     report = {"steps": len(h), "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
               "checkpoints": result.checkpoints, "output": args.output}

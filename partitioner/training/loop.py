@@ -115,13 +115,17 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
           lr: float = 0.01, weight_decay: float = 0.0, batch: int = 32, epochs: int = 1, devices: int = 1,
           strategy: str = "data", backend: str = "onnxruntime", out_dir: str | os.PathLike[str] | None = None,
           seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
-          launcher: str = "threads", comm: Any = None) -> TrainResult:
+          launcher: str = "threads", comm: Any = None,
+          resume: str | os.PathLike[str] | None = None) -> TrainResult:
     """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
 
     ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
     in-process communicator); ``mpi`` starts ``devices`` processes under ``mpiexec``
     (:mod:`partitioner.training.mpi_worker`), each with its own state, and reads rank 0's
     results from ``out_dir``. ``comm`` is set by that worker: this process is one MPI rank.
+    ``resume``: a ``checkpoint_epoch<k>.onnx`` of the same model; its weights and the state saved
+    beside it start the run (any device count: data-parallel state is replicated, so nothing is
+    resharded; optimizer state of another optimizer starts from zero).
     """
     from partitioner.load import load_proto
 
@@ -148,6 +152,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     from partitioner.training.step import step_program
 
     _check_data(x, y, step_program(step), loss, batch)  # bad input is refused before any rank starts
+    start = resume_state(resume, original, step) if resume is not None else None
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -159,19 +164,49 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
 
     if comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]
-        runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None)]
+        runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
+                              state=start)]
     elif devices == 1:
         ranks = [0]
-        runners = [StepRunner(step, backend=backend, workdir=out)]
+        runners = [StepRunner(step, backend=backend, workdir=out, state=start)]
     else:
         from partitioner.runtime.comm_local import LocalWorld
 
         world = LocalWorld(devices)
         ranks = list(range(devices))
-        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out) for r in ranks]
+        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out, state=start)
+                   for r in ranks]
     writer = ranks[0] == 0
     return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
                  seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
+
+
+def resume_state(path: str | os.PathLike[str], original: onnx.ModelProto, step: Any) -> dict[str, np.ndarray]:
+    """The start state from a checkpoint (rule 4's files), refused when it is of another model."""
+    from partitioner.training.step import initial_state
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--resume {path}: no such checkpoint")
+    try:
+        ckpt = onnx.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is bad input
+        raise InputError(f"--resume {path}: not an ONNX checkpoint ({type(exc).__name__})") from None
+    mine = {t.name: tuple(t.dims) for t in original.graph.initializer}
+    theirs = {t.name: tuple(t.dims) for t in ckpt.graph.initializer}
+    if [n.op_type for n in ckpt.graph.node] != [n.op_type for n in original.graph.node] or mine != theirs:
+        raise InputError(f"--resume {path}: a checkpoint of another model (its graph or weights differ from "
+                         f"{original.graph.name or 'the model'}'s)")
+    state = initial_state(step)
+    weights = {t.name: numpy_helper.to_array(t) for t in ckpt.graph.initializer}
+    saved = path.with_name(path.name[: -len(".onnx")] + ".state.npz")
+    if saved.is_file():
+        with np.load(saved, allow_pickle=False) as z:
+            weights.update({k: z[k] for k in z.files})
+    for name, value in state.items():
+        if name in weights and weights[name].shape == value.shape:
+            state[name] = weights[name].astype(value.dtype)
+    return state
 
 
 def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.ModelProto, x: np.ndarray,

@@ -110,3 +110,23 @@ def test_missing_gradient_rule_lists_every_op_exit_2(tmp_path, capsys) -> None:
     # Sin comes before the weight, so it needs no gradient; Cos and Softsign both do, listed at once
     assert rc == 2 and "Cos" in err and "Softsign" in err and "Sin" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_resume_continues_on_another_device_count_and_refuses_another_model(mlp, capsys) -> None:
+    """Resuming epoch 1's checkpoint on 1 device (it was trained on 2) gives the same epoch-2
+    losses as the uninterrupted 2-device run (same shuffles: the resumed run uses seed + 1)."""
+    path, tmp = mlp
+    data = str(tmp / "train.npz")
+    base = ["--data", data, "--optimizer", "adam", "--lr", "1e-2", "--batch", "8", "--no-progress"]
+    assert main(["train", str(path), *base, "--epochs", "2", "--devices", "2", "-o", str(tmp / "full")]) == 0
+    ckpt = tmp / "full" / "checkpoint_epoch1.onnx"
+    assert main(["train", str(path), *base, "--epochs", "1", "--devices", "1", "--seed", "1", "--resume", str(ckpt),
+                 "-o", str(tmp / "resumed")]) == 0
+    capsys.readouterr()
+    full = json.loads((tmp / "full" / "history.json").read_text())["steps"]
+    resumed = json.loads((tmp / "resumed" / "history.json").read_text())["steps"]
+    np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in full[8:]], rtol=1e-4, atol=1e-5)
+    other = tmp / "other.onnx"
+    onnx.save(models_zoo.build("mlp", batch=8, hidden=48, in_features=16), str(other))
+    rc, _, err = _run(["train", str(path), *base, "--resume", str(other), "-o", str(tmp / "x")], capsys)
+    assert rc == 2 and "another model" in err and len(err.strip().splitlines()) == 1
