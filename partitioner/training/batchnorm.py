@@ -5,8 +5,9 @@ axis but the channel (population variance, as ONNX's BatchNormalization training
 it); the running statistics become state (``mean`` in, ``mean.next`` out) updated as
 ``running = running * momentum + batch * (1 - momentum)``. Writing it from ReduceMean, Sub,
 Mul, Sqrt and Div lets their rules differentiate it, and both TVM and ONNX Runtime run it (TVM
-imports BatchNormalization's training outputs only partly). The node's name is kept on every
-emitted node's ``training.forward_node`` metadata, so the cost model still sees one BN.
+imports BatchNormalization's training outputs only partly). Every emitted node carries the BN's
+name in ``metadata_props["training.rewrite_of"]`` (they are forward nodes: no
+``training.forward_node`` tag), so a report can still group them as one BN.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 import onnx_ir as ir
 
 from partitioner.training.autodiff import FORWARD_NODE_KEY, Emitter, shape_of
+
+REWRITE_KEY = "training.rewrite_of"
 
 
 def expand_batchnorm(graph: ir.Graph, em: Emitter,
@@ -60,7 +63,8 @@ def expand_batchnorm(graph: ir.Graph, em: Emitter,
         old.name = f"{name}.inference"
         y.name = name  # the model's value keeps its name (it may be the loss's output)
         graph.remove(node, safe=True)
-        for n in new_nodes:
-            n.metadata_props[FORWARD_NODE_KEY] = node.name or "BatchNormalization"
+        for n in new_nodes:  # forward nodes: no backward tag, but the BN they came from
+            n.metadata_props.pop(FORWARD_NODE_KEY, None)
+            n.metadata_props[REWRITE_KEY] = node.name or "BatchNormalization"
     em.tag = "loss"
     return state
