@@ -16,7 +16,7 @@ Rules:
 4. After each epoch a checkpoint is written: ``checkpoint_epoch<k>.onnx`` is the original model
    with the trained initializers (``partitioner compile`` deploys it as is) and
    ``checkpoint_epoch<k>.state.npz`` holds the optimizer state beside it; ``model.onnx`` is the
-   latest, and ``history.json`` the loss curve (one entry per step).
+   latest, ``history.json`` the loss curve (one entry per step) and ``report.html`` its plot.
 5. A NaN or infinite loss stops training at once, naming the epoch and step; the last good
    checkpoint is left as it was (:class:`RunFailed`, exit 1).
 """
@@ -243,9 +243,12 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
                 np.savez(out / f"checkpoint_epoch{epoch}.state.npz", **runners[0].state)
                 onnx.save(trained, str(out / "model.onnx"))
                 checkpoints.append(str(path))
-                (out / "history.json").write_text(json.dumps({"loss": loss, "optimizer": sig.optimizer,
-                                                              "devices": devices, "batch": batch,
-                                                              "checkpoints": checkpoints, "steps": history}, indent=1))
+                settings = {"loss": loss, "optimizer": sig.optimizer, "devices": devices, "batch": batch}
+                (out / "history.json").write_text(json.dumps({**settings, "checkpoints": checkpoints,
+                                                              "steps": history}, indent=1))
+                from partitioner.training.report import run_report_html
+
+                (out / "report.html").write_text(run_report_html(settings, history, checkpoints))
     finally:
         bar.close()
     return TrainResult(checkpoint_model(original, runners[0].weights()), history, checkpoints)

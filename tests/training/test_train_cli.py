@@ -51,6 +51,8 @@ def test_train_writes_history_and_a_deployable_checkpoint(mlp, capsys) -> None:
                if not np.array_equal(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b))]
     assert changed, "no weight changed"
     assert (tmp / "run" / "checkpoint_epoch2.state.npz").is_file()
+    page = (tmp / "run" / "report.html").read_text()
+    assert "<polyline" in page and page.count(",") >= 16  # one point per step
     # the checkpoint runs as a plain inference model
     x = np.load(tmp / "train.npz")["x"][:8]
     ort.InferenceSession(ckpt.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x})
