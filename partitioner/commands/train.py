@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
     p.add_argument("--launcher", default="threads", choices=("threads", "mpi"),
                    help="data-parallel ranks as threads of this process (default) or processes under mpiexec")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0, help="shuffling seed")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="start from a checkpoint_epoch<k>.onnx of this model (and its .state.npz), any --devices")
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(args.model, args.data, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
                    weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
-                   progress=not (args.no_progress or args.json), launcher=args.launcher, resume=args.resume)
+                   progress=not (args.no_progress or args.json), launcher=args.launcher, resume=args.resume,
+                   threads=args.threads)
     h = result.history
     report = {"steps": len(h), "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
               "checkpoints": result.checkpoints, "output": args.output}

@@ -116,7 +116,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
           strategy: str = "data", backend: str = "onnxruntime", out_dir: str | os.PathLike[str] | None = None,
           seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
           launcher: str = "threads", comm: Any = None,
-          resume: str | os.PathLike[str] | None = None) -> TrainResult:
+          resume: str | os.PathLike[str] | None = None, threads: int = 1) -> TrainResult:
     """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
 
     ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
@@ -125,7 +125,8 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     results from ``out_dir``. ``comm`` is set by that worker: this process is one MPI rank.
     ``resume``: a ``checkpoint_epoch<k>.onnx`` of the same model; its weights and the state saved
     beside it start the run (any device count: data-parallel state is replicated, so nothing is
-    resharded; optimizer state of another optimizer starts from zero).
+    resharded; optimizer state of another optimizer starts from zero). ``threads``: intra-op
+    threads of each rank's backend.
     """
     from partitioner.load import load_proto
 
@@ -165,16 +166,17 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     if comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]
         runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
-                              state=start)]
+                              state=start, threads=threads)]
     elif devices == 1:
         ranks = [0]
-        runners = [StepRunner(step, backend=backend, workdir=out, state=start)]
+        runners = [StepRunner(step, backend=backend, workdir=out, state=start, threads=threads)]
     else:
         from partitioner.runtime.comm_local import LocalWorld
 
         world = LocalWorld(devices)
         ranks = list(range(devices))
-        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out, state=start)
+        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out, state=start,
+                              threads=threads)
                    for r in ranks]
     writer = ranks[0] == 0
     return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg["model"], cfg["data"], loss=cfg["loss"], optimizer=cfg["optimizer"], lr=cfg["lr"],
               weight_decay=cfg["weight_decay"], batch=cfg["batch"], epochs=cfg["epochs"], devices=cfg["devices"],
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],
-              progress=cfg["progress"], trainable=cfg["trainable"], comm=comm, resume=cfg.get("resume"))
+              progress=cfg["progress"], trainable=cfg["trainable"], comm=comm, resume=cfg.get("resume"),
+              threads=int(cfg.get("threads", 1)))
         comm.flush()
         comm.barrier()
         return 0

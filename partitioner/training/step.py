@@ -15,11 +15,14 @@ Rules of the builder (numbered; the tests check each):
    a differentiable input slot (not Resize scales, Pad values, BN statistics, ...).
 4. Every op that needs a gradient and has no rule is listed in one error before anything is
    built (exit 2).
-5. With ``world_size > 1`` (data parallelism), each gradient goes through a
-   ``partitioner.comm.AllReduce`` (sum) over all ranks and a multiply by ``1/world_size`` before
-   the optimizer, and so does the loss: every rank then applies the same mean gradient of the
-   global batch, and reports the global loss. BatchNormalization uses each rank's local batch
-   statistics (no SyncBN).
+5. With ``world_size > 1`` (data parallelism), the gradients are flattened and concatenated into
+   buckets of at most ``bucket_bytes`` (in the order the backward pass finishes them, last layer
+   first; the loss rides in the first bucket), each bucket goes through one
+   ``partitioner.comm.AllReduce`` (sum) over all ranks and a multiply by ``1/world_size``, and is
+   split back before the optimizer: every rank applies the same mean gradient of the global
+   batch and reports the global loss. One collective per bucket instead of one per weight (a
+   step of the zoo mlp on 2 MPI ranks went from 9 AllReduces to 1). BatchNormalization uses
+   each rank's local batch statistics (no SyncBN).
 6. ``metadata_props["training.signature"]`` records the roles of the inputs and outputs as JSON
    (:class:`TrainingSignature`).
 """
@@ -37,7 +40,7 @@ import onnx
 import onnx_ir as ir
 
 from partitioner.errors import UsageError
-from partitioner.training.autodiff import Emitter, backward, check_rules, differentiable_nodes, is_float
+from partitioner.training.autodiff import Emitter, backward, check_rules, differentiable_nodes, is_float, shape_of
 from partitioner.training.batchnorm import expand_batchnorm
 from partitioner.training.losses import emit_loss, label_spec
 from partitioner.training.optimizers import SGD, STEP_NAME, Optimizer
@@ -179,13 +182,15 @@ def build_training_graph(
     output: str | None = None,
     label_name: str = "labels",
     gradients_only: bool = False,
+    bucket_bytes: int = 25 * 2**20,
 ) -> ir.Model:
     """Build the training step of ``model`` (see the module docstring for the rules).
 
     ``batch`` rebinds the data inputs' first dimension (the per-rank batch for data
     parallelism); ``output`` picks the model output the loss applies to (default: the first).
     ``gradients_only`` builds no update: the outputs are ``loss`` and ``W.grad`` per weight
-    (the gradient checks use it).
+    (the gradient checks use it). ``bucket_bytes``: the most gradient bytes one AllReduce carries
+    with ``world_size > 1`` (rule 5).
     """
     optimizer = optimizer or SGD()
     fwd = _load(model, batch)
@@ -244,10 +249,8 @@ def build_training_graph(
         fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
         return _infer(fwd)
     if world_size > 1:
-        shapes = {v.name: v.shape for v in w_values}
-        grads = {w: _allreduce_mean(em, g, world_size, f"{w}.grad", shapes[w], dtype) for w, g in grads.items()}
         loss_value.name = "loss.local"
-        loss_value = _allreduce_mean(em, loss_value, world_size, "loss.global", ir.Shape([]), dtype, name="loss")
+        grads, loss_value = _allreduce_buckets(em, grads, loss_value, w_values, world_size, dtype, bucket_bytes)
     step_in = step_out = None
     if optimizer.uses_step:
         step_in = ir.Value(name=STEP_NAME, shape=ir.Shape([]), type=ir.TensorType(dtype))
@@ -304,6 +307,39 @@ def _infer(model: ir.Model) -> ir.Model:
     except Exception as exc:  # an emitted node that ONNX rejects is a bug of a rule
         raise RuntimeError(f"training step {proto.graph.name!r} fails ONNX shape inference: {exc}") from exc
     return ir.serde.deserialize_model(proto)
+
+
+def _allreduce_buckets(em: Emitter, grads: dict[str, ir.Value], loss: ir.Value, w_values: Sequence[ir.Value],
+                       world_size: int, dtype: ir.DataType, bucket_bytes: int) -> tuple[dict[str, ir.Value], ir.Value]:
+    """Rule 5: flatten, bucket, AllReduce-mean and split back the gradients (and the loss)."""
+    itemsize = dtype.itemsize
+    order = list(reversed(w_values))  # the backward pass finishes the last layer's weights first
+    buckets: list[list[ir.Value]] = [[]]
+    size = 0
+    for w in order:
+        nbytes = int(np.prod(shape_of(w))) * itemsize
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(w)
+        size += nbytes
+    out: dict[str, ir.Value] = {}
+    loss_out = loss
+    for b, members in enumerate(buckets):
+        parts = [em.op("Reshape", grads[w.name], em.ints([-1])) for w in members]
+        sizes = [int(np.prod(shape_of(w))) for w in members]
+        if b == 0:
+            parts.append(em.op("Reshape", loss, em.ints([1])))
+            sizes.append(1)
+        flat = em.op("Concat", *parts, axis=0) if len(parts) > 1 else parts[0]
+        mean = _allreduce_mean(em, flat, world_size, f"bucket{b}", ir.Shape([sum(sizes)]), dtype)
+        pieces = em.op("Split", mean, em.ints(sizes), axis=0, _outputs=len(sizes))
+        pieces = pieces if isinstance(pieces, tuple) else (pieces,)
+        for w, piece in zip(members, pieces):
+            out[w.name] = em.op("Reshape", piece, em.ints(shape_of(w)))
+        if b == 0:
+            loss_out = em.op("Reshape", pieces[-1], em.ints([]), _name="loss")
+    return out, loss_out
 
 
 def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, shape: ir.Shape, dtype: ir.DataType,

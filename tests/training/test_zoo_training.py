@@ -23,7 +23,7 @@ ZOO = {
     "gpt": ({"batch": 2, "seq": 8, "hidden": 32, "heads": 2, "layers": 1, "vocab": 50}, "cross_entropy", 0.5),
     "resnet": ({"batch": 16, "image": 32, "width": 8, "classes": 10}, "cross_entropy", 0.01),
     "inception": ({"batch": 2, "image": 32, "blocks": 1, "classes": 10}, "cross_entropy", 0.01),
-    "unet": ({"batch": 2, "image": 32}, "mse", 0.05),
+    "unet": ({"batch": 2, "image": 32}, "mse", 0.01),
     "mobilenet": ({"batch": 8, "image": 64, "width_mult": 0.25, "classes": 10}, "cross_entropy", 0.001),
 }
 FAST = {"mlp", "bert"}
