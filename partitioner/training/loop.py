@@ -2,7 +2,8 @@
 
 Rules:
 
-1. Data come from an ``.npz`` with ``x`` and ``y`` (or a dict of the same), checked before any
+1. Data come from an ``.npz`` with ``x`` and ``y`` (or a dict of the same, or an iterable of
+   ``(x, y)`` batches), checked before any
    step runs: a missing key, a sample shape that does not match the model's input, labels that
    are not integers in ``[0, classes)`` for cross-entropy: one :class:`InputError` line (exit 2).
 2. Each epoch shuffles the samples with ``numpy.random.default_rng(seed + epoch)`` and runs
@@ -53,7 +54,19 @@ class TrainResult:
     checkpoints: list[str] = field(default_factory=list)
 
 
-def load_data(data: str | os.PathLike[str] | Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def load_data(data: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` and ``y`` from an .npz path, a mapping with ``x`` and ``y``, or an iterable of
+    ``(x, y)`` batches (concatenated in memory: the loop reshuffles every epoch)."""
+    if not isinstance(data, (str, os.PathLike, Mapping)):
+        try:
+            pairs = list(data)
+        except TypeError:
+            raise InputError(f"cannot read data from a {type(data).__name__}; give an .npz path, a dict with x and y, "
+                             "or an iterable of (x, y) batches") from None
+        if not pairs or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in pairs):
+            raise InputError("the data iterator must yield (x, y) pairs, and at least one")
+        data = {"x": np.concatenate([np.asarray(p[0]) for p in pairs]),
+                "y": np.concatenate([np.asarray(p[1]) for p in pairs])}
     if isinstance(data, Mapping):
         arrays, label = dict(data), "the data"
     else:

@@ -101,3 +101,15 @@ def test_tvm_ranks_under_mpi_match_onnxruntime_ranks(tmp_path) -> None:
     for a, b in zip(tvm_run.model.graph.initializer, ort_run.model.graph.initializer):
         np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
                                    atol=1e-5, err_msg=a.name)
+
+
+def test_python_iterator_data_trains_like_the_same_arrays() -> None:
+    from partitioner.training import train
+
+    model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((32, 16)).astype(np.float32), rng.integers(0, 10, 32)
+    common = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.1, "batch": 8, "epochs": 1, "progress": False}
+    a = train(model, {"x": x, "y": y}, **common)
+    b = train(model, ((x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)), **common)
+    assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
