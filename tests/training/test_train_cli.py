@@ -53,9 +53,15 @@ def test_train_writes_history_and_a_deployable_checkpoint(mlp, capsys) -> None:
     assert (tmp / "run" / "checkpoint_epoch2.state.npz").is_file()
     page = (tmp / "run" / "report.html").read_text()
     assert "<polyline" in page and page.count(",") >= 16  # one point per step
-    # the checkpoint runs as a plain inference model
+    # the checkpoint runs as a plain inference model, and `compile` deploys it with the same outputs
     x = np.load(tmp / "train.npz")["x"][:8]
-    ort.InferenceSession(ckpt.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x})
+    want = ort.InferenceSession(ckpt.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    import partitioner
+
+    art = partitioner.compile(str(tmp / "run" / "checkpoint_epoch2.onnx"), cluster="cpu:2", strategy="data",
+                              backend="onnxruntime", progress=False)
+    got = art.run({"input": x}, in_process=True)
+    np.testing.assert_allclose(got.outputs["logits"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_missing_data_key_is_one_line_exit_2(mlp, capsys) -> None:
