@@ -88,7 +88,7 @@ def main() -> int:
                            "python": platform.python_version()},
                "versions": {"onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
                "results": run_case(name, args.backend, args.steps),
-               "note": "threads = the backend's intra-op threads per rank; MPI ranks are not core-pinned"}
+               "note": "threads = the backend's intra-op threads per rank; MPI ranks are pinned to half the cores each"}
         (out_dir / f"train_step_{name}_{args.backend}.json").write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

@@ -4,8 +4,9 @@
 ``partitioner train --launcher mpi`` starts it (through the runtime's launcher, which names a
 failing rank and kills every rank on failure). Each rank builds the same step program, keeps
 its own state, takes its slice of every global batch and AllReduces its gradients over
-``MPI.COMM_WORLD`` through the project's MPI communicator; rank 0 writes the run folder. On
-any error a rank prints ``rank R: train: <message>`` and aborts the job.
+``MPI.COMM_WORLD`` through the project's MPI communicator; rank 0 writes the run folder. Each
+rank is pinned to its share of the host's cores as ``partitioner run``'s workers are. On any
+error a rank prints ``rank R: train: <message>`` and aborts the job.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     try:
+        # each rank on its share of the host's cores, before TVM/ORT start their thread pools
+        from partitioner.runtime.worker import pin_cores
+
+        local = world.Split_type(MPI.COMM_TYPE_SHARED)
+        pin_cores(local.Get_rank(), local.Get_size())
         os.environ.setdefault("TVM_BIND_THREADS", "0")
         with open(args.config, encoding="utf-8") as fh:
             cfg = json.load(fh)
