@@ -171,10 +171,12 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     if launcher == "mpi" and devices > 1 and comm is None:
-        return _launch_mpi(model, data, out, {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None,
-                                                  "lr": lr, "weight_decay": weight_decay, "batch": batch, "epochs": epochs,
-                                                  "devices": devices, "strategy": strategy, "backend": backend, "seed": seed,
-                                                  "progress": progress, "trainable": trainable}, original)
+        options = {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None, "lr": lr,
+                   "weight_decay": weight_decay, "batch": batch, "epochs": epochs, "devices": devices,
+                   "strategy": strategy, "backend": backend, "seed": seed, "progress": progress,
+                   "trainable": trainable, "threads": threads,
+                   "resume": str(Path(resume).resolve()) if resume is not None else None}
+        return _launch_mpi(model, data, out, options, original)
 
     if comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]

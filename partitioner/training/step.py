@@ -40,7 +40,14 @@ import onnx
 import onnx_ir as ir
 
 from partitioner.errors import UsageError
-from partitioner.training.autodiff import Emitter, backward, check_rules, differentiable_nodes, is_float, shape_of
+from partitioner.training.autodiff import (
+    Emitter,
+    backward,
+    check_rules,
+    differentiable_nodes,
+    is_float,
+    shape_of,
+)
 from partitioner.training.batchnorm import expand_batchnorm
 from partitioner.training.losses import emit_loss, label_spec
 from partitioner.training.optimizers import SGD, STEP_NAME, Optimizer

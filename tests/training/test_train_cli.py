@@ -134,6 +134,12 @@ def test_resume_continues_on_another_device_count_and_refuses_another_model(mlp,
     full = json.loads((tmp / "full" / "history.json").read_text())["steps"]
     resumed = json.loads((tmp / "resumed" / "history.json").read_text())["steps"]
     np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in full[8:]], rtol=1e-4, atol=1e-5)
+    # the same under mpiexec (the resume path travels to every rank)
+    assert main(["train", str(path), *base, "--epochs", "1", "--devices", "2", "--launcher", "mpi", "--seed", "1",
+                 "--resume", str(ckpt), "-o", str(tmp / "resumed_mpi")]) == 0
+    capsys.readouterr()
+    resumed_mpi = json.loads((tmp / "resumed_mpi" / "history.json").read_text())["steps"]
+    np.testing.assert_allclose([h["loss"] for h in resumed_mpi], [h["loss"] for h in full[8:]], rtol=1e-4, atol=1e-5)
     other = tmp / "other.onnx"
     onnx.save(models_zoo.build("mlp", batch=8, hidden=48, in_features=16), str(other))
     rc, _, err = _run(["train", str(path), *base, "--resume", str(other), "-o", str(tmp / "x")], capsys)
