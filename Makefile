@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables clean
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables clean train-demo
 
 all: test
 
@@ -29,6 +29,11 @@ demo: $(STAMP)
 	$(CLI) verify $(OUT)/resnet_2dev
 	$(CLI) run $(OUT)/resnet_2dev --check --outputs $(OUT)/resnet_outputs.npz
 	@echo "demo: artifact in $(OUT)/resnet_2dev, plan report in $(OUT)/resnet_plan.html"
+
+## Train a small CNN on scikit-learn's digits on 2 data-parallel ranks, then compile the
+## checkpoint with TVM and check its predictions; prints the held-out accuracy (>= 95% or exit 1).
+train-demo: $(STAMP)
+	$(PY) examples/train_digits.py $(OUT)/train_demo
 
 ## The fast test suite (what CI runs). Slow tests: `make test-slow`.
 test: $(STAMP)

@@ -6,6 +6,7 @@ Public API (heavy parts are imported on first use):
 - ``Cluster.resolve("cpu:2" | "h200x8" | "cluster.json")``
 - ``partition(model, cluster, strategy=...)`` / ``auto_partition(model, cluster, ...)``
 - ``compile(model, cluster=..., strategy=..., target=...) -> Artifact``; ``load_artifact(dir)``
+- ``train(model, data, loss=..., optimizer=..., lr=..., batch=..., epochs=..., devices=...)``
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _LAZY = {
     "load_artifact": ("partitioner.artifact", "load_artifact"),
     "Artifact": ("partitioner.artifact", "Artifact"),
     "run_pipeline": ("passes", "run_pipeline"),
+    "train": ("partitioner.training.loop", "train"),
 }
 
 __all__ = ["PartitionerError", "load", "__version__", *_LAZY]

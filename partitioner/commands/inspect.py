@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json_argument(p)
     p.add_argument("--ops", action="store_true", help="include the per-op table (always in --json)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="show the K most expensive ops (default 10)")
+    p.add_argument("--train", action="store_true",
+                   help="also the training step's forward/backward/optimizer FLOPs, work and depth (docs/training.md)")
+    p.add_argument("--loss", default="cross_entropy", choices=("cross_entropy", "mse"), help="loss for --train")
 
 
 def inspect_model(model) -> dict:
@@ -51,6 +54,10 @@ def _human(n: float, unit: str = "") -> str:
 def run(args: argparse.Namespace) -> int:
     model = load_model_from_args(args)
     report = inspect_model(model)
+    if getattr(args, "train", False):
+        from partitioner.training.analysis import training_stats
+
+        report["train"] = training_stats(model, loss=args.loss)
     if args.json:
         print_json(report)
         return 0
@@ -72,4 +79,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{'op':<40} {'type':<22} {'FLOPs':>12} {'bytes':>12} {'depth':>6}")
         for o in shown:
             print(f"{o['name'][:40]:<40} {o['op_type']:<22} {_human(o['flops']):>12} {_human(o['bytes'], 'B'):>12} {o['depth']:>6.3g}")
+    if "train" in report:
+        print(f"\ntraining step ({args.loss}, SGD)  {'nodes':>6} {'FLOPs':>12} {'work W':>12} {'depth D':>10}")
+        for part in ("forward", "loss", "backward", "optimizer"):
+            t = report["train"][part]
+            print(f"{part:<28} {t['nodes']:>6} {_human(t['flops']):>12} {_human(t['work']):>12} {t['depth']:>10.4g}")
+        r = report["train"]["backward_over_forward"]
+        print("backward / forward          " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items() if v is not None))
     return 0

@@ -212,7 +212,7 @@ def failure_message(output: str, rc: int, watcher: _RankWatcher | None = None) -
 
 def launch_mpi(artifact_dir: str | os.PathLike[str], world_size: int, worker_args: Sequence[str], *,
                ranks_per_host: int | None = None, timeout: float | None = None,
-               env: Mapping[str, str] | None = None) -> tuple[str, str]:
+               env: Mapping[str, str] | None = None, module: str = "partitioner.runtime.worker") -> tuple[str, str]:
     """Run the workers under mpiexec; returns (stdout, stderr) or raises RunFailed.
 
     A failing rank also writes its one-line reason to an error file: MPI_Abort can end the job
@@ -221,7 +221,7 @@ def launch_mpi(artifact_dir: str | os.PathLike[str], world_size: int, worker_arg
         error_file = Path(tmp) / "errors.txt"
         try:
             return _launch(artifact_dir, world_size, [*worker_args, "--error-file", str(error_file)],
-                           ranks_per_host=ranks_per_host, timeout=timeout, env=env)
+                           ranks_per_host=ranks_per_host, timeout=timeout, env=env, module=module)
         except RunFailed as exc:
             said = error_file.read_text(errors="replace") if error_file.exists() else ""
             if said and not _RANK_LINE.search(str(exc)):
@@ -230,11 +230,12 @@ def launch_mpi(artifact_dir: str | os.PathLike[str], world_size: int, worker_arg
 
 
 def _launch(artifact_dir: str | os.PathLike[str], world_size: int, worker_args: Sequence[str], *,
-            ranks_per_host: int | None, timeout: float | None, env: Mapping[str, str] | None) -> tuple[str, str]:
+            ranks_per_host: int | None, timeout: float | None, env: Mapping[str, str] | None,
+            module: str = "partitioner.runtime.worker") -> tuple[str, str]:
     cmd = [find_mpiexec(), "-n", str(world_size)]
     if ranks_per_host:
         cmd += ["-ppn", str(ranks_per_host)]
-    cmd += [sys.executable, "-m", "partitioner.runtime.worker", str(artifact_dir), *worker_args]
+    cmd += [sys.executable, "-m", module, str(artifact_dir), *worker_args]
     if ranks_per_host:
         cmd += ["--ranks-per-host", str(ranks_per_host)]
     child_env = dict(os.environ if env is None else env)

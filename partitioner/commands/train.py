@@ -1,0 +1,60 @@
+"""``partitioner train MODEL --data train.npz``: train a model from its ONNX graph.
+
+Builds the training step (forward + loss + backward + optimizer, standard ONNX ops), runs it on
+one rank or data-parallel ranks with the state resident between steps, shows a progress bar
+(step, loss, samples/s) and writes ``-o DIR``: ``history.json`` (the loss curve), a checkpoint
+per epoch (``checkpoint_epoch<k>.onnx``, the model with trained weights, which ``partitioner
+compile`` deploys; the optimizer state beside it) and ``model.onnx`` (the latest). See
+docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from partitioner.commands._options import add_json_argument, print_json
+
+NAME = "train"
+HELP = "train a model from its ONNX graph (autodiff, SGD/momentum/Adam, data-parallel ranks)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="an .onnx file, or a zoo name")
+    p.add_argument("--data", required=True, help=".npz with x (inputs) and y (labels)")
+    p.add_argument("--loss", default="cross_entropy", choices=("cross_entropy", "mse"))
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam", "adamw"))
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--batch", type=int, default=32, help="global batch (split over --devices)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--devices", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--strategy", default="data", help="data (default; auto means data) or single")
+    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
+    p.add_argument("--launcher", default="threads", choices=("threads", "mpi"),
+                   help="data-parallel ranks as threads of this process (default) or processes under mpiexec")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="start from a checkpoint_epoch<k>.onnx of this model (and its .state.npz), any --devices")
+    p.add_argument("-o", "--output", default="run", metavar="DIR", help="run folder (checkpoints, history.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_json_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from partitioner.training.loop import train
+
+    result = train(args.model, args.data, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
+                   weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
+                   strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
+                   progress=not (args.no_progress or args.json), launcher=args.launcher, resume=args.resume,
+                   threads=args.threads)
+    h = result.history
+    report = {"steps": len(h), "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
+              "checkpoints": result.checkpoints, "output": args.output}
+    if args.json:
+        print_json(report)
+    else:
+        print(f"trained {len(h)} steps: loss {report['first_loss']:.4f} -> {report['last_loss']:.4f}; "
+              f"checkpoint {result.checkpoints[-1] if result.checkpoints else '-'}")
+    return 0

@@ -1,0 +1,318 @@
+"""The training loop: ``train(model, data, ...)`` for one rank or data-parallel ranks.
+
+Rules:
+
+1. Data come from an ``.npz`` with ``x`` and ``y`` (or a dict of the same, or an iterable of
+   ``(x, y)`` batches), checked before any
+   step runs: a missing key, a sample shape that does not match the model's input, labels that
+   are not integers in ``[0, classes)`` for cross-entropy: one :class:`InputError` line (exit 2).
+2. Each epoch shuffles the samples with ``numpy.random.default_rng(seed + epoch)`` and runs
+   ``len(x) // batch`` steps (the last partial batch is dropped, so every step has the same
+   shape). With ``devices = R`` (strategy ``data``) rank r takes rows ``[r*b/R, (r+1)*b/R)`` of
+   each global batch; the step's AllReduce makes every rank apply the global mean gradient.
+   The ranks run as threads of this process over the project's in-process communicator, or as
+   processes under ``mpiexec`` (``launcher="mpi"``, :mod:`partitioner.training.mpi_worker`).
+3. State (weights, BN statistics, optimizer moments) stays in each rank's
+   :class:`~partitioner.training.runner.StepRunner` between steps.
+4. After each epoch a checkpoint is written: ``checkpoint_epoch<k>.onnx`` is the original model
+   with the trained initializers (``partitioner compile`` deploys it as is) and
+   ``checkpoint_epoch<k>.state.npz`` holds the optimizer state beside it; ``model.onnx`` is the
+   latest, ``history.json`` the loss curve (one entry per step) and ``report.html`` its plot.
+5. A NaN or infinite loss stops training at once, naming the epoch and step; the last good
+   checkpoint is left as it was (:class:`RunFailed`, exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from partitioner.errors import InputError, RunFailed, UsageError
+from partitioner.training.optimizers import Optimizer, make_optimizer
+from partitioner.training.runner import StepRunner
+from partitioner.training.step import build_training_graph, signature
+
+STRATEGIES = ("data", "single", "auto")
+
+
+@dataclass
+class TrainResult:
+    """The trained model (original graph, trained initializers) and the loss history."""
+
+    model: onnx.ModelProto
+    history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def load_data(data: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` and ``y`` from an .npz path, a mapping with ``x`` and ``y``, or an iterable of
+    ``(x, y)`` batches (concatenated in memory: the loop reshuffles every epoch)."""
+    if not isinstance(data, (str, os.PathLike, Mapping)):
+        try:
+            pairs = list(data)
+        except TypeError:
+            raise InputError(f"cannot read data from a {type(data).__name__}; give an .npz path, a dict with x and y, "
+                             "or an iterable of (x, y) batches") from None
+        if not pairs or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in pairs):
+            raise InputError("the data iterator must yield (x, y) pairs, and at least one")
+        data = {"x": np.concatenate([np.asarray(p[0]) for p in pairs]),
+                "y": np.concatenate([np.asarray(p[1]) for p in pairs])}
+    if isinstance(data, Mapping):
+        arrays, label = dict(data), "the data"
+    else:
+        label = str(data)
+        if not os.path.isfile(data):
+            raise InputError(f"{label}: no such file; give an .npz with arrays x and y")
+        try:
+            with np.load(data, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is bad input
+            raise InputError(f"{label}: cannot read it as .npz ({type(exc).__name__}: {exc})") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise InputError(f"{label}: missing array(s) {', '.join(missing)}; the .npz needs x (inputs) and y (labels), "
+                         f"found {', '.join(sorted(arrays)) or 'none'}")
+    x, y = np.asarray(arrays["x"]), np.asarray(arrays["y"])
+    if len(x) != len(y):
+        raise InputError(f"{label}: x has {len(x)} samples but y has {len(y)}")
+    return x, y
+
+
+def _check_data(x: np.ndarray, y: np.ndarray, step_proto: onnx.ModelProto, loss: str, batch: int) -> None:
+    sig = signature(step_proto)
+    if len(sig.data) != 1:
+        raise UsageError(f"the model has {len(sig.data)} data inputs ({', '.join(sig.data)}); train takes models "
+                         "with one (x)")
+    vi = {v.name: v for v in step_proto.graph.input}
+    want = [d.dim_value for d in vi[sig.data[0]].type.tensor_type.shape.dim][1:]
+    if list(x.shape[1:]) != want:
+        raise InputError(f"x has samples of shape {list(x.shape[1:])} but the model's input {sig.data[0]!r} takes "
+                         f"{want}")
+    lab = [d.dim_value for d in vi[sig.labels].type.tensor_type.shape.dim][1:]
+    if list(y.shape[1:]) != lab:
+        raise InputError(f"y has labels of shape {list(y.shape[1:])} but loss {loss} on this model needs {lab}")
+    if loss == "cross_entropy":
+        out = next(o for o in step_proto.graph.value_info if o.name == sig.output) if sig.output not in vi else None
+        classes = [d.dim_value for d in out.type.tensor_type.shape.dim][-1] if out is not None else None
+        if y.dtype.kind not in "iu":
+            raise InputError(f"y is {y.dtype}; cross_entropy needs integer class labels")
+        if classes and (y.min() < 0 or y.max() >= classes):
+            raise InputError(f"y has labels in [{y.min()}, {y.max()}] but the model has {classes} classes "
+                             f"(labels must be in [0, {classes - 1}])")
+    if len(x) < batch:
+        raise InputError(f"the data have {len(x)} samples, fewer than one batch of {batch}")
+
+
+def checkpoint_model(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The original model with its initializers replaced by the trained ``weights``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for i, t in enumerate(out.graph.initializer):
+        if t.name in weights:
+            out.graph.initializer[i].CopyFrom(numpy_helper.from_array(
+                np.asarray(weights[t.name]).astype(numpy_helper.to_array(t).dtype), t.name))
+    return out
+
+
+def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str | Optimizer = "sgd",
+          lr: float = 0.01, weight_decay: float = 0.0, batch: int = 32, epochs: int = 1, devices: int = 1,
+          strategy: str = "data", backend: str = "onnxruntime", out_dir: str | os.PathLike[str] | None = None,
+          seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
+          launcher: str = "threads", comm: Any = None,
+          resume: str | os.PathLike[str] | None = None, threads: int = 1) -> TrainResult:
+    """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
+
+    ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
+    in-process communicator); ``mpi`` starts ``devices`` processes under ``mpiexec``
+    (:mod:`partitioner.training.mpi_worker`), each with its own state, and reads rank 0's
+    results from ``out_dir``. ``comm`` is set by that worker: this process is one MPI rank.
+    ``resume``: a ``checkpoint_epoch<k>.onnx`` of the same model; its weights and the state saved
+    beside it start the run (any device count: data-parallel state is replicated, so nothing is
+    resharded; optimizer state of another optimizer starts from zero). ``threads``: intra-op
+    threads of each rank's backend.
+    """
+    from partitioner.load import load_proto
+
+    if strategy not in STRATEGIES:
+        raise UsageError(f"train --strategy {strategy}: this version trains with data parallelism only "
+                         f"({', '.join(STRATEGIES)}); pipeline and tensor training are not implemented yet")
+    if devices < 1 or batch < 1 or epochs < 1:
+        raise UsageError("--devices, --batch and --epochs must be at least 1")
+    if strategy == "single" and devices != 1:
+        raise UsageError("--strategy single runs on one device; give --devices 1")
+    if batch % devices:
+        raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
+    if launcher not in ("threads", "mpi"):
+        raise UsageError(f"unknown launcher {launcher!r}; choose threads or mpi")
+    opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
+    x, y = load_data(data)
+    checked = load_proto(model, batch=batch)  # validated; a symbolic batch is bound for the step
+    # the checkpoint keeps the model as given (a symbolic batch stays symbolic)
+    original = (onnx.load(str(model)) if isinstance(model, (str, os.PathLike)) and os.path.isfile(model)
+                else model if isinstance(model, onnx.ModelProto) else checked)
+    local = batch // devices
+    step = build_training_graph(checked, loss=loss, optimizer=opt, batch=local, world_size=devices,
+                                trainable=trainable)
+    from partitioner.training.step import step_program
+
+    _check_data(x, y, step_program(step), loss, batch)  # bad input is refused before any rank starts
+    start = resume_state(resume, original, step) if resume is not None else None
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    if launcher == "mpi" and devices > 1 and comm is None:
+        options = {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None, "lr": lr,
+                   "weight_decay": weight_decay, "batch": batch, "epochs": epochs, "devices": devices,
+                   "strategy": strategy, "backend": backend, "seed": seed, "progress": progress,
+                   "trainable": trainable, "threads": threads,
+                   "resume": str(Path(resume).resolve()) if resume is not None else None}
+        return _launch_mpi(model, data, out, options, original)
+
+    if comm is not None:  # one MPI rank of ``devices``
+        ranks = [comm.rank]
+        runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
+                              state=start, threads=threads)]
+    elif devices == 1:
+        ranks = [0]
+        runners = [StepRunner(step, backend=backend, workdir=out, state=start, threads=threads)]
+    else:
+        from partitioner.runtime.comm_local import LocalWorld
+
+        world = LocalWorld(devices)
+        ranks = list(range(devices))
+        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out, state=start,
+                              threads=threads)
+                   for r in ranks]
+    writer = ranks[0] == 0
+    return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
+                 seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
+
+
+def resume_state(path: str | os.PathLike[str], original: onnx.ModelProto, step: Any) -> dict[str, np.ndarray]:
+    """The start state from a checkpoint (rule 4's files), refused when it is of another model."""
+    from partitioner.training.step import initial_state
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--resume {path}: no such checkpoint")
+    try:
+        ckpt = onnx.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is bad input
+        raise InputError(f"--resume {path}: not an ONNX checkpoint ({type(exc).__name__})") from None
+    mine = {t.name: tuple(t.dims) for t in original.graph.initializer}
+    theirs = {t.name: tuple(t.dims) for t in ckpt.graph.initializer}
+    if [n.op_type for n in ckpt.graph.node] != [n.op_type for n in original.graph.node] or mine != theirs:
+        raise InputError(f"--resume {path}: a checkpoint of another model (its graph or weights differ from "
+                         f"{original.graph.name or 'the model'}'s)")
+    state = initial_state(step)
+    weights = {t.name: numpy_helper.to_array(t) for t in ckpt.graph.initializer}
+    saved = path.with_name(path.name[: -len(".onnx")] + ".state.npz")
+    if saved.is_file():
+        with np.load(saved, allow_pickle=False) as z:
+            weights.update({k: z[k] for k in z.files})
+    for name, value in state.items():
+        if name in weights and weights[name].shape == value.shape:
+            state[name] = weights[name].astype(value.dtype)
+    return state
+
+
+def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.ModelProto, x: np.ndarray,
+          y: np.ndarray, *, loss: str, batch: int, local: int, epochs: int, seed: int, out: Path | None,
+          progress: bool, devices: int) -> TrainResult:
+    from tqdm import tqdm
+
+    steps_per_epoch = len(x) // batch
+    history: list[dict[str, Any]] = []
+    checkpoints: list[str] = []
+    bar = tqdm(total=steps_per_epoch * epochs, disable=None if progress else True, unit="step", dynamic_ncols=True)
+    y_dtype = np.int64 if loss == "cross_entropy" else np.float32
+    try:
+        for epoch in range(1, epochs + 1):
+            order = np.random.default_rng(seed + epoch).permutation(len(x))
+            for k in range(steps_per_epoch):
+                idx = order[k * batch:(k + 1) * batch]
+                xb, yb = x[idx].astype(np.float32, copy=False), y[idx].astype(y_dtype, copy=False)
+                t0 = time.perf_counter()
+                value = _run_step(runners, ranks, sig.data[0], xb, yb, local)
+                dt = time.perf_counter() - t0
+                step_no = (epoch - 1) * steps_per_epoch + k + 1
+                if not np.isfinite(value):
+                    last = checkpoints[-1] if checkpoints else "none written yet"
+                    raise RunFailed(f"the loss is {value} at step {step_no} (epoch {epoch}); training stopped; "
+                                    f"last good checkpoint: {last}")
+                history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt})
+                bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{batch / dt:.0f}")
+                bar.update(1)
+            trained = checkpoint_model(original, runners[0].weights())
+            if out is not None:
+                path = out / f"checkpoint_epoch{epoch}.onnx"
+                onnx.save(trained, str(path))
+                np.savez(out / f"checkpoint_epoch{epoch}.state.npz", **runners[0].state)
+                onnx.save(trained, str(out / "model.onnx"))
+                checkpoints.append(str(path))
+                settings = {"loss": loss, "optimizer": sig.optimizer, "devices": devices, "batch": batch}
+                (out / "history.json").write_text(json.dumps({**settings, "checkpoints": checkpoints,
+                                                              "steps": history}, indent=1))
+                from partitioner.training.report import run_report_html
+
+                (out / "report.html").write_text(run_report_html(settings, history, checkpoints))
+    finally:
+        bar.close()
+    return TrainResult(checkpoint_model(original, runners[0].weights()), history, checkpoints)
+
+
+def _launch_mpi(model: Any, data: Any, out: Path | None, options: dict[str, Any],
+                original: onnx.ModelProto) -> TrainResult:
+    """Start the ranks under mpiexec; rank 0 writes the run folder, read back here."""
+    import tempfile
+
+    from partitioner.runtime.launch import launch_mpi
+
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="partitioner-train-"))
+    if options["optimizer"] is None:
+        raise UsageError("launcher mpi takes the optimizer by name (sgd, momentum, adam)")
+    if not isinstance(model, (str, os.PathLike)) or not isinstance(data, (str, os.PathLike)):
+        raise UsageError("launcher mpi takes the model and the data as file paths (every rank reads them)")
+    config = out / "train_config.json"
+    config.write_text(json.dumps({"model": os.path.abspath(model), "data": os.path.abspath(data),
+                                  "out_dir": str(out.resolve()), **options}))
+    launch_mpi(out, int(options["devices"]), ["--config", str(config)], module="partitioner.training.mpi_worker")
+    doc = json.loads((out / "history.json").read_text())
+    return TrainResult(onnx.load(str(out / "model.onnx")), doc["steps"], doc.get("checkpoints", []))
+
+
+def _run_step(runners: list[StepRunner], ranks: list[int], data_name: str, xb: np.ndarray, yb: np.ndarray,
+              local: int) -> float:
+    if len(runners) == 1:
+        sl = slice(ranks[0] * local, (ranks[0] + 1) * local)
+        return runners[0].step({data_name: xb[sl]}, yb[sl])
+    losses: list[float] = [float("nan")] * len(runners)
+    errors: list[BaseException] = []
+
+    def work(r: int) -> None:
+        try:
+            sl = slice(r * local, (r + 1) * local)
+            losses[r] = runners[r].step({data_name: xb[sl]}, yb[sl])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the rank
+            errors.append(exc)
+            runners[r].comm.world.abort(f"rank {r}: {exc}") if hasattr(runners[r].comm, "world") else None
+
+    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(len(runners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return losses[0]

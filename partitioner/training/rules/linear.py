@@ -1,0 +1,162 @@
+"""Gradients of contractions: MatMul, Gemm, Conv and ConvTranspose (groups, strides, pads,
+dilations).
+
+Conv's input gradient is a ConvTranspose of dY with the same weight; its weight gradient is a
+Conv of the input (batch and channel axes swapped, groups folded into channels) with dY as the
+kernel, strides and dilations exchanged, and the result sliced to the kernel size (padding can
+leave a larger window). ConvTranspose is Conv's input gradient, so its rules are the same two
+with the roles of x and dy exchanged.
+"""
+
+from __future__ import annotations
+
+from partitioner.training.autodiff import GradContext, register_gradient
+
+
+def _swap_last(g: GradContext, v, rank: int):
+    perm = list(range(rank))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    return g.op("Transpose", v, perm=perm)
+
+
+@register_gradient("MatMul")
+def matmul(g: GradContext) -> list:
+    """y = a @ b (batched, broadcasting): da = dy @ b^T, db = a^T @ dy, each summed to shape."""
+    a, b = g.x
+    dy = g.dy[0]
+    sa, sb, sy = g.shape(a), g.shape(b), g.shape(g.y[0])
+    if len(sa) < 2 or len(sb) < 2:
+        a2 = g.op("Reshape", a, g.ints([1, sa[0]])) if len(sa) == 1 else a
+        b2 = g.op("Reshape", b, g.ints([sb[0], 1])) if len(sb) == 1 else b
+        sa2 = (1, sa[0]) if len(sa) == 1 else sa
+        sb2 = (sb[0], 1) if len(sb) == 1 else sb
+        sy2 = sa2[:-1] + sb2[-1:] if len(sa2) >= len(sb2) else sb2[:-2] + sa2[-2:-1] + sb2[-1:]
+        dy = g.op("Reshape", dy, g.ints(list(sy2)))
+        a, b, sa_full, sb_full, sy = a2, b2, sa, sb, sy2
+        sa, sb = sa2, sb2
+    else:
+        sa_full, sb_full = sa, sb
+    da = db = None
+    if g.needs[0]:
+        da = g.op("MatMul", dy, _swap_last(g, b, len(sb)))
+        da_shape = sy[:-1] + (sb[-2],)
+        da = g.reduce_to(da, da_shape, sa) if len(da_shape) >= len(sa) else da
+        if sa != sa_full:
+            da = g.op("Reshape", da, g.ints(list(sa_full)))
+    if g.needs[1]:
+        db = g.op("MatMul", _swap_last(g, a, len(sa)), dy)
+        db_shape = sy[:-2] + (sa[-1], sy[-1])
+        db = g.reduce_to(db, db_shape, sb) if len(db_shape) >= len(sb) else db
+        if sb != sb_full:
+            db = g.op("Reshape", db, g.ints(list(sb_full)))
+    return [da, db]
+
+
+@register_gradient("Gemm")
+def gemm(g: GradContext) -> list:
+    """y = alpha * op(A) @ op(B) + beta * C, op = transpose when transA/transB."""
+    a, b = g.x[0], g.x[1]
+    dy = g.dy[0]
+    alpha, beta = float(g.attr("alpha", 1.0)), float(g.attr("beta", 1.0))
+    ta, tb = int(g.attr("transA", 0)), int(g.attr("transB", 0))
+    da = db = dc = None
+    if g.needs[0]:
+        da = (g.op("Gemm", b, dy, alpha=alpha, transA=tb, transB=1) if ta
+              else g.op("Gemm", dy, b, alpha=alpha, transB=1 - tb))
+    if g.needs[1]:
+        db = (g.op("Gemm", dy, a, alpha=alpha, transA=1, transB=ta) if tb
+              else g.op("Gemm", a, dy, alpha=alpha, transA=1 - ta))
+    if len(g.x) > 2 and g.x[2] is not None and g.needs[2]:
+        scaled = g.op("Mul", dy, g.scalar(beta)) if beta != 1.0 else dy
+        dc = g.reduce_to(scaled, g.shape(g.y[0]), g.shape(g.x[2]))
+    return [da, db, dc]
+
+
+def _conv_attrs(g: GradContext, spatial: int) -> tuple[list[int], list[int], list[int], int]:
+    if g.attr("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET", "VALID", b"VALID"):
+        from partitioner.training.autodiff import MissingGradientError
+
+        raise MissingGradientError(f"node {g.node.name!r} ({g.node.op_type}): auto_pad SAME_* has no gradient "
+                                   "rule; give explicit pads")
+    strides = g.attr("strides") or [1] * spatial
+    dilations = g.attr("dilations") or [1] * spatial
+    pads = g.attr("pads") or [0] * (2 * spatial)
+    return list(strides), list(dilations), list(pads), int(g.attr("group", 1))
+
+
+def weight_grad(g: GradContext, x, sx, dy, sdy, kernel, strides, dilations, pads, group):
+    """dW[m, c, k] = sum_{n, i} x[n, g*Cg + c, i*s + k*d - p] * dy[n, m, i] as one Conv.
+
+    x [N, G*Cg, *S] -> [Cg, G*N, *S] (a grouped conv over batches), dy [N, M, *S'] -> [M, N, *S']
+    as the kernel; strides and dilations swap roles. The window can exceed the kernel when the
+    padding is uneven, so the result is sliced to ``kernel`` before [Cg, M, k] -> [M, Cg, k].
+    """
+    n, c, *spatial = sx
+    cg = c // group
+    xr = g.op("Reshape", x, g.ints([n, group, cg, *spatial]))
+    xr = g.op("Transpose", xr, perm=[2, 1, 0, *range(3, 3 + len(spatial))])
+    xr = g.op("Reshape", xr, g.ints([cg, group * n, *spatial]))
+    k = g.op("Transpose", dy, perm=[1, 0, *range(2, 2 + len(spatial))])
+    out = g.op("Conv", xr, k, strides=dilations, dilations=strides, pads=pads, group=group)
+    nsp = len(spatial)
+    out_sp = [(spatial[i] + pads[i] + pads[i + nsp] - (sdy[2 + i] - 1) * strides[i] - 1) // dilations[i] + 1
+              for i in range(nsp)]
+    if out_sp != list(kernel):
+        out = g.op("Slice", out, g.ints([0] * nsp), g.ints(kernel), g.ints(range(2, 2 + nsp)))
+    return g.op("Transpose", out, perm=[1, 0, *range(2, 2 + nsp)])
+
+
+def _output_padding(in_sp, out_sp, kernel, strides, dilations, pads) -> list[int]:
+    """ConvTranspose's output_padding that recovers the forward input size."""
+    n = len(in_sp)
+    return [in_sp[i] - ((out_sp[i] - 1) * strides[i] - pads[i] - pads[i + n] + dilations[i] * (kernel[i] - 1) + 1)
+            for i in range(n)]
+
+
+@register_gradient("Conv")
+def conv(g: GradContext) -> list:
+    x, w = g.x[0], g.x[1]
+    dy = g.dy[0]
+    sx, sw, sy = g.shape(x), g.shape(w), g.shape(g.y[0])
+    strides, dilations, pads, group = _conv_attrs(g, len(sx) - 2)
+    if g.attr("auto_pad", "NOTSET") in ("VALID", b"VALID"):
+        pads = [0] * (2 * (len(sx) - 2))
+    kernel = list(sw[2:])
+    dx = dw = db = None
+    if g.needs[0]:
+        op = _output_padding(sx[2:], sy[2:], kernel, strides, dilations, pads)
+        dx = g.op("ConvTranspose", dy, w, strides=strides, dilations=dilations, pads=pads, group=group,
+                  output_padding=op if any(op) else None)
+    if g.needs[1]:
+        dw = weight_grad(g, x, sx, dy, sy, kernel, strides, dilations, pads, group)
+    if len(g.x) > 2 and g.x[2] is not None and g.needs[2]:
+        db = g.op("ReduceSum", dy, g.ints([0, *range(2, len(sy))]), keepdims=0)
+    return [dx, dw, db]
+
+
+@register_gradient("ConvTranspose")
+def conv_transpose(g: GradContext) -> list:
+    """y = ConvTranspose(x, W): dx = Conv(dy, W), dW = weight_grad(input=dy, grad=x)."""
+    x, w = g.x[0], g.x[1]
+    dy = g.dy[0]
+    sx, sw, sy = g.shape(x), g.shape(w), g.shape(g.y[0])
+    if g.attr("output_shape") is not None:
+        from partitioner.training.autodiff import MissingGradientError
+
+        raise MissingGradientError(f"node {g.node.name!r} (ConvTranspose): output_shape has no gradient rule; "
+                                   "give pads and output_padding")
+    strides, dilations, pads, group = _conv_attrs(g, len(sx) - 2)
+    kernel = list(sw[2:])
+    dx = dw = db = None
+    if g.needs[0]:
+        dx = g.op("Conv", dy, w, strides=strides, dilations=dilations, pads=pads, group=group)
+        n = len(kernel)
+        full = [(sy[2 + i] + pads[i] + pads[i + n] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+                for i in range(n)]
+        if full != list(sx[2:]):
+            dx = g.op("Slice", dx, g.ints([0] * n), g.ints(sx[2:]), g.ints(range(2, 2 + n)))
+    if g.needs[1]:
+        dw = weight_grad(g, dy, sy, x, sx, kernel, strides, dilations, pads, group)
+    if len(g.x) > 2 and g.x[2] is not None and g.needs[2]:
+        db = g.op("ReduceSum", dy, g.ints([0, *range(2, len(sy))]), keepdims=0)
+    return [dx, dw, db]

@@ -1,0 +1,139 @@
+"""Gradients of data movement and reductions: Reshape, Flatten, Squeeze, Unsqueeze, Transpose,
+Concat, Split, Slice, Gather, ReduceMean, ReduceSum.
+
+Shapes are static, so every target shape and index set is a constant folded at build time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partitioner.training.autodiff import GradContext, MissingGradientError, register_gradient
+
+
+@register_gradient("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def reshape(g: GradContext) -> list:
+    return [g.op("Reshape", g.dy[0], g.ints(g.shape(g.x[0])))] + [None] * (len(g.x) - 1)
+
+
+@register_gradient("Transpose")
+def transpose(g: GradContext) -> list:
+    rank = len(g.shape(g.x[0]))
+    perm = g.attr("perm") or list(reversed(range(rank)))
+    return [g.op("Transpose", g.dy[0], perm=[int(i) for i in np.argsort(perm)])]
+
+
+@register_gradient("Concat")
+def concat(g: GradContext) -> list:
+    axis = int(g.attr("axis"))
+    sizes = [g.shape(v)[axis] for v in g.x]
+    parts = g.op("Split", g.dy[0], g.ints(sizes), axis=axis, _outputs=len(sizes))
+    parts = parts if isinstance(parts, tuple) else (parts,)
+    return [p if need else None for p, need in zip(parts, g.needs)]
+
+
+@register_gradient("Split")
+def split(g: GradContext) -> list:
+    axis = int(g.attr("axis", 0))
+    dys = [g.dy_or_zeros(i) for i in range(len(g.y))]
+    return [g.op("Concat", *dys, axis=axis)] + [None] * (len(g.x) - 1)
+
+
+@register_gradient("Slice")
+def slice_(g: GradContext) -> list:
+    """Pad dy back when every step is 1; otherwise scatter it to its flat positions."""
+    x, dy = g.x[0], g.dy[0]
+    sx = g.shape(x)
+    consts = [g.const_input(i) for i in range(1, 5)]
+    if consts[0] is None or consts[1] is None or any(c is None for c, v in zip(consts[2:], g.x[3:5]) if v is not None):
+        raise MissingGradientError(f"node {g.node.name!r} (Slice): starts/ends/axes/steps must be constants")
+    starts, ends = consts[0].tolist(), consts[1].tolist()
+    axes = consts[2].tolist() if consts[2] is not None else list(range(len(starts)))
+    steps = consts[3].tolist() if consts[3] is not None else [1] * len(starts)
+    index = [slice(None)] * len(sx)
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        index[int(a) % len(sx)] = slice(*slice(int(s), int(e), int(st)).indices(sx[int(a) % len(sx)]))
+    if all(int(st) == 1 for st in steps):
+        lo = [index[i].start or 0 for i in range(len(sx))]
+        hi = [sx[i] - (index[i].stop if index[i].stop is not None else sx[i]) for i in range(len(sx))]
+        return [g.op("Pad", dy, g.ints(lo + hi)), None, None, None, None][: len(g.x)]
+    flat = np.arange(int(np.prod(sx)), dtype=np.int64).reshape(sx)[tuple(index)].reshape(-1)
+    zeros = g.const(np.zeros(int(np.prod(sx))), name="zeros")
+    dx = g.op("ScatterElements", zeros, g.const(flat, name="slice_index"), g.op("Reshape", dy, g.ints([-1])), axis=0)
+    return [g.op("Reshape", dx, g.ints(sx)), None, None, None, None][: len(g.x)]
+
+
+@register_gradient("Gather")
+def gather(g: GradContext) -> list:
+    """Embedding lookup (axis 0): rows of dy are added into a zero table at their indices."""
+    data, indices = g.x
+    if int(g.attr("axis", 0)) != 0:
+        raise MissingGradientError(f"node {g.node.name!r} (Gather): only axis 0 (embeddings) has a gradient rule")
+    sd = g.shape(data)
+    zeros = g.const(np.zeros(sd), name="zeros")
+    idx = g.op("Unsqueeze", indices, g.ints([-1]))
+    return [g.op("ScatterND", zeros, idx, g.dy[0], reduction="add"), None]
+
+
+def _reduce_axes(g: GradContext, rank: int) -> list[int]:
+    axes = g.const_input(1) if len(g.x) > 1 else None
+    if axes is None:
+        axes = g.attr("axes")
+    if axes is None or len(axes) == 0:
+        return [] if int(g.attr("noop_with_empty_axes", 0)) else list(range(rank))
+    return sorted(int(a) % rank for a in np.asarray(axes).reshape(-1))
+
+
+def _reduce_grad(g: GradContext, scale: float | None) -> list:
+    sx = g.shape(g.x[0])
+    axes = _reduce_axes(g, len(sx))
+    kept = [1 if i in axes else d for i, d in enumerate(sx)]
+    dy = g.op("Reshape", g.dy[0], g.ints(kept))
+    if scale is not None:
+        dy = g.op("Mul", dy, g.scalar(scale))
+    return [g.op("Expand", dy, g.ints(sx))] + [None] * (len(g.x) - 1)
+
+
+@register_gradient("ReduceSum")
+def reduce_sum(g: GradContext) -> list:
+    return _reduce_grad(g, None)
+
+
+@register_gradient("ReduceMean")
+def reduce_mean(g: GradContext) -> list:
+    sx = g.shape(g.x[0])
+    count = int(np.prod([sx[a] for a in _reduce_axes(g, len(sx))]))
+    return _reduce_grad(g, 1.0 / max(count, 1))
+
+
+@register_gradient("Resize")
+def resize(g: GradContext) -> list:
+    """Nearest-neighbour Resize (constant scales or sizes): each output copied one input element,
+    so dx adds dy into those elements. Which element is found at build time by running the
+    forward Resize on the element indices (onnx.reference, float64: exact for any index below
+    2**53), then a ScatterElements(add) routes dy. Linear and cubic modes have no rule yet."""
+    mode = g.attr("mode", "nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "nearest":
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): mode {mode} has no gradient rule (nearest only)")
+    consts = [g.const_input(i) if i < len(g.x) and g.x[i] is not None else None for i in range(1, 4)]
+    if any(v is not None and c is None for v, c in zip(g.x[1:4], consts)):
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): roi/scales/sizes must be constants")
+    import onnx
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    sx = g.shape(g.x[0])
+    names = ["x"] + [f"c{i}" if c is not None else "" for i, c in enumerate(consts)]
+    inits = [numpy_helper.from_array(np.asarray(c), f"c{i}") for i, c in enumerate(consts) if c is not None]
+    attrs = {k: a.value for k, a in g.node.attributes.items()}
+    node = helper.make_node("Resize", names, ["y"], **attrs)
+    model = helper.make_model(helper.make_graph([node], "resize_index", [helper.make_tensor_value_info(
+        "x", onnx.TensorProto.DOUBLE, list(sx))], [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        initializer=inits), opset_imports=[helper.make_opsetid("", 18)])
+    index = np.arange(int(np.prod(sx)), dtype=np.float64).reshape(sx)
+    taken = ReferenceEvaluator(model).run(None, {"x": index})[0].astype(np.int64).reshape(-1)
+    zeros = g.const(np.zeros(int(np.prod(sx))), name="zeros")
+    dx = g.op("ScatterElements", zeros, g.const(taken, name="resize_index"), g.op("Reshape", g.dy[0], g.ints([-1])),
+              axis=0, reduction="add")
+    return [g.op("Reshape", dx, g.ints(sx)), None, None, None]

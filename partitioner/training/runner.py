@@ -1,0 +1,77 @@
+"""Run training steps with the weights and optimizer state resident in the process.
+
+A :class:`StepRunner` builds the step program once (ONNX Runtime session, or a TVM library),
+keeps the state (weights, BN statistics, optimizer moments) as arrays between steps, and after
+each step swaps every ``S`` for the step's ``S.next`` output: nothing is reloaded or
+re-serialised per step. The same runner executes a data-parallel rank: the step program then
+holds ``partitioner.comm.AllReduce`` nodes, run through the project's comm ops on ``comm``
+(an in-process :class:`~partitioner.runtime.comm_local.LocalWorld` communicator or MPI).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from partitioner.errors import UsageError
+from partitioner.training.step import TrainingSignature, initial_state, signature, step_program
+
+BACKENDS = ("onnxruntime", "tvm")
+
+
+class _NoComm:
+    """The communicator of a 1-rank step (its program has no comm op)."""
+
+    rank = 0
+    world_size = 1
+
+
+class StepRunner:
+    """One rank's training step on ``backend`` with resident state (see the module docstring)."""
+
+    def __init__(self, step: ir.Model | onnx.ModelProto, *, backend: str = "onnxruntime", comm: Any = None,
+                 workdir: str | os.PathLike[str] | None = None, threads: int = 1,
+                 state: Mapping[str, np.ndarray] | None = None) -> None:
+        if backend not in BACKENDS:
+            raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.signature: TrainingSignature = signature(step)
+        self.state: dict[str, np.ndarray] = dict(state) if state is not None else initial_state(step)
+        self.program = step_program(step)
+        self.comm = comm if comm is not None else _NoComm()
+        self.backend = backend
+        self.steps = 0
+        if backend == "onnxruntime":
+            from backends.onnxruntime import RankExecutable
+
+            self._exe = RankExecutable(self.program, threads=threads)
+        else:
+            from backends.tvm.build import build_one
+            from backends.tvm.executable import TvmRankExecutable
+            from backends.tvm.target import target_dict
+
+            folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
+            path = folder / f"{self.program.graph.name}.so"
+            build_one(self.program, path, target_dict(None))
+            self._exe = TvmRankExecutable(self.program, path, threads=threads)
+
+    def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
+        """One step on a batch; returns the loss (the global mean with data parallelism)."""
+        feeds = {**data, self.signature.labels: labels, **{a: self.state[a] for a, _ in self.signature.state}}
+        out = self._exe.run(feeds, self.comm)
+        for a, b in self.signature.state:
+            self.state[a] = out[b]
+        self.steps += 1
+        return float(out[self.signature.loss])
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The trainable weights and BN statistics now (the checkpoint's initializers)."""
+        names = set(self.signature.weights) | {a for a, _ in self.signature.state
+                                               if not a.endswith((".m", ".v", ".velocity")) and a != "optimizer.step"}
+        return {n: self.state[n] for n in names}

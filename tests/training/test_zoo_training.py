@@ -1,0 +1,116 @@
+"""Whole-model checks on the zoo: gradients against float64 finite differences, and the
+training step on ONNX Runtime and on TVM (one device) giving the same loss within 1e-4 with the
+loss going down over 3 steps on a fixed seeded batch.
+
+Models are small instances (a few layers, small images/sequences). mlp (and bert's gradient check) are in the
+fast suite; the others are slow-marked (each TVM build of a training step takes tens of seconds).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import models_zoo
+from partitioner.training import SGD, build_training_graph, signature
+from partitioner.training.runner import StepRunner
+from tests.training.gradcheck import finite_differences, gradients, to_float64
+
+# name -> (builder kwargs, loss, learning rate)
+ZOO = {
+    "mlp": ({"batch": 4, "hidden": 32, "in_features": 16}, "cross_entropy", 0.1),
+    "bert": ({"batch": 2, "seq": 8, "hidden": 32, "heads": 2, "layers": 1, "vocab": 50}, "mse", 0.5),
+    "gpt": ({"batch": 2, "seq": 8, "hidden": 32, "heads": 2, "layers": 1, "vocab": 50}, "cross_entropy", 0.5),
+    "resnet": ({"batch": 16, "image": 32, "width": 8, "classes": 10}, "cross_entropy", 0.01),
+    "inception": ({"batch": 2, "image": 32, "blocks": 1, "classes": 10}, "cross_entropy", 0.01),
+    "unet": ({"batch": 2, "image": 32}, "mse", 0.01),
+    "mobilenet": ({"batch": 8, "image": 64, "width_mult": 0.25, "classes": 10}, "cross_entropy", 0.001),
+}
+FAST = {"mlp", "bert"}
+#: smaller instances for the float64 finite differences (ORT has no float64 Conv: onnx.reference runs them)
+FD_KWARGS = {"resnet": {"batch": 2, "image": 32, "width": 4, "classes": 10}}
+
+
+def _batch(model, loss: str, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Seeded data for the model's inputs and labels for ``loss``."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for vi in model.graph.input:
+        if vi.name in {t.name for t in model.graph.initializer}:
+            continue
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        if vi.type.tensor_type.elem_type == 7:  # int64 token ids
+            data[vi.name] = rng.integers(0, 50, shape).astype(np.int64)
+        else:
+            data[vi.name] = rng.standard_normal(shape).astype(np.float32)
+    out = model.graph.output[0]
+    oshape = [d.dim_value for d in out.type.tensor_type.shape.dim]
+    labels = (rng.integers(0, oshape[-1], oshape[:-1]).astype(np.int64) if loss == "cross_entropy"
+              else rng.standard_normal(oshape).astype(np.float32))
+    return data, labels
+
+
+def _params(names, fast=frozenset(FAST)):
+    return [n if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.mark.parametrize("name", _params(["mlp", "bert", "gpt", "resnet"]))
+def test_zoo_gradients_match_finite_differences(name: str) -> None:
+    kwargs, loss, _ = ZOO[name]
+    model = to_float64(models_zoo.build(name, **FD_KWARGS.get(name, kwargs)))
+    data, labels = _batch(model, loss)
+    data = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in data.items()}
+    feeds = {**data, "labels": labels.astype(np.float64) if loss == "mse" else labels}
+    value, grads, prog, weights = gradients(model, feeds, loss)
+    assert np.isfinite(value)
+    # two entries of each of up to 8 weights spread over the depth of the model
+    names = sorted(weights)
+    picked = {n: weights[n] for n in names[:: max(1, len(names) // 8)]}
+    bad = finite_differences(prog, {**feeds, **{k: v for k, v in weights.items() if k not in picked}}, picked,
+                             grads, per_weight=2, rtol=1e-4, atol=1e-7)
+    assert not bad, "; ".join(bad[:5])
+
+
+#: Models whose 3-step trajectory is ill-conditioned in float32: under ONNX Runtime alone, a 1e-6
+#: relative perturbation of the start weights moves the third loss of the zoo mobilenet by 5e-3
+#: (batch 8, image 64, lr 1e-3; measured with ORT, BN over small batches of ReLU6-clipped
+#: channels). Two float32 backends cannot agree to 1e-4 there, so only the first step's loss is
+#: compared to 1e-4, and the loss must go down over 3 steps on both backends.
+ILL_CONDITIONED = {"mobilenet"}
+
+
+@pytest.mark.parametrize("name", _params(list(ZOO), fast=frozenset({"mlp"})))
+def test_zoo_step_same_loss_on_ort_and_tvm_and_loss_goes_down(name: str, tmp_path) -> None:
+    kwargs, loss, lr = ZOO[name]
+    model = models_zoo.build(name, **kwargs)
+    step = build_training_graph(model, loss=loss, optimizer=SGD(lr))
+    data, labels = _batch(model, loss)
+    ort_runner = StepRunner(step, backend="onnxruntime")
+    tvm_runner = StepRunner(step, backend="tvm", workdir=tmp_path)
+    ort_losses = [ort_runner.step(data, labels) for _ in range(3)]
+    tvm_losses = [tvm_runner.step(data, labels) for _ in range(3)]
+    compared = 1 if name in ILL_CONDITIONED else 3
+    np.testing.assert_allclose(tvm_losses[:compared], ort_losses[:compared], rtol=0, atol=1e-4)
+    assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
+    assert tvm_losses[2] < tvm_losses[1] < tvm_losses[0], tvm_losses
+    assert set(signature(step).weights) <= set(ort_runner.weights())
+
+
+@pytest.mark.slow
+def test_zoo_mlp_gradients_match_relax_gradient() -> None:
+    """The whole zoo mlp (MatMul, Add, Relu, Gemm) against TVM Relax's relax.transform.Gradient
+    of the same float64 forward model + MSE loss (the other zoo models hold ops Relax cannot
+    differentiate: take/erf in bert and gpt, max_pool2d with padding in resnet)."""
+    from tests.training.gradcheck import relax_gradients, with_mse_loss
+
+    kwargs, _, _ = ZOO["mlp"]
+    model = to_float64(models_zoo.build("mlp", **kwargs))
+    data, _ = _batch(model, "mse")
+    data = {k: v.astype(np.float64) for k, v in data.items()}
+    labels = np.random.default_rng(2).standard_normal((4, 10))
+    value, grads, _, weights = gradients(model, {**data, "labels": labels}, "mse")
+    rloss, rgrads = relax_gradients(with_mse_loss(model, model.graph.output[0].name), {**data, "labels": labels},
+                                    weights)
+    assert abs(rloss - value) <= 1e-9 + 1e-6 * abs(value)
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, rgrads[name], rtol=1e-6, atol=1e-9, err_msg=name)
