@@ -494,6 +494,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     """
     import onnx_ir as ir
 
+    from partitioner.lowering.lazy_weights import read_in_external
     from partitioner.partition import partition
 
     path = source_path if source_path is not None else model
@@ -501,14 +502,14 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
         original_sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if isinstance(model, ir.Model):
-        prepared = model
+        prepared = read_in_external(model)  # lazy weights are read in: the build holds them all today
         if source is None:
             source = ir.serde.serialize_model(model)
     else:
         from partitioner.load import load
         from passes import run_pipeline
 
-        raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None)
+        raw = read_in_external(load(model, batch=batch, shapes=dict(shapes) if shapes else None))
         if source is None:
             source = ir.serde.serialize_model(raw)  # before the passes: --check compares against this
         prepared = run_pipeline(raw, None if passes is None else list(passes))

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from partitioner.commands._options import (add_cluster_arguments, add_json_argument, add_model_arguments,
-                                           add_strategy_arguments, cluster_from_args, load_model_from_args,
-                                           parse_bytes, print_json)
+                                           add_shapes_only_argument, add_strategy_arguments, cluster_from_args,
+                                           load_model_from_args, parse_bytes, print_json)
 
 NAME = "plan"
 HELP = "choose a partition plan for a model on a cluster and print its predicted costs"
@@ -16,6 +16,7 @@ HELP = "choose a partition plan for a model on a cluster and print its predicted
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_shapes_only_argument(p)
     add_cluster_arguments(p)
     add_strategy_arguments(p)
     add_json_argument(p)
