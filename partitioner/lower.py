@@ -429,8 +429,8 @@ class _Lowerer:
                 live.update(i for i in node.input if i)
         rk.nodes = kept[::-1]
         rk.inits = {k: v for k, v in rk.inits.items() if k in live}
-        used = live | set(rk.inputs)
-        rk.infos = {k: v for k, v in rk.infos.items() if k in used or any(k in n.output for n in rk.nodes)}
+        used = live | set(rk.inputs) | {o for n in rk.nodes for o in n.output}  # one set, not a scan per value
+        rk.infos = {k: v for k, v in rk.infos.items() if k in used}
 
     def build(self, r: int) -> onnx.ModelProto:
         rk = self.ranks[r]
