@@ -220,3 +220,48 @@ def test_compile_refuses_over_2gb_of_lazy_weights_in_one_line(tmp_path: Path) ->
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "3.00 GiB of external weights" in err
     assert rss < 450 * 2**20
+
+
+# per-rank data files in the artifact ------------------------------------------------------------
+
+@pytest.fixture
+def tensor_artifact(tmp_path: Path):
+    from partitioner.artifact import compile as compile_artifact
+
+    proto = _mlp()
+    path = _saved_with_external_data(tmp_path / "m", proto)
+    art = compile_artifact(str(path), "cpu:2", strategy="tensor", backend="onnxruntime", out_dir=tmp_path / "art")
+    return art, proto
+
+
+def test_each_rank_gets_a_data_file_with_only_its_weights(tensor_artifact) -> None:
+    import hashlib
+
+    art, proto = tensor_artifact
+    weights = sum(numpy_helper.to_array(t).nbytes for t in proto.graph.initializer if t.name in ("w1", "w2"))
+    for r in range(2):
+        data = art.root / f"rank{r}.data"
+        # W1 split by columns and W2 by rows: each rank holds half of each, nothing else that large
+        assert weights // 2 <= data.stat().st_size < weights // 2 + 4096
+        assert (art.root / f"rank{r}.onnx").stat().st_size < 64 * 1024
+        entry = art.manifest["files"][f"rank{r}.data"]
+        assert entry["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+        assert art.manifest["ranks"][r]["data"] == f"rank{r}.data"
+    x = np.random.default_rng(4).standard_normal((8, 256)).astype(np.float32)
+    got = art.run({"x": x}, in_process=True).outputs["y"]
+    np.testing.assert_allclose(got, _ort(proto, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_data_file_is_refused_before_loading(tensor_artifact) -> None:
+    from partitioner.artifact import load_artifact
+    from partitioner.errors import ArtifactError
+
+    art, _ = tensor_artifact
+    data = art.root / "rank1.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match=r"rank1\.data: sha256 does not match"):
+        load_artifact(art.root)
+    rc, _, err, _ = _cli("run", str(art.root))
+    assert rc == 2 and "rank1.data" in err and len(err.strip().splitlines()) == 1

@@ -17,6 +17,12 @@ Rules:
 2. :func:`read_shard` reads one such reference back (memory-mapping the source and copying only
    the piece); :func:`with_shards_read` returns programs whose references are filled in, one
    rank at a time, for a backend that wants bytes in the protobuf.
+4. :func:`write_rank_program` writes one rank's program as ``rank<i>.onnx`` plus
+   ``rank<i>.data`` holding only that rank's weights: each initializer of at least
+   ``RANK_DATA_MIN_BYTES`` is appended to the data file, one tensor at a time (a lazy reference
+   is streamed from the source model's folder, a piece at a time), 64-byte aligned, and the
+   protobuf keeps a reference to it. The artifact's manifest hashes the data file like every
+   other file, so a changed byte is refused before anything loads.
 3. :func:`read_in_external` turns every lazy initializer of a model into an in-memory tensor,
    for the paths that still need every weight inside one process (a compile into one artifact
    today). It refuses, with one line, a model whose external weights exceed ``max_bytes``
@@ -39,6 +45,8 @@ from onnx import helper, numpy_helper
 from partitioner.errors import ModelLoadError
 
 SLICE_KEY = "partitioner.slice"
+RANK_DATA_MIN_BYTES = 64 * 1024
+_DATA_ALIGN = 64
 MAX_INLINE_TOTAL = 2**31 - 1
 
 
@@ -114,6 +122,51 @@ def with_shards_read(programs: Sequence[onnx.ModelProto], base_dir: str | os.Pat
     return tuple(out)
 
 
+def write_rank_program(program: onnx.ModelProto, folder: str | os.PathLike[str], rank: int, *,
+                       base_dir: str | os.PathLike[str] | None = None,
+                       min_bytes: int = RANK_DATA_MIN_BYTES) -> list[str]:
+    """Rule 4: write ``rank<rank>.onnx`` (and ``rank<rank>.data`` when the rank holds a weight of
+    at least ``min_bytes``) into ``folder``; ``program`` is not changed. Returns the file names."""
+    folder = Path(folder)
+    data_name = f"rank{rank}.data"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(program)
+    offset = 0
+    fh = None
+    try:
+        for t in copy.graph.initializer:
+            external = t.data_location == onnx.TensorProto.EXTERNAL
+            if not external and len(t.raw_data) < min_bytes:
+                continue
+            if external:
+                if base_dir is None:
+                    raise ModelLoadError(f"rank {rank}: weight {t.name!r} is a reference to the source model's data "
+                                         "but no source folder was given")
+                payload = read_shard(t, base_dir).tobytes()
+            else:
+                payload = t.raw_data
+            if fh is None:
+                fh = open(folder / data_name, "wb")
+            pad = -offset % _DATA_ALIGN
+            fh.write(b"\0" * pad)
+            offset += pad
+            fh.write(payload)
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            del t.metadata_props[:]
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            offset += len(payload)
+            del payload
+    finally:
+        if fh is not None:
+            fh.close()
+    (folder / f"rank{rank}.onnx").write_bytes(copy.SerializeToString())
+    return [f"rank{rank}.onnx"] + ([data_name] if fh is not None else [])
+
+
 def external_bytes(model: ir.Model) -> int:
     """Bytes of the model's initializers that are still on disk (all graphs)."""
     return sum(v.const_value.nbytes for g in model.graphs() for v in g.initializers.values()
@@ -134,5 +187,5 @@ def read_in_external(model: ir.Model, *, max_bytes: int = MAX_INLINE_TOTAL, purp
     return ir.external_data.load_to_model(model)
 
 
-__all__ = ["SLICE_KEY", "external_bytes", "is_lazy", "read_in_external", "read_shard", "shard_reference",
-           "with_shards_read"]
+__all__ = ["RANK_DATA_MIN_BYTES", "SLICE_KEY", "external_bytes", "is_lazy", "read_in_external", "read_shard",
+           "shard_reference", "with_shards_read", "write_rank_program"]
