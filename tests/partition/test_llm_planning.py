@@ -93,19 +93,21 @@ from partitioner.cli import main
 t = time.perf_counter()
 rc = main(sys.argv[1:])
 sys.stdout.flush()
-print("BUDGET", time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+u = resource.getrusage(resource.RUSAGE_SELF)
+print("BUDGET", time.perf_counter() - t, u.ru_utime + u.ru_stime, u.ru_maxrss * 1024, file=sys.stderr)
 sys.exit(rc)
 """
 
 
-def _plan_in_subprocess(*args: str) -> tuple[dict, float, int]:
+def _plan_in_subprocess(*args: str) -> tuple[dict, float, float, int]:
+    """(report, wall seconds, CPU seconds, peak RSS bytes) of one CLI run in a fresh process."""
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _PLAN, *args], capture_output=True, text=True, env=env,
                           timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(x for x in proc.stderr.splitlines() if x.startswith("BUDGET"))
-    _, seconds, rss = line.split()
-    return json.loads(proc.stdout), float(seconds), int(rss)
+    _, wall, cpu, rss = line.split()
+    return json.loads(proc.stdout), float(wall), float(cpu), int(rss)
 
 
 @pytest.mark.slow
@@ -119,9 +121,11 @@ def test_llm_plans_within_budget(tmp_path: Path, size: str, cluster: str, limit:
     subprocess.run(models_zoo_export, check=True, capture_output=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                    cwd=ROOT, timeout=600)
     assert time.perf_counter() - t < 60
-    report, took, rss = _plan_in_subprocess("plan", str(path), "--cluster", cluster, "--strategy", "auto",
+    report, wall, cpu, rss = _plan_in_subprocess("plan", str(path), "--cluster", cluster, "--strategy", "auto",
                                             "--memory-limit", limit, "--json")
     assert report["prediction"]["fits_memory"] is True
     assert report["plan"]["world_size"] > 1  # neither model fits the limit on one device
     assert rss < 2 * 2**30, f"plan peaked at {rss / 2**30:.2f} GiB"
-    assert took < seconds, f"plan took {took:.1f} s (budget {seconds} s on a quiet machine)"
+    # The budget is wall time on a quiet machine; the planner is single-threaded, so its CPU time
+    # is that figure on a machine shared with other work (where the wall clock means nothing).
+    assert cpu < seconds, f"plan took {cpu:.1f} s of CPU ({wall:.1f} s wall; budget {seconds} s)"
