@@ -102,15 +102,16 @@ def test_sparse_3gib_model_inspects_and_plans_without_reading_weights(tmp_path: 
     assert rss < 450 * 2**20, f"plan peaked at {rss / 2**20:.0f} MiB"
 
 
-def test_absent_data_file_needs_shapes_only(tmp_path: Path) -> None:
+def test_absent_data_file_needs_shapes_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = sparse_model(tmp_path / "m", hidden=1024, layers=2)
     (tmp_path / "m" / "weights.data").unlink()
-    rc, out, err, _ = _cli("inspect", str(path))
-    assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert "weights.data" in err and "no such file" in err
-    rc, out, err, _ = _cli("plan", str(path), "--shapes-only", "--cluster", "cpu:2", "--json")
-    assert rc == 0, err
-    assert json.loads(out)["plan"]["world_size"] >= 1
+    from partitioner.cli import main
+
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "weights.data" in err and "no such file" in err, err
+    assert main(["plan", str(path), "--shapes-only", "--cluster", "cpu:2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["world_size"] >= 1
 
 
 def test_shapes_only_still_refuses_unsafe_paths(tmp_path: Path) -> None:

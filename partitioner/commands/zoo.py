@@ -80,10 +80,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import onnx
-
     from models_zoo import build
-
     from models_zoo.export_large import data_file_name, save_model
 
     names = [dest for _, dest, _, _ in _EXPORT_OPTIONS] + ["symbolic_batch", "shapes_only"]
