@@ -49,6 +49,25 @@ def _external_extent(model: onnx.ModelProto) -> tuple[str | None, int]:
     return location, end
 
 
+def _tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's tensor data (initializers and Constant attributes), from their dims.
+
+    Not ``model.ByteSize()``: past 2 GB protobuf's size is a 32-bit count that wraps around, so a
+    2.9 GB model once measured as small and went on to fail in ``SerializeToString``."""
+    total = 0
+    tensors = list(model.graph.initializer)
+    tensors += [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
+    for t in tensors:
+        if t.data_type == onnx.TensorProto.STRING:
+            total += sum(len(v) for v in t.string_data)
+            continue
+        n = 1
+        for d in t.dims:
+            n *= int(d)
+        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
 def _is_sparse(path: Path) -> bool:
     st = path.stat()
     return getattr(st, "st_blocks", 0) * 512 < max(st.st_size // 100, 1 << 20)
@@ -68,7 +87,7 @@ def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> dict[s
             with open(data, "wb") as fh:
                 fh.truncate(extent)
             return {"bytes": out.stat().st_size, "data_file": str(data), "data_bytes": extent, "sparse": True}
-        if model.ByteSize() <= AUTO_EXTERNAL_BYTES:  # rule 1, small
+        if _tensor_bytes(model) <= AUTO_EXTERNAL_BYTES:  # rule 1, small
             onnx.save(model, str(out))
             return {"bytes": out.stat().st_size, "data_file": None, "data_bytes": 0, "sparse": False}
         name = data_file_name(out)
