@@ -30,6 +30,7 @@ from models_zoo.graph_builder import OPSET, PRODUCER_NAME
 from models_zoo.inception import build_inception
 from models_zoo.light import describe as _describe_light
 from models_zoo.light import light_names, load_light
+from models_zoo.llama import build_llama
 from models_zoo.sample_inputs import sample_inputs
 from models_zoo.mlp import build_mlp
 from models_zoo.mobilenet import build_mobilenet
@@ -79,6 +80,8 @@ _BUILDERS: dict[str, _Builder] = {
     "inception": _Builder(build_inception, "Inception: 1x1/3x3/5x5/pool branches concatenated"),
     "mobilenet": _Builder(build_mobilenet, "MobileNetV2: depthwise+pointwise Conv, BN, ReLU6 (Clip), "
                                            "inverted residuals"),
+    "llama": _Builder(build_llama, "Llama-style decoder: RMSNorm, rotary embedding, grouped-query attention, "
+                                   "SwiGLU MLP, KV cache outputs; sizes tiny, 7b, 70b (--shapes-only)"),
 }
 
 

@@ -43,6 +43,7 @@ import onnx
 from partitioner.bindings import Bindings
 from partitioner.comm_ops import CommOp, is_comm
 from partitioner.errors import ArtifactError, BackendError, PartitionerError
+from partitioner.lowering.lazy_weights import write_rank_program
 from partitioner.segments import all_nodes
 
 FORMAT = "partitioner-artifact"
@@ -349,8 +350,8 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
         programs, ort_marked = _mark_fallback_segments(programs, backend, fallback)
         plan_json = dict(plan) if plan is not None else {"strategy": "given", "world_size": bindings.world_size}
         (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=_json_default) + "\n")
-        for i, p in enumerate(programs):
-            (tmp / program_file(i)).write_bytes(p.SerializeToString())
+        for i, p in enumerate(programs):  # rank<i>.onnx + rank<i>.data with only that rank's weights
+            write_rank_program(p, tmp, i)
         fallback_note = None
         try:
             suffix, facts = _build_backend_files(tmp, programs, backend, target, jobs, progress, build_options)
@@ -360,7 +361,7 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
                     raise
                 raise BackendError(f"backend {backend}: build failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
             for path in tmp.iterdir():
-                if _RANK_FILE.match(path.name) and path.suffix != ".onnx":
+                if _RANK_FILE.match(path.name) and path.suffix not in (".onnx", ".data"):
                     path.unlink()
             fallback_note = {"from": backend, "to": fallback, "reason": str(exc).splitlines()[0]}
             backend, target = fallback, None
@@ -374,6 +375,7 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
         if report_html is not None:
             (tmp / REPORT).write_text(report_html)
         ranks = [{"rank": i, "program": program_file(i), "executable": f"rank{i}{suffix}",
+                  **({"data": f"rank{i}.data"} if (tmp / f"rank{i}.data").is_file() else {}),
                   "build": _clean_facts(facts[i] if i < len(facts) else {}),
                   **({"fallback_segments": segments_per_rank[i]} if segments_per_rank[i] else {})}
                  for i in range(len(programs))]
@@ -494,6 +496,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     """
     import onnx_ir as ir
 
+    from partitioner.lowering.lazy_weights import read_in_external
     from partitioner.partition import partition
 
     path = source_path if source_path is not None else model
@@ -501,14 +504,14 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
         original_sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if isinstance(model, ir.Model):
-        prepared = model
+        prepared = read_in_external(model)  # lazy weights are read in: the build holds them all today
         if source is None:
             source = ir.serde.serialize_model(model)
     else:
         from partitioner.load import load
         from passes import run_pipeline
 
-        raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None)
+        raw = read_in_external(load(model, batch=batch, shapes=dict(shapes) if shapes else None))
         if source is None:
             source = ir.serde.serialize_model(raw)  # before the passes: --check compares against this
         prepared = run_pipeline(raw, None if passes is None else list(passes))

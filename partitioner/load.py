@@ -3,16 +3,23 @@
 Checks, in the order they run (each failure is one :class:`ModelLoadError` line naming the file,
 node or tensor):
 
-1. The source is a regular, non-empty file under 2 GB (protobuf's limit), or a ModelProto, or a
-   zoo name (``partitioner zoo list``). Folders, empty, truncated, random-byte and non-ONNX files
+1. The source is a regular, non-empty file under 2 GB (protobuf's limit, which binds the protobuf
+   part only: external data may be any size), or a ModelProto, or a zoo name
+   (``partitioner zoo list``). Folders, empty, truncated, random-byte and non-ONNX files
    are refused.
 2. Structure: a graph with outputs, nesting of If/Loop/Scan subgraphs at most ``MAX_NESTING``
    deep, default-domain opset within [7, the installed onnx's highest], every operator known
    (all unsupported ones are listed at once), SSA (no duplicate output names), no dangling
    inputs, no cycles. An acyclic graph stored out of order is sorted.
 3. Tensor data: external data must live in the model's own folder (no ``..``, no absolute path,
-   no symlink, offsets and lengths inside the file, the model's running total of bytes under
-   2 GB before each read), and raw or typed data must agree with dims (sub-byte types packed).
+   no symlink, offsets and lengths inside the file, lengths agreeing with dims). Main-graph
+   initializers over ``INLINE_EXTERNAL_BYTES`` stay *lazy*: the loaded model holds an
+   ``onnx_ir.ExternalTensor`` (memory-mapped only when its values are asked for), so loading,
+   ``inspect`` and ``plan`` read no weight bytes. Smaller external tensors (shape constants) and
+   those in subgraphs or attributes are read in, the running total of the protobuf plus what
+   was read in staying under 2 GB. With ``shapes_only=True`` a missing data file is accepted
+   (path-safety checks still apply): the model can be planned, not run. Raw or typed data must
+   agree with dims (sub-byte types packed).
    Nothing outside the model's folder is ever opened; files are opened non-blocking and
    re-checked on the open descriptor. Node names and types must be valid UTF-8.
 4. Allocation bombs: no tensor (initializer, ConstantOfShape/Expand output in any graph or
@@ -45,6 +52,9 @@ from partitioner.errors import ModelLoadError, PartitionerError, UnsupportedOpEr
 MIN_OPSET = 7
 MAX_NESTING = 16
 MAX_FILE_BYTES = 2**31 - 1
+# External main-graph initializers above this stay lazy (memory-mapped on use); smaller ones are
+# read in, so shape constants reach ONNX's data propagation.
+INLINE_EXTERNAL_BYTES = 64 * 1024
 DEFAULT_MAX_ELEMENTS = int(os.environ.get("PARTITIONER_MAX_TENSOR_ELEMENTS", 2**32))
 from partitioner.comm_ops import DOMAIN as COMM_DOMAIN
 _KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", COMM_DOMAIN)
@@ -56,14 +66,23 @@ def load(
     batch: int | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
+    shapes_only: bool = False,
 ) -> ir.Model:
-    """Load, validate and shape-infer a model. Returns an onnx-ir model with static shapes."""
-    proto = load_proto(source, batch=batch, shapes=shapes, max_elements=max_elements)
+    """Load, validate and shape-infer a model. Returns an onnx-ir model with static shapes.
+
+    Large external initializers stay lazy (``ir.ExternalTensor`` with its folder set), so a model
+    of any size loads in the memory of its graph; ``shapes_only`` accepts absent data files.
+    """
+    proto, base_dir = _load_checked(source, batch=batch, shapes=shapes, max_elements=max_elements,
+                                    shapes_only=shapes_only)
     try:
-        return ir.serde.deserialize_model(proto)
+        model = ir.serde.deserialize_model(proto)
     except Exception as exc:
         raise ModelLoadError(f"{proto.graph.name or '<model>'}: onnx-ir cannot read the model "
                              f"({type(exc).__name__}: {_one_line(exc)})") from exc
+    if base_dir is not None:
+        ir.external_data.set_base_dir(model.graph, base_dir)
+    return model
 
 
 def load_proto(
@@ -72,8 +91,25 @@ def load_proto(
     batch: int | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
+    shapes_only: bool = False,
 ) -> onnx.ModelProto:
     """Like :func:`load` but returns the validated, shape-inferred ``ModelProto``.
+
+    Large external initializers remain external references (location relative to the model's
+    folder), as in :func:`load`.
+    """
+    return _load_checked(source, batch=batch, shapes=shapes, max_elements=max_elements, shapes_only=shapes_only)[0]
+
+
+def _load_checked(
+    source: str | os.PathLike[str] | onnx.ModelProto,
+    *,
+    batch: int | None,
+    shapes: Mapping[str, Sequence[int]] | None,
+    max_elements: int,
+    shapes_only: bool,
+) -> tuple[onnx.ModelProto, Path | None]:
+    """The checks of the module docstring; returns the proto and the model's folder.
 
     Any exception other than a :class:`PartitionerError` raised while checking hostile bytes
     (a malformed field the checks above did not foresee) becomes a one-line ModelLoadError naming
@@ -83,12 +119,12 @@ def load_proto(
     try:
         label, proto, base_dir = _read_source(source)
         _check_structure(proto, label)
-        _resolve_tensor_data(proto, label, base_dir, max_elements)
+        _resolve_tensor_data(proto, label, base_dir, max_elements, shapes_only)
         _guard_constant_of_shape(proto, label, max_elements)
         _bind_dims(proto, label, batch, dict(shapes or {}))
         proto = _check_and_infer(proto, label)
         _guard_inferred_sizes(proto, label, max_elements)
-        return proto
+        return proto, base_dir
     except PartitionerError:
         raise
     except RecursionError:
@@ -287,14 +323,17 @@ def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
 # 3. tensor data --------------------------------------------------------------------------------
 
 def _all_tensors(proto: onnx.ModelProto):
-    for graph, _ in _walk_graphs(proto.graph):
+    """``(tensor, may_stay_lazy)`` for every tensor: only main-graph initializers may stay lazy
+    (onnx-ir memory-maps those; a subgraph's or an attribute's tensor is read in)."""
+    for graph, depth in _walk_graphs(proto.graph):
         for t in graph.initializer:
-            yield t
+            yield t, depth == 0
         for node in graph.node:
             for attr in node.attribute:
                 if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
+                    yield attr.t, False
+                for t in attr.tensors:
+                    yield t, False
 
 
 def _expected_bytes(t: onnx.TensorProto) -> int | None:
@@ -327,9 +366,10 @@ _TYPED_PER_INT32 = {
 _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
 
 
-def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | None, max_elements: int) -> None:
-    inlined = [proto.ByteSize()]  # running total of the model's bytes, external data included
-    for t in _all_tensors(proto):
+def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | None, max_elements: int,
+                         shapes_only: bool = False) -> None:
+    inlined = [proto.ByteSize()]  # running total of the protobuf's bytes, external data read in included
+    for t, may_stay_lazy in _all_tensors(proto):
         n = math.prod(t.dims)
         if any(d < 0 for d in t.dims):
             raise ModelLoadError(f"{label}: tensor {t.name!r} has a negative dimension {list(t.dims)}")
@@ -337,7 +377,7 @@ def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | No
             raise ModelLoadError(f"{label}: tensor {t.name!r} has {_count(n)} elements, over the limit of {_count(max_elements)}")
         want = _expected_bytes(t)
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            _read_external(t, label, base_dir, want, inlined)
+            _read_external(t, label, base_dir, want, inlined, may_stay_lazy, shapes_only)
             continue
         if t.HasField("raw_data"):
             if want is not None and len(t.raw_data) != want:
@@ -359,9 +399,11 @@ def _resolve_tensor_data(proto: onnx.ModelProto, label: str, base_dir: Path | No
 
 
 def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want: int | None,
-                   inlined: list[int]) -> None:
-    """Inline one tensor's external data. ``inlined[0]`` is the running byte total of the model:
-    a read that would take it past protobuf's 2 GB limit is refused before it happens."""
+                   inlined: list[int], may_stay_lazy: bool = False, shapes_only: bool = False) -> None:
+    """Check one tensor's external data reference; inline it unless it may stay lazy and is over
+    ``INLINE_EXTERNAL_BYTES``. ``inlined[0]`` is the running byte total of the protobuf: a read
+    that would take it past protobuf's 2 GB limit is refused before it happens. A lazy tensor's
+    reference is rewritten with its offset and length explicit (what onnx-ir maps)."""
     info = {e.key: e.value for e in t.external_data}
     loc = info.get("location", "")
     where = f"{label}: tensor {t.name!r}: external data {loc!r}"
@@ -385,6 +427,9 @@ def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want:
             raise ModelLoadError(f"{where}: {part!r} is a symlink; refused")
     if not target.resolve().is_relative_to(base_dir):
         raise ModelLoadError(f"{where}: resolves outside the model's folder; refused")
+    if shapes_only and may_stay_lazy and not os.path.lexists(target):
+        _set_external_info(t, loc, int(info.get("offset", 0) or 0), want or 0)
+        return  # planning a model whose weights are not here: the reference is kept unchecked
     if not target.is_file():
         raise ModelLoadError(f"{where}: no such file beside the model")
     try:
@@ -399,6 +444,9 @@ def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want:
         raise ModelLoadError(f"{where}: offset {offset} + length {length} is outside the file ({size} bytes)")
     if want is not None and length != want:
         raise ModelLoadError(f"{where}: length {length} bytes but dims {list(t.dims)} need {want}")
+    if may_stay_lazy and length > INLINE_EXTERNAL_BYTES:
+        _set_external_info(t, loc, offset, length)
+        return
     if inlined[0] + length > MAX_FILE_BYTES:
         raise ModelLoadError(
             f"{where}: {length / 2**30:.2f} GiB more would take the model to {(inlined[0] + length) / 2**30:.2f} GiB, "
@@ -408,6 +456,14 @@ def _read_external(t: onnx.TensorProto, label: str, base_dir: Path | None, want:
     inlined[0] += length
     del t.external_data[:]
     t.data_location = onnx.TensorProto.DEFAULT
+
+
+def _set_external_info(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Keep only the keys onnx-ir reads (location, offset, length), all explicit."""
+    del t.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
 
 
 # 4. allocation bombs ---------------------------------------------------------------------------
@@ -503,8 +559,42 @@ def _bind_dims(proto: onnx.ModelProto, label: str, batch: int | None, shapes: di
 
 
 def _check_and_infer(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    """The checker and strict shape inference. Lazy (external) initializers are shown to them as
+    typed graph inputs, since onnx's checker opens external files relative to the working
+    folder; they are put back, unchanged, into the inferred model."""
     if proto.ByteSize() > MAX_FILE_BYTES:
         raise ModelLoadError(f"{label}: the model is over protobuf's 2 GB limit in memory; refused")
+    g = proto.graph
+    lazy = [t for t in g.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not lazy:
+        return _check_and_infer_proto(proto, label)
+    lazy_names = {t.name for t in lazy}
+    order = [t.name for t in g.initializer]
+    listed = {i.name for i in g.input}
+    stub = onnx.ModelProto()
+    stub.CopyFrom(proto)
+    kept = [t for t in stub.graph.initializer if t.name not in lazy_names]
+    del stub.graph.initializer[:]
+    stub.graph.initializer.extend(kept)
+    added = [t.name for t in lazy if t.name not in listed]
+    stub.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                            for t in lazy if t.name not in listed)
+    if stub.ir_version < 4:
+        stub.ir_version = 4  # an initializer-less input needs IR >= 4; only the stub is changed
+    inferred = _check_and_infer_proto(stub, label)
+    inferred.ir_version = proto.ir_version
+    added_set = set(added)
+    inputs = [i for i in inferred.graph.input if i.name not in added_set]
+    del inferred.graph.input[:]
+    inferred.graph.input.extend(inputs)
+    by_name = {t.name: t for t in inferred.graph.initializer}
+    by_name.update({t.name: t for t in lazy})
+    del inferred.graph.initializer[:]
+    inferred.graph.initializer.extend(by_name[n] for n in order)
+    return inferred
+
+
+def _check_and_infer_proto(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
     try:
         onnx.checker.check_model(proto, full_check=False)
     except Exception as exc:

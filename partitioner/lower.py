@@ -31,6 +31,7 @@ from onnx import helper, numpy_helper
 from partitioner import comm_ops
 from partitioner.bindings import Bindings, Placement, TensorBinding
 from partitioner.errors import PlanError, VerifyError
+from partitioner.lowering.lazy_weights import is_lazy, shard_reference
 from partitioner.lowering.model_view import ModelView, attr
 from partitioner.lowering.verify import verify_programs
 from partitioner.plan import Plan, Sharding
@@ -114,11 +115,15 @@ class _Lowerer:
         for name, elem, shape in outs:
             rk.infos[name] = (elem, tuple(int(d) for d in shape))
 
-    def add_init(self, r: int, base: str, array: np.ndarray) -> str:
+    def add_init(self, r: int, base: str, array: np.ndarray | onnx.TensorProto) -> str:
         rk = self.ranks[r]
         name = base if base not in rk.names else self.fresh(base, "w")
         rk.names.add(name)
-        rk.inits[name] = numpy_helper.from_array(np.asarray(array, order="C"), name)
+        if isinstance(array, onnx.TensorProto):  # a lazy weight's reference (lowering/lazy_weights.py)
+            array.name = name
+            rk.inits[name] = array
+        else:
+            rk.inits[name] = numpy_helper.from_array(np.asarray(array, order="C"), name)
         return name
 
     def const_i64(self, r: int, base: str, values: Sequence[int]) -> str:
@@ -172,6 +177,12 @@ class _Lowerer:
             return self.cache[key]
         view = self.view
         if view.is_const(value):
+            tensor = view.initializers[value].const_value
+            if is_lazy(tensor):  # a weight still on disk: each rank gets a reference, no bytes
+                res = {r: self.add_init(r, value, shard_reference(value, tensor, req.axis, k, len(req.ranks)))
+                       for k, r in enumerate(req.ranks)}
+                self.cache[key] = res
+                return res
             arr = view.const(value)
             res = {}
             for k, r in enumerate(req.ranks):
@@ -418,8 +429,8 @@ class _Lowerer:
                 live.update(i for i in node.input if i)
         rk.nodes = kept[::-1]
         rk.inits = {k: v for k, v in rk.inits.items() if k in live}
-        used = live | set(rk.inputs)
-        rk.infos = {k: v for k, v in rk.infos.items() if k in used or any(k in n.output for n in rk.nodes)}
+        used = live | set(rk.inputs) | {o for n in rk.nodes for o in n.output}  # one set, not a scan per value
+        rk.infos = {k: v for k, v in rk.infos.items() if k in used}
 
     def build(self, r: int) -> onnx.ModelProto:
         rk = self.ranks[r]

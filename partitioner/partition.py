@@ -12,12 +12,18 @@ import onnx_ir as ir
 
 from partitioner.bindings import Bindings
 from partitioner.errors import StrategyNotApplicable, UsageError
-from partitioner.lower import lower
+from partitioner.lower import lower as lower_plan
 from partitioner.lowering.model_view import ModelView
 from partitioner.plan import Plan
 from partitioner.strategies import costing, get_strategy
 from partitioner.strategies.constraints import read_constraints, violation
 from partitioner.strategies.search import search
+
+
+#: ``partition(lower=None)`` lowers only plans of at most this many node copies (ranks x nodes):
+#: a 70B decoder on 128 ranks is 600k copies, minutes and gigabytes for a prediction the
+#: analytical estimate already gives (docs/large_models.md).
+LOWER_AUTO_LIMIT = 150_000
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,15 @@ def _cluster(cluster: Any) -> Any:
 
 
 def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbatches: int | None = None,
-              objective: str = "latency", memory_limit: float | None = None, degree: int | None = None) -> PartitionResult:
-    """Partition ``model`` (static shapes, shape-inferred) for ``cluster`` with ``strategy``."""
+              objective: str = "latency", memory_limit: float | None = None, degree: int | None = None,
+              lower: bool | None = True) -> PartitionResult:
+    """Partition ``model`` (static shapes, shape-inferred) for ``cluster`` with ``strategy``.
+
+    ``lower``: True lowers every rank, verifies and simulates the programs (what ``compile``
+    needs); False stops at the plan and its analytical estimate (no programs, no bindings, no
+    ``simulated`` prediction); None lowers when the plan is at most :data:`LOWER_AUTO_LIMIT`
+    node copies.
+    """
     if objective not in ("latency", "throughput"):
         raise UsageError(f"objective must be latency or throughput, not {objective!r}")
     cluster = _cluster(cluster)
@@ -63,10 +76,17 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
             raise StrategyNotApplicable(f"{strategy}: {broken}; choose a strategy that keeps the "
                                         "model's annotations (auto searches only those) or remove them")
         explanation = f"{strategy}: {plan.notes}"
-    lowered = lower(view, plan)
     pred = costing.estimate(view, plan, cluster, memory_limit=memory_limit)
     if strategy != "auto" and not pred.fits:
         explanation += " (warning: predicted peak memory exceeds a device's capacity or the limit)"
+    copies = plan.world_size * len(view.nodes)
+    if not (lower if lower is not None else copies <= LOWER_AUTO_LIMIT):
+        prediction = pred.to_json()
+        prediction["simulated"] = None
+        explanation += (f" (not lowered: {plan.world_size} ranks x {len(view.nodes)} nodes; the prediction is the "
+                        "analytical estimate; `plan --simulate` lowers and simulates every rank)")
+        return PartitionResult(plan, (), None, prediction, explanation, alternatives, None)  # type: ignore[arg-type]
+    lowered = lower_plan(view, plan)
     sim = simulate_programs(lowered.programs, cluster, plan.microbatches, _batch_size(view))
     prediction = pred.to_json()
     prediction["simulated"] = sim.to_json()

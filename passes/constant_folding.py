@@ -23,6 +23,9 @@ Rules:
 4. The node is evaluated with ``onnx.reference.ReferenceEvaluator`` at the model's opset. If
    evaluation fails, or returns something that is not a tensor of the dtype the IR expects,
    the node is left alone.
+3b. Lazy weights stay lazy: a node reading an external (memory-mapped, not yet read) initializer
+   of more than ``_LAZY_BYTES`` is not folded, so loading, ``inspect`` and ``plan`` of a model
+   larger than memory read no weight bytes (issue 14; the build folds such nodes if it wants).
 5. Each used output becomes an initializer named like the output it replaces (stable and
    readable: a folded ``ConstantOfShape`` producing ``conv1_w_0`` becomes initializer
    ``conv1_w_0``); the node is removed. A node whose output is a graph output is evaluated (so
@@ -100,6 +103,15 @@ def _fold_shape_op(node: ir.Node) -> np.ndarray | None:
     return np.array(dims[start:end], dtype=np.int64)
 
 
+_LAZY_BYTES = 1 << 20
+
+
+def _is_big_lazy(value: ir.Value) -> bool:
+    """Rule 3b: an initializer still on disk (``ir.ExternalTensor``) of more than ``_LAZY_BYTES``."""
+    tensor = value.const_value
+    return isinstance(tensor, ir.ExternalTensor) and tensor.nbytes > _LAZY_BYTES
+
+
 class _Folder:
     """One sweep over a model's main graph (rules 1 to 5)."""
 
@@ -145,6 +157,9 @@ class _Folder:
             result = _fold_shape_op(node)
             return None if result is None else [result]
         if not all(self._is_const(v) for v in inputs):
+            return None
+        if any(_is_big_lazy(v) for v in inputs):
+            logger.debug("not folding %s: it reads a large external weight (kept lazy)", node.name)
             return None
         if not self._within_size_limit(node):
             return None

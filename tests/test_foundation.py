@@ -22,6 +22,7 @@ SMALL = {
     "mlp": {}, "resnet": {"image": 32, "width": 16}, "resnet50": {"image": 32, "width": 8},
     "bert": {"seq": 8}, "gpt": {"seq": 8}, "unet": {"image": 32, "base": 8},
     "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5},
+    "llama": {"seq": 8},
 }
 BUILDERS = [e.name for e in models_zoo.list_models() if e.kind == "builder"]
 LIGHT = [e.name for e in models_zoo.list_models() if e.kind == "light"]

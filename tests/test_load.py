@@ -71,7 +71,10 @@ def test_external_data_in_folder_matches_onnxruntime(tmp_path: Path) -> None:
     assert sum(t.data_location == TensorProto.EXTERNAL for t in stored.graph.initializer) == len(original.graph.initializer)
     assert (tmp_path / "weights.bin").stat().st_size > 0
 
-    loaded = ir.serde.serialize_model(load(str(path)))
+    model = load(str(path))
+    lazy = [v.name for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
+    assert lazy  # the large weights stay memory-mapped references (issue 14); tests/test_large_models.py
+    loaded = ir.serde.serialize_model(ir.external_data.load_to_model(model))
     assert all(t.data_location == TensorProto.DEFAULT for t in loaded.graph.initializer)
     x = np.random.default_rng(7).standard_normal((1, 128)).astype(np.float32)
     want = _run(original, {"input": x})

@@ -435,7 +435,7 @@ def test_cli_zoo_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].split() == ["NAME", "KIND", "DESCRIPTION"]
     rows = {line.split()[0]: line.split()[1] for line in lines[1:]}
     assert rows["gpt"] == "builder" and rows["light_vgg19"] == "light"
-    assert len(rows) == 8 + len(LIGHT)
+    assert len(rows) == 9 + len(LIGHT)  # 8 builders of SMALL and llama (tests/test_zoo_llama.py)
     assert main(["zoo", "list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [d["name"] for d in data] == [e.name for e in list_models()]

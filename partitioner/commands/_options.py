@@ -57,6 +57,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "('none' runs no pass)")
 
 
+def add_shapes_only_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes-only", action="store_true",
+                   help="accept a model whose external data file is absent (plan a model you do not have yet); "
+                        "weights are never read either way (docs/large_models.md)")
+
+
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--devices", type=int, default=None, metavar="N", help="N devices of this machine (cpu:N)")
@@ -79,7 +85,8 @@ def load_model_from_args(args: argparse.Namespace) -> Any:
     """Load (and validate) the MODEL argument, bind shapes and run the passes. Returns an ir.Model."""
     from partitioner.load import load
 
-    model = load(args.model, batch=getattr(args, "batch", None), shapes=parse_shape_option(getattr(args, "shape", None)))
+    model = load(args.model, batch=getattr(args, "batch", None), shapes=parse_shape_option(getattr(args, "shape", None)),
+                 shapes_only=getattr(args, "shapes_only", False))
     passes = getattr(args, "passes", None)
     from passes import run_pipeline
 

@@ -50,9 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from partitioner import signing
     from partitioner.artifact import compile as compile_artifact
     from partitioner.load import load
+    from partitioner.lowering.lazy_weights import read_in_external
     from passes import run_pipeline
 
     raw = load(args.model, batch=args.batch, shapes=parse_shape_option(args.shape))
+    read_in_external(raw)  # the build holds every weight in one process today (docs/large_models.md)
     source = ir.serde.serialize_model(raw)  # before the passes: `run --check` compares against it
     passes = None if args.passes is None else [s for s in args.passes.split(",") if s and s != "none"]
     model = run_pipeline(raw, passes)

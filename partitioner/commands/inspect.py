@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from partitioner.commands._options import add_json_argument, add_model_arguments, load_model_from_args, print_json
+from partitioner.commands._options import (add_json_argument, add_model_arguments, add_shapes_only_argument,
+                                           load_model_from_args, print_json)
 
 NAME = "inspect"
 HELP = "show a model's operators, parameters, FLOPs, bytes, work W, depth D and peak activation memory"
@@ -15,6 +16,7 @@ HELP = "show a model's operators, parameters, FLOPs, bytes, work W, depth D and 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_shapes_only_argument(p)
     add_json_argument(p)
     p.add_argument("--ops", action="store_true", help="include the per-op table (always in --json)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="show the K most expensive ops (default 10)")

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from partitioner.commands._options import (add_cluster_arguments, add_json_argument, add_model_arguments,
-                                           add_strategy_arguments, cluster_from_args, load_model_from_args,
-                                           parse_bytes, print_json)
+                                           add_shapes_only_argument, add_strategy_arguments, cluster_from_args,
+                                           load_model_from_args, parse_bytes, print_json)
 
 NAME = "plan"
 HELP = "choose a partition plan for a model on a cluster and print its predicted costs"
@@ -16,11 +16,15 @@ HELP = "choose a partition plan for a model on a cluster and print its predicted
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_shapes_only_argument(p)
     add_cluster_arguments(p)
     add_strategy_arguments(p)
     add_json_argument(p)
     p.add_argument("--html", default=None, metavar="FILE", help="write an HTML report (graph coloured by device)")
     p.add_argument("--export-onnx", default=None, metavar="DIR", help="write rank<i>.onnx and plan.json to DIR")
+    p.add_argument("--simulate", action="store_true",
+                   help="always lower every rank and simulate the programs (by default a plan over "
+                        "150k node copies, ranks x nodes, is predicted analytically only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_from_args(args)
     cluster = cluster_from_args(args)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    lower = True if (args.simulate or args.export_onnx or args.html) else None
     res = partition(model, cluster, strategy=args.strategy, microbatches=args.microbatches,
-                    objective=args.objective, memory_limit=limit)
+                    objective=args.objective, memory_limit=limit, lower=lower)
     if args.export_onnx:
         out = Path(args.export_onnx)
         out.mkdir(parents=True, exist_ok=True)
@@ -44,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         print_json({"model": args.model, "cluster": cluster.name, **res.to_json()})
         return 0
     sim = res.prediction["simulated"]
+    if sim is None:
+        _print_estimate(res, cluster)
+        return 0
     print(f"strategy: {res.plan.strategy}  world size {res.plan.world_size}  mesh {list(res.plan.mesh_shape)} "
           f"{list(res.plan.mesh_axes)}  micro-batches {res.plan.microbatches}  cluster {cluster.name}")
     print(f"{'rank':>4} {'device':<14} {'compute ms':>11} {'comm ms':>9} {'idle ms':>9} {'memory MiB':>11}")
@@ -57,6 +65,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"bytes moved per step: {levels}")
     print(res.explanation)
     return 0
+
+
+def _print_estimate(res, cluster) -> None:
+    """The analytical prediction, for a plan that was not lowered (``partition(lower=None)``)."""
+    pred = res.prediction
+    print(f"strategy: {res.plan.strategy}  world size {res.plan.world_size}  mesh {list(res.plan.mesh_shape)} "
+          f"{list(res.plan.mesh_axes)}  micro-batches {res.plan.microbatches}  cluster {cluster.name}")
+    devices = pred["per_device"]
+    fullest = max(devices, key=lambda d: d["peak_memory_bytes"])
+    print(f"latency {pred['latency_s'] * 1e3:.3f} ms   throughput {pred['throughput_samples_per_s']:.1f} samples/s   "
+          f"fits memory: {pred['fits_memory']}   fullest device: rank {fullest['rank']} "
+          f"{fullest['peak_memory_bytes'] / 2**30:.2f} GiB")
+    print(res.explanation)
 
 
 def _write_html(path: str, model, res, cluster) -> None:

@@ -31,6 +31,9 @@ _EXPORT_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--classes", "classes", int, "number of classes (classifiers)"),
     ("--seed", "seed", int, "weight seed"),
     ("--weights", "weights", str, "light models: random (seeded, the default) or as_shipped (onnx's 0.02 constants)"),
+    ("--size", "size", str, "llama: tiny, 7b or 70b"),
+    ("--intermediate", "intermediate", int, "llama: MLP width"),
+    ("--kv-heads", "kv_heads", int, "llama: key/value heads (grouped-query attention)"),
 )
 
 
@@ -46,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p_exp.add_argument(option, dest=dest, type=kind, default=None, help=text)
     p_exp.add_argument("--symbolic-batch", dest="symbolic_batch", action="store_const", const=True,
                        default=None, help="make the batch dimension symbolic (gpt)")
+    p_exp.add_argument("--shapes-only", dest="shapes_only", action="store_const", const=True, default=None,
+                       help="llama: no weights; the model references a sparse data file beside it, for "
+                            "planning (docs/large_models.md)")
     add_json_argument(p_exp)
 
 
@@ -75,30 +81,30 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import onnx
-
     from models_zoo import build
+    from models_zoo.export_large import data_file_name, save_model
 
-    names = [dest for _, dest, _, _ in _EXPORT_OPTIONS] + ["symbolic_batch"]
+    names = [dest for _, dest, _, _ in _EXPORT_OPTIONS] + ["symbolic_batch", "shapes_only"]
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    model = build(args.name, **kwargs)
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder):
         raise UsageError(f"{args.output}: the folder {folder} does not exist; create it first")
-    try:
-        onnx.save(model, args.output)
-    except OSError as exc:
-        raise UsageError(f"{args.output}: cannot write the model ({exc.strerror or exc})") from exc
-    size = os.path.getsize(args.output)
+    extra = {"data_location": data_file_name(args.output)} if kwargs.get("shapes_only") else {}
+    model = build(args.name, **kwargs, **extra)
+    written = save_model(model, args.output)
+    size = written["bytes"]
     params = sum(_numel(t) for t in model.graph.initializer)
     report = {"name": args.name, "path": args.output, "arguments": kwargs, "nodes": len(model.graph.node),
-              "parameters": params, "bytes": size}
+              "parameters": params, "bytes": size, "data_file": written["data_file"],
+              "data_bytes": written["data_bytes"], "sparse": written["sparse"]}
     if args.json:
         print_json(report)
     else:
         given = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        data = (f" + {written['data_bytes'] / 1e9:.2f} GB {'sparse ' if written['sparse'] else ''}external data in "
+                f"{written['data_file']}" if written["data_file"] else "")
         print(f"wrote {args.name}{f' ({given})' if given else ''} to {args.output}: "
-              f"{len(model.graph.node)} nodes, {params:,} parameters, {size / 1e6:.1f} MB")
+              f"{len(model.graph.node)} nodes, {params:,} parameters, {size / 1e6:.1f} MB{data}")
     return 0
 
 

@@ -6,7 +6,9 @@
   rank comm = the collective or point-to-point time of every layout conversion the plan implies;
   latency = the slowest rank, or for pipelines the GPipe fill-drain step over the stages;
   memory = the rank's weight shards + twice its largest local activation (times the micro-batches
-  in flight for pipelines). Fast enough to rank hundreds of candidate plans.
+  in flight for pipelines) + the graph outputs it produces, which stay resident until the step
+  ends (a decoder's KV cache, ``present.*``, is such an output: its bytes grow with batch and
+  sequence length). Fast enough to rank hundreds of candidate plans.
 """
 
 from __future__ import annotations
@@ -53,13 +55,23 @@ class Prediction:
     throughput: float
     bytes_per_level: dict[str, float] = field(default_factory=dict, hash=False)
     fits: bool = True
+    #: per rank (weights, activations, resident outputs such as a KV cache) in bytes
+    memory_parts: tuple[tuple[float, float, float], ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"latency_s": self.latency_s, "throughput_samples_per_s": self.throughput,
-                "per_device": [{"rank": r, "compute_s": c, "comm_s": m, "idle_s": i, "peak_memory_bytes": b}
+                "per_device": [{"rank": r, "compute_s": c, "comm_s": m, "idle_s": i, "peak_memory_bytes": b,
+                                **_parts_json(self.memory_parts, r)}
                                for r, (c, m, i, b) in enumerate(zip(self.compute_s, self.comm_s, self.idle_s,
                                                                     self.memory_bytes))],
                 "bytes_per_link_level": dict(self.bytes_per_level), "fits_memory": self.fits}
+
+
+def _parts_json(parts: tuple[tuple[float, float, float], ...], r: int) -> dict[str, float]:
+    if r >= len(parts):
+        return {}
+    w, a, o = parts[r]
+    return {"weight_bytes": w, "activation_bytes": a, "resident_output_bytes": o}
 
 
 def _conversion(src: Sharding, req: Sharding) -> str | None:
@@ -84,6 +96,8 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
     comm = np.zeros(w)
     weights: dict[int, set[tuple[str, Sharding]]] = {r: set() for r in range(w)}
     act = np.zeros(w)
+    held = np.zeros(w)  # graph outputs (logits, KV cache) stay resident until the step ends
+    graph_outputs = set(view.outputs)
     levels: dict[str, float] = {}
     produced: dict[str, Sharding] = dict((k, v) for k, v in plan.tensors.items() if k in view.inputs)
     seen_conv: set[tuple[str, Sharding]] = set()
@@ -134,11 +148,16 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                 local = view.nbytes(name) / m / (len(s.ranks) if s.axis is not None else 1)
                 for r in g:
                     act[r] = max(act[r], local)
+                if name in graph_outputs:
+                    for r in g:
+                        held[r] += local * m
     mem = np.zeros(w)
+    parts = []
     for r in range(w):
-        mem[r] = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
+        wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
         inflight = min(m, plan.num_stages) if plan.num_stages > 1 else 1
-        mem[r] += 2 * act[r] * inflight
+        parts.append((float(wb), float(2 * act[r] * inflight), float(held[r])))
+        mem[r] = sum(parts[-1])
     busy = compute + comm
     if plan.num_stages > 1:
         stage_t = []
@@ -153,4 +172,4 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
     fits = all(mem[r] <= caps[r] for r in range(w))
     return Prediction(tuple(compute.tolist()), tuple(comm.tolist()), tuple(float(latency - b) for b in busy),
                       tuple(mem.tolist()), float(latency), float(batch / latency) if latency > 0 else float("inf"),
-                      levels, fits)
+                      levels, fits, tuple(parts))

@@ -75,5 +75,25 @@ def search(view: ModelView, cluster: Any, *, objective: str = "latency", memory_
     expl = (f"auto chose {best.name} ({best.plan.notes}) for objective {objective}: predicted latency "
             f"{p.latency_s * 1e3:.3f} ms, throughput {p.throughput:.1f} samples/s, peak memory "
             f"{max(p.memory_bytes) / 2**20:.2f} MiB per device, which {fit}{limit}. It searched "
-            f"{len(cands)} candidates ({len(ok)} applicable) over degrees {degrees}.{runner}")
+            f"{len(cands)} candidates ({len(ok)} applicable) over degrees {degrees}.{runner}"
+            f"{_memory_note(best, ok, memory_limit)}")
     return best.plan, ok + [c for c in cands if c.plan is None], expl
+
+
+def _memory_note(best: Candidate, ok: list[Candidate], memory_limit: float | None) -> str:
+    """The winner's memory per device, split into weights, activations and resident outputs (a
+    decoder's KV cache), and the candidates the memory limit ruled out, the fastest first."""
+    p = best.prediction
+    if not p.memory_parts:
+        return ""
+    r = max(range(len(p.memory_bytes)), key=lambda i: p.memory_bytes[i])
+    w, a, o = p.memory_parts[r]
+    note = (f" Its fullest device holds {w / 2**30:.2f} GiB of weights, {a / 2**30:.2f} GiB of activations and "
+            f"{o / 2**30:.2f} GiB of outputs kept to the end (logits, KV cache).")
+    over = [c for c in ok if not c.prediction.fits]
+    if over:
+        names = ", ".join(f"{c.name} ({max(c.prediction.memory_bytes) / 2**30:.1f} GiB)" for c in over[:4])
+        cap = f"the memory limit of {memory_limit / 2**30:.1f} GiB" if memory_limit else "device memory"
+        more = f" and {len(over) - 4} more" if len(over) > 4 else ""
+        note += f" Over {cap}: {names}{more}."
+    return note

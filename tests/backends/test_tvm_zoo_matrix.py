@@ -35,6 +35,7 @@ SMALL = {  # the sizes of tests/test_foundation.py
     "mlp": {}, "resnet": {"image": 32, "width": 16}, "resnet50": {"image": 32, "width": 8},
     "bert": {"seq": 8}, "gpt": {"seq": 8}, "unet": {"image": 32, "base": 8},
     "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5},
+    "llama": {"seq": 8},
 }
 STRATEGIES = ("data", "pipeline", "tensor")
 FAST = {("mlp", "data"), ("mlp", "pipeline"), ("mlp", "tensor"), ("bert", "tensor")}

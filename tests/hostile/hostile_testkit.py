@@ -182,12 +182,18 @@ def ext_length_out_of_range(root: Path) -> HostileCase:
 
 @case
 def ext_over_2gb(root: Path) -> HostileCase:
-    """External data whose total exceeds 2 GB (a sparse file): refused before it is read."""
+    """3 GiB of external data (a sparse file) in a Constant node's attribute, which the loader
+    must read into the protobuf: refused before it is read. (A main-graph initializer of that
+    size is fine: it stays a lazy, memory-mapped reference; tests/test_large_models.py.)"""
     d = model_dir(root)
     n = 3 * 2**30 // 4
     with open(d / "big.bin", "wb") as f:
         f.truncate(n * 4)
-    p = save(external_model("big.bin", offset=0, length=n * 4, dims=(n // 4, 4)), d / "m.onnx")
+    w = external_model("big.bin", offset=0, length=n * 4, dims=(n // 4, 4)).graph.initializer[0]
+    const = helper.make_node("Constant", [], ["W"], name="w_const", value=w)
+    m = make_model([const, helper.make_node("Relu", ["W"], ["Z"], name="relu")], [],
+                   [helper.make_tensor_value_info("Z", TensorProto.FLOAT, [n // 4, 4])])
+    p = save(m, d / "m.onnx")
     return HostileCase("ext_over_2gb", p, ("'W'", "2 GB"))
 
 
