@@ -261,6 +261,7 @@ class _Expansion:
         acts = _activations(node, len(self.dirs), self.em)
         assert acts is not None
         self.acts = acts
+        self._rows: ir.Value | None = None
 
     def _in(self, i: int) -> ir.Value | None:
         return self.node.inputs[i] if len(self.node.inputs) > i else None
@@ -294,18 +295,28 @@ class _Expansion:
             return self.em.const(np.take(arr, d, axis=axis).astype(self.dtype))
         return self.em.op("Gather", v, self.em.const(d, np.int64), axis=axis)
 
-    def _projection(self, d: int, bias: ir.Value | None) -> ir.Value:
-        """``X·W[d]ᵀ + bias`` for every step at once, ``[T, B, G*H]`` (layout 1: ``[B, T, G*H]``)."""
+    def _x_rows(self) -> ir.Value:
+        """``X`` as ``[T*B, I]`` rows in time-major order (``layout=1`` is transposed once)."""
+        if self._rows is None:
+            x = self.node.inputs[0]
+            if self.layout == 1:
+                x = self.em.op("Transpose", x, perm=[1, 0, 2])
+            self._rows = self.em.reshape(x, [self.T * self.B, self.I])
+        return self._rows
+
+    def _projection(self, d: int, bias: ir.Value | None) -> list[ir.Value]:
+        """``X·W[d]ᵀ + bias`` for every step at once (one GEMM), split into ``T`` step inputs
+        ``[B, G*H]`` by one ``Split`` (a per-step ``Gather`` would be one more kernel a step)."""
         em = self.em
-        lead = (self.T, self.B) if self.layout == 0 else (self.B, self.T)
-        x2 = em.reshape(self.node.inputs[0], [self.T * self.B, self.I])
-        y = em.op("MatMul", x2, self.w.transposed(1, d))
+        y = em.op("MatMul", self._x_rows(), self.w.transposed(1, d))
         if bias is not None:
             y = em.op("Add", y, bias)
-        return em.reshape(y, [*lead, self.G * self.hidden])
-
-    def _step_input(self, xw: ir.Value, t: int) -> ir.Value:
-        return self.em.op("Gather", xw, self.em.const(t, np.int64), axis=0 if self.layout == 0 else 1)
+        if self.T == 1:
+            return [y]
+        sizes = [self.B] * self.T
+        if em.opset >= 13:
+            return list(em.tape.op_multi_out("Split", [y, em.ints(sizes)], {"axis": 0}, num_outputs=self.T))
+        return list(em.tape.op_multi_out("Split", [y], {"axis": 0, "split": sizes}, num_outputs=self.T))
 
     def _biases(self, d: int) -> tuple[ir.Value | None, ir.Value | None]:
         """(bias added to the input projection, GRU's Rbh when linear_before_reset)."""
@@ -344,7 +355,7 @@ class _Expansion:
         em, H = self.em, self.hidden
         acts = self.acts[d]
         bias, rbh = self._biases(d)
-        xw = self._projection(d, bias)
+        steps = self._projection(d, bias)
         h = self._initial(5, d)
         c = self._initial(6, d) if self.op == "LSTM" else None
         zeros = em.const(np.zeros((self.B, H), dtype=self.dtype)) if masks is not None else None
@@ -364,7 +375,7 @@ class _Expansion:
         order = range(self.T) if self.dirs[d] == "forward" else range(self.T - 1, -1, -1)
         ys: dict[int, ir.Value] = {}
         for t in order:
-            x_t = self._step_input(xw, t)
+            x_t = steps[t]
             if self.op == "RNN":
                 new_h = acts[0](em.clip(self._add(x_t, self._recurrent(h, rt_full)), self.clip))
                 new_c = None
