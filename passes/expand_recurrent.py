@@ -31,9 +31,10 @@ Rules:
 5. Outputs: ``Y`` (``[T, D, B, H]``; ``layout=1``: ``[B, T, D, H]``) is built only when it is
    read; ``Y_h``/``Y_c`` are the final states stacked over directions. Graph outputs keep their
    names.
-6. Only ops whose signature is stable from opset 7 on are emitted, except ``Slice``, ``Clip`` and
-   ``Where`` which are written in the form the model's default opset expects (``Where`` below
-   opset 9 becomes a multiply-add with a 0/1 mask).
+6. Only ops whose signature is stable from opset 7 on are emitted, except ``Slice``, ``Split``,
+   ``Clip`` and ``Where``, which are written in the form the model's default opset expects: below
+   opset 10 a slice is a ``Gather`` of the index range (TVM's importer refuses the attribute form
+   of ``Slice``) and below opset 9 ``Where`` is a multiply-add with a 0/1 mask.
 
 Invariant: the graph computes what the recurrent node computed, up to float rounding (the
 tests hold it to ONNX Runtime at 1e-5); the graph's inputs and outputs are unchanged. Shapes of
@@ -118,7 +119,8 @@ class _Emitter:
     def slice(self, x: ir.Value, axis: int, start: int, end: int) -> ir.Value:
         if self.opset >= 10:
             return self.op("Slice", x, self.ints([start]), self.ints([end]), self.ints([axis]))
-        return self.op("Slice", x, starts=[start], ends=[end], axes=[axis])
+        # Slice-1 (attributes) is refused by TVM's importer: a Gather of the index range instead
+        return self.op("Gather", x, self.ints(list(range(start, end))), axis=axis)
 
     def clip(self, x: ir.Value, bound: float | None) -> ir.Value:
         if bound is None:
