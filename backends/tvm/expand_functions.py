@@ -23,6 +23,8 @@ Rules:
    TVM's importer sees constant shapes instead of ``ShapeExpr`` chains it refuses.
 5. Expansion never raises: a node whose body cannot be built is left as it is (the import then
    refuses it the usual way, naming it).
+6. ``LSTM``/``GRU``/``RNN`` have no function body; when TVM lacks them they are unrolled first by
+   :mod:`passes.expand_recurrent` (one input GEMM per direction, then the static time steps).
 """
 
 from __future__ import annotations
