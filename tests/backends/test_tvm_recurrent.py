@@ -31,7 +31,7 @@ from partitioner.runtime.comm_local import LocalWorld  # noqa: E402
 from recurrent_cases import CASES, Case, build, reference  # noqa: E402
 
 RTOL = ATOL = 1e-5
-FAST = {"lstm_bidirectional_all", "gru_linear_before_reset", "lstm_opset9"}
+FAST = {"lstm_bidirectional_all", "gru_linear_before_reset"}  # lstm_opset9 (Gather slices) builds in ~30 s: slow
 
 
 def _cases():
