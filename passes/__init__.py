@@ -17,6 +17,7 @@ from passes import (  # noqa: F401
     common_subexpression_elimination,
     constant_folding,
     dead_code_elimination,
+    expand_recurrent,
     fold_conv_batchnorm,
     fuse_bias_activation,
     group_elementwise,
@@ -60,6 +61,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 # annotation passes last: a rewrite that rebuilds a node would drop its fusion-group annotation.
 OPTIMIZE_PIPELINE: tuple[str, ...] = (
     *DEFAULT_PIPELINE,
+    "expand_recurrent",  # LSTM/GRU/RNN unrolled: strategies then see (and cut) plain MatMuls
     "fold_conv_batchnorm",
     "recognize_layernorm",
     "layout_nhwc",

@@ -23,6 +23,8 @@ Rules:
    TVM's importer sees constant shapes instead of ``ShapeExpr`` chains it refuses.
 5. Expansion never raises: a node whose body cannot be built is left as it is (the import then
    refuses it the usual way, naming it).
+6. ``LSTM``/``GRU``/``RNN`` have no function body; when TVM lacks them they are unrolled first by
+   :mod:`passes.expand_recurrent` (one input GEMM per direction, then the static time steps).
 """
 
 from __future__ import annotations
@@ -99,7 +101,11 @@ def expand_nodes(model: onnx.ModelProto, wanted: Iterable[str] | None = None, *,
     opset = _default_opset(model)
     if opset is None:
         return model, ()
-    expanded: list[str] = []
+    from passes.expand_recurrent import RECURRENT_OPS, expand_recurrent_proto
+
+    source = model  # LSTM/GRU/RNN have no function body: they unroll (passes.expand_recurrent)
+    model, recurrent = expand_recurrent_proto(model, RECURRENT_OPS - known)
+    expanded: list[str] = list(recurrent)
     current = model
     for _ in range(MAX_ROUNDS):
         g = current.graph
@@ -154,8 +160,8 @@ def expand_nodes(model: onnx.ModelProto, wanted: Iterable[str] | None = None, *,
         del out.opset_import[:]
         out.opset_import.extend(keep)
         current = out
-    if current is model:
-        return model, ()
+    if current is source:
+        return source, ()
     for _ in range(MAX_ROUNDS):  # shapes computed by the body (Shape -> Concat -> Reshape) settle in rounds
         try:
             current = onnx.shape_inference.infer_shapes(current, data_prop=True)

@@ -10,7 +10,7 @@ Phases, in order (:func:`passes`):
    a 1x1 conv is a plain GEMM; weights are transposed once, at compile time, by FoldConstant.
    Then, when the build asks for it (option ``conv_algorithm``), convolutions are rewritten to
    im2col+GEMM or Winograd (:mod:`backends.tvm.conv_algorithms`).
-3. ``legalize``: on the CPU, float32 ``erf``/``tanh``/``softmax`` first become TOPI's fast
+3. ``legalize``: on the CPU, float32 ``erf``/``tanh``/``sigmoid``/``softmax`` first become TOPI's fast
    polynomial versions (:func:`_fast_math_map`); then TVM's zero pipeline (LegalizeOps,
    AnnotateTIROpPattern, FoldConstant, FuseOps, FuseTIR), plus MetaScheduleApplyDatabase when a
    tuning database is current.
@@ -75,9 +75,21 @@ def _fast_math_map() -> dict[str, Any]:
     return {
         "relax.erf": fast("relax.erf", lambda bb, call: bb.call_te(topi.fast_erf, call.args[0])),
         "relax.tanh": fast("relax.tanh", lambda bb, call: bb.call_te(topi.fast_tanh, call.args[0])),
+        "relax.sigmoid": fast("relax.sigmoid", lambda bb, call: bb.call_te(_fast_sigmoid, call.args[0])),
         "relax.nn.softmax": fast("relax.nn.softmax",
                                  lambda bb, call: bb.call_te(topi.nn.fast_softmax, call.args[0], int(call.attrs.axis))),
     }
+
+
+def _fast_sigmoid(x: Any) -> Any:
+    """``1 / (1 + exp(-x))`` with TOPI's vectorisable ``fast_exp`` (TVM's sigmoid is a scalar
+    ``expf`` call per element: the LSTM/GRU gates of ``passes.expand_recurrent`` spend most of
+    their elementwise time there)."""
+    from tvm import te, tirx, topi
+
+    e = topi.fast_exp(topi.negative(x))
+    one = tirx.const(1.0, x.dtype)
+    return te.compute(x.shape, lambda *i: one / (one + e(*i)), name="fast_sigmoid", tag="elemwise")
 
 
 def legalize_passes(target: Any) -> list[Any]:

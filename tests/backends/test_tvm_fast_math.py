@@ -1,4 +1,4 @@
-"""float32 Erf, Tanh and Softmax go to TOPI's vectorisable fast versions on the CPU
+"""float32 Erf, Tanh, Sigmoid and Softmax go to TOPI's vectorisable fast versions on the CPU
 (backends/tvm/pipeline.py, ``_fast_math_map``); results stay within rtol 1e-5 / atol 1e-6 of
 ONNX Runtime on seeded inputs that include saturating magnitudes and fully masked (-inf)
 softmax positions, and other dtypes keep TVM's exact legalization (float64 Erf against scipy)."""
@@ -33,7 +33,7 @@ def _inputs(np_dtype) -> np.ndarray:
     return x.astype(np_dtype)
 
 
-@pytest.mark.parametrize(("op", "attrs"), [("Erf", {}), ("Tanh", {}), ("Softmax", {"axis": -1})])
+@pytest.mark.parametrize(("op", "attrs"), [("Erf", {}), ("Tanh", {}), ("Sigmoid", {}), ("Softmax", {"axis": -1})])
 def test_fast_versions_match_ort(op: str, attrs: dict, tmp_path: Path) -> None:
     import tvm
 
