@@ -75,7 +75,7 @@ def markdown(results_dir: Path) -> str:
 
 
 def _compile(model_path: Path, cluster: str, strategy: str, backend: str, out: Path, **kw: Any) -> Any:
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
 
     return compile_artifact(str(model_path), cluster, strategy=strategy, backend=backend, fallback="onnxruntime",
                             out_dir=out, progress=False, **kw)

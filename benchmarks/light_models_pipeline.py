@@ -81,7 +81,7 @@ def random_weights(model, seed: int = 0):
 
 def one_model(name: str, out_dir: Path, jobs: int | None, drop_masks: bool, randomize: bool = True) -> dict:
     from models_zoo import build
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
     from partitioner.runtime.launch import check_outputs, run_in_process
 
     row: dict = {"model": name, "strategy": "pipeline", "devices": 2, "backend": "tvm"}

@@ -21,9 +21,9 @@ _LAZY = {
     "Cluster": ("partitioner.cluster", "Cluster"),
     "partition": ("partitioner.partition", "partition"),
     "auto_partition": ("partitioner.partition", "auto_partition"),
-    "compile": ("partitioner.artifact", "compile"),
-    "load_artifact": ("partitioner.artifact", "load_artifact"),
-    "Artifact": ("partitioner.artifact", "Artifact"),
+    "compile": ("partitioner.compiler", "compile"),
+    "load_artifact": ("partitioner.compiler", "load_artifact"),
+    "Artifact": ("partitioner.compiler", "Artifact"),
     "run_pipeline": ("passes", "run_pipeline"),
 }
 

@@ -496,3 +496,15 @@ def preset(spec: str) -> Cluster:
         return gpu_cluster(kind, nodes, per)
     raise ClusterError(f"unknown cluster preset {spec!r}: use one of {', '.join(PRESETS)} "
                        f"(or h100/h200/a100 as NAMExG or NAME:NxG), or a cluster .json file")
+
+
+def resolve_cluster(cluster: Cluster | str | int | None) -> Cluster:
+    """The one cluster resolver of the API, the CLI and the compile driver: a :class:`Cluster` as
+    is, ``None`` as ``cpu:1``, an int N as ``cpu:N``, a string as :meth:`Cluster.resolve` reads it."""
+    if cluster is None:
+        return Cluster.resolve("cpu:1")
+    if isinstance(cluster, int):
+        return Cluster.resolve(f"cpu:{cluster}")
+    if isinstance(cluster, str):
+        return Cluster.resolve(cluster)
+    return cluster

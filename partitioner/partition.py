@@ -34,20 +34,14 @@ class PartitionResult:
                 "alternatives": list(self.alternatives)}
 
 
-def _cluster(cluster: Any) -> Any:
-    if isinstance(cluster, (str, int)):
-        from partitioner.cluster import Cluster
-
-        return Cluster.resolve(f"cpu:{cluster}" if isinstance(cluster, int) else cluster)
-    return cluster
-
-
 def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbatches: int | None = None,
               objective: str = "latency", memory_limit: float | None = None, degree: int | None = None) -> PartitionResult:
     """Partition ``model`` (static shapes, shape-inferred) for ``cluster`` with ``strategy``."""
     if objective not in ("latency", "throughput"):
         raise UsageError(f"objective must be latency or throughput, not {objective!r}")
-    cluster = _cluster(cluster)
+    from partitioner.cluster import resolve_cluster
+
+    cluster = resolve_cluster(cluster)
     view = ModelView(model)
     alternatives: tuple[dict[str, Any], ...] = ()
     if strategy == "auto":

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.artifact import compile as compile_artifact
+from partitioner.compiler import compile as compile_artifact
 from partitioner.bindings import seeded_inputs
 
 SEEDS = (1, 2)

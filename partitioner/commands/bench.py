@@ -153,8 +153,8 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
                    single_dir: str | os.PathLike[str] | None = None, single_threads: int | None = None,
                    ort: bool = True) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (see the module rules)."""
-    from partitioner.artifact import compile as compile_artifact
-    from partitioner.artifact import load_artifact
+    from partitioner.compiler import compile as compile_artifact
+    from partitioner.compiler import load_artifact
     from partitioner.runtime.launch import load_inputs, run_artifact
     from partitioner.runtime.worker import read_npz
     from partitioner.bindings import seeded_inputs

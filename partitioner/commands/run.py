@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from partitioner.artifact import load_artifact
+    from partitioner.compiler import load_artifact
 
     art = load_artifact(args.artifact)
     if args.microbatches is not None and args.microbatches != art.microbatches:
