@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 BACKENDS = ("tvm", "onnxruntime")
 

@@ -121,7 +121,7 @@ def main() -> int:
 
     from models_zoo import build
     from partitioner.commands.bench import bench_artifact, format_table
-    from partitioner.errors import PartitionerError
+    from partitioner.core.errors import PartitionerError
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp_name:

@@ -62,7 +62,7 @@ def time_rank(art, repeat: int) -> dict:
     import onnxruntime as ort
 
     from backends.tvm.executable import TvmRankExecutable, configure_threads
-    from partitioner.comm_ops import is_comm
+    from partitioner.core.comm_ops import is_comm
 
     program = art.programs[0]
     if any(is_comm(n) for n in program.graph.node):
@@ -89,7 +89,7 @@ def time_rank(art, repeat: int) -> dict:
 def bench_model(name: str, tmp: Path, repeat: int, jobs: int | None) -> dict:
     import models_zoo
     from partitioner.compiler import compile as compile_artifact
-    from partitioner.errors import PartitionerError
+    from partitioner.core.errors import PartitionerError
 
     model = models_zoo.build(name, batch=BATCH, **SMALL[name])
     row: dict = {"model": name, "size": {"batch": BATCH, **SMALL[name]}}

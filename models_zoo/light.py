@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from partitioner.errors import ModelLoadError, UsageError
+from partitioner.core.errors import ModelLoadError, UsageError
 
 PREFIX = "light_"
 LIGHT_BATCH = 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
 from partitioner.load import load
 
 __version__ = "0.1.0"

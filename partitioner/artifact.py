@@ -43,10 +43,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
-from partitioner.bindings import Bindings
-from partitioner.comm_ops import CommOp, is_comm
-from partitioner.errors import ArtifactError
-from partitioner.segments import all_nodes
+from partitioner.core.bindings import Bindings
+from partitioner.core.comm_ops import CommOp, is_comm
+from partitioner.core.errors import ArtifactError
+from partitioner.core.segments import all_nodes
 
 FORMAT = "partitioner-artifact"
 FORMAT_VERSION = 1

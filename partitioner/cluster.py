@@ -40,7 +40,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from partitioner.errors import ClusterError
+from partitioner.core.errors import ClusterError
 
 FORMAT = "partitioner.cluster/1"
 DTYPES = ("float32", "float16", "bfloat16", "int8")

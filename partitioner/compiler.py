@@ -28,8 +28,8 @@ import numpy as np
 import onnx
 
 from partitioner import artifact as _artifact
-from partitioner.bindings import Bindings
-from partitioner.errors import BackendError, PartitionerError
+from partitioner.core.bindings import Bindings
+from partitioner.core.errors import BackendError, PartitionerError
 
 
 class Artifact(_artifact.Artifact):

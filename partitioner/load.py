@@ -40,13 +40,13 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from partitioner.errors import ModelLoadError, PartitionerError, UnsupportedOpError
+from partitioner.core.errors import ModelLoadError, PartitionerError, UnsupportedOpError
 
 MIN_OPSET = 7
 MAX_NESTING = 16
 MAX_FILE_BYTES = 2**31 - 1
 DEFAULT_MAX_ELEMENTS = int(os.environ.get("PARTITIONER_MAX_TENSOR_ELEMENTS", 2**32))
-from partitioner.comm_ops import DOMAIN as COMM_DOMAIN
+from partitioner.core.comm_ops import DOMAIN as COMM_DOMAIN
 _KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", COMM_DOMAIN)
 
 
@@ -255,7 +255,7 @@ def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
             producer[out] = idx
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(g.node)))
-    from partitioner.segments import node_reads
+    from partitioner.core.segments import node_reads
 
     for idx, node in enumerate(g.node):
         for name in node_reads(node):

@@ -10,11 +10,11 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from partitioner.bindings import Bindings
-from partitioner.errors import UsageError
-from partitioner.lower import lower
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan
+from partitioner.core.bindings import Bindings
+from partitioner.core.errors import UsageError
+from partitioner.lowering.lower import lower
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan
 from partitioner.strategies import costing, get_strategy
 from partitioner.strategies.search import search
 

@@ -18,7 +18,7 @@ Rules, checked in one walk over the nodes in their stored order:
    has a known dtype and a fully static shape. Node outputs that nothing reads (a ``Dropout``
    mask) and subgraph values are not held to this.
 
-Each failure raises :class:`partitioner.errors.VerifyError` with one line naming the node or
+Each failure raises :class:`partitioner.core.errors.VerifyError` with one line naming the node or
 value and what is wrong.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 from passes.side_effects import COMM_DOMAIN, COMM_OP_TYPES
 
 _ONNX_DOMAINS = ("", "ai.onnx")

@@ -23,7 +23,7 @@ import rank_programs as rp  # noqa: E402
 from partitioner import cli  # noqa: E402
 from partitioner.artifact import FORMAT_VERSION, manifest_checksum, verify_artifact  # noqa: E402
 from partitioner.compiler import build_artifact, load_artifact  # noqa: E402
-from partitioner.errors import ArtifactError, InputError  # noqa: E402
+from partitioner.core.errors import ArtifactError, InputError  # noqa: E402
 
 
 def _ort(model: onnx.ModelProto, feeds: dict) -> dict:

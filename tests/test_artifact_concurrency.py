@@ -22,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.compiler import compile as compile_artifact
-from partitioner.bindings import seeded_inputs
+from partitioner.core.bindings import seeded_inputs
 
 SEEDS = (1, 2)
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import onnx
 
-from partitioner.errors import BackendError, PartitionerError
+from partitioner.core.errors import BackendError, PartitionerError
 
 from .lower import lower_program
 from .progress import BuildProgress

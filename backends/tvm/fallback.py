@@ -14,7 +14,7 @@ Rules:
    TVM segments (maximal runs of importable nodes) and ORT segments (maximal runs of nodes that are
    not importable: an op missing from the importer's convert map, a non-default domain, or a
    subgraph holding one). Each segment is a valid ONNX model with typed boundaries
-   (:mod:`partitioner.segments` rules 2-4).
+   (:mod:`partitioner.core.segments` rules 2-4).
 3. ORT segment ``k`` (its ordinal among the program's ORT segments) is stored next to the rank
    library as ``rank<i>.seg<k>.onnx`` (:func:`segment_file`), hashed in the manifest like every file.
    In Relax it is ``R.call_dps_packed("partitioner.ort_segment", (k, inputs...), out_ty=...)``;
@@ -36,9 +36,9 @@ from typing import Any, Sequence
 import numpy as np
 import onnx
 
-from partitioner.comm_ops import is_comm
-from partitioner.errors import BackendError, RunFailed
-from partitioner.segments import CommStep, Segment, split_program
+from partitioner.core.comm_ops import is_comm
+from partitioner.core.errors import BackendError, RunFailed
+from partitioner.core.segments import CommStep, Segment, split_program
 
 META_KEY = "partitioner.fallback"
 ORT = "onnxruntime"

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from partitioner.comm_ops import CommOp, is_comm
-from partitioner.errors import BackendError
-from partitioner.segments import CommStep, Segment, all_nodes, split_program, value_infos
+from partitioner.core.comm_ops import CommOp, is_comm
+from partitioner.core.errors import BackendError
+from partitioner.core.segments import CommStep, Segment, all_nodes, split_program, value_infos
 
 PACKED_PREFIX = "partitioner.comm."
 KEEP_FUNC = PACKED_PREFIX + "keep"

@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import BackendError
+from partitioner.core.errors import BackendError
 
 from .pipeline import legalize_passes, pre_legalize, schedule_passes
 

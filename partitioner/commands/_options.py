@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 STRATEGIES = ("auto", "single", "data", "pipeline", "tensor", "spatial", "hybrid")
 

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from partitioner.commands._options import add_json_argument, print_json
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 NAME = "bench"
 HELP = "benchmark an artifact: median latency and throughput against ONNX Runtime (and a 1-rank build)"
@@ -157,7 +157,7 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     from partitioner.compiler import load_artifact
     from partitioner.runtime.launch import load_inputs, run_artifact
     from partitioner.runtime.worker import read_npz
-    from partitioner.bindings import seeded_inputs
+    from partitioner.core.bindings import seeded_inputs
 
     if repeat < 1 or warmup < 0:
         raise UsageError("--repeat must be at least 1 and --warmup at least 0")

@@ -13,7 +13,7 @@ import sys
 from partitioner.commands._options import (add_cluster_arguments, add_json_argument, add_model_arguments,
                                            add_strategy_arguments, cluster_from_args, load_model_from_args,
                                            parse_bytes, print_json)
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 NAME = "compile"
 HELP = "partition a model and build an artifact directory (manifest, plan, per-rank programs and executables)"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from partitioner.cluster import Cluster, LinkLevel
-from partitioner.errors import PlanError
+from partitioner.core.errors import PlanError
 
 COLLECTIVES = ("send", "allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
 

@@ -23,7 +23,7 @@ of a Recv wait during which the message was in flight; idle = step latency − c
 Step latency is the makespan. Peak memory = parameters + the program's peak live activations
 (:func:`~partitioner.cost.workdepth.peak_activation_bytes`) + the most received-but-not-yet-
 consumed message bytes buffered at once. A program whose ranks wait on each other forever raises
-:class:`~partitioner.errors.VerifyError` naming the blocked ranks.
+:class:`~partitioner.core.errors.VerifyError` naming the blocked ranks.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
-from partitioner.errors import PlanError, VerifyError
+from partitioner.core.errors import PlanError, VerifyError
 
 _COLLECTIVE_KIND = {"AllReduce": "allreduce", "AllGather": "allgather", "ReduceScatter": "reducescatter",
                     "AllToAll": "alltoall", "Broadcast": "broadcast"}

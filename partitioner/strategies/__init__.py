@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping
 
-from partitioner.errors import StrategyNotApplicable, UsageError
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding
+from partitioner.core.errors import StrategyNotApplicable, UsageError
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.strategies.propagate import Assignment, batch_axes, propagate
 
 STRATEGIES = ("single", "data", "pipeline", "tensor", "spatial", "hybrid")

@@ -26,24 +26,14 @@ from typing import Sequence, Union
 import numpy as np
 import onnx_ir as ir
 
-from partitioner.lowering.model_view import ModelView, attr
+from partitioner.core import op_classes as _oc
+from partitioner.core.model_view import ModelView, attr
 
 Axes = list[Union[int, None]]
 RuleResult = Union[tuple[Axes, Axes], str]
 
-ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "Less", "Greater", "LessOrEqual",
-               "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "PRelu", "Mod",
-               "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor"}
-UNARY = {"Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Sqrt", "Neg", "Abs", "Cast", "Clip", "Identity",
-         "Dropout", "LeakyRelu", "Elu", "Selu", "HardSigmoid", "HardSwish", "Softplus", "Softsign", "Gelu",
-         "Not", "Reciprocal", "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Tan", "IsNaN", "IsInf",
-         "Mish", "ThresholdedRelu", "Celu", "CastLike", "BitwiseNot", "Shrink", "Asin", "Acos", "Atan",
-         "Sinh", "Cosh", "Asinh", "Acosh", "Atanh"}
-SOFTMAX_LIKE = {"Softmax", "LogSoftmax", "Hardmax"}
-POOLS = {"MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"}
-REDUCES = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-           "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"}
-VIEWS = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+ELEMENTWISE, UNARY, SOFTMAX_LIKE, POOLS = _oc.ELEMENTWISE, _oc.UNARY, _oc.SOFTMAX_LIKE, _oc.POOLS
+REDUCES, VIEWS = _oc.REDUCTIONS, _oc.SPLIT_VIEWS
 
 
 def _norm(axis: int, rank: int) -> int:

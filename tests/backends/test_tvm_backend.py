@@ -23,8 +23,8 @@ import backends.tvm as bt  # noqa: E402
 from backends.tvm.build import file_sha256  # noqa: E402
 from backends.tvm.progress import BuildProgress  # noqa: E402
 from backends.tvm.target import cpu_from_cpuinfo, detect_host_target, target_dict  # noqa: E402
-from partitioner.comm_ops import make_node, opset_import  # noqa: E402
-from partitioner.errors import BackendError, RunFailed  # noqa: E402
+from partitioner.core.comm_ops import make_node, opset_import  # noqa: E402
+from partitioner.core.errors import BackendError, RunFailed  # noqa: E402
 from partitioner.runtime.comm_local import LocalWorld  # noqa: E402
 
 F = TensorProto.FLOAT

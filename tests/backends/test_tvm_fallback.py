@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner import cli
-from partitioner.errors import BackendError
+from partitioner.core.errors import BackendError
 
 pytest.importorskip("tvm")
 
@@ -123,7 +123,7 @@ def test_fallback_segment_failure_is_a_clean_run_error(tmp_path) -> None:
     """A segment file that ORT cannot run at run time (shape mismatch fed by a tampered input)
     surfaces as one RunFailed line naming the rank, not a TVM traceback."""
     from partitioner.compiler import compile as compile_artifact
-    from partitioner.errors import InputError, RunFailed
+    from partitioner.core.errors import InputError, RunFailed
 
     art = compile_artifact(_model(), "cpu:2", strategy="pipeline", backend="tvm", fallback="onnxruntime",
                            out_dir=tmp_path / "art", jobs=1, progress=False)

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 import models_zoo
-from partitioner.errors import StrategyNotApplicable
+from partitioner.core.errors import StrategyNotApplicable
 
 pytest.importorskip("tvm")
 

@@ -9,7 +9,7 @@
 4. each program is built and loaded with the TVM backend's contract (:func:`compile_program`:
    ``backends.tvm.build`` into a temporary folder, then ``backends.tvm.load``) and run with a ``LocalWorld``
    communicator, one thread per rank, inputs scattered and outputs gathered by
-   :mod:`partitioner.bindings`.
+   :mod:`partitioner.core.bindings`.
 
 With ``fallback="onnxruntime"``, a program TVM's importer refuses (``check_supported`` raises a
 BackendError listing the ops) runs in ONNX Runtime instead (the reference backend); the
@@ -24,7 +24,7 @@ initializers, and the model is compiled for them on first use (once per distinct
 The rep says which inputs it specialised (:attr:`PartitionerRep.specialised`), and the runner
 counts those cases apart.
 
-Every refusal is a :class:`partitioner.errors.PartitionerError`; anything else escaping
+Every refusal is a :class:`partitioner.core.errors.PartitionerError`; anything else escaping
 ``prepare``/``run`` is a bug of the project and is reported as such by the runner.
 """
 
@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from partitioner.errors import BackendError, PartitionerError, StrategyNotApplicable
+from partitioner.core.errors import BackendError, PartitionerError, StrategyNotApplicable
 
 FALLBACKS = (None, "onnxruntime")
 # op type -> input slots whose values decide output shapes (or are attributes in older opsets),
@@ -89,7 +89,7 @@ class Compiled:
     """What ``prepare`` made: per-rank executables, their bindings, and how they were made."""
 
     executables: tuple[Any, ...]
-    bindings: Any  # partitioner.bindings.Bindings, or None for the 1-rank program
+    bindings: Any  # partitioner.core.bindings.Bindings, or None for the 1-rank program
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     engine: str  # "tvm" or "onnxruntime" (fallback)

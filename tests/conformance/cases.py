@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
 
 FILTER_PATH = Path(__file__).with_name("filter.txt")
 STATUSES = ("pass", "mismatch", "refused", "error", "crash", "timeout", "skip")
@@ -139,7 +139,7 @@ def run_case(case: Any, *, ranks: int = 1, fallback: str | None = None) -> tuple
         return CaseResult(case.name, mode, "mismatch", engine, strategy, _one_line(exc),
                           time.perf_counter() - t0, spec), exc
     except PartitionerError as exc:
-        from partitioner.errors import StrategyNotApplicable
+        from partitioner.core.errors import StrategyNotApplicable
 
         if ranks == 2 and isinstance(exc, StrategyNotApplicable):
             strategy = "single-only"

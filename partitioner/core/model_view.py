@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 import onnx_ir as ir
 
-from partitioner.errors import PlanError
+from partitioner.core.errors import PlanError
 
 
 def ensure_node_names(model: ir.Model) -> None:

@@ -28,12 +28,12 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from partitioner import comm_ops
-from partitioner.bindings import Bindings, Placement, TensorBinding
-from partitioner.errors import PlanError, VerifyError
-from partitioner.lowering.model_view import ModelView, attr
+from partitioner.core import comm_ops
+from partitioner.core.bindings import Bindings, Placement, TensorBinding
+from partitioner.core.errors import PlanError, VerifyError
+from partitioner.core.model_view import ModelView, attr
 from partitioner.lowering.verify import verify_programs
-from partitioner.plan import Plan, Sharding
+from partitioner.core.plan import Plan, Sharding
 
 __all__ = ["lower", "verify_programs", "LoweredProgram"]
 
