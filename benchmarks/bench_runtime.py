@@ -85,7 +85,7 @@ def overhead(backend: str, repeat: int, warmup: int, tmp: Path, out_dir: Path) -
     import onnx
 
     from models_zoo import build
-    from partitioner.commands.bench import bench_artifact, format_table
+    from partitioner.bench import bench_artifact, format_table
 
     path = tmp / "tiny.onnx"
     onnx.save(build("mlp", **OVERHEAD_MODEL), path)
@@ -120,7 +120,7 @@ def main() -> int:
     import onnx
 
     from models_zoo import build
-    from partitioner.commands.bench import bench_artifact, format_table
+    from partitioner.bench import bench_artifact, format_table
     from partitioner.core.errors import PartitionerError
 
     out_dir.mkdir(parents=True, exist_ok=True)

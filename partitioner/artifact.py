@@ -46,6 +46,7 @@ import onnx
 from partitioner.core.bindings import Bindings
 from partitioner.core.comm_ops import CommOp, is_comm
 from partitioner.core.errors import ArtifactError
+from partitioner.core.files import json_default, sha256_file
 from partitioner.core.segments import all_nodes
 
 FORMAT = "partitioner-artifact"
@@ -59,14 +60,6 @@ _TOOLS = {"partitioner": "partitioner", "onnx": "onnx", "onnxruntime": "onnxrunt
 #: build-fact keys that measure time: they would make the manifest differ between identical builds.
 _TIMING_KEYS = re.compile(r"(^|_)(time|seconds|secs|elapsed|duration|wall)(_|$)|_s$")
 RANK_FILE = re.compile(r"^rank(\d+)\.")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -325,7 +318,7 @@ def write_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
         files: dict[str, dict[str, Any]] = {}
         (tmp / SOURCE).write_bytes(_source_bytes(source))
         plan_json = dict(plan) if plan is not None else {"strategy": "given", "world_size": bindings.world_size}
-        (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=_json_default) + "\n")
+        (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=json_default) + "\n")
         for i, p in enumerate(programs):
             (tmp / program_file(i)).write_bytes(p.SerializeToString())
         built = build(tmp, programs)
@@ -365,7 +358,7 @@ def write_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
             "nondeterministic_files": nondet,
         }
         manifest["manifest_sha256"] = manifest_checksum(manifest)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=_json_default) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=json_default) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -379,18 +372,6 @@ def _plan_summary(plan: Mapping[str, Any], bindings: Bindings) -> dict[str, Any]
     summary.setdefault("world_size", bindings.world_size)
     summary.setdefault("microbatches", bindings.microbatches)
     return summary
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if hasattr(o, "to_json"):
-        return o.to_json()
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
-    return str(o)
 
 
 __all__ = ["Artifact", "BuildOutcome", "FORMAT", "FORMAT_VERSION", "load_artifact", "verify_artifact",

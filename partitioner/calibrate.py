@@ -32,8 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +41,7 @@ from typing import Any
 
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
 from partitioner.core.errors import PartitionerError
+from partitioner.core.machine import machine_info
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -366,14 +365,6 @@ def _run_probe(quick: bool, timeout: float, backend: str = DEFAULT_BACKEND) -> d
 
 # ---- MPI probe -------------------------------------------------------------------------------
 
-def find_mpiexec() -> str | None:
-    """``mpiexec`` next to the running interpreter (the mpich wheel), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec")
-
-
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares t = α + nβ with each row weighted by 1/t (so relative errors count)."""
     import numpy as np
@@ -393,7 +384,9 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _run_mpi(quick: bool, timeout: float) -> dict[str, Any] | None:
-    mpiexec = find_mpiexec()
+    from partitioner.runtime.launch import find_mpiexec
+
+    mpiexec = find_mpiexec(required=False)
     if mpiexec is None:
         return None
     args = [mpiexec, "-n", "2", sys.executable, "-m", "partitioner.calibrate_mpi"] + (["--quick"] if quick else [])
@@ -412,19 +405,6 @@ def _run_mpi(quick: bool, timeout: float) -> dict[str, Any] | None:
 
 
 # ---- putting it together ---------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
-
 
 def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = True) -> Calibration:
     """Run the probes (module docstring) and return the measurements; ``backend`` selects whose

@@ -17,7 +17,6 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ import onnx
 from partitioner import artifact as _artifact
 from partitioner.core.bindings import Bindings
 from partitioner.core.errors import BackendError, PartitionerError
+from partitioner.core.files import sha256_file
 
 
 class Artifact(_artifact.Artifact):
@@ -59,12 +59,13 @@ def prepare(model: Any, *, batch: int | None = None, shapes: Mapping[str, Sequen
     """Rule 1: load and validate ``model``, bind shapes, run ``passes`` (None: the default
     clean-up pipeline). Returns the prepared ``onnx_ir.Model`` and, with ``keep_source``, the
     model as loaded, before the passes (what ``run --check`` compares against)."""
+    from partitioner.load import load
+
+    raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None)  # refuse bad input first
     import onnx_ir as ir
 
-    from partitioner.load import load
     from passes import run_pipeline
 
-    raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None)
     source = ir.serde.serialize_model(raw) if keep_source else None  # the passes edit raw in place
     return run_pipeline(raw, None if passes is None else list(passes)), source
 
@@ -94,7 +95,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     path = source_path if source_path is not None else model
     original_sha = None
     if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
-        original_sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        original_sha = sha256_file(path)
     if isinstance(model, ir.Model):
         prepared = model
         if source is None:

@@ -56,7 +56,7 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
     pred = costing.estimate(view, plan, cluster, memory_limit=memory_limit)
     if strategy != "auto" and not pred.fits:
         explanation += " (warning: predicted peak memory exceeds a device's capacity or the limit)"
-    sim = simulate_programs(lowered.programs, cluster, plan.microbatches, _batch_size(view))
+    sim = simulate_programs(lowered.programs, cluster, plan.microbatches, view.batch_size())
     prediction = pred.to_json()
     prediction["simulated"] = sim.to_json()
     return PartitionResult(plan, lowered.programs, lowered.bindings, prediction, explanation, alternatives, sim)
@@ -115,7 +115,3 @@ def _structure_key(program: onnx.ModelProto) -> str:
     for v in g.output:
         h.update(b"out:" + ref(v.name))
     return h.hexdigest()
-
-
-def _batch_size(view: ModelView) -> int:
-    return max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)

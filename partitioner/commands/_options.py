@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from partitioner.core.errors import UsageError
+from partitioner.core.files import json_default
 
 STRATEGIES = ("auto", "single", "data", "pipeline", "tensor", "spatial", "hybrid")
 
@@ -105,17 +106,5 @@ def cluster_from_args(args: argparse.Namespace) -> Any:
 
 
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=_json_default)
+    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=json_default)
     sys.stdout.write("\n")
-
-
-def _json_default(o: Any) -> Any:
-    import numpy as np
-
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if hasattr(o, "to_json"):
-        return o.to_json()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

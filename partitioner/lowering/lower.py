@@ -34,6 +34,7 @@ from partitioner.core.errors import PlanError, VerifyError
 from partitioner.core.model_view import ModelView, attr
 from partitioner.lowering.verify import verify_programs
 from partitioner.core.plan import Plan, Sharding
+from partitioner.cost.resharding import COMM_OP, conversion
 
 __all__ = ["lower", "verify_programs", "LoweredProgram"]
 
@@ -203,16 +204,19 @@ class _Lowerer:
         return res
 
     def _same_group(self, value: str, src: Sharding, req: Sharding, have: dict[int, str], elem: int) -> dict[int, str]:
+        """One group, two layouts: the collective :func:`partitioner.cost.resharding.conversion` names."""
         g = req.ranks
         out_shape = self.local_shape(value, req)
-        if src.partial is not None and req.axis is None:
-            return self.collective("AllReduce", g, have, value, elem, out_shape, reduction=src.partial)
-        if src.partial is not None:
-            return self.collective("ReduceScatter", g, have, value, elem, out_shape, axis=req.axis, reduction=src.partial)
-        if src.axis is not None and req.axis is None:
-            return self.collective("AllGather", g, have, value, elem, out_shape, axis=src.axis)
-        if src.axis is not None and req.axis is not None:
-            return self.collective("AllToAll", g, have, value, elem, out_shape, split_axis=req.axis, concat_axis=src.axis)
+        kind = conversion(src, req)
+        op = COMM_OP.get(kind or "")
+        if kind == "allreduce":
+            return self.collective(op, g, have, value, elem, out_shape, reduction=src.partial)
+        if kind == "reducescatter":
+            return self.collective(op, g, have, value, elem, out_shape, axis=req.axis, reduction=src.partial)
+        if kind == "allgather":
+            return self.collective(op, g, have, value, elem, out_shape, axis=src.axis)
+        if kind == "alltoall":
+            return self.collective(op, g, have, value, elem, out_shape, split_axis=req.axis, concat_axis=src.axis)
         # whole -> split: a local slice, no communication
         shape = self.local_shape(value, src)
         res = {}

@@ -35,12 +35,14 @@ from partitioner.core.errors import RunFailed
 _RANK_LINE = re.compile(r"^rank (\d+): (.*)$", re.M)
 
 
-def find_mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
+def find_mpiexec(required: bool = True) -> str | None:
+    """``mpiexec`` next to the running interpreter (the mpich wheel), else the first on PATH.
+    Without one: :class:`RunFailed` saying how to get it, or None when not ``required``."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
     found = shutil.which("mpiexec")
-    if not found:
+    if not found and required:
         raise RunFailed("mpiexec not found: install the mpich wheel (pip install mpich) or put mpiexec on PATH")
     return found
 

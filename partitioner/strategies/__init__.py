@@ -34,7 +34,9 @@ def make_plan(view: ModelView, strategy: str, world: int, mesh: tuple[int, ...],
 
 
 def batch_size(view: ModelView) -> int:
-    sizes = [view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1]
+    """The batch a strategy can split: the smallest batch dimension of the batched inputs
+    (:meth:`ModelView.batch_dims`), so that every batched input splits the same way."""
+    sizes = view.batch_dims()
     if not sizes:
         raise StrategyNotApplicable("the model has no batched input")
     return min(sizes)

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 
 from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.memory import activation_copies
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
+from partitioner.cost.resharding import communicates, conversion
 from partitioner.cost.roofline import graph_op_times
 from partitioner.core.model_view import ModelView
 from partitioner.core.plan import Plan, Sharding
@@ -62,18 +64,6 @@ class Prediction:
                 "bytes_per_link_level": dict(self.bytes_per_level), "fits_memory": self.fits}
 
 
-def _conversion(src: Sharding, req: Sharding) -> str | None:
-    if src == req:
-        return None
-    if src.ranks == req.ranks:
-        if src.partial is not None:
-            return "allreduce" if req.axis is None else "reducescatter"
-        if src.axis is not None:
-            return "allgather" if req.axis is None else "alltoall"
-        return None  # local slice
-    return "send"
-
-
 def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float | None = None,
              times: dict[int, np.ndarray] | None = None) -> Prediction:
     """Predict ``plan`` on ``cluster`` (see the module docstring)."""
@@ -110,8 +100,8 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
             if src is None or (name, req) in seen_conv:
                 continue
             seen_conv.add((name, req))
-            kind = _conversion(src, req)
-            if kind is None:
+            kind = conversion(src, req)
+            if not communicates(kind):
                 continue
             nbytes = view.nbytes(name) / m
             if kind == "send":
@@ -137,7 +127,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
     mem = np.zeros(w)
     for r in range(w):
         mem[r] = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
-        inflight = min(m, plan.num_stages) if plan.num_stages > 1 else 1
+        inflight = activation_copies(m, plan.num_stages)
         mem[r] += 2 * act[r] * inflight
     busy = compute + comm
     if plan.num_stages > 1:
@@ -148,7 +138,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
         latency = pipeline_step_time(stage_t, [0.0] * (len(stage_t) - 1), m)
     else:
         latency = float(busy.max())
-    batch = max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)
+    batch = view.batch_size()
     caps = [min(cluster.devices[r].memory_bytes, memory_limit or float("inf")) for r in range(w)]
     fits = all(mem[r] <= caps[r] for r in range(w))
     return Prediction(tuple(compute.tolist()), tuple(comm.tolist()), tuple(float(latency - b) for b in busy),
