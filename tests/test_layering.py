@@ -7,7 +7,7 @@ Rules (DESIGN.md, "Layout (the rooms)"):
 3. No import cycle between the rooms. A room is a top-level package (``passes``, ``backends``,
    ``models_zoo``), or a sub-package or module of ``partitioner`` (``partitioner.cost``,
    ``partitioner.artifact``, ...). Imports inside functions count: a lazy import is still a
-   dependency.
+   dependency; imports under ``if TYPE_CHECKING:`` (annotations only) do not.
 """
 
 from __future__ import annotations
@@ -31,12 +31,25 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _walk_runtime(tree: ast.AST):
+    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
 def _imports(path: Path) -> set[str]:
     """Every module of ours that ``path`` imports (``from a import b`` yields ``a`` and ``a.b``)."""
     mod = _module(path)
     package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _walk_runtime(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx_ir as ir
 
-from partitioner.cluster import Cluster, Device
+if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
+    from partitioner.cluster import Cluster, Device
 from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
