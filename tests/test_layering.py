@@ -1,4 +1,4 @@
-"""The architecture stays as DESIGN.md draws it: checked on the source with ``ast``.
+"""The architecture stays as docs/architecture.md draws it: checked on the source with ``ast``.
 
 Rules (DESIGN.md, "Layout (the rooms)"):
 1. ``partitioner/core`` is the ground floor: it imports nothing of ours outside itself.
@@ -8,11 +8,15 @@ Rules (DESIGN.md, "Layout (the rooms)"):
    ``models_zoo``), or a sub-package or module of ``partitioner`` (``partitioner.cost``,
    ``partitioner.artifact``, ...). Imports inside functions count: a lazy import is still a
    dependency; imports under ``if TYPE_CHECKING:`` (annotations only) do not.
+4. Size: no function or method over 80 lines and no class over 250 lines in the product code
+   (``partitioner/``, ``passes/``, ``backends/``, ``models_zoo/``), decorators and docstrings
+   included.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import networkx as nx
@@ -20,6 +24,8 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("partitioner", "passes", "backends", "models_zoo")
 TOP_FLOOR = ("partitioner.compiler", "partitioner.cli", "partitioner.commands", "partitioner.runtime.launch")
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 250
 
 
 def _sources() -> list[Path]:
@@ -107,3 +113,32 @@ def test_no_import_cycle_between_rooms():
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     detail = [why[e] for c in cycles for e in graph.subgraph(c).edges]
     assert not cycles, f"import cycles between rooms {cycles}: " + "; ".join(detail)
+
+
+def _too_long() -> list[str]:
+    out: list[str] = []
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = node.end_lineno - first + 1
+                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                if length > limit:
+                    out.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} is {length} lines (limit {limit})")
+    return out
+
+
+def test_no_function_or_class_is_too_long():
+    too_long = _too_long()
+    assert not too_long, "\n".join(too_long)
+
+
+def test_rooms_are_the_documented_ones():
+    """Every sub-package of partitioner is a room named in docs/architecture.md."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rooms = defaultdict(list)
+    for p in (ROOT / "partitioner").iterdir():
+        if p.is_dir() and (p / "__init__.py").is_file():
+            rooms[p.name].append(p)
+    missing = [name for name in rooms if f"partitioner/{name}/" not in doc]
+    assert not missing, f"rooms missing from docs/architecture.md: {missing}"

@@ -65,7 +65,10 @@ def lower(model: ir.Model | ModelView, plan: Plan, *, verify: bool = True) -> Lo
     return out
 
 
-class _Lowerer:
+class _Emitter:
+    """The per-rank program builder's primitives: fresh names, local shapes, and emitting nodes,
+    initializers, slices, point-to-point transfers, collectives and concatenations on a rank."""
+
     def __init__(self, view: ModelView, plan: Plan) -> None:
         self.view, self.plan = view, plan
         self.ranks = [_Rank() for _ in range(plan.world_size)]
@@ -166,7 +169,11 @@ class _Lowerer:
         self.emit(r, helper.make_node("Concat", parts, [out], name=out, axis=axis), [(out, elem, shape)])
         return out
 
-    # ---- layout conversion --------------------------------------------------------------------
+class _Resharder(_Emitter):
+    """Layout conversion: a value in the layout it was produced in becomes the layout a consumer
+    requires, with the comm ops :mod:`partitioner.cost.resharding` names (cached per value and
+    layout, so a conversion is emitted once)."""
+
     def materialize(self, value: str, req: Sharding) -> dict[int, str]:
         key = (value, req)
         if key in self.cache:
@@ -256,7 +263,10 @@ class _Lowerer:
                                  self.local_shape(value, req), value)
         return res
 
-    # ---- the main loop ----------------------------------------------------------------------
+class _Lowerer(_Resharder):
+    """The main loop: every node of the plan emitted on its ranks, then the bindings and one
+    pruned, typed program per rank."""
+
     def run(self) -> LoweredProgram:
         view, plan = self.view, self.plan
         for name in view.inputs:
