@@ -109,9 +109,9 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     """Run the benchmark; returns the JSON document (see the module rules)."""
     from partitioner.compiler import compile as compile_artifact
     from partitioner.compiler import load_artifact
+    from partitioner.core.bindings import seeded_inputs
     from partitioner.runtime.launch import load_inputs, run_artifact
     from partitioner.runtime.worker import read_npz
-    from partitioner.core.bindings import seeded_inputs
 
     if repeat < 1 or warmup < 0:
         raise UsageError("--repeat must be at least 1 and --warmup at least 0")

@@ -12,9 +12,9 @@ import onnx_ir as ir
 
 from partitioner.core.bindings import Bindings
 from partitioner.core.errors import UsageError
-from partitioner.lowering.lower import lower
 from partitioner.core.model_view import ModelView
 from partitioner.core.plan import Plan
+from partitioner.lowering.lower import lower
 from partitioner.strategies import costing, get_strategy
 from partitioner.strategies.search import search
 

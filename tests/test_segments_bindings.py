@@ -14,8 +14,8 @@ from onnx import helper
 from partitioner.core import comm_ops
 from partitioner.core.bindings import Bindings, Placement, TensorBinding, gather_outputs, scatter_inputs
 from partitioner.core.errors import InputError, VerifyError
-from partitioner.runtime.comm_local import LocalWorld
 from partitioner.core.segments import CommStep, Segment, split_program
+from partitioner.runtime.comm_local import LocalWorld
 
 
 def _program(rank: int) -> onnx.ModelProto:

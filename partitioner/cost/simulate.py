@@ -36,11 +36,11 @@ import onnx_ir as ir
 
 if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
     from partitioner.cluster import Cluster, Device
+from partitioner.core.errors import PlanError, VerifyError
 from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
-from partitioner.core.errors import PlanError, VerifyError
 
 _COLLECTIVE_KIND = {"AllReduce": "allreduce", "AllGather": "allgather", "ReduceScatter": "reducescatter",
                     "AllToAll": "alltoall", "Broadcast": "broadcast"}

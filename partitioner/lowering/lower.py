@@ -32,9 +32,9 @@ from partitioner.core import comm_ops
 from partitioner.core.bindings import Bindings, Placement, TensorBinding
 from partitioner.core.errors import PlanError, VerifyError
 from partitioner.core.model_view import ModelView, attr
-from partitioner.lowering.verify import verify_programs
 from partitioner.core.plan import Plan, Sharding
 from partitioner.cost.resharding import COMM_OP, conversion
+from partitioner.lowering.verify import verify_programs
 
 __all__ = ["lower", "verify_programs", "LoweredProgram"]
 

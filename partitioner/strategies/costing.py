@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.memory import activation_copies
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
 from partitioner.cost.resharding import communicates, conversion
 from partitioner.cost.roofline import graph_op_times
-from partitioner.core.model_view import ModelView
-from partitioner.core.plan import Plan, Sharding
 
 
 def node_times(view: ModelView, device: Any) -> np.ndarray:

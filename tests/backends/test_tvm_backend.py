@@ -20,11 +20,11 @@ from onnx import TensorProto, helper, numpy_helper
 pytest.importorskip("tvm")
 
 import backends.tvm as bt  # noqa: E402
-from partitioner.core.files import sha256_file  # noqa: E402
 from backends.tvm.progress import BuildProgress  # noqa: E402
 from backends.tvm.target import cpu_from_cpuinfo, detect_host_target, target_dict  # noqa: E402
 from partitioner.core.comm_ops import make_node, opset_import  # noqa: E402
 from partitioner.core.errors import BackendError, RunFailed  # noqa: E402
+from partitioner.core.files import sha256_file  # noqa: E402
 from partitioner.runtime.comm_local import LocalWorld  # noqa: E402
 
 F = TensorProto.FLOAT

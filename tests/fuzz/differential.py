@@ -104,8 +104,8 @@ def _one_line(exc: BaseException) -> str:
 
 def check_reference(fg: FuzzGraph, fp: FuzzPlan) -> Outcome:
     """Partition and run with the reference backend (ONNX Runtime per segment, LocalWorld comms)."""
-    from partitioner.runtime.in_process import run_reference
     from partitioner.lowering.lower import check_programs, verify_programs
+    from partitioner.runtime.in_process import run_reference
 
     base = (fp.strategy, fp.devices, fp.microbatches)
     try:
