@@ -15,14 +15,34 @@ dict[str, np.ndarray]`` that runs the program once (one micro-batch) and returns
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+import pathlib
+from typing import Any, Protocol, runtime_checkable
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 BACKENDS = ("tvm", "onnxruntime")
 
 
-def get_backend(name: str) -> ModuleType:
+@runtime_checkable
+class RankExecutable(Protocol):
+    """One rank's program, loaded: runs one micro-batch."""
+
+    def run(self, feeds: dict[str, Any], comm: Any) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The contract above, as a type: every ``backends.<name>`` module satisfies it."""
+
+    NAME: str
+    FILE_SUFFIX: str
+
+    def build(self, program: Any, out_path: pathlib.Path, *, target: Any = None, options: Any = None) -> dict: ...
+
+    def load(self, program: Any, path: pathlib.Path | None = None, *, threads: int = 1) -> RankExecutable: ...
+
+
+def get_backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     return importlib.import_module(f"backends.{name}")

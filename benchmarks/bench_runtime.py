@@ -75,7 +75,7 @@ def markdown(results_dir: Path) -> str:
 
 
 def _compile(model_path: Path, cluster: str, strategy: str, backend: str, out: Path, **kw: Any) -> Any:
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
 
     return compile_artifact(str(model_path), cluster, strategy=strategy, backend=backend, fallback="onnxruntime",
                             out_dir=out, progress=False, **kw)
@@ -85,7 +85,7 @@ def overhead(backend: str, repeat: int, warmup: int, tmp: Path, out_dir: Path) -
     import onnx
 
     from models_zoo import build
-    from partitioner.commands.bench import bench_artifact, format_table
+    from partitioner.bench import bench_artifact, format_table
 
     path = tmp / "tiny.onnx"
     onnx.save(build("mlp", **OVERHEAD_MODEL), path)
@@ -120,8 +120,8 @@ def main() -> int:
     import onnx
 
     from models_zoo import build
-    from partitioner.commands.bench import bench_artifact, format_table
-    from partitioner.errors import PartitionerError
+    from partitioner.bench import bench_artifact, format_table
+    from partitioner.core.errors import PartitionerError
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp_name:

@@ -2,7 +2,7 @@
 
 Per zoo builder (the small sizes of tests/test_foundation.py, batch 2):
 
-- ``compile_s``: wall time of ``partitioner.artifact.compile`` for 2 ranks with the TVM backend,
+- ``compile_s``: wall time of ``partitioner.compiler.compile`` for 2 ranks with the TVM backend,
   for the ``pipeline`` and the ``data`` plan (load, passes, partition, both rank builds, manifest);
 - ``tvm_ms`` / ``ort_ms``: median time of one call of rank 0's program of the *data* plan (its rank
   programs hold no comm ops, so the shard runs alone): the TVM library (``rank0.so``, 1 thread)
@@ -62,7 +62,7 @@ def time_rank(art, repeat: int) -> dict:
     import onnxruntime as ort
 
     from backends.tvm.executable import TvmRankExecutable, configure_threads
-    from partitioner.comm_ops import is_comm
+    from partitioner.core.comm_ops import is_comm
 
     program = art.programs[0]
     if any(is_comm(n) for n in program.graph.node):
@@ -88,8 +88,8 @@ def time_rank(art, repeat: int) -> dict:
 
 def bench_model(name: str, tmp: Path, repeat: int, jobs: int | None) -> dict:
     import models_zoo
-    from partitioner.artifact import compile as compile_artifact
-    from partitioner.errors import PartitionerError
+    from partitioner.compiler import compile as compile_artifact
+    from partitioner.core.errors import PartitionerError
 
     model = models_zoo.build(name, batch=BATCH, **SMALL[name])
     row: dict = {"model": name, "size": {"batch": BATCH, **SMALL[name]}}

@@ -40,7 +40,7 @@ def seeded_feeds(art, seed: int = 0) -> dict:
 
 def drop_unread_dropout_masks(model):
     """Remove the ``mask`` output of every Dropout whose mask nothing reads (inference Dropout is an
-    identity; ONNX shape inference leaves such masks unshaped, which partitioner/lower.py refuses).
+    identity; ONNX shape inference leaves such masks unshaped, which partitioner/lowering/lower.py refuses).
     Returns the number of masks removed."""
     read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     removed = 0
@@ -81,7 +81,7 @@ def random_weights(model, seed: int = 0):
 
 def one_model(name: str, out_dir: Path, jobs: int | None, drop_masks: bool, randomize: bool = True) -> dict:
     from models_zoo import build
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
     from partitioner.runtime.launch import check_outputs, run_in_process
 
     row: dict = {"model": name, "strategy": "pipeline", "devices": 2, "backend": "tvm"}
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(LIGHT))
     ap.add_argument("--jobs", type=int, default=None, help="parallel rank builds (default: cores)")
     ap.add_argument("--drop-unread-dropout-masks", action="store_true",
-                    help="work around partitioner/lower.py refusing unshaped Dropout masks (see the docstring)")
+                    help="work around partitioner/lowering/lower.py refusing unshaped Dropout masks (see the docstring)")
     ap.add_argument("--shipped-weights", action="store_true",
                     help="keep the shipped all-0.02 weights (outputs are then uniform, a weak check)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "light_models_pipeline.json"))

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> dict:
     import models_zoo
     import onnx
     from partitioner.cluster import Cluster
-    from partitioner.errors import StrategyNotApplicable
+    from partitioner.core.errors import StrategyNotApplicable
     from partitioner.load import load
     from partitioner.partition import partition
     from passes import run_pipeline

@@ -137,7 +137,7 @@ def _run_child(op: str, d: Path, key: Path) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from importlib import metadata
 
-    from partitioner.commands.bench import machine_info
+    from partitioner.core.machine import machine_info
 
     work = Path(tempfile.mkdtemp(prefix="partitioner-signing-", dir=args.tmp))
     rows = []

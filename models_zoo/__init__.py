@@ -9,7 +9,7 @@ Public API:
 Rules: a builder model is a function of its arguments alone (weights come from
 ``numpy.random.default_rng(seed)``), so building twice gives byte-identical bytes. Keyword
 arguments set to ``None`` are ignored (the CLI passes every option it has). Unknown names and
-unknown arguments raise :class:`partitioner.errors.UsageError` listing what is accepted. Every
+unknown arguments raise :class:`partitioner.core.errors.UsageError` listing what is accepted. Every
 builder model uses opset :data:`OPSET`, its graph is named after the zoo name, and all its
 values have static shapes after ONNX shape inference (except ``gpt`` with
 ``symbolic_batch=True``, whose batch dim is the symbolic ``"batch"``).
@@ -36,7 +36,7 @@ from models_zoo.mlp import build_mlp
 from models_zoo.mobilenet import build_mobilenet
 from models_zoo.resnet import build_resnet
 from models_zoo.unet import build_unet
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 __all__ = [
     "sample_inputs","ZooEntry", "list_models", "build", "is_zoo_name", "OPSET", "PRODUCER_NAME"]

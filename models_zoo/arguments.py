@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 
 def positive_int(model: str, name: str, value: object) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import onnx
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 AUTO_EXTERNAL_BYTES = 1_500_000_000
 _SMALL_TENSOR_BYTES = 1024

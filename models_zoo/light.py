@@ -27,7 +27,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
-from partitioner.errors import ModelLoadError, UsageError
+from partitioner.core.errors import ModelLoadError, UsageError
 
 PREFIX = "light_"
 LIGHT_BATCH = 1

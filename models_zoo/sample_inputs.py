@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 
 def _gather_bounds(model: onnx.ModelProto) -> dict[str, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
 from partitioner.load import load
 
 __version__ = "0.1.0"
@@ -22,9 +22,9 @@ _LAZY = {
     "Cluster": ("partitioner.cluster", "Cluster"),
     "partition": ("partitioner.partition", "partition"),
     "auto_partition": ("partitioner.partition", "auto_partition"),
-    "compile": ("partitioner.artifact", "compile"),
-    "load_artifact": ("partitioner.artifact", "load_artifact"),
-    "Artifact": ("partitioner.artifact", "Artifact"),
+    "compile": ("partitioner.compiler", "compile"),
+    "load_artifact": ("partitioner.compiler", "load_artifact"),
+    "Artifact": ("partitioner.compiler", "Artifact"),
     "run_pipeline": ("passes", "run_pipeline"),
     "train": ("partitioner.training.loop", "train"),
 }

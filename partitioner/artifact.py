@@ -1,4 +1,7 @@
-"""The deployable artifact directory: build it, verify it, load it, run it.
+"""The deployable artifact directory: its format, and how to write, verify and load it.
+
+Building it is the compile driver's job (:mod:`partitioner.compiler`); running it is the runtime's
+(:mod:`partitioner.runtime.launch`), which calls :func:`load_artifact`.
 
 Layout (see docs/artifact_format.md for the full format)::
 
@@ -35,16 +38,17 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 
-from partitioner.bindings import Bindings
-from partitioner.comm_ops import CommOp, is_comm
-from partitioner.errors import ArtifactError, BackendError, PartitionerError
+from partitioner.core.bindings import Bindings
+from partitioner.core.comm_ops import CommOp, is_comm
+from partitioner.core.errors import ArtifactError
+from partitioner.core.files import json_default, sha256_file
+from partitioner.core.segments import all_nodes
 from partitioner.lowering.lazy_weights import write_rank_program
-from partitioner.segments import all_nodes
 
 FORMAT = "partitioner-artifact"
 FORMAT_VERSION = 1
@@ -56,15 +60,7 @@ _TOOLS = {"partitioner": "partitioner", "onnx": "onnx", "onnxruntime": "onnxrunt
           "tvm_ffi": "apache-tvm-ffi", "numpy": "numpy", "mpi4py": "mpi4py", "mpich": "mpich"}
 #: build-fact keys that measure time: they would make the manifest differ between identical builds.
 _TIMING_KEYS = re.compile(r"(^|_)(time|seconds|secs|elapsed|duration|wall)(_|$)|_s$")
-_RANK_FILE = re.compile(r"^rank(\d+)\.")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+RANK_FILE = re.compile(r"^rank(\d+)\.")
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -140,19 +136,8 @@ class Artifact:
         for name, path in self.files.items():
             shutil.copyfile(path, tmp / name)
         _replace_dir(tmp, dest)
-        return load_artifact(dest)
-
-    def run(self, inputs: Mapping[str, np.ndarray] | str | os.PathLike[str], *, check: bool = False,
-            ranks_per_host: int | None = None, in_process: bool = False, timeout: float | None = None,
-            rtol: float = 1e-4, atol: float = 1e-5, outputs: str | os.PathLike[str] | None = None) -> Any:
-        """Run on ``inputs`` (a dict of arrays or an .npz path) the way ``partitioner run`` does.
-
-        Returns a :class:`partitioner.runtime.launch.RunResult` (``outputs``, ``check``, ``wall_s``).
-        """
-        from partitioner.runtime.launch import run_artifact
-
-        return run_artifact(self, inputs, check=check, ranks_per_host=ranks_per_host, in_process=in_process,
-                            timeout=timeout, rtol=rtol, atol=atol, outputs_path=outputs)
+        art = load_artifact(dest)
+        return type(self)(art.root, art.manifest, art.plan)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,7 +210,7 @@ def verify_artifact(directory: str | os.PathLike[str]) -> dict[str, Any]:
         if path.stat().st_size != info.get("size") or sha256_file(path) != info.get("sha256"):
             raise ArtifactError(f"{path}: sha256 does not match the manifest (the file was changed or corrupted)")
     for path in root.iterdir():
-        m = _RANK_FILE.match(path.name)
+        m = RANK_FILE.match(path.name)
         if m and int(m.group(1)) >= world:
             raise ArtifactError(f"{path}: rank file beyond the artifact's world_size {world}; wrong rank count")
     return manifest
@@ -296,82 +281,50 @@ def _source_bytes(source: onnx.ModelProto | bytes | str | os.PathLike[str]) -> b
     return Path(source).read_bytes()
 
 
-def _build_backend_files(tmp: Path, programs: Sequence[onnx.ModelProto], backend: str, target: Any,
-                         jobs: int | None, progress: bool | None,
-                         options: Mapping[str, Any] | None = None) -> tuple[str, list[dict]]:
-    from backends import get_backend
+@dataclass(frozen=True)
+class BuildOutcome:
+    """What a backend build left in the staging directory, as the manifest records it: the backend
+    and target that built it (after any fallback), the per-rank file suffix, per-rank build facts,
+    the fallback note and, per rank, the segments that run under another backend."""
 
-    mod = get_backend(backend)
-    suffix = mod.FILE_SUFFIX
-    if suffix == ".onnx":  # the program file itself is what this backend runs
-        return suffix, [{} for _ in programs]
-    work = tmp / ".build"  # the backend may leave scratch files: only rank<i><suffix> is kept
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    try:
-        build_all = getattr(mod, "build_all", None)
-        if build_all is not None:
-            if options and options.get("tune_trials"):
-                jobs = 1  # tuning writes one database: ranks must not tune it concurrently
-                if progress is not False:  # the tuning bar (trials done, best time) on stderr
-                    options = {**options, "tune_progress": True}
-            facts = build_all(list(programs), work, target=target, jobs=jobs, progress=progress,
-                              options=dict(options) if options else None)
-        else:
-            facts = [mod.build(p, work / f"rank{i}{suffix}", target=target, options=dict(options) if options else None)
-                     for i, p in enumerate(programs)]
-        for i in range(len(programs)):
-            if not (work / f"rank{i}{suffix}").is_file():
-                raise BackendError(f"backend {backend}: the build wrote no rank{i}{suffix}")
-            os.replace(work / f"rank{i}{suffix}", tmp / f"rank{i}{suffix}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return suffix, list(facts)
+    backend: str
+    target: Any
+    suffix: str
+    facts: list[dict]
+    fallback: dict[str, Any] | None = None
+    segments_per_rank: list[list[dict[str, Any]]] = field(default_factory=list)
 
 
-def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.ModelProto], bindings: Bindings, *,
-                   source: onnx.ModelProto | bytes | str | os.PathLike[str], backend: str = "onnxruntime",
-                   target: Any = None, plan: Mapping[str, Any] | None = None,
-                   cluster: Mapping[str, Any] | None = None, prediction: Mapping[str, Any] | None = None,
-                   explanation: str | None = None, report_html: str | None = None, jobs: int | None = None,
-                   fallback: str | None = None, source_sha256: str | None = None,
-                   progress: bool | None = None, build_options: Mapping[str, Any] | None = None) -> Artifact:
-    """Write an artifact directory from per-rank programs and their bindings (the mechanism under
-    :func:`compile`; tests use it with hand-built programs). Returns the verified artifact."""
+def check_layout(programs: Sequence[onnx.ModelProto], bindings: Bindings) -> None:
+    """The bindings are consistent and there is one program per rank."""
     bindings.check()
     if len(programs) != bindings.world_size:
         raise ArtifactError(f"{len(programs)} programs for bindings of {bindings.world_size} ranks")
+
+
+def write_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.ModelProto], bindings: Bindings, *,
+                   source: onnx.ModelProto | bytes | str | os.PathLike[str],
+                   build: Callable[[Path, Sequence[onnx.ModelProto]], BuildOutcome],
+                   plan: Mapping[str, Any] | None = None, cluster: Mapping[str, Any] | None = None,
+                   prediction: Mapping[str, Any] | None = None, explanation: str | None = None,
+                   report_html: str | None = None, source_sha256: str | None = None) -> Path:
+    """Write an artifact directory atomically: source, plan and programs, then ``build(staging,
+    programs)`` adds the backend's per-rank files, then the report and the manifest (invariants
+    1-4). The directory replaces an earlier artifact at ``out_dir``. Returns its path (verify or
+    load it with :func:`load_artifact`)."""
+    check_layout(programs, bindings)
     dest = Path(out_dir)
     tmp = _staging_dir(dest)
     try:
         files: dict[str, dict[str, Any]] = {}
-        src = _source_bytes(source)
-        (tmp / SOURCE).write_bytes(src)
-        programs, ort_marked = _mark_fallback_segments(programs, backend, fallback)
+        (tmp / SOURCE).write_bytes(_source_bytes(source))
         plan_json = dict(plan) if plan is not None else {"strategy": "given", "world_size": bindings.world_size}
-        (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=_json_default) + "\n")
+        (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=json_default) + "\n")
         for i, p in enumerate(programs):  # rank<i>.onnx + rank<i>.data with only that rank's weights
             write_rank_program(p, tmp, i)
-        fallback_note = None
-        try:
-            suffix, facts = _build_backend_files(tmp, programs, backend, target, jobs, progress, build_options)
-        except Exception as exc:  # noqa: BLE001 - any build failure may fall back, when asked to
-            if not fallback or fallback == backend:
-                if isinstance(exc, PartitionerError):
-                    raise
-                raise BackendError(f"backend {backend}: build failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
-            for path in tmp.iterdir():
-                if _RANK_FILE.match(path.name) and path.suffix not in (".onnx", ".data"):
-                    path.unlink()
-            fallback_note = {"from": backend, "to": fallback, "reason": str(exc).splitlines()[0]}
-            backend, target = fallback, None
-            suffix, facts = _build_backend_files(tmp, programs, backend, target, jobs, progress)
-        segments_per_rank: list[list[dict[str, Any]]] = [[] for _ in programs]
-        if ort_marked and backend == "tvm":
-            segments_per_rank = _write_fallback_segments(tmp, programs)
-            fallback_note = _segment_fallback_note(segments_per_rank)
-        elif fallback_note is not None:
-            fallback_note["scope"] = "ranks"
+        built = build(tmp, programs)
+        suffix, facts = built.suffix, built.facts
+        segments_per_rank = built.segments_per_rank or [[] for _ in programs]
         if report_html is not None:
             (tmp / REPORT).write_text(report_html)
         ranks = [{"rank": i, "program": program_file(i), "executable": f"rank{i}{suffix}",
@@ -390,9 +343,9 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
             "format_version": FORMAT_VERSION,
             "world_size": bindings.world_size,
             "microbatches": bindings.microbatches,
-            "backend": backend,
-            "target": _clean_facts(target, False),
-            "fallback": fallback_note,
+            "backend": built.backend,
+            "target": _clean_facts(built.target, False),
+            "fallback": built.fallback,
             "source_model": {"file": SOURCE, "sha256": files[SOURCE]["sha256"],
                              "original_sha256": source_sha256 or files[SOURCE]["sha256"]},
             "toolchain": toolchain_versions(),
@@ -407,54 +360,12 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
             "nondeterministic_files": nondet,
         }
         manifest["manifest_sha256"] = manifest_checksum(manifest)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=_json_default) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=json_default) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace_dir(tmp, dest)
-    return load_artifact(dest)
-
-
-def _mark_fallback_segments(programs: Sequence[onnx.ModelProto], backend: str,
-                            fallback: str | None) -> tuple[list[onnx.ModelProto], bool]:
-    """With ``backend="tvm", fallback="onnxruntime"``, mark the programs holding ops TVM cannot
-    import so that the TVM lowering runs just those segments under ONNX Runtime
-    (:mod:`backends.tvm.fallback`). Other programs are left byte-identical."""
-    if backend != "tvm" or fallback != "onnxruntime":
-        return list(programs), False
-    from backends.tvm import fallback as tvm_fallback
-
-    out, marked = [], False
-    for p in programs:
-        if tvm_fallback.needs_fallback(p):
-            p, marked = tvm_fallback.mark_program(p), True
-        out.append(p)
-    return out, marked
-
-
-def _write_fallback_segments(tmp: Path, programs: Sequence[onnx.ModelProto]) -> list[list[dict[str, Any]]]:
-    """Write ``rank<i>.seg<k>.onnx`` for every ORT segment; return their descriptions per rank."""
-    from backends.tvm import fallback as tvm_fallback
-
-    described: list[list[dict[str, Any]]] = []
-    for i, p in enumerate(programs):
-        rows = []
-        for seg in tvm_fallback.ort_segments(p):
-            name = tvm_fallback.segment_file(f"rank{i}.so", seg.key)
-            (tmp / name).write_bytes(seg.model.SerializeToString(deterministic=True))
-            rows.append({"file": name, **seg.describe()})
-        described.append(rows)
-    return described
-
-
-def _segment_fallback_note(segments_per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    parts = [f"rank {i} segment {s['segment']} ({', '.join(s['op_types'])}: nodes {', '.join(s['nodes'])})"
-             for i, rows in enumerate(segments_per_rank) for s in rows]
-    ops = sorted({t for rows in segments_per_rank for s in rows for t in s["op_types"]})
-    return {"from": "tvm", "to": "onnxruntime", "scope": "segments",
-            "reason": f"TVM cannot import {', '.join(ops)}; ONNX Runtime runs only these segments inside "
-                      f"their rank: {'; '.join(parts)}",
-            "segments": [{"rank": i, **s} for i, rows in enumerate(segments_per_rank) for s in rows]}
+    return dest
 
 
 def _plan_summary(plan: Mapping[str, Any], bindings: Bindings) -> dict[str, Any]:
@@ -465,101 +376,5 @@ def _plan_summary(plan: Mapping[str, Any], bindings: Bindings) -> dict[str, Any]
     return summary
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if hasattr(o, "to_json"):
-        return o.to_json()
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
-    return str(o)
-
-
-def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: Any = None, backend: str = "tvm",
-            microbatches: int | None = None, objective: str = "latency", memory_limit: int | None = None,
-            out_dir: str | os.PathLike[str] | None = None, batch: int | None = None,
-            shapes: Mapping[str, Sequence[int]] | None = None, passes: Sequence[str] | None = None,
-            fallback: str | None = None, jobs: int | None = None, progress: bool | None = None,
-            source: onnx.ModelProto | bytes | None = None, source_path: str | None = None,
-            build_options: Mapping[str, Any] | None = None) -> Artifact:
-    """Load, partition and build ``model`` into an artifact directory.
-
-    ``model``: an .onnx path, an ``onnx.ModelProto``, a zoo name or an (already prepared)
-    ``onnx_ir.Model``. ``cluster``: a :class:`partitioner.cluster.Cluster`, a spec string
-    (``"cpu:2"``, a file, a preset) or None (``cpu:1``). ``out_dir``: where to write; a fresh
-    temporary directory when None (``Artifact.save`` copies it elsewhere). ``build_options``: the
-    backend's options, e.g. ``{"tune_trials": 64, "tuning_db": "db/"}`` or ``{"pipeline": "zero"}``
-    for TVM (``backends/tvm/build.py``). ``source``: the model
-    ``run --check`` compares against (default: ``model`` as loaded, before the passes).
-    """
-    import onnx_ir as ir
-
-    from partitioner.lowering.lazy_weights import read_in_external
-    from partitioner.partition import partition
-
-    path = source_path if source_path is not None else model
-    original_sha = None
-    if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
-        original_sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    if isinstance(model, ir.Model):
-        prepared = read_in_external(model)  # lazy weights are read in: the build holds them all today
-        if source is None:
-            source = ir.serde.serialize_model(model)
-    else:
-        from partitioner.load import load
-        from passes import run_pipeline
-
-        raw = read_in_external(load(model, batch=batch, shapes=dict(shapes) if shapes else None))
-        if source is None:
-            source = ir.serde.serialize_model(raw)  # before the passes: --check compares against this
-        prepared = run_pipeline(raw, None if passes is None else list(passes))
-    cluster_obj = _resolve_cluster(cluster)
-    result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
-                       memory_limit=memory_limit)
-    if backend == "tvm" and target is not None:
-        from backends.tvm.target import target_dict
-
-        target = target_dict(target)  # validate early (one line on a bad spec); the build takes the dict
-    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-artifact-")) / "artifact"
-    html, sim = _simulate_and_render(prepared, result, cluster_obj)
-    prediction = dict(result.prediction or {})
-    if sim is not None:
-        prediction["simulated"] = sim
-        prediction["step_latency_s"] = sim["step_latency_s"]
-    return build_artifact(out, result.programs, result.bindings, source=source, backend=backend, target=target,
-                          plan=result.plan.to_json(), cluster=cluster_obj.to_json(),
-                          prediction=prediction, explanation=result.explanation,
-                          report_html=html, jobs=jobs, fallback=fallback,
-                          source_sha256=original_sha, progress=progress, build_options=build_options)
-
-
-def _resolve_cluster(cluster: Any) -> Any:
-    from partitioner.cluster import Cluster
-
-    if cluster is None:
-        return Cluster.resolve("cpu:1")
-    if isinstance(cluster, str):
-        return Cluster.resolve(cluster)
-    if isinstance(cluster, int):
-        return Cluster.resolve(f"cpu:{cluster}")
-    return cluster
-
-
-def _simulate_and_render(model: Any, result: Any, cluster: Any) -> tuple[str | None, dict[str, Any] | None]:
-    """The report and the simulated step that :func:`partition` already computed (nothing is
-    simulated twice). The report is left out, not fatal, when it cannot be drawn."""
-    from partitioner.report_graph import plan_report_html
-
-    sim = result.simulation
-    if sim is None:
-        return None, None
-    try:
-        html = plan_report_html(model, result, cluster)
-    except PartitionerError:
-        html = None
-    return html, sim.to_json()
-
-
-__all__ = ["Artifact", "FORMAT", "FORMAT_VERSION", "build_artifact", "compile", "load_artifact", "verify_artifact"]
+__all__ = ["Artifact", "BuildOutcome", "FORMAT", "FORMAT_VERSION", "load_artifact", "verify_artifact",
+           "write_artifact"]

@@ -32,8 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
+from partitioner.core.machine import machine_info
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -368,14 +367,6 @@ def _run_probe(quick: bool, timeout: float, backend: str = DEFAULT_BACKEND) -> d
 
 # ---- MPI probe -------------------------------------------------------------------------------
 
-def find_mpiexec() -> str | None:
-    """``mpiexec`` next to the running interpreter (the mpich wheel), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec")
-
-
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares t = α + nβ with each row weighted by 1/t (so relative errors count)."""
     import numpy as np
@@ -398,7 +389,9 @@ def _run_mpi(quick: bool, timeout: float) -> tuple[dict[str, Any] | None, str]:
     """Run :mod:`partitioner.calibrate_mpi` under ``mpiexec -n 2`` (the mpich wheel's, next to
     this interpreter, else PATH's). Returns ``(measurements, "")`` or ``(None, why)``: a failed
     probe is reported with its reason (``mpi.error`` in ``calibrate --json``), never silently."""
-    mpiexec = find_mpiexec()
+    from partitioner.runtime.launch import find_mpiexec
+
+    mpiexec = find_mpiexec(required=False)
     if mpiexec is None:
         return None, "mpiexec not found: install the mpich wheel (pip install mpich) or put mpiexec on PATH"
     args = [mpiexec, "-n", "2", sys.executable, "-m", "partitioner.calibrate_mpi"] + (["--quick"] if quick else [])
@@ -422,19 +415,6 @@ def _run_mpi(quick: bool, timeout: float) -> tuple[dict[str, Any] | None, str]:
 
 
 # ---- putting it together ---------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
-
 
 def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = True) -> Calibration:
     """Run the probes (module docstring) and return the measurements; ``backend`` selects whose

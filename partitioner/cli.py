@@ -16,7 +16,7 @@ import pkgutil
 import sys
 import traceback
 
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
 
 
 def _command_modules() -> list:

@@ -40,7 +40,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from partitioner.errors import ClusterError
+from partitioner.core.errors import ClusterError
+from partitioner.cost import hardware
 
 FORMAT = "partitioner.cluster/1"
 DTYPES = ("float32", "float16", "bfloat16", "int8")
@@ -48,7 +49,7 @@ SELF_LINK_NAME = "self"
 
 
 OP_CLASSES = ("gemm", "conv", "depthwise_conv", "elementwise", "norm", "reduction", "pool", "data_movement")
-MAX_CLASS_EFFICIENCY = 16.0  # a class may beat the DRAM roof when its kernels run from cache
+MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 
 @dataclass(frozen=True)
@@ -355,19 +356,10 @@ def _parse(data: Any, source: str) -> Cluster:
 PRESETS = ("cpu:N", "local", "h100x8", "h200x8", "h200:4x8", "a100:16x8", "edge")
 
 _GPU_SPECS: dict[str, dict[str, Any]] = {
-    # name: peak FLOP/s per dtype, memory, bandwidth, intra-node link, inter-node link (per GPU)
-    "h100": {"peak": {"float32": 67e12, "float16": 989e12, "bfloat16": 989e12, "int8": 1979e12},
-             "mem": 80e9, "bw": 3.35e12, "intra": LinkLevel("nvlink4", 3e-6, 1 / 450e9),
-             "inter": LinkLevel("ib-ndr-400g", 5e-6, 1 / 50e9)},
-    "h200": {"peak": {"float32": 67e12, "float16": 989e12, "bfloat16": 989e12, "int8": 1979e12},
-             "mem": 141e9, "bw": 4.8e12, "intra": LinkLevel("nvlink4", 3e-6, 1 / 450e9),
-             "inter": LinkLevel("ib-ndr-400g", 5e-6, 1 / 50e9)},
-    "a100": {"peak": {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12, "int8": 624e12},
-             "mem": 80e9, "bw": 2.039e12, "intra": LinkLevel("nvlink3", 3e-6, 1 / 300e9),
-             "inter": LinkLevel("ib-hdr-200g", 5e-6, 1 / 25e9)},
-}
-GPU_EFFICIENCY = 0.7
-GPU_LAUNCH_OVERHEAD_S = 5e-6
+    kind: {**spec, "intra": LinkLevel(*spec["intra"]), "inter": LinkLevel(*spec["inter"])}
+    for kind, spec in hardware.GPU_SPECS.items()}
+GPU_EFFICIENCY = hardware.GPU_EFFICIENCY
+GPU_LAUNCH_OVERHEAD_S = hardware.GPU_LAUNCH_OVERHEAD_S
 
 
 def gpu_cluster(kind: str, nodes: int, per_node: int) -> Cluster:
@@ -409,9 +401,9 @@ def total_memory_bytes() -> float:
             return 16e9
 
 
-CPU_LINK = LinkLevel("shm", 1e-6, 1 / 5e9)  # MPI over shared memory: ~1 µs, ~5 GB/s
-CPU_CORE_BANDWIDTH = 20e9  # one core streaming from DRAM, B/s (nominal; calibrate measures it)
-CPU_LAUNCH_OVERHEAD_S = 2e-6  # per-operator dispatch in ONNX Runtime / a TVM VM, nominal
+CPU_LINK = LinkLevel(*hardware.CPU_LINK)
+CPU_CORE_BANDWIDTH = hardware.CPU_CORE_BANDWIDTH
+CPU_LAUNCH_OVERHEAD_S = hardware.CPU_LAUNCH_OVERHEAD_S
 
 
 def cpu_cluster(n: int) -> Cluster:
@@ -496,3 +488,15 @@ def preset(spec: str) -> Cluster:
         return gpu_cluster(kind, nodes, per)
     raise ClusterError(f"unknown cluster preset {spec!r}: use one of {', '.join(PRESETS)} "
                        f"(or h100/h200/a100 as NAMExG or NAME:NxG), or a cluster .json file")
+
+
+def resolve_cluster(cluster: Cluster | str | int | None) -> Cluster:
+    """The one cluster resolver of the API, the CLI and the compile driver: a :class:`Cluster` as
+    is, ``None`` as ``cpu:1``, an int N as ``cpu:N``, a string as :meth:`Cluster.resolve` reads it."""
+    if cluster is None:
+        return Cluster.resolve("cpu:1")
+    if isinstance(cluster, int):
+        return Cluster.resolve(f"cpu:{cluster}")
+    if isinstance(cluster, str):
+        return Cluster.resolve(cluster)
+    return cluster

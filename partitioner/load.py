@@ -47,7 +47,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from partitioner.errors import ModelLoadError, PartitionerError, UnsupportedOpError
+from partitioner.core.errors import ModelLoadError, PartitionerError, UnsupportedOpError
 
 MIN_OPSET = 7
 MAX_NESTING = 16
@@ -56,7 +56,7 @@ MAX_FILE_BYTES = 2**31 - 1
 # read in, so shape constants reach ONNX's data propagation.
 INLINE_EXTERNAL_BYTES = 64 * 1024
 DEFAULT_MAX_ELEMENTS = int(os.environ.get("PARTITIONER_MAX_TENSOR_ELEMENTS", 2**32))
-from partitioner.comm_ops import DOMAIN as COMM_DOMAIN
+from partitioner.core.comm_ops import DOMAIN as COMM_DOMAIN
 _KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", COMM_DOMAIN)
 
 
@@ -291,7 +291,7 @@ def _check_dataflow(g: onnx.GraphProto, label: str) -> None:
             producer[out] = idx
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(g.node)))
-    from partitioner.segments import node_reads
+    from partitioner.core.segments import node_reads
 
     for idx, node in enumerate(g.node):
         for name in node_reads(node):

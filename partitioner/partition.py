@@ -10,11 +10,11 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from partitioner.bindings import Bindings
-from partitioner.errors import StrategyNotApplicable, UsageError
-from partitioner.lower import lower as lower_plan
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan
+from partitioner.core.bindings import Bindings
+from partitioner.core.errors import StrategyNotApplicable, UsageError
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan
+from partitioner.lowering.lower import lower as lower_plan
 from partitioner.strategies import costing, get_strategy
 from partitioner.strategies.constraints import read_constraints, violation
 from partitioner.strategies.search import search
@@ -41,14 +41,6 @@ class PartitionResult:
                 "alternatives": list(self.alternatives)}
 
 
-def _cluster(cluster: Any) -> Any:
-    if isinstance(cluster, (str, int)):
-        from partitioner.cluster import Cluster
-
-        return Cluster.resolve(f"cpu:{cluster}" if isinstance(cluster, int) else cluster)
-    return cluster
-
-
 def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbatches: int | None = None,
               objective: str = "latency", memory_limit: float | None = None, degree: int | None = None,
               lower: bool | None = True) -> PartitionResult:
@@ -61,7 +53,9 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
     """
     if objective not in ("latency", "throughput"):
         raise UsageError(f"objective must be latency or throughput, not {objective!r}")
-    cluster = _cluster(cluster)
+    from partitioner.cluster import resolve_cluster
+
+    cluster = resolve_cluster(cluster)
     view = ModelView(model)
     alternatives: tuple[dict[str, Any], ...] = ()
     if strategy == "auto":
@@ -87,7 +81,7 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
                         "analytical estimate; `plan --simulate` lowers and simulates every rank)")
         return PartitionResult(plan, (), None, prediction, explanation, alternatives, None)  # type: ignore[arg-type]
     lowered = lower_plan(view, plan)
-    sim = simulate_programs(lowered.programs, cluster, plan.microbatches, _batch_size(view))
+    sim = simulate_programs(lowered.programs, cluster, plan.microbatches, view.batch_size())
     prediction = pred.to_json()
     prediction["simulated"] = sim.to_json()
     return PartitionResult(plan, lowered.programs, lowered.bindings, prediction, explanation, alternatives, sim)
@@ -146,7 +140,3 @@ def _structure_key(program: onnx.ModelProto) -> str:
     for v in g.output:
         h.update(b"out:" + ref(v.name))
     return h.hexdigest()
-
-
-def _batch_size(view: ModelView) -> int:
-    return max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)

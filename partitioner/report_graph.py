@@ -80,7 +80,7 @@ def legend_html(world_size: int) -> str:
 
 
 def graph_svg_for_plan(model: Any, plan: Any, **kw: Any) -> str:
-    """Convenience: an onnx-ir model and a :class:`partitioner.plan.Plan`."""
+    """Convenience: an onnx-ir model and a :class:`partitioner.core.plan.Plan`."""
     nodes = [(n.name, n.op_type, [v.name for v in n.inputs if v is not None], [v.name for v in n.outputs])
              for n in model.graph]
     ranks_of = {name: np_.ranks for name, np_ in plan.nodes.items()}

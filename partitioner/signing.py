@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import ArtifactError
+from partitioner.core.errors import ArtifactError
 
 SIGNATURE = "model.sig"
 TRUSTED_KEY_ENV = "PARTITIONER_TRUSTED_KEY"

@@ -46,22 +46,13 @@ import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
+from partitioner.core.op_classes import RANDOM
 from passes.registry import register
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SIZE_LIMIT = 2**28
-_RANDOM_OPS = frozenset(
-    {
-        "RandomNormal",
-        "RandomUniform",
-        "RandomNormalLike",
-        "RandomUniformLike",
-        "Multinomial",
-        "Bernoulli",
-        "Dropout",
-    }
-)
+_RANDOM_OPS = RANDOM | {"Dropout"}  # a training-mode Dropout draws a mask
 _SHAPE_OPS = frozenset({"Shape", "Size"})
 # Constant inputs up to this many elements travel with the single-node shape inference of
 # rule 3 (data propagation needs the values of shape-like inputs).

@@ -34,13 +34,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from partitioner.core.op_classes import CONTRACTIONS, FUSABLE_ACTIVATIONS
 from passes.fusion_groups import assign_group, group_of, groups, is_closed
 from passes.registry import register
 
-ANCHORS = frozenset({"Conv", "MatMul", "Gemm"})
-ACTIVATIONS = frozenset(
-    {"Relu", "Clip", "Sigmoid", "Tanh", "Gelu", "LeakyRelu", "HardSigmoid", "Elu", "Softplus"}
-)
+ANCHORS, ACTIVATIONS = CONTRACTIONS, FUSABLE_ACTIVATIONS
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 
 FUSION_GROUP_KEY = "partitioner.fusion_group"
 

@@ -20,17 +20,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from partitioner.core.op_classes import FUSABLE_BINARY, FUSABLE_UNARY
 from passes.fusion_groups import assign_group, group_of
 from passes.registry import register
 
-UNARY = frozenset({
-    "Abs", "Ceil", "Clip", "Cos", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish",
-    "LeakyRelu", "Log", "Neg", "Not", "Reciprocal", "Relu", "Round", "Selu", "Sigmoid", "Sign", "Sin",
-    "Softplus", "Softsign", "Sqrt", "Tanh",
-})
-BINARY = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "PRelu", "And", "Or", "Equal", "Less", "Greater"}
-)
+UNARY, BINARY = FUSABLE_UNARY, FUSABLE_BINARY
 
 
 def _is_const(value: ir.Value) -> bool:

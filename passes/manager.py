@@ -9,7 +9,7 @@ Rules:
    leave shapes that only constant folding makes static (Expand, Range, Reshape of computed
    shapes), and the final inference must then see them all.
 3. Any failure, in a pass or in the verification after it, raises one
-   :class:`partitioner.errors.PassError` naming the failing pass and the passes that ran before
+   :class:`partitioner.core.errors.PassError` naming the failing pass and the passes that ran before
    it: ``pass 'constant_folding' failed (after: shape_inference): <reason>``.
 
 Invariant: the model a PassManager returns verifies (when ``verify=True``).
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from partitioner.errors import PartitionerError, PassError
+from partitioner.core.errors import PartitionerError, PassError
 from passes.registry import get_pass, pass_name
 from passes.verify import verify as verify_model
 

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import onnx_ir as ir
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 REGISTRY: dict[str, type[ir.passes.PassBase]] = {}
 

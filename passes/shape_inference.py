@@ -12,7 +12,7 @@ Rules:
    or unknown one, and a value ONNX knows nothing about (a ``partitioner.comm`` output whose
    shape the lowering set) keeps what it had.
 3. If ONNX inference fails (a type error, a shape conflict in strict mode) the pass raises
-   :class:`partitioner.errors.PassError` with ONNX's message instead of silently leaving the
+   :class:`partitioner.core.errors.PassError` with ONNX's message instead of silently leaving the
    model unchanged, as onnx-ir's ``ShapeInferencePass`` does.
 
 Invariant: the graph's structure (nodes, edges, names) is unchanged; only dtype and shape
@@ -24,7 +24,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from partitioner.errors import PassError
+from partitioner.core.errors import PassError
 from passes.registry import register
 
 _BIG_INITIALIZER_ELEMENTS = 1024

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from partitioner.comm_ops import DOMAIN as COMM_DOMAIN
-from partitioner.comm_ops import OPS
-from partitioner.comm_ops import VERSION as COMM_DOMAIN_VERSION
+from partitioner.core.comm_ops import DOMAIN as COMM_DOMAIN
+from partitioner.core.comm_ops import OPS
+from partitioner.core.comm_ops import VERSION as COMM_DOMAIN_VERSION
 
 COMM_OP_TYPES: frozenset[str] = frozenset(OPS)
 

@@ -18,7 +18,7 @@ Rules, checked in one walk over the nodes in their stored order:
    has a known dtype and a fully static shape. Node outputs that nothing reads (a ``Dropout``
    mask) and subgraph values are not held to this.
 
-Each failure raises :class:`partitioner.errors.VerifyError` with one line naming the node or
+Each failure raises :class:`partitioner.core.errors.VerifyError` with one line naming the node or
 value and what is wrong.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 from passes.side_effects import COMM_DOMAIN, COMM_OP_TYPES
 
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -135,25 +135,7 @@ def _verify_graph(
 
     for index, node in enumerate(nodes):
         _check_domain(node, opsets)
-        for i, inp in enumerate(node.inputs):
-            if inp is None:
-                continue
-            if inp not in defined and inp not in outer:
-                if inp in producer_of:
-                    later = nodes[producer_of[inp]]
-                    raise VerifyError(
-                        f"{describe_node(node)} reads {_describe_value(inp)} before "
-                        f"{describe_node(later)} produces it; graph is not topologically sorted"
-                    )
-                raise VerifyError(
-                    f"{describe_node(node)} input {i} {_describe_value(inp)} is dangling: not produced by "
-                    "any node, graph input or initializer"
-                )
-            if (node, i) not in inp.uses():
-                raise VerifyError(
-                    f"{describe_node(node)} reads {_describe_value(inp)} at input {i} but the value's "
-                    "uses do not list it; use-def links are broken"
-                )
+        _check_inputs(node, nodes, defined, outer, producer_of)
         for attr in node.attributes.values():
             if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
                 _verify_subgraphs([attr.as_graph()], outer | defined, opsets)
@@ -170,6 +152,44 @@ def _verify_graph(
                 continue  # an omitted optional output
             define(out, f"output {j} of {describe_node(node)}")
 
+    _check_uses(graph, node_set, defined)
+
+    for k, out in enumerate(graph.outputs):
+        if out not in defined and out not in outer:
+            raise VerifyError(
+                f"graph output {k} {_describe_value(out)} is not produced by any node, input or initializer"
+            )
+
+    if require_shapes:
+        _check_shapes(graph, nodes)
+
+
+def _check_inputs(node: ir.Node, nodes: list[ir.Node], defined: set[ir.Value], outer: frozenset[ir.Value],
+                  producer_of: dict[ir.Value, int]) -> None:
+    """Rules 3 and 4 for one node's inputs: defined earlier (or outside), and listed as uses."""
+    for i, inp in enumerate(node.inputs):
+        if inp is None:
+            continue
+        if inp not in defined and inp not in outer:
+            if inp in producer_of:
+                later = nodes[producer_of[inp]]
+                raise VerifyError(
+                    f"{describe_node(node)} reads {_describe_value(inp)} before "
+                    f"{describe_node(later)} produces it; graph is not topologically sorted"
+                )
+            raise VerifyError(
+                f"{describe_node(node)} input {i} {_describe_value(inp)} is dangling: not produced by "
+                "any node, graph input or initializer"
+            )
+        if (node, i) not in inp.uses():
+            raise VerifyError(
+                f"{describe_node(node)} reads {_describe_value(inp)} at input {i} but the value's "
+                "uses do not list it; use-def links are broken"
+            )
+
+
+def _check_uses(graph: ir.Graph, node_set: set[ir.Node], defined: set[ir.Value]) -> None:
+    """Every use a value lists is a node of the graph that reads that value there (rule 4)."""
     for value in defined:
         for use in value.uses():
             if use.node.graph is None or (use.node.graph is graph and use.node not in node_set):
@@ -180,22 +200,18 @@ def _verify_graph(
                     f"{use.idx}, which reads something else; use-def links are broken"
                 )
 
-    for k, out in enumerate(graph.outputs):
-        if out not in defined and out not in outer:
-            raise VerifyError(
-                f"graph output {k} {_describe_value(out)} is not produced by any node, input or initializer"
-            )
 
-    if require_shapes:
-        for value in graph.inputs:
-            _check_shape(value, "graph input")
-        for value in graph.initializers.values():
-            _check_shape(value, "initializer")
-        for node in nodes:
-            for out in node.outputs:
-                # An output nobody reads (a Dropout mask) may stay unshaped: nothing depends on it.
-                if out.name and (out.uses() or out.is_graph_output()):
-                    _check_shape(out, f"output of {describe_node(node)}")
+def _check_shapes(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Rule 6: inputs, initializers and every output somebody reads have static shapes."""
+    for value in graph.inputs:
+        _check_shape(value, "graph input")
+    for value in graph.initializers.values():
+        _check_shape(value, "initializer")
+    for node in nodes:
+        for out in node.outputs:
+            # An output nobody reads (a Dropout mask) may stay unshaped: nothing depends on it.
+            if out.name and (out.uses() or out.is_graph_output()):
+                _check_shape(out, f"output of {describe_node(node)}")
 
 
 def _verify_subgraphs(graphs: Iterable[ir.Graph], outer: set[ir.Value], opsets: dict[str, int]) -> None:

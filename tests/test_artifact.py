@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 import rank_programs as rp  # noqa: E402
 
 from partitioner import cli  # noqa: E402
-from partitioner.artifact import (FORMAT_VERSION, build_artifact, load_artifact, manifest_checksum,  # noqa: E402
-                                  verify_artifact)
-from partitioner.errors import ArtifactError, InputError  # noqa: E402
+from partitioner.artifact import FORMAT_VERSION, manifest_checksum, verify_artifact  # noqa: E402
+from partitioner.compiler import build_artifact, load_artifact  # noqa: E402
+from partitioner.core.errors import ArtifactError, InputError  # noqa: E402
 
 
 def _ort(model: onnx.ModelProto, feeds: dict) -> dict:

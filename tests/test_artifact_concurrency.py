@@ -21,8 +21,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.artifact import compile as compile_artifact
-from partitioner.bindings import seeded_inputs
+from partitioner.compiler import compile as compile_artifact
+from partitioner.core.bindings import seeded_inputs
 
 SEEDS = (1, 2)
 

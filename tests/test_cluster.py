@@ -7,7 +7,7 @@ import json
 import pytest
 
 from partitioner.cluster import Cluster, Device, LinkLevel, calibration_path
-from partitioner.errors import ClusterError
+from partitioner.core.errors import ClusterError
 
 PRESETS = ["cpu:1", "cpu:4", "h100x8", "h200x8", "h200:4x8", "a100:16x8", "edge"]
 

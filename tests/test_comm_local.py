@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from partitioner import comm_ops
-from partitioner.errors import RunFailed
+from partitioner.core import comm_ops
+from partitioner.core.errors import RunFailed
 from partitioner.runtime.comm_local import LocalWorld
 
 
@@ -106,7 +106,7 @@ def test_execute_dispatches_comm_nodes(xs):
 
 
 def test_contract_rejects_bad_attributes():
-    from partitioner.errors import VerifyError
+    from partitioner.core.errors import VerifyError
 
     with pytest.raises(VerifyError, match="missing attribute"):
         comm_ops.make_node("Recv", [], ["y"], name="r", peer=0, tag=0)

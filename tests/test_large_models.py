@@ -122,7 +122,7 @@ def test_shapes_only_still_refuses_unsafe_paths(tmp_path: Path) -> None:
         if e.key == "location":
             e.value = "../outside.data"
     path.write_bytes(model.SerializeToString())
-    from partitioner.errors import ModelLoadError
+    from partitioner.core.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="'..' is refused"):
         load(str(path), shapes_only=True)
@@ -177,7 +177,7 @@ def test_large_initializers_load_lazily_small_ones_in_memory(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
 def test_lazy_shards_read_back_match_onnxruntime(tmp_path: Path, strategy: str) -> None:
-    from backends.onnxruntime import run_reference
+    from partitioner.runtime.in_process import run_reference
 
     proto = _mlp()
     folder = tmp_path / "m"
@@ -227,7 +227,7 @@ def test_compile_refuses_over_2gb_of_lazy_weights_in_one_line(tmp_path: Path) ->
 
 @pytest.fixture
 def tensor_artifact(tmp_path: Path):
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
 
     proto = _mlp()
     path = _saved_with_external_data(tmp_path / "m", proto)
@@ -254,8 +254,8 @@ def test_each_rank_gets_a_data_file_with_only_its_weights(tensor_artifact) -> No
 
 
 def test_a_changed_data_file_is_refused_before_loading(tensor_artifact) -> None:
-    from partitioner.artifact import load_artifact
-    from partitioner.errors import ArtifactError
+    from partitioner.compiler import load_artifact
+    from partitioner.core.errors import ArtifactError
 
     art, _ = tensor_artifact
     data = art.root / "rank1.data"

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import models_zoo
-from partitioner.errors import ModelLoadError, UnsupportedOpError
+from partitioner.core.errors import ModelLoadError, UnsupportedOpError
 from partitioner.load import load
 
 ZOO = [e.name for e in models_zoo.list_models()]

@@ -11,11 +11,11 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper
 
-from partitioner import comm_ops
-from partitioner.bindings import Bindings, Placement, TensorBinding, gather_outputs, scatter_inputs
-from partitioner.errors import InputError, VerifyError
+from partitioner.core import comm_ops
+from partitioner.core.bindings import Bindings, Placement, TensorBinding, gather_outputs, scatter_inputs
+from partitioner.core.errors import InputError, VerifyError
+from partitioner.core.segments import CommStep, Segment, split_program
 from partitioner.runtime.comm_local import LocalWorld
-from partitioner.segments import CommStep, Segment, split_program
 
 
 def _program(rank: int) -> onnx.ModelProto:

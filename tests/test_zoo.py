@@ -22,7 +22,7 @@ import models_zoo
 from models_zoo import ZooEntry, build, is_zoo_name, list_models
 from models_zoo.light import light_dir
 from partitioner.cli import main
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 #: Every builder at a small size (fast to build and to run).
 SMALL: dict[str, dict] = {

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 import models_zoo
 from models_zoo.export_large import AUTO_EXTERNAL_BYTES
 from partitioner.cli import main
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 

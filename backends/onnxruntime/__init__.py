@@ -1,24 +1,22 @@
 """The reference backend: ONNX Runtime runs each pure segment, comm steps run through
-:func:`partitioner.comm_ops.execute` (backend contract in :mod:`backends`).
+:func:`partitioner.core.comm_ops.execute` (backend contract in :mod:`backends`).
 
-:func:`run_reference` runs all ranks of a lowered plan in one process (one thread per rank,
-:class:`LocalWorld` comms): the oracle that proves a plan right without MPI. A failure on any
-rank aborts the world, so no thread waits forever, and is re-raised as :class:`RunFailed`
-naming the rank.
+:func:`partitioner.runtime.in_process.run_reference` runs all ranks of a lowered plan with this
+backend in one process (one thread per rank, :class:`LocalWorld` comms): the oracle that proves a
+plan right without MPI.
 """
 
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import onnx
 
-from partitioner import comm_ops
-from partitioner.bindings import Bindings
-from partitioner.errors import BackendError, RunFailed
-from partitioner.segments import CommStep, Segment, split_program
+from partitioner.core import comm_ops
+from partitioner.core.errors import BackendError, RunFailed
+from partitioner.core.segments import CommStep, Segment, split_program
 
 NAME = "onnxruntime"
 FILE_SUFFIX = ".onnx"
@@ -90,11 +88,3 @@ def load(program: onnx.ModelProto, path: pathlib.Path | None = None, *, threads:
     if program is None and path is not None:
         program = onnx.load(str(path))
     return RankExecutable(program, threads=threads)
-
-
-def run_reference(programs: Sequence[onnx.ModelProto], bindings: Bindings, feeds: Mapping[str, np.ndarray], *,
-                  timeout_s: float = 120.0, threads: int = 1) -> dict[str, np.ndarray]:
-    """Run every rank in this process and return the global outputs (see the module docstring)."""
-    from partitioner.runtime.in_process import run_in_threads
-
-    return run_in_threads([load(p, threads=threads) for p in programs], bindings, feeds, timeout_s=timeout_s)

@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import onnx
 
-from partitioner.errors import BackendError, PartitionerError
+from partitioner.core.errors import BackendError, PartitionerError
+from partitioner.core.files import sha256_file
 
 from .lower import lower_program
 from .progress import BuildProgress
@@ -47,14 +48,6 @@ DEFAULT_PIPELINE = "scheduled"  # see backends/tvm/pipeline.py
 # checks it stays true): TVM's codegen and the host linker are deterministic for a fixed target
 # and toolchain, and export_library links from fixed object-file names.
 REPRODUCIBLE = {"reproducible": True, "why": "same program + target + TVM/LLVM/linker versions give a byte-identical .so"}
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def program_key(program: onnx.ModelProto) -> str:
@@ -161,7 +154,7 @@ def build_one(
     return {
         "backend": NAME,
         "file": out_path.name,
-        "sha256": file_sha256(out_path),
+        "sha256": sha256_file(out_path),
         "bytes": out_path.stat().st_size,
         "target": dict(tdict),
         "pipeline": pipeline,

@@ -20,7 +20,7 @@ import onnx
 
 def main(argv: list[str]) -> int:
     program_path, out_path, target_json, options_json = argv
-    from partitioner.errors import PartitionerError
+    from partitioner.core.errors import PartitionerError
 
     from .build import build_one
 

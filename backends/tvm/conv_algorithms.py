@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from partitioner.errors import BackendError
+from partitioner.core.errors import BackendError
 
 ALGORITHMS = ("direct", "im2col", "winograd", "auto")
 WINOGRAD_TILE = 4

@@ -50,8 +50,8 @@ from typing import Any, Sequence
 import numpy as np
 import onnx
 
-from partitioner.comm_ops import OPS, CommOp, Communicator, execute
-from partitioner.errors import BackendError, InputError, PartitionerError, RunFailed
+from partitioner.core.comm_ops import OPS, CommOp, Communicator, execute
+from partitioner.core.errors import BackendError, InputError, PartitionerError, RunFailed
 
 from . import fallback
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table

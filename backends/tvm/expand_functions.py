@@ -33,6 +33,8 @@ from collections.abc import Iterable
 
 import onnx
 
+from partitioner.core.op_classes import RANDOM
+
 LOCAL_DOMAIN = "partitioner.expand"
 MAX_ROUNDS = 4
 # Ops TVM's converter map has but whose converter fails on valid ONNX (checked on apache-tvm 0.27).
@@ -222,8 +224,7 @@ def fold_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 FOLD_MAX_ELEMENTS = 1 << 16
-_NO_FOLD = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-                      "Bernoulli", "If", "Loop", "Scan"})
+_NO_FOLD = RANDOM | {"If", "Loop", "Scan"}
 
 
 def fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:

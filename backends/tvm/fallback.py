@@ -5,7 +5,7 @@ ops go to ONNX Runtime; everything else is still compiled by TVM, in the same pr
 
 Rules:
 1. A program opts in with the metadata entry ``partitioner.fallback = "onnxruntime"``
-   (:func:`mark_program`; :func:`partitioner.artifact.build_artifact` sets it only on programs that
+   (:func:`mark_program`; :func:`mark_programs`, called by the compile driver, sets it only on programs that
    need it, so other programs stay byte-identical). Without it, unsupported ops are a
    :class:`BackendError` that lists them all (:func:`backends.tvm.lower.check_supported`).
 2. Nodes TVM lacks but whose ONNX schema has a function body are expanded first
@@ -14,7 +14,7 @@ Rules:
    TVM segments (maximal runs of importable nodes) and ORT segments (maximal runs of nodes that are
    not importable: an op missing from the importer's convert map, a non-default domain, or a
    subgraph holding one). Each segment is a valid ONNX model with typed boundaries
-   (:mod:`partitioner.segments` rules 2-4).
+   (:mod:`partitioner.core.segments` rules 2-4).
 3. ORT segment ``k`` (its ordinal among the program's ORT segments) is stored next to the rank
    library as ``rank<i>.seg<k>.onnx`` (:func:`segment_file`), hashed in the manifest like every file.
    In Relax it is ``R.call_dps_packed("partitioner.ort_segment", (k, inputs...), out_ty=...)``;
@@ -31,14 +31,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
 
-from partitioner.comm_ops import is_comm
-from partitioner.errors import BackendError, RunFailed
-from partitioner.segments import CommStep, Segment, split_program
+from partitioner.core.comm_ops import is_comm
+from partitioner.core.errors import BackendError, RunFailed
+from partitioner.core.segments import CommStep, Segment, split_program
 
 META_KEY = "partitioner.fallback"
 ORT = "onnxruntime"
@@ -145,6 +145,43 @@ def ort_segments(program: onnx.ModelProto) -> list[OrtSegment]:
 
     inferred = onnx.shape_inference.infer_shapes(expand_nodes(program)[0])
     return [s for s in split_with_fallback(inferred) if isinstance(s, OrtSegment)]
+
+
+def mark_programs(programs: Sequence[onnx.ModelProto]) -> tuple[list[onnx.ModelProto], bool]:
+    """Mark the programs holding ops TVM cannot import (rule 1) so that the TVM lowering runs just
+    those segments under ONNX Runtime; other programs are left byte-identical. Returns the
+    programs and whether any was marked."""
+    out, marked = [], False
+    for p in programs:
+        if needs_fallback(p):
+            p, marked = mark_program(p), True
+        out.append(p)
+    return out, marked
+
+
+def write_segments(directory: Path, programs: Sequence[onnx.ModelProto]) -> list[list[dict[str, Any]]]:
+    """Write ``rank<i>.seg<k>.onnx`` for every ORT segment (rule 3); return their descriptions per rank."""
+    described: list[list[dict[str, Any]]] = []
+    for i, p in enumerate(programs):
+        rows = []
+        for seg in ort_segments(p):
+            name = segment_file(f"rank{i}.so", seg.key)
+            (directory / name).write_bytes(seg.model.SerializeToString(deterministic=True))
+            rows.append({"file": name, **seg.describe()})
+        described.append(rows)
+    return described
+
+
+def segments_note(segments_per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The manifest's ``fallback`` entry for a per-segment fallback: which segments of which rank
+    run under ONNX Runtime and why."""
+    parts = [f"rank {i} segment {s['segment']} ({', '.join(s['op_types'])}: nodes {', '.join(s['nodes'])})"
+             for i, rows in enumerate(segments_per_rank) for s in rows]
+    ops = sorted({t for rows in segments_per_rank for s in rows for t in s["op_types"]})
+    return {"from": "tvm", "to": "onnxruntime", "scope": "segments",
+            "reason": f"TVM cannot import {', '.join(ops)}; ONNX Runtime runs only these segments inside "
+                      f"their rank: {'; '.join(parts)}",
+            "segments": [{"rank": i, **s} for i, rows in enumerate(segments_per_rank) for s in rows]}
 
 
 # -- run time -----------------------------------------------------------------------------------

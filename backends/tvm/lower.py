@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from partitioner.comm_ops import CommOp, is_comm
-from partitioner.errors import BackendError, UnsupportedByBackendError
-from partitioner.segments import CommStep, Segment, all_nodes, split_program, value_infos
+from partitioner.core.comm_ops import CommOp, is_comm
+from partitioner.core.errors import BackendError, UnsupportedByBackendError
+from partitioner.core.segments import CommStep, Segment, all_nodes, split_program, value_infos
 
 PACKED_PREFIX = "partitioner.comm."
 KEEP_FUNC = PACKED_PREFIX + "keep"
@@ -173,6 +173,28 @@ def _elem_types(g: onnx.GraphProto) -> dict[str, int]:
 _CLIP_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16})
 
 
+def _clip_bound(node: onnx.NodeProto, i: int, attr: str, consts: dict[str, onnx.TensorProto]) -> tuple[bool, float | None]:
+    """One bound of a Clip: (usable, value); value None = no bound on this side."""
+    from onnx import numpy_helper
+
+    if len(node.input) > 1 or not node.attribute:  # opset >= 11: inputs
+        name = node.input[i] if len(node.input) > i else ""
+        if not name:
+            return True, None
+        if name not in consts:
+            return False, None
+        arr = numpy_helper.to_array(consts[name])
+        if arr.size != 1:
+            return False, None
+        v = float(arr.reshape(()))
+    else:  # opset 6: attributes
+        a = next((x for x in node.attribute if x.name == attr), None)
+        if a is None:
+            return True, None
+        v = float(a.f)
+    return True, (None if np.isnan(v) else v)
+
+
 def _clip_as_selects(program: onnx.ModelProto) -> onnx.ModelProto:
     """``Clip(x, lo, hi)`` with constant scalar float bounds becomes
     ``Where(Greater(t, hi), hi, t)`` with ``t = Where(Less(x, lo), lo, x)``.
@@ -196,25 +218,6 @@ def _clip_as_selects(program: onnx.ModelProto) -> onnx.ModelProto:
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*g.input, *g.value_info, *g.output]
              if v.type.tensor_type.HasField("shape")}
 
-    def bound(node: onnx.NodeProto, i: int, attr: str) -> tuple[bool, float | None]:
-        """(usable, value): value None = no bound on this side."""
-        if len(node.input) > 1 or not node.attribute:  # opset >= 11: inputs
-            name = node.input[i] if len(node.input) > i else ""
-            if not name:
-                return True, None
-            if name not in consts:
-                return False, None
-            arr = numpy_helper.to_array(consts[name])
-            if arr.size != 1:
-                return False, None
-            v = float(arr.reshape(()))
-        else:  # opset 6: attributes
-            a = next((x for x in node.attribute if x.name == attr), None)
-            if a is None:
-                return True, None
-            v = float(a.f)
-        return True, (None if np.isnan(v) else v)
-
     out = onnx.ModelProto()
     out.CopyFrom(program)
     nodes: list[onnx.NodeProto] = []
@@ -224,7 +227,7 @@ def _clip_as_selects(program: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type != "Clip" or node.domain not in ("", "ai.onnx") or dtype not in _CLIP_TYPES:
             nodes.append(node)
             continue
-        (ok_lo, lo), (ok_hi, hi) = bound(node, 1, "min"), bound(node, 2, "max")
+        (ok_lo, lo), (ok_hi, hi) = _clip_bound(node, 1, "min", consts), _clip_bound(node, 2, "max", consts)
         if not (ok_lo and ok_hi):
             nodes.append(node)
             continue
@@ -485,26 +488,35 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
                         env[name] = bb.emit(relax.TupleGetItem(res, j))
                 continue
             assert isinstance(step, CommStep)
-            op = step.op
-            op_id = relax.prim_value(op_ids[id_key(op)])
-            args = [_lookup(env, n, where) for n in step.inputs]
-            func = PACKED_PREFIX + op.op_type
-            if not op.outputs:
-                bb.emit(relax.Call(relax.ExternFunc(func), [*args, op_id], ty_args=[relax.ObjectType()]))
-                continue
-            out_name = op.outputs[0]
-            if out_name in infos:
-                out_ty = _tensor_type(infos[out_name], f"{where} comm node {op.name!r}")
-            elif "shape" in op.attrs and "dtype" in op.attrs:
-                out_ty = relax.TensorType([int(d) for d in op.attrs["shape"]], str(op.np_dtype))
-            else:
-                raise BackendError(f"{where}: comm node {op.name!r} output {out_name!r} has no value_info; run shape inference on the per-rank program")
-            y = bb.emit(relax.call_dps_packed(func, [*args, op_id], out_ty=out_ty))
-            env[out_name] = y
-            if out_name not in read_later:
-                bb.emit(relax.Call(relax.ExternFunc(KEEP_FUNC), [y], ty_args=[relax.ObjectType()]))
+            _emit_comm(bb, step, env, infos, op_ids, read_later, where)
         bb.emit_func_output(relax.Tuple([_lookup(env, n, where) for n in graph_outputs]))
     return LoweredProgram(bb.get(), graph_inputs, graph_outputs, comm_ops, n_segments, tuple(ort_described))
+
+
+def _emit_comm(bb: Any, step: CommStep, env: dict[str, object], infos: dict, op_ids: dict, read_later: set[str],
+               where: str) -> None:
+    """``R.call_dps_packed("partitioner.comm.<Op>", [inputs..., op_id])`` for one comm step; an
+    output nobody reads later is kept alive by a call to the keep function."""
+    from tvm import relax
+
+    op = step.op
+    op_id = relax.prim_value(op_ids[id_key(op)])
+    args = [_lookup(env, n, where) for n in step.inputs]
+    func = PACKED_PREFIX + op.op_type
+    if not op.outputs:
+        bb.emit(relax.Call(relax.ExternFunc(func), [*args, op_id], ty_args=[relax.ObjectType()]))
+        return
+    out_name = op.outputs[0]
+    if out_name in infos:
+        out_ty = _tensor_type(infos[out_name], f"{where} comm node {op.name!r}")
+    elif "shape" in op.attrs and "dtype" in op.attrs:
+        out_ty = relax.TensorType([int(d) for d in op.attrs["shape"]], str(op.np_dtype))
+    else:
+        raise BackendError(f"{where}: comm node {op.name!r} output {out_name!r} has no value_info; run shape inference on the per-rank program")
+    y = bb.emit(relax.call_dps_packed(func, [*args, op_id], out_ty=out_ty))
+    env[out_name] = y
+    if out_name not in read_later:
+        bb.emit(relax.Call(relax.ExternFunc(KEEP_FUNC), [y], ty_args=[relax.ObjectType()]))
 
 
 def id_key(op: CommOp) -> tuple[str, tuple[str, ...], tuple[str, ...]]:

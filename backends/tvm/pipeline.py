@@ -117,7 +117,7 @@ def passes(name: str, target: Any) -> list[Any]:
         return [relax.get_pipeline("zero")]
     if name == "scheduled":
         return simplify_passes(target) + layout_passes(target) + legalize_passes(target) + schedule_passes(target)
-    from partitioner.errors import BackendError
+    from partitioner.core.errors import BackendError
 
     raise BackendError(f"unknown TVM pipeline {name!r}; use one of {', '.join(PIPELINES)}")
 

@@ -1,7 +1,7 @@
-"""A dependency-free text progress display for building many ranks: one line per rank and stage.
+"""The progress display for building many ranks: one bar per rank and stage.
 
-On a TTY the block of lines is redrawn in place; elsewhere (logs, CI) each stage change is printed
-once as a plain line, so the output stays readable when captured.
+On a TTY each rank is a ``tqdm`` bar (one position per rank, redrawn in place); elsewhere (logs,
+CI) each stage change is printed once as a plain line, so the output stays readable when captured.
 """
 
 from __future__ import annotations
@@ -25,9 +25,16 @@ class BuildProgress:
         self.stage = {r: "queued" for r in ranks}
         self.note = {r: "" for r in ranks}
         self.started = time.monotonic()
-        self._drawn = 0
+        self._bars: dict[int, object] = {}
         if self.enabled and self.tty:
-            self._draw()
+            self._open_bars()
+
+    def _open_bars(self) -> None:
+        from tqdm import tqdm
+
+        for pos, r in enumerate(self.ranks):
+            self._bars[r] = tqdm(total=len(STAGES) - 1, desc=self.stage[r], position=pos, leave=True,
+                                 file=self.stream, bar_format=f"rank{r}: [{{bar:20}}] {{desc}} {{elapsed}}")
 
     def update(self, rank: int, stage: str, note: str = "") -> None:
         if rank not in self.stage or self.stage[rank] == stage:
@@ -36,14 +43,19 @@ class BuildProgress:
         if not self.enabled:
             return
         if self.tty:
-            self._draw()
+            bar = self._bars[rank]
+            k = STAGES.index(stage) if stage in STAGES else 0
+            bar.n = k  # type: ignore[attr-defined]
+            bar.set_description_str(f"{stage:<6}{' ' + note if note else ''}", refresh=False)  # type: ignore[attr-defined]
+            bar.refresh()  # type: ignore[attr-defined]
         else:
             self.stream.write(self._line(rank) + "\n")
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            self._draw()
+        for bar in self._bars.values():
+            bar.close()  # type: ignore[attr-defined]
+        self._bars = {}
 
     def _line(self, rank: int) -> str:
         stage = self.stage[rank]
@@ -52,12 +64,3 @@ class BuildProgress:
         bar = "#" * filled + "." * (_WIDTH - filled)
         note = f" {self.note[rank]}" if self.note[rank] else ""
         return f"rank{rank}: [{bar}] {stage:<6} {time.monotonic() - self.started:6.1f}s{note}"
-
-    def _draw(self) -> None:
-        out = self.stream
-        if self._drawn:
-            out.write(f"\x1b[{self._drawn}F")
-        for r in self.ranks:
-            out.write("\x1b[2K" + self._line(r) + "\n")
-        self._drawn = len(self.ranks)
-        out.flush()

@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import BackendError
+from partitioner.core.errors import BackendError
 
 CPUINFO = Path("/proc/cpuinfo")
 

@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import BackendError
+from partitioner.core.errors import BackendError
 
 from .pipeline import legalize_passes, pre_legalize, schedule_passes
 
@@ -221,23 +221,33 @@ class TuningProgress:
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.done = 0
         self.started = time.monotonic()
+        self._bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc="tuning", unit="trial", file=stream, dynamic_ncols=True)
 
     def measured(self, n: int, best: float | None) -> None:
         import time
 
-        self.done = min(self.total, self.done + n)
-        filled = int(30 * self.done / max(self.total, 1))
+        before, self.done = self.done, min(self.total, self.done + n)
         best_s = "" if best is None else f", best {best * 1e3:.3f} ms" if best >= 1e-3 else f", best {best * 1e6:.1f} us"
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{self.done // max(self.per_task, 1)}/{self.n_tasks} kernels{best_s}",
+                                      refresh=False)
+            self._bar.update(self.done - before)
+            return
+        filled = int(30 * self.done / max(self.total, 1))
         secs = int(time.monotonic() - self.started)
         line = (f"tuning [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} trials, "
                 f"{self.done // max(self.per_task, 1)}/{self.n_tasks} kernels{best_s}, {secs // 60}m{secs % 60:02d}s")
-        self.stream.write(("\r\x1b[2K" + line) if self.tty else line + "\n")
+        self.stream.write(line + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _covered(db: Any, task: Any, target: Any) -> bool:

@@ -12,7 +12,8 @@ import re
 import sys
 from typing import Any
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
+from partitioner.core.files import json_default
 
 STRATEGIES = ("auto", "single", "data", "pipeline", "tensor", "spatial", "hybrid")
 
@@ -81,41 +82,36 @@ def add_json_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON report on stdout")
 
 
-def load_model_from_args(args: argparse.Namespace) -> Any:
-    """Load (and validate) the MODEL argument, bind shapes and run the passes. Returns an ir.Model."""
-    from partitioner.load import load
-
-    model = load(args.model, batch=getattr(args, "batch", None), shapes=parse_shape_option(getattr(args, "shape", None)),
-                 shapes_only=getattr(args, "shapes_only", False))
+def passes_from_args(args: argparse.Namespace) -> list[str] | None:
+    """``--passes a,b`` -> ['a', 'b']; 'none' -> []; absent -> None (the default pipeline)."""
     passes = getattr(args, "passes", None)
-    from passes import run_pipeline
+    return None if passes is None else [s for s in passes.split(",") if s and s != "none"]
 
-    return run_pipeline(model, None if passes is None else [s for s in passes.split(",") if s and s != "none"])
+
+def load_model_from_args(args: argparse.Namespace, keep_source: bool = False) -> Any:
+    """Load (and validate) the MODEL argument, bind shapes and run the passes
+    (:func:`partitioner.compiler.prepare`). Returns an ir.Model, or with ``keep_source`` the pair
+    (ir.Model, the ModelProto as loaded before the passes)."""
+    from partitioner.compiler import prepare
+
+    model, source = prepare(args.model, batch=getattr(args, "batch", None),
+                            shapes=parse_shape_option(getattr(args, "shape", None)),
+                            passes=passes_from_args(args), keep_source=keep_source,
+                            shapes_only=getattr(args, "shapes_only", False))
+    return (model, source) if keep_source else model
 
 
 def cluster_from_args(args: argparse.Namespace) -> Any:
-    from partitioner.cluster import Cluster
+    from partitioner.cluster import resolve_cluster
 
     if getattr(args, "cluster", None):
-        return Cluster.resolve(args.cluster)
+        return resolve_cluster(args.cluster)
     devices = getattr(args, "devices", None)
     if devices is not None and devices < 1:
         raise UsageError("--devices must be at least 1")
-    return Cluster.resolve(f"cpu:{devices or 1}")
+    return resolve_cluster(devices or 1)
 
 
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=_json_default)
+    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=json_default)
     sys.stdout.write("\n")
-
-
-def _json_default(o: Any) -> Any:
-    import numpy as np
-
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if hasattr(o, "to_json"):
-        return o.to_json()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

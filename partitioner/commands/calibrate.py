@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from partitioner.calibrate import calibrate, cluster_from_calibration
     from partitioner.cluster import calibration_path
-    from partitioner.errors import UsageError
+    from partitioner.core.errors import UsageError
 
     if args.devices is not None and args.devices < 1:
         raise UsageError("--devices must be at least 1")

@@ -11,9 +11,9 @@ import argparse
 import sys
 
 from partitioner.commands._options import (add_cluster_arguments, add_json_argument, add_model_arguments,
-                                           add_strategy_arguments, cluster_from_args, parse_bytes,
-                                           parse_shape_option, print_json)
-from partitioner.errors import UsageError
+                                           add_strategy_arguments, cluster_from_args, load_model_from_args,
+                                           parse_bytes, print_json)
+from partitioner.core.errors import UsageError
 
 NAME = "compile"
 HELP = "partition a model and build an artifact directory (manifest, plan, per-rank programs and executables)"
@@ -45,19 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import onnx_ir as ir
-
     from partitioner import signing
-    from partitioner.artifact import compile as compile_artifact
-    from partitioner.load import load
-    from partitioner.lowering.lazy_weights import read_in_external
-    from passes import run_pipeline
+    from partitioner.compiler import compile as compile_artifact
 
-    raw = load(args.model, batch=args.batch, shapes=parse_shape_option(args.shape))
-    read_in_external(raw)  # the build holds every weight in one process today (docs/large_models.md)
-    source = ir.serde.serialize_model(raw)  # before the passes: `run --check` compares against it
-    passes = None if args.passes is None else [s for s in args.passes.split(",") if s and s != "none"]
-    model = run_pipeline(raw, passes)
+    model, source = load_model_from_args(args, keep_source=True)  # `run --check` compares against source
     if args.tune_trials is not None and (args.tune_trials < 1 or not args.tuning_db):
         raise UsageError("--tune-trials N needs N >= 1 and --tuning-db DIR")
     if (args.tune_trials or args.tuning_db or args.tvm_pipeline or args.conv_algorithm) and args.backend != "tvm":

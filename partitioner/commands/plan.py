@@ -89,6 +89,6 @@ def _write_html(path: str, model, res, cluster) -> None:
     try:
         Path(path).write_text(html, encoding="utf-8")
     except OSError as exc:
-        from partitioner.errors import UsageError
+        from partitioner.core.errors import UsageError
 
         raise UsageError(f"cannot write the report to {path}: {exc.strerror}") from None

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from partitioner.commands._options import add_json_argument, print_json
-from partitioner.errors import RunFailed, UsageError
+from partitioner.core.errors import RunFailed, UsageError
 
 NAME = "run"
 HELP = "run an artifact on inputs from an .npz file (mpiexec, one process per rank)"
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from partitioner import signing
-    from partitioner.artifact import load_artifact
+    from partitioner.compiler import load_artifact
 
     signing.check_trusted(args.artifact, args.trusted_key)
     art = load_artifact(args.artifact)
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise UsageError("--ranks-per-host must be at least 1")
     if args.inputs is None:
-        from partitioner.bindings import seeded_inputs
+        from partitioner.core.bindings import seeded_inputs
 
         inputs = seeded_inputs(art.bindings, args.seed)
         print(f"no --inputs: using seeded random inputs (seed {args.seed})", file=sys.stderr)

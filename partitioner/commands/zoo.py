@@ -11,7 +11,7 @@ import argparse
 import os
 
 from partitioner.commands._options import add_json_argument, print_json
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 
 NAME = "zoo"
 HELP = "list the model zoo, or export a zoo model to an .onnx file"

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from partitioner.cluster import Cluster, LinkLevel
-from partitioner.errors import PlanError
+if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
+    from partitioner.cluster import Cluster, LinkLevel
+from partitioner.core.errors import PlanError
 
 COLLECTIVES = ("send", "allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
 

@@ -5,18 +5,18 @@
 - Weights: the parameter bytes a device holds (all of them for data/spatial parallelism, 1/t for
   tensor parallelism, its stage's for a pipeline).
 - Activations: the peak live activation bytes of the device's program for one micro-batch
-  (:func:`partitioner.cost.workdepth.peak_activation_bytes`). An inference pipeline stage holds
-  at most two micro-batches in flight (one computing, one arriving); a training (GPipe) stage
-  keeps all m for the backward pass.
+  (:func:`partitioner.cost.workdepth.peak_activation_bytes`), times the micro-batches in flight
+  (:func:`activation_copies`: min(m, stages) for a pipeline, the one rule of the cost model).
 - Comm buffers: receive/staging buffers of the communication ops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from partitioner.cluster import Device
+if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
+    from partitioner.cluster import Device
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,15 @@ class MemoryEstimate:
                 "comm_buffers": self.comm_buffers, "total": self.total}
 
 
-def microbatches_in_flight(m: int, pipelined: bool, training: bool = False) -> int:
-    """Activation copies a stage holds at once (rule in the module docstring)."""
-    if m <= 1 or not pipelined:
+def activation_copies(microbatches: int, num_stages: int, training: bool = False) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once: with fill-drain
+    scheduling a stage has received at most ``num_stages`` micro-batches before the first leaves
+    the last stage, and never more than the ``microbatches`` that exist; a training (GPipe) stage
+    keeps all of them for the backward pass; 1 without a pipeline. The rule
+    :func:`partitioner.strategies.costing.estimate` charges."""
+    if num_stages <= 1 or microbatches <= 1:
         return 1
-    return m if training else min(m, 2)
+    return microbatches if training else min(microbatches, num_stages)
 
 
 def device_memory(weight_bytes: float, activation_bytes: float, microbatches: int = 1,

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from partitioner.core import op_classes as _oc
+
 COMM_DOMAIN = "partitioner.comm"
 
 
@@ -212,18 +214,8 @@ _UNARY_FLOPS: dict[str, float] = {
     "Selu": 5, "Softplus": 4, "Softsign": 3, "Mish": 10, "Sin": 4, "Cos": 4, "IsNaN": 1,
     "IsInf": 1, "Celu": 4, "ThresholdedRelu": 1, "Swish": 5,
 }
-_BINARY = {
-    "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Equal", "Less", "Greater", "LessOrEqual",
-    "GreaterOrEqual", "And", "Or", "Xor", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
-}
-_VARIADIC = {"Sum", "Max", "Min", "Mean"}
-_VIEWS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"}
-_FREE = {"Constant", "Shape", "Size"}
-_COPIES = {"Concat", "Transpose", "Pad", "Split", "Expand", "Tile", "Cast", "DepthToSpace",
-           "SpaceToDepth", "CastLike", "ConstantOfShape", "Range", "NonZero", "ScatterND",
-           "ScatterElements", "OneHot", "Trilu", "CumSum", "TopK"}
-_REDUCES = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
-            "ReduceL2", "ReduceLogSumExp", "ReduceSumSquare", "ReduceLogSum", "ArgMax", "ArgMin"}
+_BINARY, _VARIADIC, _VIEWS, _FREE, _COPIES = _oc.BINARY, _oc.VARIADIC, _oc.COST_VIEWS, _oc.FREE, _oc.COPIES
+_REDUCES = _oc.REDUCTIONS | _oc.ARG_REDUCTIONS
 
 
 def _unary(node: ir.Node) -> OpCost:

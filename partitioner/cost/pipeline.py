@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from partitioner.errors import PlanError
+from partitioner.core.errors import PlanError
 
 
 def bubble_fraction(p: int, m: int) -> float:

@@ -24,11 +24,14 @@ Rules:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from partitioner.cluster import Device
+if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
+    from partitioner.cluster import Device
 from partitioner.cost.ops import OpCost, op_class
 from partitioner.cost.workdepth import constant_values, node_costs
 

@@ -23,23 +23,24 @@ of a Recv wait during which the message was in flight; idle = step latency − c
 Step latency is the makespan. Peak memory = parameters + the program's peak live activations
 (:func:`~partitioner.cost.workdepth.peak_activation_bytes`) + the most received-but-not-yet-
 consumed message bytes buffered at once. A program whose ranks wait on each other forever raises
-:class:`~partitioner.errors.VerifyError` naming the blocked ranks.
+:class:`~partitioner.core.errors.VerifyError` naming the blocked ranks.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx_ir as ir
 
-from partitioner.cluster import Cluster, Device
+if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
+    from partitioner.cluster import Cluster, Device
+from partitioner.core.errors import PlanError, VerifyError
 from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
-from partitioner.errors import PlanError, VerifyError
 
 _COLLECTIVE_KIND = {"AllReduce": "allreduce", "AllGather": "allgather", "ReduceScatter": "reducescatter",
                     "AllToAll": "alltoall", "Broadcast": "broadcast"}
@@ -217,12 +218,9 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
 
 # ---- the simulation ---------------------------------------------------------------------------
 
-def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int = 1,
-             batch_size: int = 1, events: bool = True) -> SimResult:
-    """Simulate one step: every rank runs its program ``microbatches`` times (module docstring).
-
-    ``batch_size`` is the number of samples one step processes (all micro-batches together);
-    throughput = batch_size / step latency."""
+def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int) -> list[_Program]:
+    """Check the arguments, cost every rank's program (once per distinct program and device) and
+    check that every peer and group lies inside the world."""
     R = len(programs)
     if R == 0:
         raise PlanError("nothing to simulate: no per-rank programs")
@@ -247,134 +245,177 @@ def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int =
                 raise VerifyError(f"rank {r}: {s.coll} group {list(s.group)} outside 0..{R - 1}")
             if s.kind == "coll" and r not in s.group:
                 raise VerifyError(f"rank {r}: {s.coll} group {list(s.group)} does not contain rank {r}")
+    return progs
 
-    m = microbatches
-    lengths = [len(p.steps) * m for p in progs]
-    pc = [0] * R
-    now = [0.0] * R
-    compute = [0.0] * R
-    commt = [0.0] * R
-    evs: list[list[TimelineEvent]] = [[] for _ in range(R)]
-    mail: dict[tuple[int, int, int], deque[tuple[float, float, float]]] = {}
-    blocked_on: list[Any] = [None] * R
-    registered: list[Any] = [None] * R  # the collective a rank waits in, if any
-    pending: dict[tuple[Any, ...], dict[int, float]] = {}
-    occurrence: list[dict[tuple[Any, ...], int]] = [dict() for _ in range(R)]
-    buffered: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]
-    level_bytes: dict[str, float] = {}
-    comm_cache: dict[tuple[Any, ...], Any] = {}
 
-    def add_event(r: int, start: float, end: float, kind: str, label: str) -> None:
-        if events and end > start:
-            evs[r].append(TimelineEvent(r, start, end, kind, label))
+def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int = 1,
+             batch_size: int = 1, events: bool = True) -> SimResult:
+    """Simulate one step: every rank runs its program ``microbatches`` times (module docstring).
 
-    runnable = deque(range(R))
-    while runnable:
-        r = runnable.popleft()
-        steps = progs[r].steps
-        nsteps = len(steps)
-        while pc[r] < lengths[r]:
-            mb, i = divmod(pc[r], nsteps)
-            s = steps[i]
-            if s.kind == "compute":
-                add_event(r, now[r], now[r] + s.seconds, "compute", f"mb{mb}: {s.label}")
-                now[r] += s.seconds
-                compute[r] += s.seconds
-                pc[r] += 1
-            elif s.kind == "send":
-                key = (r, s.peer, s.tag)
-                dt = p2p_time(s.nbytes, r, s.peer, cluster)
-                mail.setdefault(key, deque()).append((now[r], now[r] + dt, s.nbytes))
-                if r != s.peer:
-                    name = cluster.link(r, s.peer).name
-                    level_bytes[name] = level_bytes.get(name, 0.0) + s.nbytes
-                pc[r] += 1
-                if blocked_on[s.peer] == key:
-                    blocked_on[s.peer] = None
-                    runnable.append(s.peer)
-            elif s.kind == "recv":
-                key = (s.peer, r, s.tag)
-                box = mail.get(key)
-                if not box:
-                    blocked_on[r] = key
+    ``batch_size`` is the number of samples one step processes (all micro-batches together);
+    throughput = batch_size / step latency."""
+    sim = _Simulation(_compile_all(programs, cluster, microbatches), cluster, microbatches, events)
+    sim.run()
+    return sim.result(batch_size)
+
+
+class _Simulation:
+    """The event loop's state: per rank its program counter, clock, busy times and events; the
+    mailboxes of sent messages and the collectives waiting for their group."""
+
+    def __init__(self, progs: list[_Program], cluster: Cluster, microbatches: int, events: bool) -> None:
+        R = len(progs)
+        self.progs, self.cluster, self.m, self.events, self.R = progs, cluster, microbatches, events, R
+        self.lengths = [len(p.steps) * microbatches for p in progs]
+        self.pc = [0] * R
+        self.now = [0.0] * R
+        self.compute = [0.0] * R
+        self.commt = [0.0] * R
+        self.evs: list[list[TimelineEvent]] = [[] for _ in range(R)]
+        self.mail: dict[tuple[int, int, int], deque[tuple[float, float, float]]] = {}
+        self.blocked_on: list[Any] = [None] * R
+        self.registered: list[Any] = [None] * R  # the collective a rank waits in, if any
+        self.pending: dict[tuple[Any, ...], dict[int, float]] = {}
+        self.occurrence: list[dict[tuple[Any, ...], int]] = [dict() for _ in range(R)]
+        self.buffered: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]
+        self.level_bytes: dict[str, float] = {}
+        self.comm_cache: dict[tuple[Any, ...], Any] = {}
+        self.runnable = deque(range(R))
+
+    def add_event(self, r: int, start: float, end: float, kind: str, label: str) -> None:
+        if self.events and end > start:
+            self.evs[r].append(TimelineEvent(r, start, end, kind, label))
+
+    def run(self) -> None:
+        """Run every rank until it ends or blocks; a blocked rank resumes when woken."""
+        pc, lengths = self.pc, self.lengths
+        while self.runnable:
+            r = self.runnable.popleft()
+            steps = self.progs[r].steps
+            nsteps = len(steps)
+            while pc[r] < lengths[r]:
+                mb, i = divmod(pc[r], nsteps)
+                s = steps[i]
+                if s.kind == "compute":
+                    self.add_event(r, self.now[r], self.now[r] + s.seconds, "compute", f"mb{mb}: {s.label}")
+                    self.now[r] += s.seconds
+                    self.compute[r] += s.seconds
+                    pc[r] += 1
+                elif s.kind == "send":
+                    self._send(r, s)
+                elif s.kind == "recv":
+                    if not self._recv(r, s, mb):
+                        break
+                elif not self._collective(r, s, mb):
                     break
-                sent, arrival, size = box.popleft()
-                t = now[r]
-                if sent > t:
-                    add_event(r, t, sent, "idle", f"mb{mb}: wait for {s.label}")
-                if arrival > t:
-                    begin = max(t, sent)
-                    add_event(r, begin, arrival, "comm", f"mb{mb}: {s.label}")
-                    commt[r] += arrival - begin
-                    now[r] = arrival
-                else:
-                    buffered[r].append((arrival, t, size))
-                pc[r] += 1
-            else:  # collective
-                if registered[r] is not None:  # woken spuriously while waiting in a collective
-                    break
-                base = (s.coll, s.group, s.tag)
-                k = occurrence[r].get(base, 0)
-                ckey = (*base, k)
-                waiting = pending.setdefault(ckey, {})
-                waiting[r] = now[r]
-                occurrence[r][base] = k + 1
-                registered[r] = ckey
-                if len(waiting) < len(s.group):
-                    blocked_on[r] = ckey
-                    break
-                del pending[ckey]
-                start = max(waiting.values())
-                cc = comm_cache.get((s.coll, s.nbytes, s.group))
-                if cc is None:
-                    cc = collective_time(s.coll, s.nbytes, s.group, cluster)
-                    comm_cache[(s.coll, s.nbytes, s.group)] = cc
-                end = start + cc.seconds
-                for name, b in cc.bytes_per_level.items():
-                    level_bytes[name] = level_bytes.get(name, 0.0) + b
-                for q, arrived in waiting.items():
-                    add_event(q, arrived, start, "idle", f"mb{mb}: wait for {s.label}")
-                    add_event(q, start, end, "comm", f"mb{mb}: {s.label} ({cc.algorithm})")
-                    commt[q] += cc.seconds
-                    now[q] = end
-                    registered[q] = None
-                    pc[q] += 1
-                    if q != r:
-                        blocked_on[q] = None
-                        runnable.append(q)
+        self._check_deadlock()
 
-    stuck = [r for r in range(R) if pc[r] < lengths[r]]
-    if stuck:
-        desc = []
-        for r in stuck[:6]:
-            s = progs[r].steps[pc[r] % len(progs[r].steps)]
-            what = (f"recv from {s.peer} tag {s.tag}" if s.kind == "recv"
-                    else f"{s.coll} group {list(s.group)} tag {s.tag}")
-            desc.append(f"rank {r} waits on {what} (micro-batch {pc[r] // len(progs[r].steps)})")
-        raise VerifyError(f"deadlock: {'; '.join(desc)}{' ...' if len(stuck) > 6 else ''}: "
-                          f"check that every Recv has a matching Send and collectives run in the same order")
+    def _send(self, r: int, s: Any) -> None:
+        key = (r, s.peer, s.tag)
+        dt = p2p_time(s.nbytes, r, s.peer, self.cluster)
+        self.mail.setdefault(key, deque()).append((self.now[r], self.now[r] + dt, s.nbytes))
+        if r != s.peer:
+            name = self.cluster.link(r, s.peer).name
+            self.level_bytes[name] = self.level_bytes.get(name, 0.0) + s.nbytes
+        self.pc[r] += 1
+        if self.blocked_on[s.peer] == key:
+            self.blocked_on[s.peer] = None
+            self.runnable.append(s.peer)
 
-    makespan = max(now) if now else 0.0
-    idle = []
-    for r in range(R):
-        add_event(r, now[r], makespan, "idle", "drain")
-        idle.append(max(0.0, makespan - compute[r] - commt[r]))
-    peak_mem = []
-    for r in range(R):
-        deltas = sorted([(a, b) for a, _, b in buffered[r]] + [(e, -b) for _, e, b in buffered[r]],
-                        key=lambda t: (t[0], t[1]))
-        cur = peak_buf = 0.0
-        for _, d in deltas:
-            cur += d
-            peak_buf = max(peak_buf, cur)
-        peak_mem.append(progs[r].param_bytes + progs[r].activation_bytes + peak_buf)
-    all_events = tuple(e for r in range(R) for e in sorted(evs[r], key=lambda e: e.start))
-    return SimResult(
-        num_ranks=R, microbatches=m, batch_size=batch_size, step_latency=makespan,
-        throughput=batch_size / makespan if makespan > 0 else float("inf"),
-        compute_time=tuple(compute), comm_time=tuple(commt), idle_time=tuple(idle),
-        peak_memory=tuple(peak_mem),
-        memory_capacity=tuple(cluster.devices[r].memory_bytes for r in range(R)),
-        device_names=tuple(cluster.devices[r].name for r in range(R)),
-        bytes_per_level=level_bytes, events=all_events,
-    )
+    def _recv(self, r: int, s: Any, mb: int) -> bool:
+        """Take the message if it was sent; False (rank r blocks) if not."""
+        key = (s.peer, r, s.tag)
+        box = self.mail.get(key)
+        if not box:
+            self.blocked_on[r] = key
+            return False
+        sent, arrival, size = box.popleft()
+        t = self.now[r]
+        if sent > t:
+            self.add_event(r, t, sent, "idle", f"mb{mb}: wait for {s.label}")
+        if arrival > t:
+            begin = max(t, sent)
+            self.add_event(r, begin, arrival, "comm", f"mb{mb}: {s.label}")
+            self.commt[r] += arrival - begin
+            self.now[r] = arrival
+        else:
+            self.buffered[r].append((arrival, t, size))
+        self.pc[r] += 1
+        return True
+
+    def _collective(self, r: int, s: Any, mb: int) -> bool:
+        """Join the collective; the last rank to arrive runs it for the group. False: r waits."""
+        if self.registered[r] is not None:  # woken spuriously while waiting in a collective
+            return False
+        base = (s.coll, s.group, s.tag)
+        k = self.occurrence[r].get(base, 0)
+        ckey = (*base, k)
+        waiting = self.pending.setdefault(ckey, {})
+        waiting[r] = self.now[r]
+        self.occurrence[r][base] = k + 1
+        self.registered[r] = ckey
+        if len(waiting) < len(s.group):
+            self.blocked_on[r] = ckey
+            return False
+        del self.pending[ckey]
+        start = max(waiting.values())
+        cc = self.comm_cache.get((s.coll, s.nbytes, s.group))
+        if cc is None:
+            cc = collective_time(s.coll, s.nbytes, s.group, self.cluster)
+            self.comm_cache[(s.coll, s.nbytes, s.group)] = cc
+        end = start + cc.seconds
+        for name, b in cc.bytes_per_level.items():
+            self.level_bytes[name] = self.level_bytes.get(name, 0.0) + b
+        for q, arrived in waiting.items():
+            self.add_event(q, arrived, start, "idle", f"mb{mb}: wait for {s.label}")
+            self.add_event(q, start, end, "comm", f"mb{mb}: {s.label} ({cc.algorithm})")
+            self.commt[q] += cc.seconds
+            self.now[q] = end
+            self.registered[q] = None
+            self.pc[q] += 1
+            if q != r:
+                self.blocked_on[q] = None
+                self.runnable.append(q)
+        return True
+
+    def _check_deadlock(self) -> None:
+        progs, pc = self.progs, self.pc
+        stuck = [r for r in range(self.R) if pc[r] < self.lengths[r]]
+        if stuck:
+            desc = []
+            for r in stuck[:6]:
+                s = progs[r].steps[pc[r] % len(progs[r].steps)]
+                what = (f"recv from {s.peer} tag {s.tag}" if s.kind == "recv"
+                        else f"{s.coll} group {list(s.group)} tag {s.tag}")
+                desc.append(f"rank {r} waits on {what} (micro-batch {pc[r] // len(progs[r].steps)})")
+            raise VerifyError(f"deadlock: {'; '.join(desc)}{' ...' if len(stuck) > 6 else ''}: "
+                              f"check that every Recv has a matching Send and collectives run in the same order")
+
+    def result(self, batch_size: int) -> SimResult:
+        R, now, cluster = self.R, self.now, self.cluster
+        makespan = max(now) if now else 0.0
+        idle = []
+        for r in range(R):
+            self.add_event(r, now[r], makespan, "idle", "drain")
+            idle.append(max(0.0, makespan - self.compute[r] - self.commt[r]))
+        peak_mem = []
+        for r in range(R):
+            buffered = self.buffered[r]
+            deltas = sorted([(a, b) for a, _, b in buffered] + [(e, -b) for _, e, b in buffered],
+                            key=lambda t: (t[0], t[1]))
+            cur = peak_buf = 0.0
+            for _, d in deltas:
+                cur += d
+                peak_buf = max(peak_buf, cur)
+            peak_mem.append(self.progs[r].param_bytes + self.progs[r].activation_bytes + peak_buf)
+        all_events = tuple(e for r in range(R) for e in sorted(self.evs[r], key=lambda e: e.start))
+        return SimResult(
+            num_ranks=R, microbatches=self.m, batch_size=batch_size, step_latency=makespan,
+            throughput=batch_size / makespan if makespan > 0 else float("inf"),
+            compute_time=tuple(self.compute), comm_time=tuple(self.commt), idle_time=tuple(idle),
+            peak_memory=tuple(peak_mem),
+            memory_capacity=tuple(cluster.devices[r].memory_bytes for r in range(R)),
+            device_names=tuple(cluster.devices[r].name for r in range(R)),
+            bytes_per_level=self.level_bytes, events=all_events,
+        )
+

@@ -30,9 +30,10 @@ from typing import Any
 import networkx as nx
 import onnx_ir as ir
 
+from partitioner.core.op_classes import COST_VIEWS
 from partitioner.cost.ops import COMM_DOMAIN, ZERO, OpCost, itemsize, nbytes, numel, op_cost
 
-_VIEW_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"}
+_VIEW_OPS = COST_VIEWS
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""Lowering: plan + model -> per-rank programs (see partitioner.lower)."""
+"""Lowering: plan + model -> per-rank programs with comm ops (partitioner.lowering.lower), and the one verifier of its output (partitioner.lowering.verify)."""

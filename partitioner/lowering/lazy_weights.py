@@ -42,7 +42,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from partitioner.errors import ModelLoadError
+from partitioner.core.errors import ModelLoadError
 
 SLICE_KEY = "partitioner.slice"
 RANK_DATA_MIN_BYTES = 64 * 1024

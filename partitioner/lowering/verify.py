@@ -20,10 +20,10 @@ from typing import Any, Sequence
 
 import onnx
 
-from partitioner.bindings import Bindings
-from partitioner.comm_ops import COLLECTIVES, CommOp, is_comm
-from partitioner.errors import VerifyError
-from partitioner.segments import node_reads
+from partitioner.core.bindings import Bindings
+from partitioner.core.comm_ops import COLLECTIVES, CommOp, is_comm
+from partitioner.core.errors import VerifyError
+from partitioner.core.segments import node_reads
 
 
 def _infos(p: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:

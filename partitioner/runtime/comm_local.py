@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from partitioner.comm_ops import reduce_arrays
-from partitioner.errors import RunFailed
+from partitioner.core.comm_ops import reduce_arrays
+from partitioner.core.errors import RunFailed
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -84,7 +84,7 @@ class LocalWorld:
 
 
 class LocalCommunicator:
-    """The :class:`partitioner.comm_ops.Communicator` of one in-process rank."""
+    """The :class:`partitioner.core.comm_ops.Communicator` of one in-process rank."""
 
     def __init__(self, world: LocalWorld, rank: int) -> None:
         self.world = world

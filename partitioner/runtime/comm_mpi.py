@@ -1,4 +1,4 @@
-"""The MPI communicator (mpi4py): the :class:`partitioner.comm_ops.Communicator` of one MPI rank.
+"""The MPI communicator (mpi4py): the :class:`partitioner.core.comm_ops.Communicator` of one MPI rank.
 
 Rules:
 1. Sub-communicators are created once, at start-up, for every group in the artifact's
@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from partitioner.comm_ops import reduce_arrays
-from partitioner.errors import RunFailed
+from partitioner.core.comm_ops import reduce_arrays
+from partitioner.core.errors import RunFailed
 from partitioner.runtime.fault import FaultHook
 
 TIMEOUT_ENV = "PARTITIONER_COMM_TIMEOUT"

@@ -22,7 +22,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from partitioner.errors import RunFailed, UsageError
+from partitioner.core.errors import RunFailed, UsageError
 
 ENV = "PARTITIONER_FAULT"
 KINDS = ("raise", "exit", "kill")

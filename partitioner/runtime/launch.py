@@ -30,17 +30,19 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from partitioner.errors import RunFailed
+from partitioner.core.errors import RunFailed
 
 _RANK_LINE = re.compile(r"^rank (\d+): (.*)$", re.M)
 
 
-def find_mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
+def find_mpiexec(required: bool = True) -> str | None:
+    """``mpiexec`` next to the running interpreter (the mpich wheel), else the first on PATH.
+    Without one: :class:`RunFailed` saying how to get it, or None when not ``required``."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
     found = shutil.which("mpiexec")
-    if not found:
+    if not found and required:
         raise RunFailed("mpiexec not found: install the mpich wheel (pip install mpich) or put mpiexec on PATH")
     return found
 
@@ -268,7 +270,7 @@ def _launch(artifact_dir: str | os.PathLike[str], world_size: int, worker_args: 
 
 
 def load_inputs(art: Any, inputs: Mapping[str, np.ndarray] | str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    from partitioner.bindings import check_inputs
+    from partitioner.core.bindings import check_inputs
     from partitioner.runtime.worker import read_npz
 
     feeds = read_npz(inputs) if isinstance(inputs, (str, os.PathLike)) else {k: np.asarray(v) for k, v in inputs.items()}
@@ -315,38 +317,31 @@ def run_artifact(art: Any, inputs: Mapping[str, np.ndarray] | str | os.PathLike[
 
 def run_in_process(art: Any, feeds: Mapping[str, np.ndarray], *,
                    timeout: float | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Run every rank as a thread with the in-process communicator (no MPI)."""
+    """Run every rank as a thread with the in-process communicator (no MPI), through the one
+    in-process runner (:func:`partitioner.runtime.in_process.run_ranks`)."""
     from backends import get_backend
-    from partitioner.bindings import gather_outputs, scatter_inputs
+    from partitioner.core.bindings import gather_outputs, scatter_inputs
     from partitioner.runtime.comm_local import DEFAULT_TIMEOUT_S, LocalWorld
+    from partitioner.runtime.in_process import run_ranks
     from partitioner.runtime.schedule import run_step
 
     world = LocalWorld(art.world_size, timeout_s=timeout or DEFAULT_TIMEOUT_S)
     per_rank_feeds = scatter_inputs(art.bindings, feeds)
     backend = get_backend(art.backend)
     threads = max(1, (os.cpu_count() or 1) // art.world_size)
-    results: list[list[dict[str, np.ndarray]] | None] = [None] * art.world_size
-    errors: list[str] = []
 
-    def one(rank: int) -> None:
-        try:
-            exe = backend.load(art.programs[rank], art.backend_file(rank), threads=threads)
-            results[rank] = run_step(exe, per_rank_feeds[rank], world.communicator(rank))
-        except Exception as exc:  # noqa: BLE001 - reported below with the rank
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            errors.append(f"rank {rank}: {msg}")
-            world.abort(f"rank {rank}: {msg}")
+    def one(rank: int, comm: Any) -> list[dict[str, np.ndarray]]:
+        exe = backend.load(art.programs[rank], art.backend_file(rank), threads=threads)
+        return run_step(exe, per_rank_feeds[rank], comm)
 
     t0 = time.perf_counter()
-    workers = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(art.world_size)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
+    results, failed, _ = run_ranks(world, one)
+    if failed:
+        errors = [f"rank {rank}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+                  for rank, exc in failed.items()]
         direct = [e for e in errors if "aborted while waiting" not in e]
         raise RunFailed(f"run failed on {(direct or errors)[0]}")
-    outputs = gather_outputs(art.bindings, results)  # type: ignore[arg-type]
+    outputs = gather_outputs(art.bindings, results)
     return outputs, {"world_size": art.world_size, "threads_per_rank": threads, "warmup": 0,
                      "times_s": [time.perf_counter() - t0], "median_s": time.perf_counter() - t0}
 

@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_npz(path: str | os.PathLike[str], what: str = "inputs") -> dict[str, np.ndarray]:
     """Read an .npz without pickle; InputError names the file when it is not one."""
-    from partitioner.errors import InputError
+    from partitioner.core.errors import InputError
 
     try:
         data = np.load(path, allow_pickle=False)
@@ -144,7 +144,7 @@ def output_routes(bindings: Any) -> list[tuple[int, int, str]]:
 
 def gather_to_root(comm: Any, bindings: Any, mine: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
     """Move the output slices to rank 0 and assemble them there (None on the other ranks)."""
-    from partitioner.bindings import gather_outputs
+    from partitioner.core.bindings import gather_outputs
 
     routes = output_routes(bindings)
     if comm.rank != 0:
@@ -168,7 +168,7 @@ def run_worker(args: argparse.Namespace) -> int:
     comm = None
     try:
         from partitioner.artifact import load_artifact
-        from partitioner.errors import ArtifactError
+        from partitioner.core.errors import ArtifactError
         from partitioner.runtime.fault import from_env
         from partitioner.signing import check_trusted
 
@@ -198,7 +198,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         exe = get_backend(art.backend).load(art.programs[rank], art.backend_file(rank), threads=threads)
         phase = "inputs"
-        from partitioner.bindings import scatter_inputs
+        from partitioner.core.bindings import scatter_inputs
 
         feeds = scatter_inputs(art.bindings, read_npz(args.inputs))[rank]
         hook.maybe_fail("start")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping
 
-from partitioner.errors import StrategyNotApplicable, UsageError
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding
+from partitioner.core.errors import StrategyNotApplicable, UsageError
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.strategies.propagate import Assignment, batch_axes, propagate
 
 STRATEGIES = ("single", "data", "pipeline", "tensor", "spatial", "hybrid")
@@ -34,7 +34,9 @@ def make_plan(view: ModelView, strategy: str, world: int, mesh: tuple[int, ...],
 
 
 def batch_size(view: ModelView) -> int:
-    sizes = [view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1]
+    """The batch a strategy can split: the smallest batch dimension of the batched inputs
+    (:meth:`ModelView.batch_dims`), so that every batched input splits the same way."""
+    sizes = view.batch_dims()
     if not sizes:
         raise StrategyNotApplicable("the model has no batched input")
     return min(sizes)

@@ -11,7 +11,7 @@ Rules:
    the ranks holding the shards in order (chunk i on ``device[i]``) with the split ``axis`` from
    ``sharded_dim``; ``device = [-1]`` with ``index_to_device_group_map[-1]`` is one copy
    replicated on that group. A plan keeps it when the node's input or output layout for that
-   tensor is the same :class:`~partitioner.plan.Sharding` (axis and ordered ranks). Partial sums
+   tensor is the same :class:`~partitioner.core.plan.Sharding` (axis and ordered ranks). Partial sums
    have no ShardingSpec form, so a spec is never met by a partial layout.
 3. A node the passes removed (its name is not in the plan) constrains nothing.
 4. :func:`violation` returns "" when the plan keeps every constraint, else one line naming the
@@ -26,7 +26,7 @@ from typing import Any
 
 import onnx
 
-from partitioner.plan import Plan, Sharding
+from partitioner.core.plan import Plan, Sharding
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.memory import activation_copies
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
+from partitioner.cost.resharding import communicates, conversion
 from partitioner.cost.roofline import graph_op_times
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding
 
 
 def node_times(view: ModelView, device: Any) -> np.ndarray:
@@ -74,18 +76,6 @@ def _parts_json(parts: tuple[tuple[float, float, float], ...], r: int) -> dict[s
     return {"weight_bytes": w, "activation_bytes": a, "resident_output_bytes": o}
 
 
-def _conversion(src: Sharding, req: Sharding) -> str | None:
-    if src == req:
-        return None
-    if src.ranks == req.ranks:
-        if src.partial is not None:
-            return "allreduce" if req.axis is None else "reducescatter"
-        if src.axis is not None:
-            return "allgather" if req.axis is None else "alltoall"
-        return None  # local slice
-    return "send"
-
-
 def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float | None = None,
              times: dict[int, np.ndarray] | None = None) -> Prediction:
     """Predict ``plan`` on ``cluster`` (see the module docstring)."""
@@ -124,8 +114,8 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
             if src is None or (name, req) in seen_conv:
                 continue
             seen_conv.add((name, req))
-            kind = _conversion(src, req)
-            if kind is None:
+            kind = conversion(src, req)
+            if not communicates(kind):
                 continue
             nbytes = view.nbytes(name) / m
             if kind == "send":
@@ -155,7 +145,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
     parts = []
     for r in range(w):
         wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
-        inflight = min(m, plan.num_stages) if plan.num_stages > 1 else 1
+        inflight = activation_copies(m, plan.num_stages)
         parts.append((float(wb), float(2 * act[r] * inflight), float(held[r])))
         mem[r] = sum(parts[-1])
     busy = compute + comm
@@ -167,7 +157,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
         latency = pipeline_step_time(stage_t, [0.0] * (len(stage_t) - 1), m)
     else:
         latency = float(busy.max())
-    batch = max((view.shape(n)[0] for n in view.inputs if view.rank(n) >= 1), default=1)
+    batch = view.batch_size()
     caps = [min(cluster.devices[r].memory_bytes, memory_limit or float("inf")) for r in range(w)]
     fits = all(mem[r] <= caps[r] for r in range(w))
     return Prediction(tuple(compute.tolist()), tuple(comm.tolist()), tuple(float(latency - b) for b in busy),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner.errors import StrategyNotApplicable
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding
+from partitioner.core.errors import StrategyNotApplicable
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.strategies import batch_size, make_plan
 from partitioner.strategies.propagate import assign_all
 

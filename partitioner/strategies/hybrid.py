@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner.errors import StrategyNotApplicable
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding
+from partitioner.core.errors import StrategyNotApplicable
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.strategies import costing, data, make_plan, pipeline
 from partitioner.strategies.constraints import read_constraints, violation
 from partitioner.strategies.propagate import Assignment

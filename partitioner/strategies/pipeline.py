@@ -19,10 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from partitioner.core.errors import PlanError, StrategyNotApplicable
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding, pinned_stages
 from partitioner.cost.pipeline import pipeline_step_time
-from partitioner.errors import PlanError, StrategyNotApplicable
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding, pinned_stages
 from partitioner.strategies import batch_size, make_plan
 from partitioner.strategies.costing import node_times, p2p_time
 from partitioner.strategies.propagate import Assignment, batch_axes

@@ -28,9 +28,9 @@ from typing import Mapping
 
 import onnx_ir as ir
 
-from partitioner.errors import StrategyNotApplicable
-from partitioner.lowering.model_view import ModelView, attr
-from partitioner.plan import NodePlan, Sharding
+from partitioner.core.errors import StrategyNotApplicable
+from partitioner.core.model_view import ModelView, attr
+from partitioner.core.plan import NodePlan, Sharding
 from partitioner.strategies.axis_rules import VIEWS, split_rule
 
 MODES = ("replicate", "data", "tensor", "spatial")

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from partitioner.errors import PartitionerError, StrategyNotApplicable
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan
+from partitioner.core.errors import PartitionerError, StrategyNotApplicable
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan
 from partitioner.strategies import costing, get_strategy
 from partitioner.strategies.constraints import read_constraints, violation
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner.lowering.model_view import ModelView
-from partitioner.plan import Plan, Sharding
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, Sharding
 from partitioner.strategies import make_plan
 from partitioner.strategies.propagate import assign_all
 

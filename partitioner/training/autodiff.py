@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from partitioner.errors import UnsupportedOpError
+from partitioner.core.errors import UnsupportedOpError
 
 FORWARD_NODE_KEY = "training.forward_node"
 

@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from partitioner.errors import InputError, RunFailed, UsageError
+from partitioner.core.errors import InputError, RunFailed, UsageError
 from partitioner.training.optimizers import Optimizer, make_optimizer
 from partitioner.training.runner import StepRunner
 from partitioner.training.step import build_training_graph, signature

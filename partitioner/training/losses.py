@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 from partitioner.training.autodiff import Emitter, shape_of
 
 LOSSES = ("cross_entropy", "mse")

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import onnx_ir as ir
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 from partitioner.training.autodiff import Emitter
 
 STEP_NAME = "optimizer.step"

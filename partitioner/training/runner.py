@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 from partitioner.training.step import TrainingSignature, initial_state, signature, step_program
 
 BACKENDS = ("onnxruntime", "tvm")

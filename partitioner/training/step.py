@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from partitioner.errors import UsageError
+from partitioner.core.errors import UsageError
 from partitioner.training.autodiff import (
     Emitter,
     backward,
@@ -298,7 +298,7 @@ def build_training_graph(
     fwd.metadata_props[SIGNATURE_KEY] = sig.to_json()
     fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
     if world_size > 1:
-        from partitioner.comm_ops import DOMAIN, VERSION
+        from partitioner.core.comm_ops import DOMAIN, VERSION
 
         fwd.opset_imports[DOMAIN] = VERSION
     graph.name = f"{graph.name or 'model'}.train"
@@ -353,7 +353,7 @@ def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, sh
                     name: str | None = None) -> ir.Value:
     """Rule 5: ``AllReduce(sum)`` over every rank, then ``* 1/world_size``. The comm output's
     type and shape are set here (ONNX inference does not know the comm domain)."""
-    from partitioner.comm_ops import DOMAIN
+    from partitioner.core.comm_ops import DOMAIN
 
     em._count += 1
     node = ir.Node(DOMAIN, "AllReduce", [g], attributes=ir.convenience.convert_attributes(

@@ -8,10 +8,11 @@ import pytest
 from onnx import TensorProto, helper
 
 import backends
-from partitioner import comm_ops
-from partitioner.bindings import Bindings, Placement, TensorBinding
-from partitioner.errors import RunFailed
+from partitioner.core import comm_ops
+from partitioner.core.bindings import Bindings, Placement, TensorBinding
+from partitioner.core.errors import RunFailed
 from partitioner.runtime.comm_local import LocalWorld
+from partitioner.runtime.in_process import run_reference
 
 
 def _prog(nodes, inputs, outputs, comm=True):
@@ -32,7 +33,7 @@ def test_build_load_run_allreduce(tmp_path) -> None:
     x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
     b = Bindings((TensorBinding("x", (2, 3), "float32", (Placement(0, "x"), Placement(1, "x"))),),
                  (TensorBinding("y", (2, 3), "float32", (Placement(0, "y"),)),), 2)
-    out = ort_backend.run_reference([prog, prog], b, {"x": x})
+    out = run_reference([prog, prog], b, {"x": x})
     np.testing.assert_array_equal(out["y"], -2 * np.maximum(x, 0))
     exe = ort_backend.load(prog, tmp_path / "rank0.onnx", threads=1)
     world = LocalWorld(1)
@@ -51,7 +52,7 @@ def test_failure_on_one_rank_ends_all_and_names_it() -> None:
     b = Bindings((TensorBinding("x", (4, 3), "float32", (Placement(1, "x"),)),),
                  (TensorBinding("y", (2, 3), "float32", (Placement(0, "y"),)),), 2)
     with pytest.raises(RunFailed, match="rank 0"):
-        ort_backend.run_reference([waits, bad], b, {"x": np.zeros((4, 3), np.float32)}, timeout_s=20)
+        run_reference([waits, bad], b, {"x": np.zeros((4, 3), np.float32)}, timeout_s=20)
 
 
 def test_timeout_is_reported_not_hung() -> None:
@@ -62,4 +63,4 @@ def test_timeout_is_reported_not_hung() -> None:
     b = Bindings((TensorBinding("x", (2, 3), "float32", (Placement(1, "x"),)),),
                  (TensorBinding("y", (2, 3), "float32", (Placement(0, "y"),)),), 2)
     with pytest.raises(RunFailed, match="rank 0.*timed out"):
-        ort_backend.run_reference([waits, idle], b, {"x": np.zeros((2, 3), np.float32)}, timeout_s=1)
+        run_reference([waits, idle], b, {"x": np.zeros((2, 3), np.float32)}, timeout_s=1)

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import backends.onnxruntime as bo
-from partitioner.errors import BackendError, RunFailed
+from partitioner.core.errors import BackendError, RunFailed
 from partitioner.runtime.comm_local import LocalWorld
 
 

@@ -20,11 +20,11 @@ from onnx import TensorProto, helper, numpy_helper
 import tvm  # noqa: E402,F401  (a broken install fails, never skips)
 
 import backends.tvm as bt  # noqa: E402
-from backends.tvm.build import file_sha256  # noqa: E402
 from backends.tvm.progress import BuildProgress  # noqa: E402
 from backends.tvm.target import cpu_from_cpuinfo, detect_host_target, target_dict  # noqa: E402
-from partitioner.comm_ops import make_node, opset_import  # noqa: E402
-from partitioner.errors import BackendError, RunFailed  # noqa: E402
+from partitioner.core.comm_ops import make_node, opset_import  # noqa: E402
+from partitioner.core.errors import BackendError, RunFailed  # noqa: E402
+from partitioner.core.files import sha256_file  # noqa: E402
 from partitioner.runtime.comm_local import LocalWorld  # noqa: E402
 
 F = TensorProto.FLOAT
@@ -290,7 +290,7 @@ def test_identical_programs_compiled_once(tmp_path: Path) -> None:
     facts = bt.build_all([m, twin, other, m], tmp_path, progress=False, jobs=1)
     assert [f["compiled"] for f in facts] == [True, False, True, False]
     assert facts[1]["same_as"] == 0 and facts[3]["same_as"] == 0
-    assert file_sha256(tmp_path / "rank1.so") == file_sha256(tmp_path / "rank0.so") == facts[1]["sha256"]
+    assert sha256_file(tmp_path / "rank1.so") == sha256_file(tmp_path / "rank0.so") == facts[1]["sha256"]
     assert facts[2]["sha256"] != facts[0]["sha256"]
 
 

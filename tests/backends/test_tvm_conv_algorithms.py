@@ -96,7 +96,7 @@ def test_auto_measures_once_and_caches(tmp_path: Path) -> None:
 
 
 def test_unknown_algorithm_is_a_backend_error(tmp_path: Path) -> None:
-    from partitioner.errors import BackendError
+    from partitioner.core.errors import BackendError
 
     with pytest.raises(BackendError, match="conv_algorithm"):
         bt.build(_conv_model(kernel=3), tmp_path / "rank0.so", options={"conv_algorithm": "fft"})

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner import cli
-from partitioner.errors import BackendError
+from partitioner.core.errors import BackendError
 
 import tvm  # noqa: E402,F401  (a broken install fails, never skips)
 
@@ -62,7 +62,7 @@ def test_lpnormalization_is_missing_from_tvms_importer() -> None:
 
 @pytest.mark.parametrize("strategy", ["data", "pipeline"])
 def test_fallback_runs_only_the_unsupported_segment_under_ort(strategy: str, tmp_path) -> None:
-    from partitioner.artifact import compile as compile_artifact, load_artifact
+    from partitioner.compiler import compile as compile_artifact, load_artifact
     from partitioner.runtime.launch import run_in_process
 
     model = _model()
@@ -91,7 +91,7 @@ def test_loader_reads_the_segment_files_instead_of_recutting(tmp_path, monkeypat
     """An artifact keeps running when the code that cuts programs into segments changes: the
     loader takes each segment's inputs and outputs from its rank<i>.seg<k>.onnx file."""
     from backends.tvm import fallback
-    from partitioner.artifact import compile as compile_artifact, load_artifact
+    from partitioner.compiler import compile as compile_artifact, load_artifact
     from partitioner.runtime.launch import run_in_process
 
     model = _model()
@@ -109,7 +109,7 @@ def test_loader_reads_the_segment_files_instead_of_recutting(tmp_path, monkeypat
 
 
 def test_without_fallback_the_build_fails_listing_the_op(tmp_path) -> None:
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
 
     with pytest.raises(BackendError) as info:
         compile_artifact(_model(), "cpu:2", strategy="data", backend="tvm", out_dir=tmp_path / "art", jobs=1,
@@ -122,8 +122,8 @@ def test_without_fallback_the_build_fails_listing_the_op(tmp_path) -> None:
 def test_fallback_segment_failure_is_a_clean_run_error(tmp_path) -> None:
     """A segment file that ORT cannot run at run time (shape mismatch fed by a tampered input)
     surfaces as one RunFailed line naming the rank, not a TVM traceback."""
-    from partitioner.artifact import compile as compile_artifact
-    from partitioner.errors import InputError, RunFailed
+    from partitioner.compiler import compile as compile_artifact
+    from partitioner.core.errors import InputError, RunFailed
 
     art = compile_artifact(_model(), "cpu:2", strategy="pipeline", backend="tvm", fallback="onnxruntime",
                            out_dir=tmp_path / "art", jobs=1, progress=False)

@@ -62,7 +62,7 @@ def _two_layer() -> tuple[onnx.ModelProto, dict[str, np.ndarray], np.ndarray]:
     pytest.param("tvm", ["optimize"], "tensor", marks=pytest.mark.slow),
 ])
 def test_two_layer_lstm_on_two_ranks(backend: str, passes: list[str] | None, strategy: str, tmp_path: Path) -> None:
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
     from partitioner.runtime.launch import run_in_process
 
     model, feeds, want = _two_layer()

@@ -15,7 +15,7 @@ import models_zoo  # noqa: E402
 from backends.tvm import tuning  # noqa: E402
 from backends.tvm.build import build  # noqa: E402
 from backends.tvm.executable import load  # noqa: E402
-from partitioner.errors import BackendError  # noqa: E402
+from partitioner.core.errors import BackendError  # noqa: E402
 from partitioner.runtime.comm_local import LocalWorld  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5

@@ -1,6 +1,6 @@
 """Every zoo builder (small sizes) x {data, pipeline, tensor} on 2 ranks with the TVM backend.
 
-Each case compiles an artifact (partitioner.artifact.compile, backend tvm), runs it through the
+Each case compiles an artifact (partitioner.compiler.compile, backend tvm), runs it through the
 in-process runtime (threads, LocalWorld) and compares every output with ONNX Runtime on the
 unpartitioned model, run here by the test itself, with seeded inputs:
 ``|got - want| <= atol + rtol * |want|`` with rtol 1e-4, atol 1e-5.
@@ -76,7 +76,7 @@ def test_matrix_covers_every_zoo_builder() -> None:
 
 @pytest.mark.parametrize(("name", "strategy"), list(_cases()))
 def test_zoo_model_tvm_two_ranks_matches_ort(name: str, strategy: str, tmp_path) -> None:
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
     from partitioner.runtime.launch import run_in_process
 
     model = models_zoo.build(name, batch=BATCH, **SMALL[name])
@@ -98,7 +98,7 @@ def test_zoo_model_tvm_two_ranks_matches_ort(name: str, strategy: str, tmp_path)
 @pytest.mark.parametrize(("name", "strategy"), list(_optimized_cases()))
 def test_zoo_model_optimized_tvm_matches_ort(name: str, strategy: str, tmp_path) -> None:
     """The optimize pass pipeline, then the TVM default schedules, at 1 rank and at 2 ranks."""
-    from partitioner.artifact import compile as compile_artifact
+    from partitioner.compiler import compile as compile_artifact
     from partitioner.runtime.launch import run_in_process
 
     model = models_zoo.build(name, batch=BATCH, **SMALL[name])

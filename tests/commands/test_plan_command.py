@@ -17,10 +17,10 @@ import onnxruntime as ort
 import pytest
 
 import models_zoo
-from backends.onnxruntime import run_reference
+from partitioner.runtime.in_process import run_reference
 from partitioner import cli
-from partitioner.bindings import Bindings
-from partitioner.plan import Plan
+from partitioner.core.bindings import Bindings
+from partitioner.core.plan import Plan
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@
 4. each program is built and loaded with the TVM backend's contract (:func:`compile_program`:
    ``backends.tvm.build`` into a temporary folder, then ``backends.tvm.load``) and run with a ``LocalWorld``
    communicator, one thread per rank, inputs scattered and outputs gathered by
-   :mod:`partitioner.bindings`.
+   :mod:`partitioner.core.bindings`.
 
 With ``fallback="onnxruntime"``, the case goes through the product's own path for
-``partitioner compile --fallback onnxruntime``: :func:`partitioner.artifact.build_artifact` with
+``partitioner compile --fallback onnxruntime``: :func:`partitioner.compiler.build_artifact` with
 ``fallback="onnxruntime"`` (per-segment: only the runs of ops TVM cannot import go to ONNX
 Runtime inside the TVM rank; a rank whose TVM build fails falls back whole), then each rank is
 loaded with the artifact's backend. So the fallback row measures what a user gets. The prepared
@@ -28,7 +28,7 @@ initializers, and the model is compiled for them on first use (once per distinct
 The rep says which inputs it specialised (:attr:`PartitionerRep.specialised`), and the runner
 counts those cases apart.
 
-Every refusal is a :class:`partitioner.errors.PartitionerError`; anything else escaping
+Every refusal is a :class:`partitioner.core.errors.PartitionerError`; anything else escaping
 ``prepare``/``run`` is a bug of the project and is reported as such by the runner.
 """
 
@@ -43,7 +43,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from partitioner.errors import BackendError, PartitionerError, StrategyNotApplicable
+from partitioner.core.errors import BackendError, PartitionerError, StrategyNotApplicable
 
 FALLBACKS = (None, "onnxruntime")
 # op type -> input slots whose values decide output shapes (or are attributes in older opsets),
@@ -93,7 +93,7 @@ class Compiled:
     """What ``prepare`` made: per-rank executables, their bindings, and how they were made."""
 
     executables: tuple[Any, ...]
-    bindings: Any  # partitioner.bindings.Bindings, or None for the 1-rank program
+    bindings: Any  # partitioner.core.bindings.Bindings, or None for the 1-rank program
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     engine: str  # "tvm", "tvm+onnxruntime-segments" or "onnxruntime" (what ran; see the module docstring)
@@ -119,7 +119,7 @@ def _build_as_product(programs: Sequence[onnx.ModelProto], bindings: Any, source
     """Build ``programs`` exactly as ``partitioner compile --fallback <fallback>`` does (an artifact
     in a temporary folder), load every rank with the artifact's backend, and say what ran."""
     from backends import get_backend
-    from partitioner.artifact import build_artifact
+    from partitioner.compiler import build_artifact
 
     with tempfile.TemporaryDirectory(prefix="conformance-fallback-") as tmp:
         art = build_artifact(Path(tmp) / "artifact", list(programs), bindings, source=source, backend="tvm",

@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
 
 FILTER_PATH = Path(__file__).with_name("filter.txt")
 STATUSES = ("pass", "mismatch", "refused", "error", "crash", "timeout", "skip")
@@ -127,7 +127,7 @@ ERROR_KINDS = ("tvm-build", "tvm-import", "library-load", "shape-inference", "pa
 
 def classify_failure(exc: BaseException) -> tuple[str, str]:
     """``(status, kind)`` of an exception raised while preparing or running a case (rule 4)."""
-    from partitioner.errors import (BackendError, ModelLoadError, PassError, PlanError, RunFailed,
+    from partitioner.core.errors import (BackendError, ModelLoadError, PassError, PlanError, RunFailed,
                                     StrategyNotApplicable, UnsupportedByBackendError, UnsupportedOpError)
 
     msg = str(exc)

@@ -15,7 +15,7 @@ Modes, per case (see :mod:`cases` for the statuses):
 - ``tvm``: 1 rank, TVM only;
 - ``fallback``: 1 rank, what ``partitioner compile --fallback onnxruntime`` gives a user: every
   case that did not pass in ``tvm`` mode is rerun through the product's build
-  (:func:`partitioner.artifact.build_artifact` with the per-segment ONNX Runtime fallback, and
+  (:func:`partitioner.compiler.build_artifact` with the per-segment ONNX Runtime fallback, and
   whole-rank fallback when a TVM build fails); a case that passed keeps its ``tvm`` result (its
   programs need no fallback, so the product builds them unchanged);
 - ``2rank``: ``partition(..., cpu:2)`` (auto, then fixed strategies); a case no strategy can
@@ -280,7 +280,7 @@ def build_report(cases: dict[str, Any], ops: dict[str, str], selected: list[str]
         "pass_by_engine": {m: dict(Counter(r.engine or "?" for r in by_mode[m].values() if r.status == "pass"))
                            for m in modes},
         "fallback_rule": "per-segment ONNX Runtime fallback as `partitioner compile --fallback onnxruntime` "
-                         "(artifact.build_artifact), whole rank when its TVM build fails",
+                         "(compiler.build_artifact), whole rank when its TVM build fails",
         "supported_ops": {m: supported(m) for m in modes},
         "supported_op_count": {m: len(supported(m)) for m in modes},
         "op_count": len(per_op),

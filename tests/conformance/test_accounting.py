@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from partitioner.errors import (BackendError, ModelLoadError, PassError, PlanError, RunFailed,
+from partitioner.core.errors import (BackendError, ModelLoadError, PassError, PlanError, RunFailed,
                                 StrategyNotApplicable, UnsupportedByBackendError, UnsupportedOpError)
 
 from .cases import classify_failure, reason_is_refusal, run_case

@@ -21,7 +21,7 @@ import tvm  # noqa: E402,F401  (a broken install fails, never skips)
 
 import onnx.backend.test  # noqa: E402
 
-from partitioner.errors import BackendError, PartitionerError  # noqa: E402
+from partitioner.core.errors import BackendError, PartitionerError  # noqa: E402
 
 from .backend import PartitionerBackend, shape_inputs  # noqa: E402
 from .cases import FilterRule, read_filter, skip_reason  # noqa: E402

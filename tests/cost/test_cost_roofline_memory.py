@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from partitioner.cluster import Device
-from partitioner.cost.memory import device_memory, microbatches_in_flight, training_memory_bytes
+from partitioner.cost.memory import activation_copies, device_memory, training_memory_bytes
 from partitioner.cost.ops import OpCost
 from partitioner.cost.roofline import is_compute_bound, op_time
 
@@ -32,9 +32,12 @@ def test_memory_formulas():
     m = device_memory(weight_bytes=100, activation_bytes=50, microbatches=2, comm_buffer_bytes=10)
     assert (m.weights, m.activations, m.comm_buffers, m.total) == (100, 100, 10, 210)
     assert m.fits(DEV)
-    assert microbatches_in_flight(8, pipelined=True) == 2
-    assert microbatches_in_flight(8, pipelined=True, training=True) == 8
-    assert microbatches_in_flight(8, pipelined=False) == 1
+    # fill-drain: a stage holds one micro-batch per stage at most, all of them when training
+    assert activation_copies(8, num_stages=2) == 2
+    assert activation_copies(8, num_stages=4) == 4
+    assert activation_copies(3, num_stages=4) == 3
+    assert activation_copies(8, num_stages=4, training=True) == 8
+    assert activation_copies(8, num_stages=1) == 1
     # ZeRO: (2 + 2 + 12)·Ψ; stage 3 over 8 shards divides all three terms
     assert training_memory_bytes(1e9) == 16e9
     assert training_memory_bytes(1e9, shards=8, zero_stage=1) == 4e9 + 1.5e9

@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.cluster import Cluster, Device, LinkLevel
+from partitioner.core.errors import VerifyError
 from partitioner.cost.pipeline import bubble_fraction
 from partitioner.cost.simulate import simulate
-from partitioner.errors import VerifyError
 
 COMM = "partitioner.comm"
 PEAK = 1e9  # FLOP/s: a [64,256]x[256,256] MatMul = 2·64·256·256 = 8388608 FLOPs -> 8.388608 ms

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 
-from partitioner.errors import StrategyNotApplicable
+from partitioner.core.errors import StrategyNotApplicable
 
 from .graph_strategy import FuzzGraph, FuzzPlan
 
@@ -105,8 +105,8 @@ def _one_line(exc: BaseException) -> str:
 
 def check_reference(fg: FuzzGraph, fp: FuzzPlan) -> Outcome:
     """Partition and run with the reference backend (ONNX Runtime per segment, LocalWorld comms)."""
-    from backends.onnxruntime import run_reference
-    from partitioner.lower import check_programs, verify_programs
+    from partitioner.lowering.lower import check_programs, verify_programs
+    from partitioner.runtime.in_process import run_reference
 
     base = (fp.strategy, fp.devices, fp.microbatches)
     try:
@@ -131,7 +131,7 @@ def check_reference(fg: FuzzGraph, fp: FuzzPlan) -> Outcome:
 def run_tvm_ranks(programs: Any, bindings: Any, feeds: Mapping[str, np.ndarray], build_dir: Path) -> dict[str, np.ndarray]:
     """Build every rank with TVM into ``build_dir`` and run the ranks as threads (LocalWorld)."""
     from backends.tvm import build_all, load
-    from partitioner.bindings import gather_outputs, scatter_inputs
+    from partitioner.core.bindings import gather_outputs, scatter_inputs
     from partitioner.runtime.comm_local import LocalWorld
     from partitioner.runtime.schedule import run_step
 

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.errors import StrategyNotApplicable
+from partitioner.core.errors import StrategyNotApplicable
 
 from .differential import check_reference, ort_outputs, partition_graph, run_tvm_ranks, seeded_feeds
 from .graph_strategy import FuzzGraph, FuzzPlan

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.errors import PartitionerError
+from partitioner.core.errors import PartitionerError
 from partitioner.load import load
 
 

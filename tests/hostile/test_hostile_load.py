@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hostile_testkit import CASES, SECRET_TEXT, HostileCase, external_model, model_dir, outside_dir, save, w_bytes
 
-from partitioner.errors import ModelLoadError
+from partitioner.core.errors import ModelLoadError
 from partitioner.load import load
 
 CASE_NAMES = sorted(CASES)
@@ -54,8 +54,8 @@ def test_sparse_2gb_file_is_not_read(tmp_path: Path) -> None:
 _AUDIT_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
-    import partitioner.segments, models_zoo, onnx, onnx_ir, networkx  # import first
-    from partitioner.errors import ModelLoadError
+    import partitioner.core.segments, models_zoo, onnx, onnx_ir, networkx  # import first
+    from partitioner.core.errors import ModelLoadError
     from partitioner.load import load
     opened = []
     def hook(event, args):

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 import pytest
 
-from partitioner.errors import StrategyNotApplicable
+from partitioner.core.errors import StrategyNotApplicable
 
 T = TypeVar("T")
 

@@ -16,12 +16,12 @@ import onnxruntime as ort
 import pytest
 
 import models_zoo
-from backends.onnxruntime import run_reference
+from partitioner.runtime.in_process import run_reference
 from partitioner import cli
-from partitioner.errors import StrategyNotApplicable
-from partitioner.lowering.model_view import ModelView
+from partitioner.core.errors import StrategyNotApplicable
+from partitioner.core.model_view import ModelView
 from partitioner.partition import partition
-from partitioner.plan import CONFIGURATION_NAME, Plan, Sharding, annotate_model
+from partitioner.core.plan import CONFIGURATION_NAME, Plan, Sharding, annotate_model
 from partitioner.strategies.constraints import read_constraints, violation
 
 

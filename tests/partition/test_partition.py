@@ -15,15 +15,15 @@ import pytest
 from onnx import TensorProto, helper
 
 import models_zoo
-from backends.onnxruntime import run_reference
-from partitioner import comm_ops
-from partitioner.bindings import Bindings, Placement, TensorBinding
 from partitioner.cluster import Cluster, gpu_cluster
-from partitioner.errors import StrategyNotApplicable, VerifyError
-from partitioner.lower import check_programs, lower, verify_programs
-from partitioner.lowering.model_view import ModelView
+from partitioner.core import comm_ops
+from partitioner.core.bindings import Bindings, Placement, TensorBinding
+from partitioner.core.errors import StrategyNotApplicable, VerifyError
+from partitioner.core.model_view import ModelView
+from partitioner.core.plan import Plan, annotate_model, pinned_stages
+from partitioner.lowering.lower import check_programs, lower, verify_programs
 from partitioner.partition import partition
-from partitioner.plan import Plan, annotate_model, pinned_stages
+from partitioner.runtime.in_process import run_reference
 from partitioner.strategies import pipeline as pipeline_strategy
 
 from applicability import DEVICES, MODELS, STRATEGIES, partition_as_expected

@@ -4,7 +4,7 @@ import pytest
 from onnx import helper
 from passes_testkit import make_model, tensor_info, to_ir, to_proto
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 from passes.fusion_groups import FUSION_GROUP_KEY, assign_group, fusion_units, group_of, groups, is_closed
 
 

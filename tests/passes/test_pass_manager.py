@@ -7,7 +7,7 @@ from onnx import helper
 from passes_testkit import assert_same_outputs, check_model, const, make_model, op_types, tensor_info, to_ir
 
 import passes
-from partitioner.errors import PassError, UsageError, VerifyError
+from partitioner.core.errors import PassError, UsageError, VerifyError
 from passes import DEFAULT_PIPELINE, REGISTRY, PassManager, get_pass, run_pipeline
 from passes.registry import register
 

@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 from passes_testkit import assert_same_outputs, check_model, const, make_model, op_types, tensor_info, to_ir
 
-from partitioner.errors import PassError
+from partitioner.core.errors import PassError
 from passes.shape_inference import ShapeInference
 
 

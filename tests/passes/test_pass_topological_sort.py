@@ -4,7 +4,7 @@ import pytest
 from onnx import helper
 from passes_testkit import assert_same_outputs, check_model, make_model, op_types, tensor_info, to_ir
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 from passes import verify
 from passes.topological_sort import TopologicalSort
 

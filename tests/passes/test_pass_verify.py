@@ -6,7 +6,7 @@ import pytest
 from onnx import helper
 from passes_testkit import const, make_model, tensor_info, to_ir
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 from passes import verify
 from passes.shape_inference import ShapeInference
 

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner import comm_ops
-from partitioner.bindings import Bindings, Placement, TensorBinding
+from partitioner.core import comm_ops
+from partitioner.core.bindings import Bindings, Placement, TensorBinding
 
 F = TensorProto.FLOAT
 B, D_IN, D_H, D_OUT = 4, 8, 6, 4

@@ -66,9 +66,10 @@ def test_compile_pipeline_then_run_check(mlp, tmp_path, capsys):
 
 def test_python_api_compile_and_in_process_run(mlp, tmp_path):
     import partitioner.artifact as pa
+    from partitioner.compiler import compile as compile_artifact
 
     model, inputs = mlp
-    art = pa.compile(str(model), "cpu:2", strategy="tensor", backend="onnxruntime", out_dir=tmp_path / "api")
+    art = compile_artifact(str(model), "cpu:2", strategy="tensor", backend="onnxruntime", out_dir=tmp_path / "api")
     with np.load(inputs, allow_pickle=False) as data:
         feeds = {k: data[k] for k in data.files}
     result = art.run(feeds, in_process=True, check=True)

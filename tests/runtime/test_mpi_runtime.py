@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import rank_programs as rp  # noqa: E402
 
 from partitioner import cli  # noqa: E402
-from partitioner.artifact import build_artifact  # noqa: E402
-from partitioner.errors import RunFailed  # noqa: E402
+from partitioner.compiler import build_artifact  # noqa: E402
+from partitioner.core.errors import RunFailed  # noqa: E402
 from partitioner.runtime.launch import find_mpiexec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from partitioner import comm_ops
-from partitioner.artifact import compile as compile_artifact
+from partitioner.compiler import compile as compile_artifact
+from partitioner.core import comm_ops
 from partitioner.runtime.launch import run_in_process
 
 

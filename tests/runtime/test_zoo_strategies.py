@@ -139,7 +139,7 @@ def pp_artifact(tmp_path_factory):
     sys.path.insert(0, str(Path(__file__).parent))
     import rank_programs as rp
 
-    from partitioner.artifact import build_artifact
+    from partitioner.compiler import build_artifact
 
     src, progs, bind = rp.pipeline()
     return build_artifact(tmp_path_factory.mktemp("pp") / "pp", progs, bind, source=src, backend="onnxruntime")

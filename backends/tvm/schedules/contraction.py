@@ -55,39 +55,10 @@ class Contraction(CPUScheduleRule):
             return None
 
     def _apply(self, sch: Any, target: Any) -> Any:
-        from tvm import tirx
-
-        root = sch.get_sblock("root")
-        blocks = sch.get_child_blocks(root)
-        red_blocks = [b for b in blocks
-                      if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
-        if len(red_blocks) != 1:
+        found = self._match(sch)
+        if found is None:
             return None
-        red = red_blocks[0]
-        stmt = sch.get(red)
-        if len(stmt.writes) != 1 or stmt.init is None:
-            return None
-        loops = sch.get_loops(red)
-        ivs = list(stmt.iter_vars)
-        if len(loops) != len(ivs):
-            return None
-        # Each loop must drive exactly its own block iter (no fused/split loops).
-        kinds = ["S" if iv.iter_type == tirx.IterVar.DataPar else "R" for iv in ivs]
-        if "S" not in kinds or any(c not in "SR" for c in kinds):
-            return None
-        s_idx = [i for i, k in enumerate(kinds) if k == "S"]
-        r_idx = [i for i, k in enumerate(kinds) if k == "R"]
-        if s_idx != list(range(len(s_idx))):  # spatial loops first, as legalized ops are
-            return None
-        out_region = stmt.writes[0].region
-        vec_pos = s_idx[-1]
-        vec_var = ivs[vec_pos].var
-        if not _uses(out_region[-1].min, vec_var):
-            return None
-        for read in stmt.reads:
-            dims = [_uses(r.min, vec_var) for r in read.region]
-            if any(dims[:-1]):
-                return None
+        root, red, stmt, loops, s_idx, r_idx, vec_pos = found
 
         bits = stmt.writes[0].source.dtype.bits
         lanes = vector_lanes(target, bits)
@@ -95,22 +66,7 @@ class Contraction(CPUScheduleRule):
         if any(e is None for e in exts):
             return None
 
-        # Vector axis: V lanes x nj vectors.
-        e_vec = exts[vec_pos]
-        vec = largest_divisor(e_vec, (lanes, lanes // 2, lanes // 4)) if e_vec >= 4 else 1
-        if vec < 4:
-            vec = 1
-        # Row axis: the innermost other spatial loop with extent > 1.
-        row_pos = next((i for i in reversed(s_idx[:-1]) if exts[i] > 1), None)
-        # Without a row axis (a matrix-vector product, e.g. an LSTM step at batch 1) only the nj
-        # vectors give independent FMA chains: 8 of them, not 2 (measured: [1,128]x[128,512]
-        # 15.8 -> 2.5 us, one thread).
-        nj = largest_divisor(e_vec // vec, (8, 4, 2, 1) if row_pos is None else (2, 1)) if vec > 1 else 1
-        ni = 1
-        if row_pos is not None:
-            budget = max(1, MAX_ACCUMULATORS // nj) if vec > 1 else 8
-            cands = tuple(c for c in (8, 7, 6, 5, 4, 3, 2) if c <= budget)
-            ni = largest_divisor(exts[row_pos], cands)
+        vec, nj, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
 
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
         wb = sch.cache_write(red, 0, "local")
@@ -155,6 +111,46 @@ class Contraction(CPUScheduleRule):
         return sch
 
     @staticmethod
+    def _match(sch: Any) -> tuple | None:
+        """The one reduction block with spatial loops first and a vectorisable last output
+        axis: (root, block, its statement, loops, spatial loop indices, reduction loop indices,
+        the vector loop's index); None when the function is not such a contraction."""
+        from tvm import tirx
+
+        root = sch.get_sblock("root")
+        blocks = sch.get_child_blocks(root)
+        red_blocks = [b for b in blocks
+                      if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
+        if len(red_blocks) != 1:
+            return None
+        red = red_blocks[0]
+        stmt = sch.get(red)
+        if len(stmt.writes) != 1 or stmt.init is None:
+            return None
+        loops = sch.get_loops(red)
+        ivs = list(stmt.iter_vars)
+        if len(loops) != len(ivs):
+            return None
+        # Each loop must drive exactly its own block iter (no fused/split loops).
+        kinds = ["S" if iv.iter_type == tirx.IterVar.DataPar else "R" for iv in ivs]
+        if "S" not in kinds or any(c not in "SR" for c in kinds):
+            return None
+        s_idx = [i for i, k in enumerate(kinds) if k == "S"]
+        r_idx = [i for i, k in enumerate(kinds) if k == "R"]
+        if s_idx != list(range(len(s_idx))):  # spatial loops first, as legalized ops are
+            return None
+        out_region = stmt.writes[0].region
+        vec_pos = s_idx[-1]
+        vec_var = ivs[vec_pos].var
+        if not _uses(out_region[-1].min, vec_var):
+            return None
+        for read in stmt.reads:
+            dims = [_uses(r.min, vec_var) for r in read.region]
+            if any(dims[:-1]):
+                return None
+        return root, red, stmt, loops, s_idx, r_idx, vec_pos
+
+    @staticmethod
     def _inline_epilogue(sch: Any, wb: Any) -> None:
         """Fold the elementwise consumers of the write-back block into it, in order."""
         while True:
@@ -178,3 +174,27 @@ class Contraction(CPUScheduleRule):
                 sch.vectorize(v)
             else:
                 sch.vectorize(loops[-1])
+
+
+def _tile_sizes(exts: list, s_idx: list[int], lanes: int) -> tuple[int, int, int | None, int]:
+    """Register tile of a contraction: (vector width V, vectors per row nj, the row loop's index,
+    rows ni), within MAX_ACCUMULATORS accumulators."""
+    vec_pos = s_idx[-1]
+    # Vector axis: V lanes x nj vectors.
+    e_vec = exts[vec_pos]
+    vec = largest_divisor(e_vec, (lanes, lanes // 2, lanes // 4)) if e_vec >= 4 else 1
+    if vec < 4:
+        vec = 1
+    # Row axis: the innermost other spatial loop with extent > 1.
+    row_pos = next((i for i in reversed(s_idx[:-1]) if exts[i] > 1), None)
+    # Without a row axis (a matrix-vector product, e.g. an LSTM step at batch 1) only the nj
+    # vectors give independent FMA chains: 8 of them, not 2 (measured: [1,128]x[128,512]
+    # 15.8 -> 2.5 us, one thread).
+    nj = largest_divisor(e_vec // vec, (8, 4, 2, 1) if row_pos is None else (2, 1)) if vec > 1 else 1
+    ni = 1
+    if row_pos is not None:
+        budget = max(1, MAX_ACCUMULATORS // nj) if vec > 1 else 8
+        cands = tuple(c for c in (8, 7, 6, 5, 4, 3, 2) if c <= budget)
+        ni = largest_divisor(exts[row_pos], cands)
+
+    return vec, nj, row_pos, ni

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from partitioner.errors import InputError, VerifyError
+from partitioner.core.errors import InputError, VerifyError
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from partitioner.errors import VerifyError
+from partitioner.core.errors import VerifyError
 
 DOMAIN = "partitioner.comm"
 VERSION = 1

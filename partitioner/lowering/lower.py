@@ -28,13 +28,14 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from partitioner import comm_ops
-from partitioner.bindings import Bindings, Placement, TensorBinding
-from partitioner.errors import PlanError, VerifyError
+from partitioner.core import comm_ops
+from partitioner.core.bindings import Bindings, Placement, TensorBinding
+from partitioner.core.errors import PlanError, VerifyError
+from partitioner.core.model_view import ModelView, attr
 from partitioner.lowering.lazy_weights import is_lazy, shard_reference
-from partitioner.lowering.model_view import ModelView, attr
+from partitioner.core.plan import Plan, Sharding
+from partitioner.cost.resharding import COMM_OP, conversion
 from partitioner.lowering.verify import verify_programs
-from partitioner.plan import Plan, Sharding
 
 __all__ = ["lower", "verify_programs", "LoweredProgram"]
 
@@ -65,7 +66,10 @@ def lower(model: ir.Model | ModelView, plan: Plan, *, verify: bool = True) -> Lo
     return out
 
 
-class _Lowerer:
+class _Emitter:
+    """The per-rank program builder's primitives: fresh names, local shapes, and emitting nodes,
+    initializers, slices, point-to-point transfers, collectives and concatenations on a rank."""
+
     def __init__(self, view: ModelView, plan: Plan) -> None:
         self.view, self.plan = view, plan
         self.ranks = [_Rank() for _ in range(plan.world_size)]
@@ -170,7 +174,11 @@ class _Lowerer:
         self.emit(r, helper.make_node("Concat", parts, [out], name=out, axis=axis), [(out, elem, shape)])
         return out
 
-    # ---- layout conversion --------------------------------------------------------------------
+class _Resharder(_Emitter):
+    """Layout conversion: a value in the layout it was produced in becomes the layout a consumer
+    requires, with the comm ops :mod:`partitioner.cost.resharding` names (cached per value and
+    layout, so a conversion is emitted once)."""
+
     def materialize(self, value: str, req: Sharding) -> dict[int, str]:
         key = (value, req)
         if key in self.cache:
@@ -214,16 +222,19 @@ class _Lowerer:
         return res
 
     def _same_group(self, value: str, src: Sharding, req: Sharding, have: dict[int, str], elem: int) -> dict[int, str]:
+        """One group, two layouts: the collective :func:`partitioner.cost.resharding.conversion` names."""
         g = req.ranks
         out_shape = self.local_shape(value, req)
-        if src.partial is not None and req.axis is None:
-            return self.collective("AllReduce", g, have, value, elem, out_shape, reduction=src.partial)
-        if src.partial is not None:
-            return self.collective("ReduceScatter", g, have, value, elem, out_shape, axis=req.axis, reduction=src.partial)
-        if src.axis is not None and req.axis is None:
-            return self.collective("AllGather", g, have, value, elem, out_shape, axis=src.axis)
-        if src.axis is not None and req.axis is not None:
-            return self.collective("AllToAll", g, have, value, elem, out_shape, split_axis=req.axis, concat_axis=src.axis)
+        kind = conversion(src, req)
+        op = COMM_OP.get(kind or "")
+        if kind == "allreduce":
+            return self.collective(op, g, have, value, elem, out_shape, reduction=src.partial)
+        if kind == "reducescatter":
+            return self.collective(op, g, have, value, elem, out_shape, axis=req.axis, reduction=src.partial)
+        if kind == "allgather":
+            return self.collective(op, g, have, value, elem, out_shape, axis=src.axis)
+        if kind == "alltoall":
+            return self.collective(op, g, have, value, elem, out_shape, split_axis=req.axis, concat_axis=src.axis)
         # whole -> split: a local slice, no communication
         shape = self.local_shape(value, src)
         res = {}
@@ -263,7 +274,10 @@ class _Lowerer:
                                  self.local_shape(value, req), value)
         return res
 
-    # ---- the main loop ----------------------------------------------------------------------
+class _Lowerer(_Resharder):
+    """The main loop: every node of the plan emitted on its ranks, then the bindings and one
+    pruned, typed program per rank."""
+
     def run(self) -> LoweredProgram:
         view, plan = self.view, self.plan
         for name in view.inputs:

@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 import onnx_ir as ir
 
-from partitioner.errors import PlanError
+from partitioner.core.errors import PlanError
 
 
 def ensure_node_names(model: ir.Model) -> None:
@@ -130,6 +130,17 @@ class ModelView:
 
     def param_bytes(self) -> int:
         return sum(self.nbytes(n) for n in self.initializers)
+
+    def batch_dims(self) -> list[int]:
+        """The leading (batch) dimension of every graph input of rank >= 1: the one place that
+        says which inputs are batched. A step processes :meth:`batch_size` samples; a strategy
+        can split the batch at most ``min(batch_dims())`` ways."""
+        return [self.shape(n)[0] for n in self.inputs if self.rank(n) >= 1]
+
+    def batch_size(self) -> int:
+        """Samples one step processes (throughput counts these): the largest batch dimension, 1
+        without a batched input."""
+        return max(self.batch_dims(), default=1)
 
     def node_inputs(self, node: ir.Node) -> list[str]:
         return [v.name if v is not None else "" for v in node.inputs]

@@ -23,8 +23,8 @@ from typing import Callable, Iterable, Union
 import onnx
 from onnx import helper
 
-from partitioner.comm_ops import DOMAIN, CommOp, is_comm
-from partitioner.errors import VerifyError
+from partitioner.core.comm_ops import DOMAIN, CommOp, is_comm
+from partitioner.core.errors import VerifyError
 
 
 @dataclass(frozen=True)

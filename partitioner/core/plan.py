@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import onnx
 
-from partitioner.errors import PlanError
+from partitioner.core.errors import PlanError
 
 CONFIGURATION_NAME = "partitioner"
 RULES = ("plain", "bias_on_first", "spatial")

@@ -1,0 +1,42 @@
+"""What machine a measurement ran on: the one ``machine_info`` that calibration and benchmarks
+record beside their figures (other work on the same cores disturbs every figure, so the load
+average is recorded too)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def _cpu_model() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return model
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores (all and usable by this process), memory, OS, Python and load average."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    try:
+        import psutil
+
+        memory = int(psutil.virtual_memory().total)
+    except ImportError:
+        memory = None
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "memory_bytes": memory,
+            "system": platform.system(), "machine": platform.machine(), "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_1_5_15min": load}
