@@ -126,28 +126,13 @@ def expand_nodes(model: onnx.ModelProto, wanted: Iterable[str] | None = None, *,
         out.CopyFrom(current)
         functions: list[onnx.FunctionProto] = []
         for i in todo:
-            node = onnx.NodeProto()
-            node.CopyFrom(out.graph.node[i])
-            in_types = [types.get(x, onnx.TypeProto()) for x in node.input]
-            body = _function_body(node, opset, in_types)
-            if body is None:
+            made = _local_call(out.graph.node[i], opset, types, f"__{len(functions)}_{len(expanded)}")
+            if made is None:
                 continue
-            name = f"{node.op_type}__{len(functions)}_{len(expanded)}"
-            body.name, body.domain = name, LOCAL_DOMAIN
-            attrs = _with_defaults(node, opset)
-            # ref_attr_name in the body resolves against the call's attributes
-            del body.attribute[:]
-            body.attribute.extend(a.name for a in attrs)
-            del body.attribute_proto[:]
-            for o in body.opset_import:
-                if o.domain in ("", "ai.onnx") and o.version != opset:
-                    o.version = opset  # the body runs in the model's opset (bodies are written to stay valid)
-            call = onnx.helper.make_node(name, list(node.input), list(node.output), name=node.name or name,
-                                         domain=LOCAL_DOMAIN)
-            call.attribute.extend(attrs)
+            call, body = made
+            expanded.append(out.graph.node[i].op_type)
             out.graph.node[i].CopyFrom(call)
             functions.append(body)
-            expanded.append(node.op_type)
         if not functions:
             break
         out.functions.extend(functions)
@@ -174,6 +159,29 @@ def expand_nodes(model: onnx.ModelProto, wanted: Iterable[str] | None = None, *,
             break
         current = folded
     return current, tuple(expanded)
+
+
+def _local_call(node: onnx.NodeProto, opset: int, types: dict[str, onnx.TypeProto],
+                suffix: str) -> tuple[onnx.NodeProto, onnx.FunctionProto] | None:
+    """``node``'s function body as a local function and the node that calls it (None: no body)."""
+    in_types = [types.get(x, onnx.TypeProto()) for x in node.input]
+    body = _function_body(node, opset, in_types)
+    if body is None:
+        return None
+    name = f"{node.op_type}{suffix}"
+    body.name, body.domain = name, LOCAL_DOMAIN
+    attrs = _with_defaults(node, opset)
+    # ref_attr_name in the body resolves against the call's attributes
+    del body.attribute[:]
+    body.attribute.extend(a.name for a in attrs)
+    del body.attribute_proto[:]
+    for o in body.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version != opset:
+            o.version = opset  # the body runs in the model's opset (bodies are written to stay valid)
+    call = onnx.helper.make_node(name, list(node.input), list(node.output), name=node.name or name,
+                                 domain=LOCAL_DOMAIN)
+    call.attribute.extend(attrs)
+    return call, body
 
 
 def fold_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -225,21 +225,27 @@ def run_worker(args: argparse.Namespace) -> int:
         return 0
     except BaseException as exc:  # noqa: BLE001 - any failure must end every rank, now
         op = comm.current_op if comm is not None and phase == "run" else phase
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        sys.stderr.write(f"rank {rank}: {op}: {msg}\n")
-        sys.stderr.flush()
-        if args.error_file:  # the launcher's copy: Abort may end the job before stderr is forwarded
-            try:
-                with open(args.error_file, "a", encoding="utf-8") as fh:
-                    fh.write(f"rank {rank}: {op}: {msg}\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except OSError:
-                pass
+        _report_failure(rank, op, exc, args.error_file)
         from partitioner.signing import SignatureError
 
         world.Abort(2 if isinstance(exc, SignatureError) else 1)  # a refused signature is bad input
         return 1
+
+
+def _report_failure(rank: int, op: str, exc: BaseException, error_file: str | None) -> None:
+    """One line naming the rank and the phase, on stderr and in the launcher's error file (Abort
+    may end the job before mpiexec forwards stderr)."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    sys.stderr.write(f"rank {rank}: {op}: {msg}\n")
+    sys.stderr.flush()
+    if error_file:
+        try:
+            with open(error_file, "a", encoding="utf-8") as fh:
+                fh.write(f"rank {rank}: {op}: {msg}\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,31 @@ def _parts_json(parts: tuple[tuple[float, float, float], ...], r: int) -> dict[s
     return {"weight_bytes": w, "activation_bytes": a, "resident_output_bytes": o}
 
 
+def _memory(view: ModelView, plan: Plan, weights: dict[int, set[tuple[str, Sharding]]], act: np.ndarray,
+            held: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
+    """Per rank: (weights, activations x copies in flight, resident graph outputs) and their sum."""
+    mem = np.zeros(plan.world_size)
+    parts = []
+    inflight = activation_copies(plan.microbatches, plan.num_stages)
+    for r in range(plan.world_size):
+        wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
+        parts.append((float(wb), float(2 * act[r] * inflight), float(held[r])))
+        mem[r] = sum(parts[-1])
+    return mem, parts
+
+
+def _step_latency(plan: Plan, busy: np.ndarray) -> float:
+    """A pipeline's step from its stages' per-micro-batch times; otherwise the busiest rank."""
+    if plan.num_stages <= 1:
+        return float(busy.max())
+    m = plan.microbatches
+    stage_t = []
+    for s in range(plan.num_stages):
+        rs = plan.ranks_of_stage(s)
+        stage_t.append(max(busy[r] for r in rs) / m if rs else 0.0)
+    return pipeline_step_time(stage_t, [0.0] * (len(stage_t) - 1), m)
+
+
 def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float | None = None,
              times: dict[int, np.ndarray] | None = None) -> Prediction:
     """Predict ``plan`` on ``cluster`` (see the module docstring)."""
@@ -141,22 +166,9 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                 if name in graph_outputs:
                     for r in g:
                         held[r] += local * m
-    mem = np.zeros(w)
-    parts = []
-    for r in range(w):
-        wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
-        inflight = activation_copies(m, plan.num_stages)
-        parts.append((float(wb), float(2 * act[r] * inflight), float(held[r])))
-        mem[r] = sum(parts[-1])
+    mem, parts = _memory(view, plan, weights, act, held)
     busy = compute + comm
-    if plan.num_stages > 1:
-        stage_t = []
-        for s in range(plan.num_stages):
-            rs = plan.ranks_of_stage(s)
-            stage_t.append(max(busy[r] for r in rs) / m if rs else 0.0)
-        latency = pipeline_step_time(stage_t, [0.0] * (len(stage_t) - 1), m)
-    else:
-        latency = float(busy.max())
+    latency = _step_latency(plan, busy)
     batch = view.batch_size()
     caps = [min(cluster.devices[r].memory_bytes, memory_limit or float("inf")) for r in range(w)]
     fits = all(mem[r] <= caps[r] for r in range(w))

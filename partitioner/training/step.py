@@ -202,39 +202,14 @@ def build_training_graph(
     optimizer = optimizer or SGD()
     fwd = _load(model, batch)
     graph = fwd.graph
-    outputs = {o.name: o for o in graph.outputs}
-    if output is not None and output not in outputs:
-        raise UsageError(f"output {output!r} is not an output of the model; outputs: {', '.join(outputs)}")
-    out_value = outputs[output] if output else graph.outputs[0]
-    spec = label_spec(loss, out_value, label_name)
-    weights = list(default_trainable(graph) if trainable is None else trainable)
-    unknown = [w for w in weights if w not in graph.initializers]
-    if unknown:
-        raise UsageError(f"trainable {', '.join(unknown)}: not initializers of the model")
-    if not weights:
-        raise UsageError("nothing to train: the model has no float weights (pass trainable=[...])")
+    out_value, spec, weights = _loss_target(graph, loss, output, label_name, trainable)
     dtype = out_value.dtype
     em = Emitter(graph, dtype)
     initial: dict[str, np.ndarray] = {}
     promote = _promote(graph, initial)
     data_inputs = [v.name for v in graph.inputs]
 
-    # rule 4 first: nothing is built when an op lacks a rule (the BN expansion's ops all have one)
-    w_values = [graph.initializers[w] for w in weights]
-    nodes, requires = differentiable_nodes(graph, set(weights), {out_value.name})
-    check_rules([n for n in nodes if n.op_type != "BatchNormalization"
-                 and any(o.name in requires for o in n.outputs)])
-
-    for v in w_values:
-        promote(v)
-    out_name = out_value.name
-    bn_state = expand_batchnorm(graph, em, promote)
-    if bn_state or any(n.op_type == "BatchNormalization" for n in nodes):
-        # the rules read static shapes (autodiff rule 5): infer those of the rewritten forward
-        from onnx_ir.passes.common.shape_inference import ShapeInferencePass
-
-        ShapeInferencePass()(fwd)
-    out_value = next(o for o in graph.outputs if o.name == out_name)
+    w_values, bn_state, out_value = _checked_forward(fwd, em, promote, weights, out_value)
 
     labels = ir.Value(name=spec.name, shape=ir.Shape(spec.shape), type=ir.TensorType(spec.dtype))
     graph.inputs.append(labels)
@@ -250,14 +225,89 @@ def build_training_graph(
         for v in w_values + [a for a, _ in bn_state]:  # BN statistics keep their values as defaults
             v.const_value = ir.tensor(initial[v.name], name=v.name)
             graph.initializers[v.name] = v
-        fwd.metadata_props[SIGNATURE_KEY] = TrainingSignature(
-            data=tuple(data_inputs), labels=spec.name, loss="loss", output=out_value.name, weights=tuple(weights),
-            state=tuple((w, w) for w in weights), loss_kind=loss).to_json()
-        fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
-        return _infer(fwd)
+        sig = TrainingSignature(data=tuple(data_inputs), labels=spec.name, loss="loss", output=out_value.name,
+                                weights=tuple(weights), state=tuple((w, w) for w in weights), loss_kind=loss)
+        return _finish(fwd, sig, world_size=1)
     if world_size > 1:
         loss_value.name = "loss.local"
         grads, loss_value = _allreduce_buckets(em, grads, loss_value, w_values, world_size, dtype, bucket_bytes)
+    pairs = _optimizer_updates(graph, em, optimizer, w_values, grads, initial, dtype, bn_state)
+    if loss_value.name != "loss":
+        loss_value = em.op("Identity", loss_value, _name="loss")
+    graph.outputs.clear()
+    graph.outputs.append(loss_value)
+    for _, out in pairs:
+        graph.outputs.append(out)
+    # rule 2: defaults for every state input
+    for v, _ in pairs:
+        arr = initial[v.name]
+        v.const_value = ir.tensor(arr, name=v.name)
+        graph.initializers[v.name] = v
+    sig = TrainingSignature(
+        data=tuple(data_inputs), labels=spec.name, loss=loss_value.name, output=out_value.name,
+        weights=tuple(weights), state=tuple((a.name, b.name) for a, b in pairs), loss_kind=loss,
+        optimizer={"kind": type(optimizer).__name__, **asdict(optimizer)}, world_size=world_size)
+    graph.name = f"{graph.name or 'model'}.train"
+    return _finish(fwd, sig, world_size)
+
+
+def _checked_forward(fwd: ir.Model, em: Emitter, promote: Any, weights: list[str],
+                     out_value: ir.Value) -> tuple[list[ir.Value], list[tuple[ir.Value, ir.Value]], ir.Value]:
+    """Rule 4 first (nothing is built when an op lacks a rule; the BN expansion's ops all have
+    one), then the weights become state inputs and BatchNormalization trains in training mode.
+    Returns the weight values, the BN statistics' state pairs and the (re-found) loss output."""
+    graph = fwd.graph
+    w_values = [graph.initializers[w] for w in weights]
+    nodes, requires = differentiable_nodes(graph, set(weights), {out_value.name})
+    check_rules([n for n in nodes if n.op_type != "BatchNormalization"
+                 and any(o.name in requires for o in n.outputs)])
+    for v in w_values:
+        promote(v)
+    out_name = out_value.name
+    bn_state = expand_batchnorm(graph, em, promote)
+    if bn_state or any(n.op_type == "BatchNormalization" for n in nodes):
+        # the rules read static shapes (autodiff rule 5): infer those of the rewritten forward
+        from onnx_ir.passes.common.shape_inference import ShapeInferencePass
+
+        ShapeInferencePass()(fwd)
+    return w_values, bn_state, next(o for o in graph.outputs if o.name == out_name)
+
+
+def _loss_target(graph: ir.Graph, loss: str, output: str | None, label_name: str,
+                 trainable: Sequence[str] | None) -> tuple[ir.Value, Any, list[str]]:
+    """The output the loss applies to, the labels' spec and the trainable weights (checked)."""
+    outputs = {o.name: o for o in graph.outputs}
+    if output is not None and output not in outputs:
+        raise UsageError(f"output {output!r} is not an output of the model; outputs: {', '.join(outputs)}")
+    out_value = outputs[output] if output else graph.outputs[0]
+    spec = label_spec(loss, out_value, label_name)
+    weights = list(default_trainable(graph) if trainable is None else trainable)
+    unknown = [w for w in weights if w not in graph.initializers]
+    if unknown:
+        raise UsageError(f"trainable {', '.join(unknown)}: not initializers of the model")
+    if not weights:
+        raise UsageError("nothing to train: the model has no float weights (pass trainable=[...])")
+    return out_value, spec, weights
+
+
+def _finish(fwd: ir.Model, sig: TrainingSignature, world_size: int) -> ir.Model:
+    """Record the signature, raise the opset to the step's, add the comm domain when ranks
+    exchange gradients, and infer every type."""
+    fwd.metadata_props[SIGNATURE_KEY] = sig.to_json()
+    fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
+    if world_size > 1:
+        from partitioner.core.comm_ops import DOMAIN, VERSION
+
+        fwd.opset_imports[DOMAIN] = VERSION
+    return _infer(fwd)
+
+
+def _optimizer_updates(graph: ir.Graph, em: Emitter, optimizer: Optimizer, w_values: list[ir.Value],
+                       grads: dict[str, ir.Value], initial: dict[str, np.ndarray], dtype: Any,
+                       bn_state: list[tuple[ir.Value, ir.Value]]) -> list[tuple[ir.Value, ir.Value]]:
+    """The optimizer's update of every weight, its slots (zero-initialised state inputs) and the
+    step counter: the (state input, next state) pairs in the order the outputs list them (weights,
+    BatchNormalization statistics, slots, step)."""
     step_in = step_out = None
     if optimizer.uses_step:
         step_in = ir.Value(name=STEP_NAME, shape=ir.Shape([]), type=ir.TensorType(dtype))
@@ -276,33 +326,10 @@ def build_training_graph(
         new_w, new_slots = optimizer.update(em, w, grads[w.name], slots, step_out)
         state_pairs.append((w, new_w))
         slot_pairs.extend((slots[k], new_slots[k]) for k in optimizer.slots)
-    pairs = state_pairs + bn_state + slot_pairs
+    pairs = state_pairs + list(bn_state) + slot_pairs
     if step_in is not None:
         pairs.append((step_in, step_out))
-
-    if loss_value.name != "loss":
-        loss_value = em.op("Identity", loss_value, _name="loss")
-    graph.outputs.clear()
-    graph.outputs.append(loss_value)
-    for _, out in pairs:
-        graph.outputs.append(out)
-    # rule 2: defaults for every state input
-    for v, _ in pairs:
-        arr = initial[v.name]
-        v.const_value = ir.tensor(arr, name=v.name)
-        graph.initializers[v.name] = v
-    sig = TrainingSignature(
-        data=tuple(data_inputs), labels=spec.name, loss=loss_value.name, output=out_value.name,
-        weights=tuple(weights), state=tuple((a.name, b.name) for a, b in pairs), loss_kind=loss,
-        optimizer={"kind": type(optimizer).__name__, **asdict(optimizer)}, world_size=world_size)
-    fwd.metadata_props[SIGNATURE_KEY] = sig.to_json()
-    fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
-    if world_size > 1:
-        from partitioner.core.comm_ops import DOMAIN, VERSION
-
-        fwd.opset_imports[DOMAIN] = VERSION
-    graph.name = f"{graph.name or 'model'}.train"
-    return _infer(fwd)
+    return pairs
 
 
 def _infer(model: ir.Model) -> ir.Model:
