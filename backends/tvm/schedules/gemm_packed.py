@@ -1,0 +1,212 @@
+"""CPU rule for matrix products: a packed-B, register-blocked GEMM micro-kernel.
+
+Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] * B[b.., k, j]``
+(or ``B[b.., j, k]``: a transposed operand), i.e. ONNX ``MatMul`` / ``Gemm`` (any ``transB``),
+batched MatMul (attention's QK^T and PV) and 1x1 convolutions once they are a matmul, with N a
+multiple of the vector width and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
+with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
+activation, residual add) are fused as in Contraction.
+
+Schedule (the BLIS/MLAS structure, written as TVM schedule primitives)::
+
+    Bp[b.., j // NR, k, j % NR] = B[..]                  # pack B: one contiguous K x NR panel
+                                                          # per NR columns (constant B: done once,
+                                                          # at build time - see below)
+    for (b.., jo, io) in parallel_if_worth(...):         # jo outer: one B panel stays in L2 while
+        acc[MR, NR] = 0                                   #   every row tile streams past it
+        for k in K:                                       # registers: MR x NR/V accumulators
+            for i in unroll(MR): for j in unroll(NR/V):
+                acc[i, j*V:(j+1)*V] += A[i, k] (broadcast) * Bp[jo, k, j*V:(j+1)*V] (vector load)
+        C[tile] = epilogue(acc)
+
+Tile sizes come from the target (:func:`micro_tile`): V fp32 lanes; NR = 2V; MR the largest
+row count whose MR x 2 accumulators plus 2 B vectors and one broadcast fit the register file
+(AVX-512, 32 registers: MR <= 14; AVX2, 16 registers: MR <= 6), chosen among the divisors of M
+so the inner loops have no bounds checks. MR x 2 >= 8 independent FMAs hide the FMA latency
+(4 cycles x 2 pipes).
+
+Constant weights: when B is a parameter of the kernel (a weight after Relax's import), the pack
+block is annotated ``meta_schedule.layout_rewrite_preproc``; the pipeline then runs
+``SplitLayoutRewritePreproc`` + ``FoldConstant`` (:func:`prepack_passes`), so the packed copy
+is computed once at build time and the kernel reads ``Bp`` directly. When B is an activation
+(batched attention products), packing runs per call (K x N copies against M x N x K FMAs).
+
+Threads: the outer loop is parallel only when the product has at least
+:data:`PARALLEL_MIN_FLOPS` (below that the fork/join of TVM's pool costs more than it saves).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+
+from .contraction import Contraction, _uses
+from .injective import schedule_spatial_block
+from .vector import const_extent, vector_lanes
+
+# 2*M*N*K below which the kernel runs on one thread: ~2e6 FLOPs is ~20 us on one core at
+# 100 GFLOP/s, a few times TVM's fork/join cost (~3-10 us on 2 cores, measured by calibrate's
+# launch probe); smaller GEMMs lose more to the pool than they gain.
+PARALLEL_MIN_FLOPS = 2e6
+LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
+
+
+def micro_tile(lanes: int, m: int) -> tuple[int, int]:
+    """(MR, NR) for ``lanes`` fp32 lanes and ``m`` rows: NR = 2 vectors, MR the largest divisor
+    of ``m`` whose accumulators fit the register file (32 vector registers for 16 lanes, else 16:
+    MR <= 14 / 6). When ``m`` has no divisor in [4, MR] (a prime M), MR = min(8, max) and the
+    last row tile is partial (a predicate on its rows; :class:`GemmPacked` allows it)."""
+    registers = 32 if lanes >= 16 else 16
+    max_rows = (registers - 3) // 2  # 2 accumulators per row + 2 B vectors + 1 broadcast
+    if m <= max_rows:
+        return m, 2 * lanes
+    for mr in range(max_rows, 3, -1):
+        if m % mr == 0:
+            return mr, 2 * lanes
+    return min(8, max_rows), 2 * lanes
+
+
+class GemmPacked(CPUScheduleRule):
+    """Packed-B register-blocked GEMM (module docstring: which shapes, which schedule)."""
+
+    def apply(self, func: Any, target: Any, _tunable: bool) -> Any:
+        from tvm import s_tir, tirx
+
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        try:
+            return self._apply(s_tir.Schedule(func), func, target)
+        except Exception:  # a pattern this rule does not handle: leave it to the next rule
+            return None
+
+    def _apply(self, sch: Any, func: Any, target: Any) -> Any:
+        from tvm import tirx
+
+        root = sch.get_sblock("root")
+        blocks = sch.get_child_blocks(root)
+        red_blocks = [b for b in blocks
+                      if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
+        if len(red_blocks) != 1:
+            return None
+        red = red_blocks[0]
+        stmt = sch.get(red)
+        if len(stmt.writes) != 1 or stmt.init is None or len(stmt.reads) not in (2, 3):
+            return None
+        if str(stmt.writes[0].source.dtype) != "float32":
+            return None
+        ivs = list(stmt.iter_vars)
+        loops = sch.get_loops(red)
+        if len(loops) != len(ivs) or len(ivs) < 3:
+            return None
+        kinds = ["S" if iv.iter_type == tirx.IterVar.DataPar else "R" for iv in ivs]
+        if kinds[-1] != "R" or kinds.count("R") != 1 or any(c != "S" for c in kinds[:-1]):
+            return None
+        vi, vj, vk = ivs[-3].var, ivs[-2].var, ivs[-1].var
+        batch_vars = [iv.var for iv in ivs[:-3]]
+        out = stmt.writes[0]
+        if not (_uses(out.region[-1].min, vj) and _uses(out.region[-2].min, vi)):
+            return None
+        # identify A (uses i, k) and B (uses k, j; last two dims, either order)
+        a_idx = b_idx = None
+        b_transposed = False
+        for idx, read in enumerate(stmt.reads):
+            if read.source.same_as(out.source):
+                continue
+            reg = read.region
+            if len(reg) < 2:
+                return None
+            last2 = [(_uses(r.min, vi), _uses(r.min, vj), _uses(r.min, vk)) for r in reg[-2:]]
+            if any(_uses(r.min, v) for r in reg[:-2] for v in (vi, vj, vk)):
+                return None
+            if last2 == [(True, False, False), (False, False, True)]:
+                a_idx = idx
+            elif last2 == [(False, False, True), (False, True, False)]:
+                b_idx = idx
+            elif last2 == [(False, True, False), (False, False, True)]:
+                b_idx, b_transposed = idx, True
+            else:
+                return None
+        if a_idx is None or b_idx is None:
+            return None
+
+        exts = [const_extent(sch, lp) for lp in loops]
+        if any(e is None for e in exts):
+            return None
+        m, n, k = exts[-3], exts[-2], exts[-1]
+        lanes = vector_lanes(target, 32)
+        mr, nr = micro_tile(lanes, m)
+        if n % nr != 0:
+            if n % lanes != 0:
+                return None
+            nr = lanes
+        batch = 1
+        for e in exts[:-3]:
+            batch *= e
+        flops = 2.0 * batch * m * n * k
+        if m * n * k < 2 * 2 * lanes * 4 or mr * (nr // lanes) < 4:
+            return None  # too small for a register tile: Contraction handles it
+
+        b_buf = stmt.reads[b_idx].source
+        b_is_param = any(p.same_as(b_buf) for p in func.params)
+        b_rank = len(stmt.reads[b_idx].region)
+
+        # 1. pack B into panels Bp[.., j // nr, k, j % nr]
+        pack = sch.cache_read(red, b_idx, "global")
+        if b_transposed:
+            index_map = _pack_map(b_rank, nr, transposed=True)
+        else:
+            index_map = _pack_map(b_rank, nr, transposed=False)
+        sch.transform_layout(pack, ("write", 0), index_map)
+        if b_is_param:
+            sch.annotate(pack, LAYOUT_REWRITE, True)
+
+        # 2. accumulators + tiling
+        wb = sch.cache_write(red, 0, "local")
+        loops = sch.get_loops(red)
+        *b_loops, li, lj, lk = loops
+        io, ii = sch.split(li, factors=[None, mr])
+        jo, jj, jv = sch.split(lj, factors=[None, nr // lanes, lanes])
+        sch.reorder(*b_loops, jo, io, lk, ii, jj, jv)
+        outer = sch.fuse(*b_loops, jo, io)
+        if flops >= PARALLEL_MIN_FLOPS:
+            sch.parallel(outer)
+        sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
+        names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}
+        Contraction._inline_epilogue(sch, wb)
+        sch.unroll(ii)
+        sch.unroll(jj)
+        sch.vectorize(jv)
+        init = sch.decompose_reduction(red, lk)
+        Contraction._vectorize_tail(sch, init, lanes)
+        Contraction._vectorize_tail(sch, wb, lanes)
+
+        # 3. the pack block and other producers: plain parallel/vectorised copies
+        red_name, wb_name = str(sch.get(red).name_hint), str(sch.get(wb).name_hint)
+        for blk in sch.get_child_blocks(root):
+            name = str(sch.get(blk).name_hint)
+            if name in (red_name, wb_name, str(sch.get(init).name_hint)) or name not in names_before:
+                continue
+            if b_is_param and name == str(sch.get(pack).name_hint):
+                continue  # folded at build time
+            schedule_spatial_block(sch, blk, lanes)
+        return sch
+
+
+def _pack_map(rank: int, nr: int, transposed: bool) -> Any:
+    """Index map B[.., k, j] (or B[.., j, k]) -> Bp[.., j // nr, k, j % nr]."""
+    from tvm import tirx
+
+    def f(*idx):
+        *lead, x, y = idx
+        kk, jj = (y, x) if transposed else (x, y)
+        return (*lead, tirx.floordiv(jj, nr), kk, tirx.floormod(jj, nr))
+
+    return tirx.IndexMap.from_func(f, ndim=rank)
+
+
+def prepack_passes() -> list[Any]:
+    """Split the packing of constant weights into its own function and fold it at build time."""
+    from tvm import relax
+
+    return [relax.transform.SplitLayoutRewritePreproc(), relax.transform.FoldConstant()]
