@@ -3,7 +3,7 @@
 Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] * B[b.., k, j]``
 (or ``B[b.., j, k]``: a transposed operand), i.e. ONNX ``MatMul`` / ``Gemm`` (any ``transB``),
 batched MatMul (attention's QK^T and PV) and 1x1 convolutions once they are a matmul, with N a
-multiple of the vector width and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
+multiple of the vector width (or of half of it) and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
 with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
 activation, residual add) are fused as in Contraction.
 
@@ -136,9 +136,14 @@ class GemmPacked(CPUScheduleRule):
         m, n, k = exts[-3], exts[-2], exts[-1]
         lanes = vector_lanes(target, 32)
         mr, nr = micro_tile(lanes, m)
-        if n % nr != 0:
-            if n % lanes != 0:
+        if n % lanes != 0:
+            # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
+            # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak)
+            if lanes < 8 or n % (lanes // 2) != 0:
                 return None
+            lanes //= 2
+            nr = 2 * lanes
+        if n % nr != 0:
             nr = lanes
         batch = 1
         for e in exts[:-3]:
