@@ -15,7 +15,8 @@ machine's limit, not the rate of some library:
    = 3 x 4 x n (two reads and one write; the write-allocate read is not counted, as STREAM does).
 
 Both run on the calling thread only (TVM's thread pool is not used: the loops are not
-parallel), so the figures are per core. Sanity check against the CPU: peak ~= FMA units x
+parallel), so the figures are per core; they are timed with the thread's CPU clock (equal to
+wall time on a quiet machine; on a shared one, other processes' time slices do not count). Sanity check against the CPU: peak ~= FMA units x
 lanes x 2 x clock (e.g. Zen 4: 2 x 256-bit FMA pipes = 32 FLOP/cycle for AVX2 and AVX-512 alike;
 Skylake-SP/Ice Lake with two AVX-512 FMA units: 64 FLOP/cycle).
 """
@@ -99,12 +100,19 @@ def _target(target: Any) -> Any:
     return target if isinstance(target, tvm.target.Target) else resolve_target(target)
 
 
+def _clock() -> float:
+    """CPU seconds of the calling thread: the probes run on this thread only, so on a quiet
+    machine this equals wall time, and on a shared one the time slices given to other processes
+    do not count (the figure stays the core's limit, not its share)."""
+    return time.thread_time()
+
+
 def _median_rate(call: Any, work: float, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         call()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return work / statistics.median(times)
 
 
@@ -133,18 +141,18 @@ def measure_fma_peak(target: Any = None, seconds: float = 0.05,
     iters = {}
     for u, fn in fns.items():
         n = 10000
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn(bufs[u][0], mc, bufs[u][1], n)
-        dt = max(time.perf_counter() - t0, 1e-6)
+        dt = max(_clock() - t0, 1e-6)
         iters[u] = max(1000, int(n * seconds / dt))
     samples: dict[int, list[float]] = {u: [] for u in fns}
     for _ in range(repeats):
         for u, fn in fns.items():
             a, out = bufs[u]
             n = iters[u]
-            t0 = time.perf_counter()
+            t0 = _clock()
             fn(a, mc, out, n)
-            samples[u].append(2.0 * u * lanes * n / (time.perf_counter() - t0))
+            samples[u].append(2.0 * u * lanes * n / max(_clock() - t0, 1e-9))
     rates = {u: statistics.median(s) for u, s in samples.items()}
     best = max(rates, key=rates.get)
     return rates[best], lanes, best, rates, max(max(s) for s in samples.values())

@@ -100,13 +100,19 @@ def test_batched_activation_matmul_matches_ort(target_name):
     _check(m, target_name, expect_prepacked=False)
 
 
-@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("lanes,registers", [(8, 16), (16, 32), (8, 32)])
 @pytest.mark.parametrize("m", [1, 7, 37, 64, 512, 1000])
-def test_micro_tile_fits_registers_and_divides(lanes, m):
-    mr, nr = micro_tile(lanes, m)
-    registers = 32 if lanes >= 16 else 16
-    assert nr == 2 * lanes and (m % mr == 0 or mr == min(8, registers // 2 - 2))
-    assert mr * (nr // lanes) + nr // lanes + 1 <= registers
+@pytest.mark.parametrize("n", [32, 64, 1000])
+def test_micro_tile_fits_registers_and_divides(lanes, registers, m, n):
+    tile = micro_tile(lanes, m, n, registers)
+    if n % lanes:
+        assert tile is None
+        return
+    mr, nr = tile
+    nv = nr // lanes
+    assert n % nr == 0 and nv in (1, 2, 4)
+    assert mr * nv + nv + 1 <= registers  # accumulators + B vectors + one broadcast
+    assert m % mr == 0 or mr == min(8, (registers - nv - 1) // nv)
 
 
 def test_peak_kernels_compute_what_they_claim():
