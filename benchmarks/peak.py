@@ -89,6 +89,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"| fp32 FMA peak, fastest call | {p['fma_flops_best'] / 1e9:.1f} GFLOP/s |",
         f"| CPU model: {c['flop_per_cycle'] or '?'} FLOP/cycle x {c['clock_mhz'] or '?'} MHz ({c['isa']}, {c['mcpu']}) | "
         f"{pred} GFLOP/s |",
+        *([f"| clock implied by the fastest call (boost; lscpu gives the base clock) | {c['implied_clock_mhz']:.0f} MHz |"]
+          if c.get("implied_clock_mhz") else []),
         f"| triad bandwidth | {p['bandwidth'] / 1e9:.1f} GB/s |",
     ]) + ("\n\nMeasured on a loaded machine." if data.get("loaded") else "")
 
