@@ -134,3 +134,17 @@ def test_peak_kernels_compute_what_they_claim():
     c = tvm.runtime.tensor(np.zeros((4, v), np.float32))
     triad(tvm.runtime.tensor(x), tvm.runtime.tensor(y), c, 0.5)
     np.testing.assert_allclose(c.numpy(), x + 0.5 * y)
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize("cin,cout,hw,stride,batch", [(24, 32, 14, 1, 2), (16, 64, 9, 2, 1), (20, 48, 7, 1, 1)],
+                         ids=["1x1", "1x1-stride2", "1x1-w7"])
+def test_pointwise_conv_on_gemm_kernel_matches_ort(cin, cout, hw, stride, batch, target_name):
+    """A 1x1 convolution (NHWC after the layout phase) is a GEMM over (n, h) x w rows: it takes
+    the packed kernel (weights packed at build time) with its bias + relu fused."""
+    rng = np.random.default_rng(cin + cout)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[stride, stride]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [batch, cin, hw, hw])],
+               [numpy_helper.from_array(_w(rng, cout, cin, 1, 1), "w"), numpy_helper.from_array(_w(rng, cout), "b")])
+    _check(m, target_name, expect_prepacked=True)

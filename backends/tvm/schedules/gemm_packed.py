@@ -2,7 +2,9 @@
 
 Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] * B[b.., k, j]``
 (or ``B[b.., j, k]``: a transposed operand), i.e. ONNX ``MatMul`` / ``Gemm`` (any ``transB``),
-batched MatMul (attention's QK^T and PV) and 1x1 convolutions once they are a matmul, with N a
+batched MatMul (attention's QK^T and PV), and NHWC 1x1 convolutions
+``out[n, h, w, co] += x[n, h*s, w*s, ci] * W[0, 0, ci, co]`` (reductions of extent 1 besides
+``ci``; rows = output width, (n, h) = batch), with N a
 multiple of the vector width (or of half of it) and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
 with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
 activation, residual add) are fused as in Contraction.
@@ -118,10 +120,12 @@ class GemmPacked(CPUScheduleRule):
         if len(loops) != len(ivs) or len(ivs) < 3:
             return None
         kinds = ["S" if iv.iter_type == tirx.IterVar.DataPar else "R" for iv in ivs]
-        if kinds[-1] != "R" or kinds.count("R") != 1 or any(c != "S" for c in kinds[:-1]):
+        ns = kinds.count("S")
+        # spatial loops first, then reductions; all reductions but the last must have extent 1
+        # (a 1x1 convolution's kh, kw), checked below once the extents are known
+        if ns < 2 or kinds != ["S"] * ns + ["R"] * (len(kinds) - ns) or ns == len(kinds):
             return None
-        vi, vj, vk = ivs[-3].var, ivs[-2].var, ivs[-1].var
-        batch_vars = [iv.var for iv in ivs[:-3]]
+        vi, vj, vk = ivs[ns - 2].var, ivs[ns - 1].var, ivs[-1].var
         out = stmt.writes[0]
         if not (_uses(out.region[-1].min, vj) and _uses(out.region[-2].min, vi)):
             return None
@@ -151,7 +155,9 @@ class GemmPacked(CPUScheduleRule):
         exts = [const_extent(sch, lp) for lp in loops]
         if any(e is None for e in exts):
             return None
-        m, n, k = exts[-3], exts[-2], exts[-1]
+        if any(e != 1 for e in exts[ns:-1]):
+            return None
+        m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
         lanes = vector_lanes(target, 32)
         registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
         if n % lanes != 0 and lanes >= 8:
@@ -163,7 +169,7 @@ class GemmPacked(CPUScheduleRule):
             return None
         mr, nr = tile
         batch = 1
-        for e in exts[:-3]:
+        for e in exts[:ns - 2]:
             batch *= e
         flops = 2.0 * batch * m * n * k
         if m * n * k < 2 * 2 * lanes * 4 or mr * (nr // lanes) < 4:
@@ -185,10 +191,10 @@ class GemmPacked(CPUScheduleRule):
         # 2. accumulators + tiling
         wb = sch.cache_write(red, 0, "local")
         loops = sch.get_loops(red)
-        *b_loops, li, lj, lk = loops
+        b_loops, li, lj, unit_r, lk = loops[:ns - 2], loops[ns - 2], loops[ns - 1], loops[ns:-1], loops[-1]
         io, ii = sch.split(li, factors=[None, mr])
         jo, jj, jv = sch.split(lj, factors=[None, nr // lanes, lanes])
-        sch.reorder(*b_loops, jo, io, lk, ii, jj, jv)
+        sch.reorder(*b_loops, jo, io, *unit_r, lk, ii, jj, jv)
         outer = sch.fuse(*b_loops, jo, io)
         if flops >= PARALLEL_MIN_FLOPS:
             sch.parallel(outer)
@@ -198,7 +204,7 @@ class GemmPacked(CPUScheduleRule):
         sch.unroll(ii)
         sch.unroll(jj)
         sch.vectorize(jv)
-        init = sch.decompose_reduction(red, lk)
+        init = sch.decompose_reduction(red, unit_r[0] if unit_r else lk)
         Contraction._vectorize_tail(sch, init, lanes)
         Contraction._vectorize_tail(sch, wb, lanes)
 
