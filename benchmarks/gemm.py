@@ -18,9 +18,10 @@ of them alike. "% of peak" = 2MNK / time / (threads x the FMA peak of one core),
 measured by :mod:`backends.tvm.peak` in the same process, before and after the rows (the larger
 median is used; the peak is timed by the thread's CPU clock). On 1 thread the calling thread's
 CPU time is recorded too (``thread_cpu_s``, ``pct_of_peak_cpu``): every implementation runs on
-that thread, so on a shared machine it is the better estimate of the quiet-machine figure. Every TVM output is checked against numpy (rtol 1e-4, atol 1e-5 scaled by
-sqrt(K)). Results: ``benchmarks/results/gemm.json``; ``loaded`` there records whether the
-machine was known to be shared (then the figures are ratios only).
+that thread, so on a shared machine it is the better estimate of the quiet-machine figure.
+Every TVM output is checked against numpy (rtol 1e-4, atol 1e-5 scaled by sqrt(K)).
+Results: ``benchmarks/results/gemm.json``; ``loaded`` there records whether the machine was
+known to be shared (then the figures are ratios only).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python benchmarks/peak.py --markdown [--json FILE]      # render the saved table
 
 Runs :func:`backends.tvm.peak.measure_peak` on one thread (the FMA loop at 8..24 accumulators
-and the triad over arrays 4x the last-level cache), and puts next to it what the CPU model
+and the triad over arrays each 2x the last-level cache), and puts next to it what the CPU model
 predicts: FMA units x fp32 lanes per unit x 2 x clock, from ``lscpu`` (the clock is the
 maximum MHz when lscpu reports one, else the current MHz of /proc/cpuinfo). Results:
 ``benchmarks/results/peak.json``.
@@ -87,10 +87,10 @@ def markdown(data: dict[str, Any]) -> str:
         f"| fp32 FMA peak (TVM loop, {p['accumulators']} x {p['lanes']}-lane accumulators), median | "
         f"{p['fma_flops'] / 1e9:.1f} GFLOP/s |",
         f"| fp32 FMA peak, fastest call | {p['fma_flops_best'] / 1e9:.1f} GFLOP/s |",
-        f"| CPU model: {c['flop_per_cycle'] or '?'} FLOP/cycle x {c['clock_mhz'] or '?'} MHz ({c['isa']}, {c['mcpu']}) | "
-        f"{pred} GFLOP/s |",
-        *([f"| clock implied by the fastest call (boost; lscpu gives the base clock) | {c['implied_clock_mhz']:.0f} MHz |"]
-          if c.get("implied_clock_mhz") else []),
+        f"| CPU model: {c['flop_per_cycle'] or '?'} FLOP/cycle x {c['clock_mhz'] or '?'} MHz "
+        f"({c['isa']}, {c['mcpu']}) | {pred} GFLOP/s |",
+        *([f"| clock implied by the fastest call (boost; lscpu gives the base clock) | "
+           f"{c['implied_clock_mhz']:.0f} MHz |"] if c.get("implied_clock_mhz") else []),
         f"| triad bandwidth | {p['bandwidth'] / 1e9:.1f} GB/s |",
     ]) + ("\n\nMeasured on a loaded machine." if data.get("loaded") else "")
 

@@ -11,14 +11,15 @@ machine's limit, not the rate of some library:
    ``c`` > 0 keep the values at a fixed point (no overflow, no denormals). The peak is the best
    configuration's median rate: FLOPs = 2 x U x V x iterations.
 2. **Memory bandwidth** (:func:`measure_bandwidth`): a TVM-built, vectorised triad
-   ``c = a + s * b`` over arrays 4x larger than the last-level cache, one thread; bytes counted
+   ``c = a + s * b`` over arrays each 2x the last-level cache (6x together), one thread; bytes counted
    = 3 x 4 x n (two reads and one write; the write-allocate read is not counted, as STREAM does).
 
 Both run on the calling thread only (TVM's thread pool is not used: the loops are not
 parallel), so the figures are per core; they are timed with the thread's CPU clock (equal to
-wall time on a quiet machine; on a shared one, other processes' time slices do not count). Sanity check against the CPU: peak ~= FMA units x
-lanes x 2 x clock (e.g. Zen 4: 2 x 256-bit FMA pipes = 32 FLOP/cycle for AVX2 and AVX-512 alike;
-Skylake-SP/Ice Lake with two AVX-512 FMA units: 64 FLOP/cycle).
+wall time on a quiet machine; on a shared one, other processes' time slices do not count).
+Sanity check against the CPU: peak ~= FMA units x lanes x 2 x clock (e.g. Zen 4: 2 x 256-bit
+FMA pipes = 32 FLOP/cycle for AVX2 and AVX-512 alike; Skylake-SP/Ice Lake with two AVX-512 FMA
+units: 64 FLOP/cycle).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def _llc_bytes() -> int:
 
 
 def measure_bandwidth(target: Any = None, repeats: int = 7, n: int | None = None) -> float:
-    """Bytes/s of the TVM-built triad over arrays 4x the last-level cache (one thread)."""
+    """Bytes/s of the TVM-built triad over arrays each 2x the last-level cache (one thread)."""
     import numpy as np
     import tvm
 
@@ -183,7 +184,7 @@ def measure_bandwidth(target: Any = None, repeats: int = 7, n: int | None = None
     tgt = _target(target)
     lanes = vector_lanes(tgt, 32)
     if n is None:
-        n = 4 * _llc_bytes() // 4  # elements: each array alone is 4x the LLC
+        n = 2 * _llc_bytes() // 4  # elements: each array alone is 2x the LLC
     n = max(lanes, n // lanes * lanes)
     lib = tvm.compile(tvm.IRModule({"triad": _triad_func(n, lanes)}), target=tgt)
     fn = lib["triad"]

@@ -21,10 +21,10 @@ Schedule (the BLIS/MLAS structure, written as TVM schedule primitives)::
                 acc[i, j*V:(j+1)*V] += A[i, k] (broadcast) * Bp[jo, k, j*V:(j+1)*V] (vector load)
         C[tile] = epilogue(acc)
 
-Tile sizes come from the target (:func:`micro_tile`): V fp32 lanes; AVX-512 (32 registers)
-4 x 4V, else 8 x 2V; AVX2 (16 registers) 6 x 2V, else 4 x 2V; otherwise the largest divisor of
-M whose accumulators fit the register file, so the inner loops have no bounds checks. At least
-8 independent FMAs hide the FMA latency (4 cycles x 2 pipes).
+Tile sizes come from the target (:func:`micro_tile`): V fp32 lanes and the register file (32
+on AVX-512, 16 on AVX2); among the tiles that divide the output (no bounds checks in the inner
+loops) and fit the registers, the one with the most FMAs per load (AVX-512: 4 x 4V for square
+sizes; AVX2: 6 x 2V). At least 8 independent FMAs hide the FMA latency (4 cycles x 2 pipes).
 
 Constant weights: when B is a parameter of the kernel (a weight after Relax's import), the pack
 block is annotated ``meta_schedule.layout_rewrite_preproc``; the pipeline then runs
@@ -58,33 +58,37 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
     """(MR, NR) register tile for ``lanes`` fp32 lanes per vector, an ``m`` x ``n`` output and a
     file of ``registers`` vector registers; None when ``n`` is not a multiple of ``lanes``.
 
-    Rules (measured on Zen 4, AVX-512, thread CPU time, 512^3..2048^3):
-    1. 32 registers: MR x NR = 4 x 4 vectors (16 accumulators, 4 B vectors, 1 broadcast) when it
-       divides the output, else 8 x 2 vectors: 4 x 64 streamed 4 A rows instead of 8 and reached
-       99-103 GFLOP/s against 98-102 for 8 x 32 (A's rows are K floats apart; for K >= 1024
-       eight of them alias in the L1 sets). 16 registers (AVX2): 6 x 2 vectors (12 accumulators),
-       else 4 x 2.
-    2. Otherwise NR = 2 vectors (1 if N allows only one) and MR the largest divisor of ``m`` in
-       [4, max] whose MR x NR/V accumulators + NR/V B vectors + 1 broadcast fit the registers
-       (``m`` itself when ``m`` <= max).
-    3. No such divisor (a prime M): MR = min(8, max) and the last row tile is partial (a
-       predicate on its rows): correct, but such tiles ran 30-50% slower, hence rule 1-2 first.
-    At least 8 accumulators hide the FMA latency (4 cycles x 2 pipes) in every rule but tiny M."""
+    Rules:
+    1. Candidates: MR rows (a divisor of ``m``) x NV vectors (a divisor of N/lanes, <= 6) whose
+       MR x NV accumulators + NV B vectors + 1 broadcast fit the registers, with at least 8
+       accumulators (FMA latency 4 cycles x 2 pipes) when the output has that many vectors.
+    2. The winner has the most FMAs per load, MR·NV / (MR + NV) (each k step loads MR broadcasts
+       and NV vectors for MR·NV FMAs), then the most accumulators, then the fewest rows (the A
+       rows are K floats apart; fewer streams alias less in L1). On AVX-512 that is 4 x 4
+       vectors for square sizes (measured on Zen 4, thread CPU time, 512^3..2048^3: 99-103
+       GFLOP/s against 98-102 for 8 x 2), 6 x 4 when 6 divides M; on AVX2 6 x 2 (BLIS/MLAS's
+       6 x 16).
+    3. No divisor of ``m`` qualifies (a prime M): MR = min(8, max) with NV = 2 (or 1), and the
+       last row tile is partial (a predicate on its rows): correct, but such tiles ran 30-50%
+       slower, hence rule 1 first."""
     if n % lanes != 0:
         return None
-    fits = [v for v in (4, 2, 1) if n % (v * lanes) == 0]
-    prefs = [(4, 4), (8, 2)] if registers >= 32 else [(6, 2), (4, 2)]
-    for mr, nv in prefs:
-        if nv in fits and m % mr == 0:
-            return mr, nv * lanes
-    nv = 2 if 2 in fits else 1
-    max_rows = (registers - nv - 1) // nv
-    if m <= max_rows:
-        return m, nv * lanes
-    for mr in range(max_rows, 3, -1):
-        if m % mr == 0:
-            return mr, nv * lanes
-    return min(8, max_rows), nv * lanes
+    vectors = n // lanes
+    best: tuple[tuple[float, int, int], int, int] | None = None
+    for nv in range(1, min(6, vectors) + 1):
+        if vectors % nv:
+            continue
+        max_rows = (registers - nv - 1) // nv
+        for mr in range(1, min(max_rows, m) + 1):
+            if m % mr or mr * nv < min(8, m * vectors):
+                continue
+            key = (mr * nv / (mr + nv), mr * nv, -mr)
+            if best is None or key > best[0]:
+                best = (key, mr, nv)
+    if best is not None:
+        return best[1], best[2] * lanes
+    nv = 2 if vectors % 2 == 0 else 1
+    return min(8, (registers - nv - 1) // nv), nv * lanes
 
 
 class GemmPacked(CPUScheduleRule):
