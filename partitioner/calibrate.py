@@ -7,6 +7,8 @@ What is measured, and how:
    OMP/OPENBLAS/MKL thread counts set to 1), best of several runs, 2n³ FLOPs. It becomes the
    device's float32 peak (efficiency 1.0): it is the rate a tuned kernel reaches on one core.
 2. Per-core memory bandwidth: a large array copy (read + write bytes / time), one thread.
+   Also the physical limits (:mod:`backends.tvm.peak`): the fp32 FMA peak of a TVM-built FMA
+   loop and a TVM-built triad's bandwidth (reported; the cost model keeps the GEMM rate of 1.).
 3. Launch overhead of the backend being calibrated (``backend``: ``tvm`` by default, or
    ``onnxruntime``), one thread: TVM runs a chain of 32 tiny MatMuls (each its own kernel);
    ONNX Runtime a chain of tiny Relu/Neg nodes with graph optimisations off; time per node.
@@ -74,6 +76,9 @@ class Calibration:
     efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
     kernels: tuple[dict[str, Any], ...] = field(default=(), hash=False)
     mpi_error: str = ""  # why the MPI probe failed ("" when it ran)
+    # the physical limits (backends/tvm/peak.py): FMA-loop peak and triad bandwidth, one core
+    fma_peak_flops: float | None = None
+    stream_bandwidth: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +87,7 @@ class Calibration:
             "memory_bandwidth_per_core": self.memory_bandwidth, "launch_overhead_s": self.launch_overhead_s,
             "efficiency_by_class": dict(self.efficiency_by_class),
             "kernels": [dict(k) for k in self.kernels],
+            "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                     "bandwidth": 1 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None,
                     "pingpong": [list(p) for p in self.pingpong],
@@ -341,7 +347,14 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
     bandwidth = 2.0 * size / bw_best
 
     measured = measure_backend(backend, quick, gemm, bandwidth)
-    return {"gemm_flops": gemm, "gemm_n": n, "memory_bandwidth": bandwidth, **measured}
+    try:  # the physical limit, through TVM (absent TVM: the fields stay None)
+        from backends.tvm.peak import measure_peak
+
+        peak = measure_peak(quick=quick)
+        limits = {"fma_peak_flops": peak.fma_flops, "stream_bandwidth": peak.bandwidth}
+    except ImportError:
+        limits = {}
+    return {"gemm_flops": gemm, "gemm_n": n, "memory_bandwidth": bandwidth, **limits, **measured}
 
 
 def _probe_main() -> None:
@@ -441,6 +454,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
         kernels=tuple(single.get("kernels", ())),
+        fma_peak_flops=single.get("fma_peak_flops"), stream_bandwidth=single.get("stream_bandwidth"),
     )
 
 

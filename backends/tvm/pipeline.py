@@ -104,9 +104,11 @@ def schedule_passes(target: Any) -> list[Any]:
     if not _is_cpu(target):
         return []
     from .schedules import default_rules
+    from .schedules.gemm_packed import prepack_passes
     from tvm.s_tir import dlight as dl
 
-    return [dl.ApplyDefaultSchedule(*default_rules(target))]
+    # prepack_passes: constant weights packed by a schedule (GemmPacked) are packed at build time
+    return [dl.ApplyDefaultSchedule(*default_rules(target)), *prepack_passes()]
 
 
 def passes(name: str, target: Any) -> list[Any]:

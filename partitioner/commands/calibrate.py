@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"GEMM (1 core, n={cal.gemm_n}):  {cal.gemm_flops / 1e9:8.1f} GFLOP/s")
     print(f"memory bandwidth (1 core):  {cal.memory_bandwidth / 1e9:8.1f} GB/s")
+    if cal.fma_peak_flops:
+        print(f"FMA peak (1 core, TVM):     {cal.fma_peak_flops / 1e9:8.1f} GFLOP/s")
+    if cal.stream_bandwidth:
+        print(f"triad bandwidth (1 core):   {cal.stream_bandwidth / 1e9:8.1f} GB/s")
     print(f"launch overhead ({cal.backend}):{' ' * max(1, 15 - len(cal.backend))}{cal.launch_overhead_s * 1e6:8.2f} µs/op")
     for cls, eff in cal.efficiency_by_class.items():
         print(f"efficiency {cls + ':':<17s}{eff:8.3f}")

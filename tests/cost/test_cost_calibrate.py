@@ -47,6 +47,9 @@ def test_calibrate_cli_quick(tmp_path, monkeypatch, capsys):
     cal = doc["calibration"]
     assert 1e9 < cal["gemm_flops_per_core"] < 1e13  # between 1 GFLOP/s and 10 TFLOP/s per core
     assert 1e8 < cal["memory_bandwidth_per_core"] < 1e12
+    # the FMA loop is the limit: no GEMM (numpy's best run) beats it by more than timing noise
+    assert cal["fma_peak_flops_per_core"] > 0.8 * cal["gemm_flops_per_core"]
+    assert 1e8 < cal["stream_bandwidth_per_core"] < 1e12
     assert cal["seconds"] < 60  # TVM micro-kernels compile and run inside the budget
     assert cal["backend"] == "tvm" and 0 < cal["efficiency_by_class"]["conv"] <= 16
     local = Cluster.resolve("local")

@@ -4,6 +4,9 @@ A rule takes one PrimFunc and returns a scheduled ``tvm.s_tir.Schedule`` or ``No
 mine); :func:`default_rules` lists them in priority order and :func:`apply_default_schedules`
 runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
 
+0. :class:`GemmPacked` - matrix products (MatMul, Gemm, batched MatMul) with N a multiple of
+   the vector width: packed B (constant weights packed at build time), register-blocked
+   micro-kernel sized to the target's vector registers.
 1. :class:`Contraction` - one reduction block (conv2d incl. depthwise/grouped, matmul, batch
    matmul, pooling, global pooling) with injective producers/consumers: register tiling,
    vectorised over the output's innermost axis, parallel over outer tiles, fused epilogue.
@@ -20,17 +23,18 @@ from __future__ import annotations
 from typing import Any
 
 from .contraction import Contraction
+from .gemm_packed import GemmPacked
 from .injective import Injective
 from .vector import vector_lanes
 
-__all__ = ["Contraction", "Injective", "apply_default_schedules", "default_rules", "vector_lanes"]
+__all__ = ["Contraction", "GemmPacked", "Injective", "apply_default_schedules", "default_rules", "vector_lanes"]
 
 
 def default_rules(target: Any) -> list[Any]:
     """The CPU rules, most specific first."""
     from tvm.s_tir import dlight as dl
 
-    return [Contraction(), dl.cpu.Reduction(), Injective()]
+    return [GemmPacked(), Contraction(), dl.cpu.Reduction(), Injective()]
 
 
 def apply_default_schedules(mod: Any, target: Any) -> Any:

@@ -1,0 +1,253 @@
+"""CPU rule for matrix products: a packed-B, register-blocked GEMM micro-kernel.
+
+Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] * B[b.., k, j]``
+(or ``B[b.., j, k]``: a transposed operand), i.e. ONNX ``MatMul`` / ``Gemm`` (any ``transB``),
+batched MatMul (attention's QK^T and PV), and NHWC 1x1 convolutions
+``out[n, h, w, co] += x[n, h*s, w*s, ci] * W[0, 0, ci, co]`` (reductions of extent 1 besides
+``ci``; rows = output width, (n, h) = batch), with N a
+multiple of the vector width (or of half of it) and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
+with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
+activation, residual add) are fused as in Contraction.
+
+Schedule (the BLIS/MLAS structure, written as TVM schedule primitives)::
+
+    Bp[b.., j // NR, k, j % NR] = B[..]                  # pack B: one contiguous K x NR panel
+                                                          # per NR columns (constant B: done once,
+                                                          # at build time - see below)
+    for (b.., jo, io) in parallel_if_worth(...):         # jo outer: one B panel stays in L2 while
+                                                          #   every row tile streams past it (io
+                                                          #   outer when all of B fits L2)
+        acc[MR, NR] = 0
+        for k in K:                                       # registers: MR x NR/V accumulators
+            for i in unroll(MR): for j in unroll(NR/V):
+                acc[i, j*V:(j+1)*V] += A[i, k] (broadcast) * Bp[jo, k, j*V:(j+1)*V] (vector load)
+        C[tile] = epilogue(acc)
+
+Tile sizes come from the target (:func:`micro_tile`): V fp32 lanes and the register file (32
+on AVX-512, 16 on AVX2); among the tiles that divide the output (no bounds checks in the inner
+loops) and fit the registers, the one with the most FMAs per load (AVX-512: 4 x 4V for square
+sizes; AVX2: 6 x 2V). At least 8 independent FMAs hide the FMA latency (4 cycles x 2 pipes).
+
+Constant weights: when B is a parameter of the kernel (a weight after Relax's import), the pack
+block is annotated ``meta_schedule.layout_rewrite_preproc``; the pipeline then runs
+``SplitLayoutRewritePreproc`` + ``FoldConstant`` (:func:`prepack_passes`), so the packed copy
+is computed once at build time and the kernel reads ``Bp`` directly. When B is an activation
+(batched attention products), packing runs per call (K x N copies against M x N x K FMAs).
+
+Threads: the outer loop is parallel only when the product has at least
+:data:`PARALLEL_MIN_FLOPS` (below that the fork/join of TVM's pool costs more than it saves).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+
+from .contraction import Contraction, _uses
+from .injective import schedule_spatial_block
+from .vector import const_extent, vector_lanes
+
+# 2*M*N*K below which the kernel runs on one thread: ~2e6 FLOPs is ~20 us on one core at
+# 100 GFLOP/s, a few times TVM's fork/join cost (~3-10 us on 2 cores, measured by calibrate's
+# launch probe); smaller GEMMs lose more to the pool than they gain.
+PARALLEL_MIN_FLOPS = 2e6
+LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
+# Loop order: when all of the packed B fits this many bytes (the L2 of current server cores:
+# Zen 4 1 MiB, Ice Lake-SP 1.25 MiB), row tiles go outermost: B stays in L2, one A tile in L1, and
+# C is written row by row. Measured on Zen 4 (thread CPU time, GFLOP/s rows-outer vs
+# panels-outer): 512x128x1000 88 vs 73, 512x512x128 105 vs 100, 512^3 101 vs 102, but 2048^3
+# 78 vs 105 (B 16 MiB streamed from L3 per row tile), hence the bound.
+ROWS_OUTER_B_BYTES: int | None = 1 << 20
+
+
+
+def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | None:
+    """(MR, NR) register tile for ``lanes`` fp32 lanes per vector, an ``m`` x ``n`` output and a
+    file of ``registers`` vector registers; None when ``n`` is not a multiple of ``lanes``.
+
+    Rules:
+    1. Candidates: MR rows (a divisor of ``m``) x NV vectors (a divisor of N/lanes, <= 6) whose
+       MR x NV accumulators + NV B vectors + 1 broadcast fit the registers, with at least 8
+       accumulators (FMA latency 4 cycles x 2 pipes) when the output has that many vectors.
+    2. The winner has the most FMAs per load, MR·NV / (MR + NV) (each k step loads MR broadcasts
+       and NV vectors for MR·NV FMAs), then the most accumulators, then the fewest rows (the A
+       rows are K floats apart; fewer streams alias less in L1). On AVX-512 that is 4 x 4
+       vectors for square sizes (measured on Zen 4, thread CPU time, 512^3..2048^3: 99-103
+       GFLOP/s against 98-102 for 8 x 2), 6 x 4 when 6 divides M; on AVX2 6 x 2 (BLIS/MLAS's
+       6 x 16).
+    3. No divisor of ``m`` qualifies (a prime M): MR = min(8, max) with NV = 2 (or 1), and the
+       last row tile is partial (a predicate on its rows): correct, but such tiles ran 30-50%
+       slower, hence rule 1 first."""
+    if n % lanes != 0:
+        return None
+    vectors = n // lanes
+    best: tuple[tuple[float, int, int], int, int] | None = None
+    for nv in range(1, min(6, vectors) + 1):
+        if vectors % nv:
+            continue
+        max_rows = (registers - nv - 1) // nv
+        for mr in range(1, min(max_rows, m) + 1):
+            if m % mr or mr * nv < min(8, m * vectors):
+                continue
+            key = (mr * nv / (mr + nv), mr * nv, -mr)
+            if best is None or key > best[0]:
+                best = (key, mr, nv)
+    if best is not None:
+        return best[1], best[2] * lanes
+    nv = 2 if vectors % 2 == 0 else 1
+    return min(8, (registers - nv - 1) // nv), nv * lanes
+
+
+class GemmPacked(CPUScheduleRule):
+    """Packed-B register-blocked GEMM (module docstring: which shapes, which schedule)."""
+
+    def apply(self, func: Any, target: Any, _tunable: bool) -> Any:
+        from tvm import s_tir, tirx
+
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        try:
+            return self._apply(s_tir.Schedule(func), func, target)
+        except Exception:  # a pattern this rule does not handle: leave it to the next rule
+            return None
+
+    def _apply(self, sch: Any, func: Any, target: Any) -> Any:
+        from tvm import tirx
+
+        root = sch.get_sblock("root")
+        blocks = sch.get_child_blocks(root)
+        red_blocks = [b for b in blocks
+                      if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
+        if len(red_blocks) != 1:
+            return None
+        red = red_blocks[0]
+        stmt = sch.get(red)
+        if len(stmt.writes) != 1 or stmt.init is None or len(stmt.reads) not in (2, 3):
+            return None
+        if str(stmt.writes[0].source.dtype) != "float32":
+            return None
+        ivs = list(stmt.iter_vars)
+        loops = sch.get_loops(red)
+        if len(loops) != len(ivs) or len(ivs) < 3:
+            return None
+        kinds = ["S" if iv.iter_type == tirx.IterVar.DataPar else "R" for iv in ivs]
+        ns = kinds.count("S")
+        # spatial loops first, then reductions; all reductions but the last must have extent 1
+        # (a 1x1 convolution's kh, kw), checked below once the extents are known
+        if ns < 2 or kinds != ["S"] * ns + ["R"] * (len(kinds) - ns) or ns == len(kinds):
+            return None
+        vi, vj, vk = ivs[ns - 2].var, ivs[ns - 1].var, ivs[-1].var
+        out = stmt.writes[0]
+        if not (_uses(out.region[-1].min, vj) and _uses(out.region[-2].min, vi)):
+            return None
+        # identify A (uses i, k) and B (uses k, j; last two dims, either order)
+        a_idx = b_idx = None
+        b_transposed = False
+        for idx, read in enumerate(stmt.reads):
+            if read.source.same_as(out.source):
+                continue
+            reg = read.region
+            if len(reg) < 2:
+                return None
+            last2 = [(_uses(r.min, vi), _uses(r.min, vj), _uses(r.min, vk)) for r in reg[-2:]]
+            if any(_uses(r.min, v) for r in reg[:-2] for v in (vi, vj, vk)):
+                return None
+            if last2 == [(True, False, False), (False, False, True)]:
+                a_idx = idx
+            elif last2 == [(False, False, True), (False, True, False)]:
+                b_idx = idx
+            elif last2 == [(False, True, False), (False, False, True)]:
+                b_idx, b_transposed = idx, True
+            else:
+                return None
+        if a_idx is None or b_idx is None:
+            return None
+
+        exts = [const_extent(sch, lp) for lp in loops]
+        if any(e is None for e in exts):
+            return None
+        if any(e != 1 for e in exts[ns:-1]):
+            return None
+        m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
+        lanes = vector_lanes(target, 32)
+        registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
+        if n % lanes != 0 and lanes >= 8:
+            # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
+            # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak)
+            lanes //= 2
+        tile = micro_tile(lanes, m, n, registers)
+        if tile is None:
+            return None
+        mr, nr = tile
+        batch = 1
+        for e in exts[:ns - 2]:
+            batch *= e
+        flops = 2.0 * batch * m * n * k
+        if m * n * k < 2 * 2 * lanes * 4 or mr * (nr // lanes) < 4:
+            return None  # too small for a register tile: Contraction handles it
+
+        b_buf = stmt.reads[b_idx].source
+        b_is_param = any(p.same_as(b_buf) for p in func.params)
+        b_rank = len(stmt.reads[b_idx].region)
+
+        # 1. pack B into panels Bp[.., j // nr, k, j % nr]
+        pack = sch.cache_read(red, b_idx, "global")
+        if b_transposed:
+            index_map = _pack_map(b_rank, nr, transposed=True)
+        else:
+            index_map = _pack_map(b_rank, nr, transposed=False)
+        sch.transform_layout(pack, ("write", 0), index_map)
+        if b_is_param:
+            sch.annotate(pack, LAYOUT_REWRITE, True)
+        # 2. accumulators + tiling
+        wb = sch.cache_write(red, 0, "local")
+        loops = sch.get_loops(red)
+        b_loops, li, lj, unit_r, lk = loops[:ns - 2], loops[ns - 2], loops[ns - 1], loops[ns:-1], loops[-1]
+        io, ii = sch.split(li, factors=[None, mr])
+        jo, jj, jv = sch.split(lj, factors=[None, nr // lanes, lanes])
+        rows_outer = ROWS_OUTER_B_BYTES is not None and k * n * 4 <= ROWS_OUTER_B_BYTES
+        tiles = (io, jo) if rows_outer else (jo, io)
+        sch.reorder(*b_loops, *tiles, *unit_r, lk, ii, jj, jv)
+        outer = sch.fuse(*b_loops, *tiles)
+        if flops >= PARALLEL_MIN_FLOPS:
+            sch.parallel(outer)
+        sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
+        names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}
+        Contraction._inline_epilogue(sch, wb)
+        sch.unroll(ii)
+        sch.unroll(jj)
+        sch.vectorize(jv)
+        init = sch.decompose_reduction(red, unit_r[0] if unit_r else lk)
+        Contraction._vectorize_tail(sch, init, lanes)
+        Contraction._vectorize_tail(sch, wb, lanes)
+
+        # 3. the pack block and other producers: plain parallel/vectorised copies
+        red_name, wb_name = str(sch.get(red).name_hint), str(sch.get(wb).name_hint)
+        for blk in sch.get_child_blocks(root):
+            name = str(sch.get(blk).name_hint)
+            if name in (red_name, wb_name, str(sch.get(init).name_hint)) or name not in names_before:
+                continue
+            if b_is_param and name == str(sch.get(pack).name_hint):
+                continue  # folded at build time
+            schedule_spatial_block(sch, blk, lanes)
+        return sch
+
+
+def _pack_map(rank: int, nr: int, transposed: bool) -> Any:
+    """Index map B[.., k, j] (or B[.., j, k]) -> Bp[.., j // nr, k, j % nr]."""
+    from tvm import tirx
+
+    def f(*idx):
+        *lead, x, y = idx
+        kk, jj = (y, x) if transposed else (x, y)
+        return (*lead, tirx.floordiv(jj, nr), kk, tirx.floormod(jj, nr))
+
+    return tirx.IndexMap.from_func(f, ndim=rank)
+
+
+def prepack_passes() -> list[Any]:
+    """Split the packing of constant weights into its own function and fold it at build time."""
+    from tvm import relax
+
+    return [relax.transform.SplitLayoutRewritePreproc(), relax.transform.FoldConstant()]

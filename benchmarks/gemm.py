@@ -1,0 +1,235 @@
+"""fp32 GEMM speed against the measured peak: our build, TVM's previous default, ONNX Runtime, numpy.
+
+    python benchmarks/gemm.py [--quick] [--threads 1,2] [--repeats 15]
+    python benchmarks/gemm.py --markdown [--json FILE]      # render the saved table
+
+Rows: square GEMMs 256^3..2048^3 and the weight GEMMs of the zoo's bert/gpt at batch 8 (the
+per_device sizes: seq 64, hidden 128; M = 512) plus their batched attention products, on 1 and
+2 threads. Columns:
+
+- ``ours``: the ``scheduled`` pipeline (GemmPacked rule: packed constant weights, register tile);
+- ``previous``: the same pipeline with GemmPacked disabled (TVM's previous default build here);
+- ``ort``: ONNX Runtime, a one-node MatMul model with the same constant weight;
+- ``numpy``: ``a @ b`` (its BLAS; threads set by threadpoolctl).
+
+Each implementation is called in interleaved rounds (round r times every implementation once,
+each call repeated to ~10 ms), and its time is the median over rounds, so machine load hits all
+of them alike. "% of peak" = 2MNK / time / (threads x the FMA peak of one core), the peak being
+measured by :mod:`backends.tvm.peak` in the same process, before and after the rows (the larger
+median is used; the peak is timed by the thread's CPU clock). On 1 thread the calling thread's
+CPU time is recorded too (``thread_cpu_s``, ``pct_of_peak_cpu``): every implementation runs on
+that thread, so on a shared machine it is the better estimate of the quiet-machine figure.
+Every TVM output is checked against numpy (rtol 1e-4, atol 1e-5 scaled by sqrt(K)).
+Results: ``benchmarks/results/gemm.json``; ``loaded`` there records whether the machine was
+known to be shared (then the figures are ratios only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "gemm.json"
+SQUARE = [256, 512, 1024, 2048]
+# (label, batch dims, M, K, N, B constant): bert/gpt at batch 8, seq 64, hidden 128, 4 heads
+ZOO = [
+    ("bert/gpt qkv/out 512x128x128", (), 512, 128, 128, True),
+    ("bert/gpt ffn-up 512x128x512", (), 512, 128, 512, True),
+    ("bert/gpt ffn-down 512x512x128", (), 512, 512, 128, True),
+    ("gpt head 512x128x1000", (), 512, 128, 1000, True),
+    ("attn QK^T 32x(64x32x64)", (32,), 64, 32, 64, False),
+    ("attn PV 32x(64x64x32)", (32,), 64, 64, 32, False),
+]
+
+
+def _model(batch: tuple[int, ...], m: int, k: int, n: int, w: np.ndarray | None) -> Any:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    F = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("a", F, [*batch, m, k])]
+    inits = []
+    if w is None:
+        inputs.append(helper.make_tensor_value_info("b", F, [*batch, k, n]))
+    else:
+        inits.append(numpy_helper.from_array(w, "b"))
+    g = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"])], "gemm", inputs,
+                          [helper.make_tensor_value_info("y", F, [*batch, m, n])], inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def _tvm(model: Any, target: Any, packed: bool) -> Callable[..., Any]:
+    import tvm
+    from tvm import relax
+
+    from backends.tvm.lower import lower_program
+    from backends.tvm.pipeline import run_pipeline
+    from backends.tvm.schedules import gemm_packed
+
+    original = gemm_packed.GemmPacked.apply
+    if not packed:
+        gemm_packed.GemmPacked.apply = lambda self, func, target, tunable: None  # type: ignore[method-assign]
+    try:
+        mod = run_pipeline(lower_program(model).mod, "scheduled", target)
+    finally:
+        gemm_packed.GemmPacked.apply = original  # type: ignore[method-assign]
+    vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    fn = vm["main"]
+    return lambda *args: fn(*args)
+
+
+def _calls_for(fn: Callable[[], Any], budget: float = 0.01) -> int:
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    dt = max(time.perf_counter() - t0, 1e-7)
+    return max(1, int(budget / dt))
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], ...]:
+    """(median wall, best wall, median thread-CPU) seconds per call of each function over
+    ``repeats`` interleaved rounds. The thread-CPU time is the calling thread's: on one thread
+    every implementation here runs on it, so it is the time the call would take on a quiet
+    machine (a shared machine's time slicing does not count)."""
+    reps = {name: _calls_for(f) for name, f in fns.items()}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(reps[name]):
+                f()
+            wall[name].append((time.perf_counter() - t0) / reps[name])
+            cpu[name].append((time.thread_time() - c0) / reps[name])
+    return ({name: statistics.median(s) for name, s in wall.items()}, {name: min(s) for name, s in wall.items()},
+            {name: statistics.median(s) for name, s in cpu.items()})
+
+
+def run(threads_list: list[int], repeats: int, quick: bool) -> dict[str, Any]:
+    import onnxruntime as ort
+    import tvm
+    from threadpoolctl import threadpool_limits
+
+    from backends.tvm.executable import configure_threads
+    from backends.tvm.peak import measure_peak
+    from backends.tvm.target import resolve_target
+
+    target = resolve_target(None)
+    configure_threads(1)
+    peak_before = measure_peak(target, quick=quick)
+    rng = np.random.default_rng(0)
+    shapes = [(f"{s}^3", (), s, s, s, True) for s in (SQUARE[:3] if quick else SQUARE)] + ZOO
+    rows = []
+    for label, batch, m, k, n, const in shapes:
+        a = rng.standard_normal((*batch, m, k), dtype=np.float32)
+        b = rng.standard_normal((*batch, k, n), dtype=np.float32)
+        model = _model(batch, m, k, n, b if const else None)
+        builds = {"ours": _tvm(model, target, True), "previous": _tvm(model, target, False)}
+        ta, tb = tvm.runtime.tensor(a), tvm.runtime.tensor(b)
+        targs = (ta,) if const else (ta, tb)
+        ref = a @ b
+        err = {}
+        for name, fn in builds.items():
+            res = fn(*targs)
+            got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
+            tol = 1e-5 * np.sqrt(k)
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=tol, err_msg=f"{label} {name}")
+            err[name] = float(np.max(np.abs(got - ref)))
+        feeds = {"a": a} if const else {"a": a, "b": b}
+        for threads in threads_list:
+            configure_threads(threads)
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            fns = {name: (lambda fn=fn: fn(*targs)) for name, fn in builds.items()}
+            fns["ort"] = lambda: sess.run(None, feeds)
+            with threadpool_limits(threads):
+                fns["numpy"] = lambda: a @ b
+                times, best, cpu = _interleaved(fns, repeats)
+            flops = 2.0 * int(np.prod(batch or (1,))) * m * n * k
+            rows.append({"shape": label, "batch": list(batch), "m": m, "k": k, "n": n, "constant_b": const,
+                         "threads": threads, "flops": flops, "times_s": times, "best_s": best, "max_abs_err": err,
+                         **({"thread_cpu_s": cpu} if threads == 1 else {})})
+            print(f"{label:32s} t={threads} " + "  ".join(f"{k_}={v * 1e3:8.3f}ms" for k_, v in times.items()),
+                  flush=True)
+    configure_threads(1)
+    peak_after = measure_peak(target, quick=quick)
+    peak = max(peak_before.fma_flops, peak_after.fma_flops)
+    for r in rows:
+        r["pct_of_peak"] = {k_: 100.0 * r["flops"] / t / (r["threads"] * peak) for k_, t in r["times_s"].items()}
+        if "thread_cpu_s" in r:
+            r["pct_of_peak_cpu"] = {k_: 100.0 * r["flops"] / t / peak for k_, t in r["thread_cpu_s"].items()}
+    return {"machine": {"cpu": _cpu(), "cores": __import__("os").cpu_count(), "platform": platform.platform(),
+                        "target": str(target)},
+            "versions": {"tvm": tvm.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__},
+            "peak": {"fma_flops_per_core": peak, "before": peak_before.to_json(), "after": peak_after.to_json()},
+            "settings": {"threads": threads_list, "repeats": repeats, "quick": quick},
+            "rows": rows}
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def markdown(data: dict[str, Any]) -> str:
+    peak = data["peak"]["fma_flops_per_core"]
+    loaded = bool(data.get("loaded"))
+    out = [f"fp32 GEMM: time in ms (median of interleaved rounds) and % of the measured FMA peak "
+           f"({peak / 1e9:.0f} GFLOP/s per core, {data['machine']['cpu']})"
+           + (". Measured on a loaded machine: on 1 thread the % is from the thread's CPU time, "
+              "on 2 threads from wall time (ratios only)" if loaded else ""),
+           "",
+           "| GEMM | threads | ours | TVM previous | ONNX Runtime | numpy |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        pct = r["pct_of_peak_cpu"] if loaded and "pct_of_peak_cpu" in r else r["pct_of_peak"]
+        cells = [f"{r['times_s'][k] * 1e3:.3f} ({pct[k]:.0f}%)" for k in ("ours", "previous", "ort", "numpy")]
+        out.append(f"| {r['shape']} | {r['threads']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="square sizes up to 1024, shorter peak probe")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--loaded", action="store_true", help="mark the figures as measured on a shared machine")
+    ap.add_argument("--markdown", action="store_true", help="print the saved table as markdown")
+    ap.add_argument("--json", default=str(RESULTS), help=f"results file (default {RESULTS.relative_to(ROOT)})")
+    args = ap.parse_args(argv)
+    path = Path(args.json)
+    if args.markdown:
+        if not path.exists():
+            print(f"gemm: no results at {path}; run benchmarks/gemm.py first", file=sys.stderr)
+            return 2
+        print(markdown(json.loads(path.read_text())))
+        return 0
+    data = run([int(t) for t in args.threads.split(",")], args.repeats, args.quick)
+    data["loaded"] = bool(args.loaded)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    print(markdown(data))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

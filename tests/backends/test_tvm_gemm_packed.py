@@ -1,0 +1,152 @@
+"""The packed GEMM rule (backends/tvm/schedules/gemm_packed.py) keeps numerics.
+
+Each case compiles through the "scheduled" pipeline for the host and for an AVX2 target
+(``haswell``: the 8-lane micro-tile), and is compared with ONNX Runtime on seeded inputs
+(rtol 1e-4, atol 1e-5). Cases with a constant weight and N a multiple of the vector width also
+check that the weight was packed at build time (a ``*_prepacked`` kernel exists), so a rule
+that silently stops matching fails here. Odd shapes (M, K not multiples of the tile, M = 1,
+N not a multiple of the vector width) must stay correct whichever rule takes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import models_zoo
+from backends.tvm.lower import lower_program
+from backends.tvm.peak import _fma_func, _triad_func
+from backends.tvm.pipeline import run_pipeline
+from backends.tvm.schedules.gemm_packed import micro_tile
+from backends.tvm.target import detect_host_target
+
+F = TensorProto.FLOAT
+RTOL, ATOL = 1e-4, 1e-5
+TARGETS = {"host": None, "avx2": {"kind": "llvm", "mcpu": "haswell"}}
+
+
+def _model(nodes, inputs, inits=()) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "case", inputs, [helper.make_tensor_value_info("y", F, None)], initializer=list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return onnx.shape_inference.infer_shapes(m)
+
+
+def _w(rng, *shape):
+    return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+
+def _check(m: onnx.ModelProto, target_name: str, expect_prepacked: bool) -> None:
+    spec = TARGETS[target_name]
+    target = tvm.target.Target(spec if spec is not None else detect_host_target())
+    feeds = models_zoo.sample_inputs(m, 0)
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    res = vm["main"](*[tvm.runtime.tensor(feeds[v.name]) for v in m.graph.input])
+    got = res.numpy() if isinstance(res, tvm.runtime.Tensor) else res[0].numpy()
+    np.testing.assert_allclose(got, ref[0], rtol=RTOL, atol=ATOL)
+    if expect_prepacked:
+        assert any(n.endswith("_prepacked") for n in names), f"weight not packed at build time: {names}"
+
+
+def _matmul_case(m: int, k: int, n: int, lead: tuple[int, ...] = (), epilogue: bool = False) -> onnx.ModelProto:
+    rng = np.random.default_rng(m * 1000 + k * 10 + n)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm" if epilogue else "y"])]
+    inits = [numpy_helper.from_array(_w(rng, k, n), "w")]
+    if epilogue:
+        nodes += [helper.make_node("Add", ["mm", "b"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+        inits.append(numpy_helper.from_array(_w(rng, n), "b"))
+    return _model(nodes, [helper.make_tensor_value_info("x", F, [*lead, m, k])], inits)
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize(
+    "m,k,n,lead,epilogue,packed",
+    [
+        (48, 64, 64, (), False, True),      # tile multiples
+        (37, 45, 64, (), False, True),      # M prime, K odd
+        (1, 33, 32, (), False, False),      # M = 1 (a GEMV: too small for a register tile)
+        (30, 16, 48, (2,), True, True),     # 3-D input, bias + relu epilogue fused
+        (20, 24, 50, (), True, False),      # N not a multiple of the vector width
+        (16, 20, 40, (), False, True),      # N a multiple of 8 only (half-width vectors on AVX-512)
+    ],
+    ids=["multiples", "odd-mk", "m1", "3d-epilogue", "odd-n", "n-mult-8"],
+)
+def test_packed_matmul_matches_ort(m, k, n, lead, epilogue, packed, target_name):
+    _check(_matmul_case(m, k, n, lead, epilogue), target_name, packed)
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_gemm_transb_bias_matches_ort(target_name):
+    rng = np.random.default_rng(7)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [21, 40])],
+               [numpy_helper.from_array(_w(rng, 64, 40), "w"), numpy_helper.from_array(_w(rng, 64), "b")])
+    _check(m, target_name, expect_prepacked=True)
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_batched_activation_matmul_matches_ort(target_name):
+    # attention's PV: both operands are activations (packed per call, not at build time)
+    nodes = [helper.make_node("MatMul", ["p", "v"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("p", F, [2, 3, 24, 20]),
+                       helper.make_tensor_value_info("v", F, [2, 3, 20, 32])])
+    _check(m, target_name, expect_prepacked=False)
+
+
+@pytest.mark.parametrize("lanes,registers", [(8, 16), (16, 32), (8, 32)])
+@pytest.mark.parametrize("m", [1, 7, 37, 64, 512, 1000])
+@pytest.mark.parametrize("n", [32, 64, 1000])
+def test_micro_tile_fits_registers_and_divides(lanes, registers, m, n):
+    tile = micro_tile(lanes, m, n, registers)
+    if n % lanes:
+        assert tile is None
+        return
+    mr, nr = tile
+    nv = nr // lanes
+    assert n % nr == 0 and 1 <= nv <= 6
+    assert mr * nv + nv + 1 <= registers  # accumulators + B vectors + one broadcast
+    assert m % mr == 0 or mr == min(8, (registers - nv - 1) // nv)
+    if m % mr == 0:
+        assert mr * nv >= min(8, m * (n // lanes))  # enough FMAs in flight where the output allows
+
+
+def test_peak_kernels_compute_what_they_claim():
+    """The FMA loop and the triad are measured for speed; they must also compute their formulas
+    (an FMA loop that LLVM folded away would report an impossible peak)."""
+    target = tvm.target.Target(detect_host_target())
+    u, v, n = 8, 16, 37
+    fma = tvm.compile(tvm.IRModule({"fma": _fma_func(u, v)}), target=target)["fma"]
+    a = np.random.default_rng(0).random((u, v), dtype=np.float32)
+    mc = np.array([[0.999] * v, [0.001] * v], np.float32)
+    out = tvm.runtime.tensor(np.zeros((u, v), np.float32))
+    fma(tvm.runtime.tensor(a), tvm.runtime.tensor(mc), out, n)
+    want = a.copy()
+    for _ in range(n):
+        want = want * mc[0] + mc[1]
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5)
+    triad = tvm.compile(tvm.IRModule({"triad": _triad_func(4 * v, v)}), target=target)["triad"]
+    x, y = np.arange(4 * v, dtype=np.float32).reshape(4, v), np.ones((4, v), np.float32)
+    c = tvm.runtime.tensor(np.zeros((4, v), np.float32))
+    triad(tvm.runtime.tensor(x), tvm.runtime.tensor(y), c, 0.5)
+    np.testing.assert_allclose(c.numpy(), x + 0.5 * y)
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize("cin,cout,hw,stride,batch", [(24, 32, 14, 1, 2), (16, 64, 9, 2, 1), (20, 48, 7, 1, 1)],
+                         ids=["1x1", "1x1-stride2", "1x1-w7"])
+def test_pointwise_conv_on_gemm_kernel_matches_ort(cin, cout, hw, stride, batch, target_name):
+    """A 1x1 convolution (NHWC after the layout phase) is a GEMM over (n, h) x w rows: it takes
+    the packed kernel (weights packed at build time) with its bias + relu fused."""
+    rng = np.random.default_rng(cin + cout)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[stride, stride]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [batch, cin, hw, hw])],
+               [numpy_helper.from_array(_w(rng, cout, cin, 1, 1), "w"), numpy_helper.from_array(_w(rng, cout), "b")])
+    _check(m, target_name, expect_prepacked=True)
