@@ -68,7 +68,10 @@ try:
 except SystemExit as exc:
     rc = exc.code
 sys.stdout.flush()
-print("MAXRSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+# VmHWM is this process image's own high-water mark; getrusage's ru_maxrss survives exec and
+# starts at the forking parent's RSS (a pytest process that ran TVM builds holds gigabytes)
+hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+print("MAXRSS_KIB", hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
 sys.exit(rc)
 """
 

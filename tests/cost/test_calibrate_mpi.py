@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from partitioner import calibrate
+from partitioner.runtime import launch
 
 
 def test_mpi_probe_runs_under_the_wheels_mpiexec() -> None:
-    exe = calibrate.find_mpiexec()
+    exe = launch.find_mpiexec(required=False)
     assert exe is not None, "the mpich wheel puts mpiexec next to the interpreter"
     data, error = calibrate._run_mpi(quick=True, timeout=120)
     assert data is not None, error
@@ -33,13 +34,13 @@ def test_mpi_probe_runs_under_the_wheels_mpiexec() -> None:
 
 
 def test_failed_probe_reports_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(calibrate, "find_mpiexec", lambda: None)
+    monkeypatch.setattr(launch, "find_mpiexec", lambda required=True: None)
     data, error = calibrate._run_mpi(quick=True, timeout=10)
     assert data is None and "mpiexec not found" in error and "\n" not in error
     fake = tmp_path / "mpiexec"
     fake.write_text("#!/bin/sh\necho 'hydra: cannot launch' >&2\nexit 7\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(calibrate, "find_mpiexec", lambda: str(fake))
+    monkeypatch.setattr(launch, "find_mpiexec", lambda required=True: str(fake))
     data, error = calibrate._run_mpi(quick=True, timeout=10)
     assert data is None and "exited with 7" in error and "cannot launch" in error
 
