@@ -116,17 +116,10 @@ class GemmPacked(CPUScheduleRule):
         from tvm import tirx
 
         root = sch.get_sblock("root")
-        blocks = sch.get_child_blocks(root)
-        red_blocks = [b for b in blocks
-                      if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
-        if len(red_blocks) != 1:
+        red = _float32_reduction(sch, root)
+        if red is None:
             return None
-        red = red_blocks[0]
         stmt = sch.get(red)
-        if len(stmt.writes) != 1 or stmt.init is None or len(stmt.reads) not in (2, 3):
-            return None
-        if str(stmt.writes[0].source.dtype) != "float32":
-            return None
         ivs = list(stmt.iter_vars)
         loops = sch.get_loops(red)
         if len(loops) != len(ivs) or len(ivs) < 3:
@@ -141,51 +134,21 @@ class GemmPacked(CPUScheduleRule):
         out = stmt.writes[0]
         if not (_uses(out.region[-1].min, vj) and _uses(out.region[-2].min, vi)):
             return None
-        # identify A (uses i, k) and B (uses k, j; last two dims, either order)
-        a_idx = b_idx = None
-        b_transposed = False
-        for idx, read in enumerate(stmt.reads):
-            if read.source.same_as(out.source):
-                continue
-            reg = read.region
-            if len(reg) < 2:
-                return None
-            last2 = [(_uses(r.min, vi), _uses(r.min, vj), _uses(r.min, vk)) for r in reg[-2:]]
-            if any(_uses(r.min, v) for r in reg[:-2] for v in (vi, vj, vk)):
-                return None
-            if last2 == [(True, False, False), (False, False, True)]:
-                a_idx = idx
-            elif last2 == [(False, False, True), (False, True, False)]:
-                b_idx = idx
-            elif last2 == [(False, True, False), (False, False, True)]:
-                b_idx, b_transposed = idx, True
-            else:
-                return None
-        if a_idx is None or b_idx is None:
+        roles = _operand_roles(stmt, out, vi, vj, vk)
+        if roles is None:
             return None
+        b_idx, b_transposed = roles
 
         exts = [const_extent(sch, lp) for lp in loops]
         if any(e is None for e in exts):
             return None
         if any(e != 1 for e in exts[ns:-1]):
             return None
-        m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
-        lanes = vector_lanes(target, 32)
-        registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
-        if n % lanes != 0 and lanes >= 8:
-            # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
-            # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak)
-            lanes //= 2
-        tile = micro_tile(lanes, m, n, registers)
-        if tile is None:
+        k, n = exts[-1], exts[ns - 1]
+        plan = _register_tile(target, exts, ns)
+        if plan is None:
             return None
-        mr, nr = tile
-        batch = 1
-        for e in exts[:ns - 2]:
-            batch *= e
-        flops = 2.0 * batch * m * n * k
-        if m * n * k < 2 * 2 * lanes * 4 or mr * (nr // lanes) < 4:
-            return None  # too small for a register tile: Contraction handles it
+        lanes, mr, nr, flops = plan
 
         b_buf = stmt.reads[b_idx].source
         b_is_param = any(p.same_as(b_buf) for p in func.params)
@@ -193,11 +156,7 @@ class GemmPacked(CPUScheduleRule):
 
         # 1. pack B into panels Bp[.., j // nr, k, j % nr]
         pack = sch.cache_read(red, b_idx, "global")
-        if b_transposed:
-            index_map = _pack_map(b_rank, nr, transposed=True)
-        else:
-            index_map = _pack_map(b_rank, nr, transposed=False)
-        sch.transform_layout(pack, ("write", 0), index_map)
+        sch.transform_layout(pack, ("write", 0), _pack_map(b_rank, nr, transposed=b_transposed))
         if b_is_param:
             sch.annotate(pack, LAYOUT_REWRITE, True)
         # 2. accumulators + tiling
@@ -223,15 +182,78 @@ class GemmPacked(CPUScheduleRule):
         Contraction._vectorize_tail(sch, wb, lanes)
 
         # 3. the pack block and other producers: plain parallel/vectorised copies
-        red_name, wb_name = str(sch.get(red).name_hint), str(sch.get(wb).name_hint)
+        skip = {str(sch.get(b).name_hint) for b in (red, wb, init)}
+        if b_is_param:
+            skip.add(str(sch.get(pack).name_hint))  # folded at build time
         for blk in sch.get_child_blocks(root):
             name = str(sch.get(blk).name_hint)
-            if name in (red_name, wb_name, str(sch.get(init).name_hint)) or name not in names_before:
-                continue
-            if b_is_param and name == str(sch.get(pack).name_hint):
-                continue  # folded at build time
-            schedule_spatial_block(sch, blk, lanes)
+            if name not in skip and name in names_before:
+                schedule_spatial_block(sch, blk, lanes)
         return sch
+
+
+def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int, float] | None:
+    """(vector lanes, tile rows, tile columns, FLOPs) for the GEMM with spatial extents
+    ``exts[:ns]`` and reduction ``exts[-1]``; None when it is too small for a register tile
+    (Contraction handles it)."""
+    m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
+    lanes = vector_lanes(target, 32)
+    registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
+    if n % lanes != 0 and lanes >= 8:
+        # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
+        # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak)
+        lanes //= 2
+    tile = micro_tile(lanes, m, n, registers)
+    if tile is None:
+        return None
+    mr, nr = tile
+    batch = 1
+    for e in exts[:ns - 2]:
+        batch *= e
+    if m * n * k < 2 * 2 * lanes * 4 or mr * (nr // lanes) < 4:
+        return None
+    return lanes, mr, nr, 2.0 * batch * m * n * k
+
+
+def _float32_reduction(sch: Any, root: Any) -> Any:
+    """The function's one float32 reduction block with an init and 2-3 reads, or None."""
+    from tvm import tirx
+
+    red_blocks = [b for b in sch.get_child_blocks(root)
+                  if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
+    if len(red_blocks) != 1:
+        return None
+    stmt = sch.get(red_blocks[0])
+    if len(stmt.writes) != 1 or stmt.init is None or len(stmt.reads) not in (2, 3):
+        return None
+    return red_blocks[0] if str(stmt.writes[0].source.dtype) == "float32" else None
+
+
+def _operand_roles(stmt: Any, out: Any, vi: Any, vj: Any, vk: Any) -> tuple[int, bool] | None:
+    """Identify A (uses i, k) and B (uses k, j in its last two dims, either order): B's read
+    index and whether it is transposed, or None when the reads are not a GEMM's."""
+    a_idx = b_idx = None
+    b_transposed = False
+    for idx, read in enumerate(stmt.reads):
+        if read.source.same_as(out.source):
+            continue
+        reg = read.region
+        if len(reg) < 2:
+            return None
+        last2 = [(_uses(r.min, vi), _uses(r.min, vj), _uses(r.min, vk)) for r in reg[-2:]]
+        if any(_uses(r.min, v) for r in reg[:-2] for v in (vi, vj, vk)):
+            return None
+        if last2 == [(True, False, False), (False, False, True)]:
+            a_idx = idx
+        elif last2 == [(False, False, True), (False, True, False)]:
+            b_idx = idx
+        elif last2 == [(False, True, False), (False, False, True)]:
+            b_idx, b_transposed = idx, True
+        else:
+            return None
+    if a_idx is None or b_idx is None:
+        return None
+    return b_idx, b_transposed
 
 
 def _pack_map(rank: int, nr: int, transposed: bool) -> Any:
