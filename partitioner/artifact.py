@@ -512,6 +512,10 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
         if source is None:
             source = ir.serde.serialize_model(raw)  # before the passes: --check compares against this
         prepared = run_pipeline(raw, None if passes is None else list(passes))
+    if cluster is None and backend == "tvm" and target is not None:  # a GPU target plans for that GPU
+        from backends.tvm.target import gpu_cluster_spec
+
+        cluster = gpu_cluster_spec(target, 1)
     cluster_obj = _resolve_cluster(cluster)
     result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
                        memory_limit=memory_limit)

@@ -1,0 +1,69 @@
+"""Default GPU schedules for the TVM backend: dlight's GPU rules, in dlight's own order.
+
+On a GPU an unscheduled PrimFunc does not even build (a loop nest with no thread binding is
+rejected by ``VerifyMemory``: "did you forget to bind?"), so every kernel of a CUDA rank gets one
+of these rules, most specific first (the order of TVM's own CUDA pipeline,
+``tvm.relax.backend.cuda.pipeline.legalize_passes``):
+
+1. ``Matmul``: matmul / batch matmul / dense (and the 1x1-conv-shaped ones), tiled through shared
+   memory (tensor cores when the target's arch and dtypes allow);
+2. ``GEMV``: matrix-vector products (a decode step, a batch-1 dense layer);
+3. ``Reduction`` and ``GeneralReduction``: softmax, LayerNorm, sums, pooling as a reduction;
+4. ``Fallback``: everything else (elementwise chains, transposes, direct convolutions), with the
+   loop nest fused and bound to blocks and threads.
+
+A kernel tuned into the MetaSchedule database (``--tuning-db``, :mod:`backends.tvm.tuning`) is
+applied before these rules and kept as tuned: ``ApplyDefaultSchedule`` skips functions that are
+already scheduled. Tuning itself times candidates on a GPU, so it runs only where one is visible;
+applying the database does not need one.
+
+Invariant (as for the CPU rules): schedules only reorder, split, bind and cache, so a scheduled
+kernel computes what the unscheduled one does up to float rounding order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def gpu_rules(target: Any) -> list[Any]:
+    """dlight's GPU rules, most specific first."""
+    from tvm.s_tir import dlight as dl
+
+    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+def require_gpu_for_tuning(target: Any) -> None:
+    """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
+    from partitioner.errors import BackendError
+    from partitioner.runtime.cuda_devices import gpu_mismatch
+
+    arch = str(target.attrs.get("arch", "")) or None
+    problem = gpu_mismatch(arch)
+    if problem is not None:
+        raise BackendError(f"--tune-trials on target cuda times kernels on a GPU, but {problem}; tune on the GPU "
+                           "machine and reuse its --tuning-db here (applying a database needs no GPU)")
+
+
+def require_gpu_for_tuning(target: Any) -> None:
+    """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
+    from partitioner.errors import BackendError
+    from partitioner.runtime.cuda_devices import gpu_mismatch
+
+    arch = str(target.attrs.get("arch", "")) or None
+    problem = gpu_mismatch(arch)
+    if problem is not None:
+        raise BackendError(f"--tune-trials on target cuda times kernels on a GPU, but {problem}; tune on the GPU "
+                           "machine and reuse its --tuning-db here (applying a database needs no GPU)")
+
+
+def cuda_kernel_count(executable_mod: Any) -> int:
+    """How many ``__global__`` CUDA kernels a compiled module holds (its CUDA source, kept beside
+    the cubins): the build's own evidence that every kernel was scheduled and compiled for the GPU."""
+    stack, count = [executable_mod], 0
+    while stack:
+        m = stack.pop()
+        if str(m.kind) == "cuda":
+            count += m.inspect_source().count("__global__")
+        stack.extend(m.imports)
+    return count
