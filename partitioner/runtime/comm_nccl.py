@@ -137,6 +137,18 @@ def nccl_runs(op: Any, shape: Sequence[int], dtype: np.dtype | str) -> bool:
     return True
 
 
+def broadcast_unique_id(lib: ctypes.CDLL, mpi_comm: Any) -> NcclUniqueId:
+    """NCCL's bootstrap over MPI: rank 0 of ``mpi_comm`` (an mpi4py communicator) creates the
+    unique id, every rank receives its 128 bytes by ``Bcast`` and returns it."""
+    buf = np.zeros(ctypes.sizeof(NcclUniqueId), dtype=np.uint8)
+    if mpi_comm.Get_rank() == 0:
+        uid = NcclUniqueId()
+        _check(lib, lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        buf[:] = np.frombuffer(bytes(uid), dtype=np.uint8)
+    mpi_comm.Bcast(buf, root=0)
+    return NcclUniqueId.from_buffer_copy(buf.tobytes())
+
+
 def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
     if code != 0:
         msg = lib.ncclGetErrorString(code)
@@ -165,14 +177,7 @@ class NcclCommunicator:
         return getattr(self.mpi, name)
 
     def _init(self, group: tuple[int, ...], index: int) -> ctypes.c_void_p:
-        uid = NcclUniqueId()
-        if index == 0:
-            _check(self.lib, self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        sub = self.mpi.group_comm(group, 0)
-        raw = bytearray(uid.internal) if index == 0 else bytearray(128)
-        buf = np.frombuffer(raw, dtype=np.uint8).copy()
-        sub.Bcast(buf, root=0)
-        uid = NcclUniqueId.from_buffer_copy(buf.tobytes())
+        uid = broadcast_unique_id(self.lib, self.mpi.group_comm(group, 0))
         comm = ctypes.c_void_p()
         _check(self.lib, self.lib.ncclCommInitRank(ctypes.byref(comm), len(group), uid, index),
                f"ncclCommInitRank (group {list(group)})")
