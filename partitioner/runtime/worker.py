@@ -199,8 +199,10 @@ def run_worker(args: argparse.Namespace) -> int:
         if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
             phase = "gpu comm"
             from partitioner.runtime.comm_nccl import gpu_communicator
+            from partitioner.runtime.cuda_devices import visible_gpus
 
-            comm, report["gpu_comm"] = gpu_communicator(comm, art.manifest["comm_groups"], exe.device.index)
+            comm, report["gpu_comm"] = gpu_communicator(comm, art.manifest["comm_groups"], exe.device.index,
+                                                        shared_gpu=local_size > len(visible_gpus()))
         phase = "inputs"
         from partitioner.bindings import scatter_inputs
 

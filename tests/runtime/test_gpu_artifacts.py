@@ -106,3 +106,53 @@ def test_binary_compatibility_rule() -> None:
 
 def test_cpu_artifact_is_not_a_gpu_artifact() -> None:
     assert artifact_gpu_arch({"target": None, "ranks": [{"build": {"target": {"kind": "llvm"}}}]}) == (False, None)
+
+
+def test_gpu_check_refuses_in_one_line_without_a_gpu(tmp_path: Path) -> None:
+    if visible_gpus():
+        pytest.skip("this machine has a GPU: make gpu-check runs the real check")
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "no CUDA GPU is visible" in lines[0], r.stderr
+    assert not out.exists()
+
+
+# --- slow: every zoo model for h200 on 1 and 2 ranks ---------------------------------------------
+
+SMALL = {
+    "mlp": {}, "resnet": {"image": 32, "width": 16}, "resnet50": {"image": 32, "width": 8},
+    "bert": {"seq": 8}, "gpt": {"seq": 8}, "unet": {"image": 32, "base": 8},
+    "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5},
+}
+
+
+def _zoo_cases():
+    for e in models_zoo.list_models():
+        for ranks in (1, 2):
+            yield pytest.param(e.name, ranks, marks=pytest.mark.slow, id=f"{e.name}-{ranks}")
+
+
+@pytest.mark.parametrize(("name", "ranks"), list(_zoo_cases()))
+def test_zoo_model_compiles_for_h200_and_verifies(name: str, ranks: int, tmp_path: Path) -> None:
+    from partitioner.artifact import compile as compile_artifact
+    from partitioner.artifact import verify_artifact
+    from partitioner.errors import StrategyNotApplicable
+
+    batch = {"batch": 2} if name in SMALL else {}
+    model = models_zoo.build(name, **SMALL.get(name, {}), **batch)
+    strategies = ("single",) if ranks == 1 else ("data", "tensor", "pipeline")
+    for strategy in strategies:  # the first strategy that applies to this model
+        try:
+            art = compile_artifact(model, ranks, strategy=strategy, target="h200", out_dir=tmp_path / "a",
+                                   jobs=1, progress=False)
+            break
+        except StrategyNotApplicable:
+            continue
+    else:
+        pytest.fail(f"no 2-rank strategy applies to {name}")
+    assert art.world_size == ranks and art.manifest["cluster"]["name"] == f"h200x{ranks}"
+    m = verify_artifact(art.root)
+    assert m["target"]["arch"] == "sm_90"
+    assert all(r["build"]["gpu"]["kernels"] >= 1 for r in m["ranks"])
