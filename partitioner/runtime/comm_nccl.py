@@ -220,12 +220,12 @@ def gpu_communicator(mpi: Any, groups: Sequence[Sequence[int]], device_index: in
     """The communicator a GPU rank runs with: ``mpi`` wrapped with NCCL when
     :func:`select_device_comm` picks it, else ``mpi`` itself (staging); plus ``{"path", "why"}``
     for the run's report. Call it on every rank, after the rank's library is loaded (that makes
-    its GPU current, which NCCL binds its communicators to). ``shared_gpu``: more ranks than GPUs
-    on this host; NCCL refuses two ranks of one communicator on one GPU, so such a run stages."""
+    its GPU current, which NCCL binds its communicators to). ``shared_gpu``: more ranks than
+    visible GPUs on this host; NCCL refuses two ranks of one communicator on one GPU, so ``auto``
+    stages then. ``PARTITIONER_GPU_COMM=nccl`` overrides it (ranks given one GPU each through
+    their own ``CUDA_VISIBLE_DEVICES`` see one GPU apiece but do not share it)."""
     path, why = select_device_comm(True)
-    if path == "nccl" and shared_gpu:
-        if os.environ.get(ENV, "auto").strip().lower() == "nccl":
-            raise BackendError(f"{ENV}=nccl: ranks share a GPU on this host and NCCL needs one GPU per rank")
+    if path == "nccl" and shared_gpu and os.environ.get(ENV, "auto").strip().lower() != "nccl":
         return mpi, {"path": "staged", "why": "ranks share a GPU on this host (NCCL needs one GPU per rank)"}
     if path == "nccl":
         return NcclCommunicator(mpi, groups, device_index), {"path": path, "why": why}

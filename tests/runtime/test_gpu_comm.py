@@ -155,3 +155,22 @@ def test_nccl_unique_id_bootstrap_over_mpi() -> None:
     ranks = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(ranks) == 2 and ranks[0]["len"] == 128 and ranks[0]["nonzero"]
     assert ranks[0]["sha"] == ranks[1]["sha"]  # every rank holds rank 0's id
+
+
+def test_ranks_sharing_a_gpu_stage_unless_told_otherwise(monkeypatch) -> None:
+    from partitioner.runtime.comm_nccl import gpu_communicator
+
+    world = LocalWorld(1)
+    mpi = world.communicator(0)
+    monkeypatch.setenv(ENV, "auto")
+    comm, why = gpu_communicator(mpi, [], 0, shared_gpu=True)
+    assert comm is mpi and why["path"] == "staged" and "share a GPU" in why["why"]
+    monkeypatch.setenv(ENV, "mpi")
+    comm, why = gpu_communicator(mpi, [], 0, shared_gpu=False)
+    assert comm is mpi and why == {"path": "staged", "why": f"{ENV}=mpi"}
+    # a 1-rank GPU run: NCCL is picked, no communicator needs a GPU to be created, and the wrapper
+    # stands in for the MPI communicator (send/recv/barrier go through to it)
+    monkeypatch.setenv(ENV, "auto")
+    comm, why = gpu_communicator(mpi, [[0]], 0, shared_gpu=False)
+    assert why["path"] == "nccl" and comm.rank == 0 and comm.mpi is mpi
+    assert not comm.runs(_op("AllReduce", group=[0], reduction="sum"), (4,), "float32")  # a 1-member group stages
