@@ -27,10 +27,35 @@ from typing import Any
 
 
 def gpu_rules(target: Any) -> list[Any]:
-    """dlight's GPU rules, most specific first."""
+    """dlight's GPU rules, most specific first; each but the last is guarded (see :func:`guarded`)."""
     from tvm.s_tir import dlight as dl
 
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    specific = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
+    return [guarded(r) for r in specific] + [dl.gpu.Fallback()]
+
+
+def guarded(rule: Any) -> Any:
+    """``rule``, where an exception inside it means "not mine" (``None``), so the next rule runs.
+
+    dlight's pattern analyses assert on shapes they were not written for instead of declining:
+    ``GEMV``'s ``normalize`` raised a bare AssertionError on a MobileNetV2 kernel (zoo
+    ``mobilenet``, image 32, width 0.5), which failed the whole build. A schedule that was
+    returned is kept; a rule that raised has only worked on its own copy of the function, so
+    declining leaves the function as it was for the next rule.
+    """
+    from tvm.s_tir.dlight.base import ScheduleRule
+
+    class Guarded(ScheduleRule):
+        def apply(self, func: Any, target: Any, tunable: bool) -> Any:
+            try:
+                return rule.apply(func, target, tunable)
+            except Exception:  # noqa: BLE001 - dlight's analyses assert instead of declining
+                return None
+
+        def __repr__(self) -> str:
+            return f"guarded({type(rule).__name__})"
+
+    return Guarded()
 
 
 def require_gpu_for_tuning(target: Any) -> None:
