@@ -69,3 +69,25 @@ def test_zoo_model_builds_for_gpu_without_a_gpu(name: str, arch: str, tmp_path: 
     assert kernels >= 1
     # TVM may split a PrimFunc into several kernels (a reduction's init and body), never fewer
     assert facts["gpu"]["kernels"] >= kernels, (facts["gpu"], kernels)
+
+
+def test_tuning_database_for_cuda_applies_without_a_gpu_and_tuning_needs_one(tmp_path: Path) -> None:
+    """A MetaSchedule database is keyed by the cuda target: applying it builds here (kernels it has
+    no record of get the dlight rules); tuning, which times candidates, refuses in one line."""
+    import json
+
+    from partitioner.errors import BackendError
+    from partitioner.runtime.cuda_devices import visible_gpus
+
+    model = _model("mlp")
+    tdict = target_dict("h200")
+    facts = build_one(model, tmp_path / "rank0.so", tdict, {"tuning_db": str(tmp_path / "db")})
+    db = Path(facts["tuning"]["database"])
+    assert db.parent == tmp_path / "db" and (db / "database_workload.json").exists()
+    keyed = json.loads((db / "target.json").read_text())
+    assert keyed["kind"] == "cuda" and keyed["arch"] == "sm_90"
+    assert facts["tuning"]["tuned_kernels"] == 0 and facts["tuning"]["untuned_kernels"]  # nothing tuned yet
+    assert facts["gpu"]["kernels"] >= 1
+    if not visible_gpus():
+        with pytest.raises(BackendError, match="times kernels on a GPU that runs sm_90; visible GPUs: none"):
+            build_one(model, tmp_path / "rank0b.so", tdict, {"tuning_db": str(tmp_path / "db"), "tune_trials": 4})

@@ -61,25 +61,27 @@ def guarded(rule: Any) -> Any:
 def require_gpu_for_tuning(target: Any) -> None:
     """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
     from partitioner.errors import BackendError
-    from partitioner.runtime.cuda_devices import gpu_mismatch
+    from partitioner.runtime.cuda_devices import arch_runs_on, visible_gpus
 
-    arch = str(target.attrs.get("arch", "")) or None
-    problem = gpu_mismatch(arch)
-    if problem is not None:
-        raise BackendError(f"--tune-trials on target cuda times kernels on a GPU, but {problem}; tune on the GPU "
-                           "machine and reuse its --tuning-db here (applying a database needs no GPU)")
+    arch = str(target.attrs.get("arch", ""))
+    gpus = visible_gpus()
+    if not any(arch_runs_on(arch, g) for g in gpus):
+        here = ", ".join(f"{g.name} ({g.arch})" for g in gpus) or "none"
+        raise BackendError(f"--tune-trials for cuda {arch} times kernels on a GPU that runs {arch}; visible GPUs: "
+                           f"{here}. Tune on the GPU machine and pass its --tuning-db here (applying needs no GPU)")
 
 
 def require_gpu_for_tuning(target: Any) -> None:
     """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
     from partitioner.errors import BackendError
-    from partitioner.runtime.cuda_devices import gpu_mismatch
+    from partitioner.runtime.cuda_devices import arch_runs_on, visible_gpus
 
-    arch = str(target.attrs.get("arch", "")) or None
-    problem = gpu_mismatch(arch)
-    if problem is not None:
-        raise BackendError(f"--tune-trials on target cuda times kernels on a GPU, but {problem}; tune on the GPU "
-                           "machine and reuse its --tuning-db here (applying a database needs no GPU)")
+    arch = str(target.attrs.get("arch", ""))
+    gpus = visible_gpus()
+    if not any(arch_runs_on(arch, g) for g in gpus):
+        here = ", ".join(f"{g.name} ({g.arch})" for g in gpus) or "none"
+        raise BackendError(f"--tune-trials for cuda {arch} times kernels on a GPU that runs {arch}; visible GPUs: "
+                           f"{here}. Tune on the GPU machine and pass its --tuning-db here (applying needs no GPU)")
 
 
 def cuda_kernel_count(executable_mod: Any) -> int:
