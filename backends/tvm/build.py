@@ -132,6 +132,7 @@ def build_one(
         # one pipeline for both (backends/tvm/pipeline.py): on CUDA it schedules with dlight's GPU rules
         mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
         conv_used = tuning.pop("conv_algorithms", None)
+        prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
         ex = tvm.compile(mod, target)
     except PartitionerError:
         raise
@@ -161,7 +162,8 @@ def build_one(
         "sha256": file_sha256(out_path),
         "bytes": out_path.stat().st_size,
         "target": dict(tdict),
-        **({"gpu": {**(gpu_facts(tdict) or {}), "kernels": cuda_kernel_count(ex.mod)}} if tdict.get("kind") == "cuda" else {}),
+        **({"gpu": {**(gpu_facts(tdict) or {}), "kernels": cuda_kernel_count(ex.mod), "prim_funcs": prim_funcs}}
+           if tdict.get("kind") == "cuda" else {}),
         "pipeline": pipeline,
         "tuned": bool(tuning.get("tuned", False)),
         **({"tuning": tuning} if tuning else {}),
