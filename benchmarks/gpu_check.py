@@ -64,14 +64,15 @@ class CheckRefused(Exception):
 
 def probe(target: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(target dict, visible GPUs) or CheckRefused naming what is missing."""
-    from backends.tvm.target import target_dict
-    from partitioner.errors import PartitionerError
     from partitioner.runtime.cuda_devices import gpu_mismatch, visible_gpus
 
-    gpus = visible_gpus()
+    gpus = visible_gpus()  # first, and cheap: the driver alone, before TVM is imported
     if not gpus:
         raise CheckRefused("gpu-check: no CUDA GPU is visible on this machine (no driver, no device, or "
                            "CUDA_VISIBLE_DEVICES is empty); run it on a machine with a GPU")
+    from backends.tvm.target import target_dict
+    from partitioner.errors import PartitionerError
+
     try:
         tdict = target_dict(target)
     except PartitionerError as e:
