@@ -6,14 +6,14 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables clean train-demo
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables gpu-check clean train-demo
 
 all: test
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,cuda]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -65,6 +65,12 @@ fuzz: $(STAMP)
 ## that a second compile reuses the database without tuning (about 70 s; CI runs it).
 tune-smoke: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/backends/test_tvm_tuning.py
+
+## The device check, on a machine with a GPU (under 10 minutes): the zoo resnet, bert and gpt built
+## for 1 and 2 GPUs (h200 target), run with a check against ONNX Runtime and timed against its
+## CUDA provider; writes benchmarks/results/gpu.json. Without a GPU it stops with one line (exit 2).
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)

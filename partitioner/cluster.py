@@ -20,6 +20,11 @@ Published numbers used by the presets (dense, no sparsity):
   (A100 HGX): 600 GB/s bidirectional = 300 GB/s each way.
 - Networks: one 400 Gb/s NDR InfiniBand NIC per GPU (H200 DGX) = 50 GB/s; one 200 Gb/s HDR
   NIC per GPU (DGX A100) = 25 GB/s.
+- NVIDIA L4 (L4 datasheet, 2023): 30.3 TFLOP/s FP32, 121 TFLOP/s FP16/BF16 tensor, 242 TOPS
+  INT8 (dense), 24 GB GDDR6 at 300 GB/s; no NVLink: PCIe Gen4 x16 (~25 GB/s achieved each way),
+  100 Gb/s Ethernet between nodes (12.5 GB/s).
+- ``arch``: the CUDA compute capability the TVM target compiles for (``backends/tvm/target.py``
+  reads this table: sm_90 Hopper, sm_80 Ampere A100, sm_89 Ada L4).
 - Edge: a Cortex-A78-class CPU cluster (~50 GFLOP/s FP32) and a Jetson-Orin-class GPU
   (~5 TFLOP/s FP32, ~10 FP16) on 1 Gb/s Ethernet.
 
@@ -353,11 +358,23 @@ def _parse(data: Any, source: str) -> Cluster:
 
 # ---- presets ---------------------------------------------------------------------------------
 
-PRESETS = ("cpu:N", "local", "h100x8", "h200x8", "h200:4x8", "a100:16x8", "edge")
+PRESETS = ("cpu:N", "local", "h100x8", "h200x8", "h200:4x8", "a100:16x8", "l4x4", "edge")
 
 _GPU_SPECS: dict[str, dict[str, Any]] = {
     kind: {**spec, "intra": LinkLevel(*spec["intra"]), "inter": LinkLevel(*spec["inter"])}
     for kind, spec in hardware.GPU_SPECS.items()}
+
+
+def gpu_spec(kind: str) -> dict[str, Any]:
+    """The preset numbers of one GPU model (``h100``, ``h200``, ``a100``, ``l4``): ``peak``
+    (FLOP/s per dtype), ``mem`` and ``bw`` (bytes, B/s), ``intra``/``inter`` links and ``arch``.
+    The one table both the cluster presets and the GPU compile targets read."""
+    try:
+        return _GPU_SPECS[kind]
+    except KeyError:
+        raise ClusterError(f"unknown GPU {kind!r}: use one of {', '.join(_GPU_SPECS)}") from None
+
+
 GPU_EFFICIENCY = hardware.GPU_EFFICIENCY
 GPU_LAUNCH_OVERHEAD_S = hardware.GPU_LAUNCH_OVERHEAD_S
 
@@ -479,7 +496,7 @@ def preset(spec: str) -> Cluster:
         return local_cluster(int(m.group(1)) if m.group(1) else None)
     if s == "edge":
         return edge_cluster()
-    m = re.fullmatch(r"(h100|h200|a100)(?:x(\d+)|:(\d+)x(\d+))", s)
+    m = re.fullmatch(r"(h100|h200|a100|l4)(?:x(\d+)|:(\d+)x(\d+))", s)
     if m:
         kind = m.group(1)
         nodes, per = (1, int(m.group(2))) if m.group(2) else (int(m.group(3)), int(m.group(4)))
@@ -487,7 +504,7 @@ def preset(spec: str) -> Cluster:
             raise ClusterError(f"cluster preset {spec!r}: node and GPU counts must be at least 1")
         return gpu_cluster(kind, nodes, per)
     raise ClusterError(f"unknown cluster preset {spec!r}: use one of {', '.join(PRESETS)} "
-                       f"(or h100/h200/a100 as NAMExG or NAME:NxG), or a cluster .json file")
+                       f"(or h100/h200/a100/l4 as NAMExG or NAME:NxG), or a cluster .json file")
 
 
 def resolve_cluster(cluster: Cluster | str | int | None) -> Cluster:

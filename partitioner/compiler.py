@@ -88,7 +88,8 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
 
     ``model``: an .onnx path, an ``onnx.ModelProto``, a zoo name or an (already prepared)
     ``onnx_ir.Model``. ``cluster``: a :class:`partitioner.cluster.Cluster`, a spec string
-    (``"cpu:2"``, a file, a preset) or None (``cpu:1``). ``out_dir``: where to write; a fresh
+    (``"cpu:2"``, a file, a preset), a device count N or None (1): ``cpu:N``, or for a GPU
+    ``target`` N of that GPU (``"h200"`` -> ``h200xN``). ``out_dir``: where to write; a fresh
     temporary directory when None (``Artifact.save`` copies it elsewhere). ``build_options``: the
     backend's options, e.g. ``{"tune_trials": 64, "tuning_db": "db/"}`` or ``{"pipeline": "zero"}``
     for TVM (``backends/tvm/build.py``). ``source``: the model
@@ -112,6 +113,10 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     else:
         prepared, raw_source = prepare(model, batch=batch, shapes=shapes, passes=passes, keep_source=source is None)
         source = source if source is not None else raw_source
+    if (cluster is None or isinstance(cluster, int)) and backend == "tvm" and target is not None:
+        from backends.tvm.target import gpu_cluster_spec  # a GPU target plans for N of that GPU
+
+        cluster = gpu_cluster_spec(target, cluster or 1) or cluster
     cluster_obj = resolve_cluster(cluster)
     result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
                        memory_limit=memory_limit)

@@ -8,7 +8,9 @@ Rules:
    ``export_library``. With ``options["tune_trials"] > 0`` the fused kernels are first tuned
    with MetaSchedule into ``options["tuning_db"]`` (see :mod:`backends.tvm.tuning`); a
    database that already covers every kernel is applied without tuning again. On CUDA the
-   dlight GPU default schedules are applied, since unscheduled kernels do not run on a GPU.
+   same pipeline schedules with dlight's GPU rules (:mod:`backends.tvm.schedules.gpu`), since
+   unscheduled kernels do not build for a GPU; the build cross-compiles with NVRTC and needs no
+   GPU, tuning for CUDA does (it times candidates).
 2. Many ranks (:func:`build_all`): ranks whose programs are byte-identical once the graph name
    is cleared are compiled once and the library copied; distinct programs compile in parallel,
    each in a fresh ``python -m backends.tvm.compile_worker`` process (see that module for why
@@ -38,7 +40,8 @@ from partitioner.core.files import sha256_file
 
 from .lower import lower_program
 from .progress import BuildProgress
-from .target import target_dict
+from .schedules.gpu import cuda_kernel_count
+from .target import gpu_facts, target_dict
 
 NAME = "tvm"
 FILE_SUFFIX = ".so"
@@ -64,13 +67,6 @@ def _versions() -> dict[str, str]:
     return {"tvm": str(tvm.__version__), "onnx": onnx.__version__}
 
 
-def _gpu_schedules(mod: Any, target: Any) -> Any:
-    from tvm.s_tir import dlight as dl
-
-    with target:
-        return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
-
-
 def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Run the CPU pipeline; tune into / apply the tuning database when options ask for it."""
     from .pipeline import run_pipeline
@@ -82,6 +78,10 @@ def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -
 
     if conv not in ALGORITHMS:
         raise BackendError(f"unknown conv_algorithm {conv!r}; use one of {', '.join(ALGORITHMS)}")
+    if trials > 0 and str(target.kind.name) == "cuda":
+        from .schedules.gpu import require_gpu_for_tuning
+
+        require_gpu_for_tuning(target)
     if trials <= 0 and not db_dir:
         facts: dict[str, Any] = {}
         return run_pipeline(mod, pipeline, target, conv_algorithm=conv, facts=facts), facts
@@ -105,7 +105,6 @@ def build_one(
 ) -> dict[str, Any]:
     """Build one rank with an already-resolved target dict; ``report(stage)`` tracks progress."""
     import tvm
-    from tvm import relax
 
     options = dict(options or {})
     pipeline = options.get("pipeline", DEFAULT_PIPELINE)
@@ -123,11 +122,10 @@ def build_one(
     t0 = time.perf_counter()
     try:
         target = tvm.target.Target(tdict)
-        if tdict.get("kind") == "cuda":
-            mod = _gpu_schedules(relax.get_pipeline("zero")(lowered.mod), target)
-        else:
-            mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
+        # one pipeline for both (backends/tvm/pipeline.py): on CUDA it schedules with dlight's GPU rules
+        mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
         conv_used = tuning.pop("conv_algorithms", None)
+        prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
         ex = tvm.compile(mod, target)
     except PartitionerError:
         raise
@@ -157,6 +155,8 @@ def build_one(
         "sha256": sha256_file(out_path),
         "bytes": out_path.stat().st_size,
         "target": dict(tdict),
+        **({"gpu": {**(gpu_facts(tdict) or {}), "kernels": cuda_kernel_count(ex.mod), "prim_funcs": prim_funcs}}
+           if tdict.get("kind") == "cuda" else {}),
         "pipeline": pipeline,
         "tuned": bool(tuning.get("tuned", False)),
         **({"tuning": tuning} if tuning else {}),

@@ -10,7 +10,9 @@ Rules:
    threads of one process (tests, the in-process runner), each seeing its own communicator.
 3. Tensors cross the boundary without copies on the CPU: ``np.from_dlpack(inp)`` and
    ``np.copyto(np.from_dlpack(out), result)`` (a ``Recv`` receives straight into the output tensor
-   when the communicator has ``recv_into``); device tensors go through ``.numpy()``/``copyfrom``.
+   when the communicator has ``recv_into``); GPU tensors go to :mod:`backends.tvm.device_comm`
+   (NCCL on device pointers, or staged through host memory over MPI). A CUDA library runs on GPU
+   ``local rank % GPU count`` (:func:`cuda_device_index`).
    One exception: ``Send`` copies its input before the non-blocking send, because the VM's static
    memory plan may reuse that storage for a later tensor of the same call (or the next call may
    overwrite a persistent input buffer) while the message is still in flight.
@@ -53,7 +55,7 @@ import onnx
 from partitioner.core.comm_ops import OPS, CommOp, Communicator, execute
 from partitioner.core.errors import BackendError, InputError, PartitionerError, RunFailed
 
-from . import fallback
+from . import device_comm, fallback
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
 
 _local = threading.local()
@@ -120,7 +122,10 @@ def _handler(op_type: str):
             else:
                 op = ops[int(args[-1])]
                 tensors = args[:-1]
-            arrays = [np.from_dlpack(t) if on_cpu else t.numpy() for t in tensors]
+            if not on_cpu:  # GPU tensors: NCCL, or staged through host memory (device_comm.py)
+                device_comm.run_on_device(op, tensors, out if has_out else None, comm)
+                return
+            arrays = [np.from_dlpack(t) for t in tensors]
             if not has_out:  # see rule 3: the storage may be reused while the Isend is in flight
                 arrays = [np.array(a, copy=True) for a in arrays]
             results = execute(op, arrays, comm)
@@ -168,7 +173,7 @@ class TvmRankExecutable:
             lib = tvm.runtime.load_module(str(self.path))
         except Exception as e:
             raise BackendError(f"{self.path}: TVM cannot load this library ({str(e).strip().splitlines()[-1] if str(e).strip() else e}); rebuild it with this TVM version") from None
-        self.device = tvm.cuda(0) if _has_cuda_code(lib) else tvm.cpu(0)
+        self.device = tvm.cuda(cuda_device_index()) if _has_cuda_code(lib) else tvm.cpu(0)
         self._vm = relax.VirtualMachine(lib, self.device)
         self._main = self._vm["main"]
         init_names = {t.name for t in program.graph.initializer}
@@ -266,6 +271,17 @@ def _output_array(v: Any, *, copy: bool = False) -> np.ndarray:
         except (RuntimeError, BufferError, TypeError, ValueError):
             pass  # a dtype numpy's DLPack import lacks
     return v.numpy()
+
+
+LOCAL_RANK_ENV = "PARTITIONER_LOCAL_RANK"  # set by the worker: this rank's index on its host
+
+
+def cuda_device_index() -> int:
+    """The GPU of this rank: local rank modulo the visible GPU count (ranks of one host share
+    its GPUs round-robin; see partitioner/runtime/cuda_devices.py rule 3)."""
+    from partitioner.runtime.cuda_devices import device_index, visible_gpus
+
+    return device_index(int(os.environ.get(LOCAL_RANK_ENV, "0") or 0), len(visible_gpus()))
 
 
 def _has_cuda_code(lib: Any) -> bool:

@@ -14,8 +14,9 @@ Phases, in order (:func:`passes`):
    polynomial versions (:func:`_fast_math_map`); then TVM's zero pipeline (LegalizeOps,
    AnnotateTIROpPattern, FoldConstant, FuseOps, FuseTIR), plus MetaScheduleApplyDatabase when a
    tuning database is current.
-4. ``schedule`` (CPU only): the default rules of :mod:`backends.tvm.schedules` for every
-   PrimFunc not already scheduled (a tuned function from the database is kept as tuned).
+4. ``schedule``: on the CPU the default rules of :mod:`backends.tvm.schedules`, on CUDA dlight's
+   GPU rules (:mod:`backends.tvm.schedules.gpu`), for every PrimFunc not already scheduled (a
+   tuned function from the database is kept as tuned).
 
 ``tvm.compile`` then runs the target's dataflow-lowering and finalisation phases.
 Pipelines by name: ``"zero"`` (TVM's zero pipeline alone, no schedules) and ``"scheduled"``
@@ -101,11 +102,14 @@ def legalize_passes(target: Any) -> list[Any]:
 
 
 def schedule_passes(target: Any) -> list[Any]:
-    if not _is_cpu(target):
-        return []
+    from tvm.s_tir import dlight as dl
+
+    if not _is_cpu(target):  # CUDA: dlight's GPU rules (schedules/gpu.py); kernels must be bound to threads
+        from .schedules.gpu import gpu_rules
+
+        return [dl.ApplyDefaultSchedule(*gpu_rules(target))]
     from .schedules import default_rules
     from .schedules.gemm_packed import prepack_passes
-    from tvm.s_tir import dlight as dl
 
     # prepack_passes: constant weights packed by a schedule (GemmPacked) are packed at build time
     return [dl.ApplyDefaultSchedule(*default_rules(target)), *prepack_passes()]
@@ -115,8 +119,8 @@ def passes(name: str, target: Any) -> list[Any]:
     """The pass list of pipeline ``name`` for ``target`` (a ``tvm.target.Target``)."""
     from tvm import relax
 
-    if name == "zero":
-        return [relax.get_pipeline("zero")]
+    if name == "zero":  # on CUDA the GPU rules still run: an unbound kernel does not build
+        return [relax.get_pipeline("zero")] + ([] if _is_cpu(target) else schedule_passes(target))
     if name == "scheduled":
         return simplify_passes(target) + layout_passes(target) + legalize_passes(target) + schedule_passes(target)
     from partitioner.core.errors import BackendError

@@ -109,6 +109,12 @@ def cluster_from_args(args: argparse.Namespace) -> Any:
     devices = getattr(args, "devices", None)
     if devices is not None and devices < 1:
         raise UsageError("--devices must be at least 1")
+    if getattr(args, "target", None) and getattr(args, "backend", "tvm") == "tvm":
+        from backends.tvm.target import gpu_cluster_spec
+
+        gpu = gpu_cluster_spec(args.target, devices or 1)  # --target h200: plan for H200s, not CPU cores
+        if gpu is not None:
+            return resolve_cluster(gpu)
     return resolve_cluster(devices or 1)
 
 

@@ -12,7 +12,8 @@ What each rank does, in order:
    ``COMM_TYPE_SHARED`` or ``--ranks-per-host``) and sets ``TVM_NUM_THREADS`` /
    ``OMP_NUM_THREADS`` before the backend (and so TVM) is imported.
 3. Creates every collective group's communicator, in the manifest's global order.
-4. Loads its executable with ``backends.get_backend(manifest backend).load``.
+4. Loads its executable with ``backends.get_backend(manifest backend).load``; a GPU rank then
+   wraps its communicator with NCCL when that is selected (:mod:`partitioner.runtime.comm_nccl`).
 5. Reads the inputs (every rank reads the .npz itself) and keeps its own slices
    (:func:`scatter_inputs`), runs its micro-batches (:mod:`partitioner.runtime.schedule`).
 6. Sends its output slices to rank 0, which assembles them (:func:`gather_outputs`) and writes
@@ -174,6 +175,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
         check_trusted(args.artifact, args.trusted_key)  # before anything of the artifact is read
         art = load_artifact(args.artifact)
+        from partitioner.runtime.cuda_devices import require_matching_gpu
+
+        require_matching_gpu(art.manifest, str(args.artifact))
         if world.Get_size() != art.world_size:
             raise ArtifactError(f"{args.artifact}: built for {art.world_size} ranks but MPI started "
                                 f"{world.Get_size()}; run it with mpiexec -n {art.world_size}")
@@ -196,7 +200,15 @@ def run_worker(args: argparse.Namespace) -> int:
         phase = "load"
         from backends import get_backend
 
+        os.environ["PARTITIONER_LOCAL_RANK"] = str(local.Get_rank() % local_size)  # picks this rank's GPU
         exe = get_backend(art.backend).load(art.programs[rank], art.backend_file(rank), threads=threads)
+        if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
+            phase = "gpu comm"
+            from partitioner.runtime.comm_nccl import gpu_communicator
+            from partitioner.runtime.cuda_devices import visible_gpus
+
+            comm, report["gpu_comm"] = gpu_communicator(comm, art.manifest["comm_groups"], exe.device.index,
+                                                        shared_gpu=local_size > len(visible_gpus()))
         phase = "inputs"
         from partitioner.core.bindings import scatter_inputs
 
