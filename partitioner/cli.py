@@ -41,6 +41,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="partitioner", description="ONNX graph compiler and auto-partitioner.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    from partitioner import __version__
+
+    parser.add_argument("--version", action="version", version=f"partitioner {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod in _command_modules():
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)

@@ -111,6 +111,16 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
     assert "not an ONNX model" in proc.stderr
 
 
+def test_cli_version_names_the_package_version(capsys):
+    import partitioner
+    from partitioner.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"partitioner {partitioner.__version__}"
+
+
 def test_symbolic_batch_is_bound_by_option(tmp_path, capsys):
     path = tmp_path / "gpt.onnx"
     onnx.save(models_zoo.build("gpt", seq=8, symbolic_batch=True), path)
