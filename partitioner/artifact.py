@@ -42,7 +42,7 @@ import onnx
 
 from partitioner.bindings import Bindings
 from partitioner.comm_ops import CommOp, is_comm
-from partitioner.errors import ArtifactError, BackendError, PartitionerError
+from partitioner.errors import ArtifactError, BackendError, PartitionerError, UsageError
 from partitioner.segments import all_nodes
 
 FORMAT = "partitioner-artifact"
@@ -481,8 +481,12 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
             shapes: Mapping[str, Sequence[int]] | None = None, passes: Sequence[str] | None = None,
             fallback: str | None = None, jobs: int | None = None, progress: bool | None = None,
             source: onnx.ModelProto | bytes | None = None, source_path: str | None = None,
-            build_options: Mapping[str, Any] | None = None) -> Artifact:
+            build_options: Mapping[str, Any] | None = None,
+            constants: Mapping[str, Any] | None = None) -> Artifact:
     """Load, partition and build ``model`` into an artifact directory.
+
+    ``constants``: inputs bound to values (``{"sr": 16000}``, the CLI's ``--const``); they become
+    initializers, so the artifact no longer takes them as inputs.
 
     ``model``: an .onnx path, an ``onnx.ModelProto``, a zoo name or an (already prepared)
     ``onnx_ir.Model``. ``cluster``: a :class:`partitioner.cluster.Cluster`, a spec string
@@ -501,6 +505,9 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
         original_sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if isinstance(model, ir.Model):
+        if constants:
+            raise UsageError("constants= binds inputs while loading; pass a path or ModelProto, or load with "
+                             "partitioner.load(..., constants=...) first")
         prepared = model
         if source is None:
             source = ir.serde.serialize_model(model)
@@ -508,7 +515,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
         from partitioner.load import load
         from passes import run_pipeline
 
-        raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None)
+        raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None, constants=constants)
         if source is None:
             source = ir.serde.serialize_model(raw)  # before the passes: --check compares against this
         prepared = run_pipeline(raw, None if passes is None else list(passes))

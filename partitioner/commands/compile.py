@@ -49,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.load import load
     from passes import run_pipeline
 
-    raw = load(args.model, batch=args.batch, shapes=parse_shape_option(args.shape))
+    from partitioner.bind_inputs import parse_const_option
+
+    raw = load(args.model, batch=args.batch, shapes=parse_shape_option(args.shape),
+               constants=parse_const_option(args.const))
     source = ir.serde.serialize_model(raw)  # before the passes: `run --check` compares against it
     passes = None if args.passes is None else [s for s in args.passes.split(",") if s and s != "none"]
     model = run_pipeline(raw, passes)
