@@ -32,8 +32,10 @@ from partitioner import comm_ops
 from partitioner.bindings import Bindings, Placement, TensorBinding
 from partitioner.errors import PlanError, VerifyError
 from partitioner.lowering.model_view import ModelView, attr
+from partitioner.lowering.subgraph_reads import materialize_outer_reads, rename_outer_reads
 from partitioner.lowering.verify import verify_programs
 from partitioner.plan import Plan, Sharding
+from partitioner.segments import node_reads
 
 __all__ = ["lower", "verify_programs", "LoweredProgram"]
 
@@ -289,12 +291,14 @@ class _Lowerer:
                 raise PlanError(f"node {node.name!r}: input {name!r} has no layout on the node's ranks {list(np_.ranks)}")
             local_in.append(self.materialize(name, req))
         base = ir.serde.serialize_node(node)
+        outer_reads = materialize_outer_reads(self, base, tuple(np_.ranks))  # If/Loop subgraphs' reads
         out_shapes = [self.local_shape(o, s) if s is not None else None for o, s in zip(outs, np_.outputs)]
         for k, r in enumerate(np_.ranks):
             proto = onnx.NodeProto()
             proto.CopyFrom(base)
             del proto.device_configurations[:]
             proto.input[:] = [local_in[i][r] if n else "" for i, n in enumerate(ins)]
+            rename_outer_reads(proto, outer_reads[r])
             if np_.rule == "bias_on_first" and k > 0 and len(proto.input) > 2:
                 del proto.input[2:]
             if np_.rule == "spatial":
@@ -415,7 +419,7 @@ class _Lowerer:
         for node in reversed(rk.nodes):
             if node.domain == comm_ops.DOMAIN or any(o in live for o in node.output):
                 kept.append(node)
-                live.update(i for i in node.input if i)
+                live.update(node_reads(node))
         rk.nodes = kept[::-1]
         rk.inits = {k: v for k, v in rk.inits.items() if k in live}
         used = live | set(rk.inputs)
