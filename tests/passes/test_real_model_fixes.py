@@ -218,3 +218,33 @@ def test_data_dependent_intermediate_dims_name_the_input_to_bind():
     assert list(prepared.graph.outputs[0].shape) == [4, 3]
     x = np.random.default_rng(5).standard_normal((2, 6)).astype(np.float32)
     _check_against_ort(m, prepared, {"x": x}, {"k": np.array([3], np.int64)})
+
+
+def _dynamic_if_reading_outer_values() -> onnx.ModelProto:
+    """An If on a data-dependent condition (openwakeword's verifier head) whose branches read an
+    outer weight and return an outer value as is: it stays an If."""
+    then_g = h.make_graph([h.make_node("MatMul", ["a", "w"], ["t"])], "then", [],
+                          [h.make_tensor_value_info("t", T.FLOAT, [2, 4])])
+    else_g = h.make_graph([h.make_node("Identity", ["a"], ["e"])], "else", [],
+                          [h.make_tensor_value_info("e", T.FLOAT, [2, 4])])  # identity_elimination drops it
+    nodes = [h.make_node("Relu", ["x"], ["r"]), h.make_node("Sigmoid", ["r"], ["a"]),
+             h.make_node("ReduceMax", ["a"], ["mx"], keepdims=0),
+             h.make_node("Greater", ["mx", "half"], ["c"]),
+             h.make_node("If", ["c"], ["b"], name="verifier", then_branch=then_g, else_branch=else_g),
+             h.make_node("Add", ["b", "a"], ["y"])]
+    rng = np.random.default_rng(6)
+    return _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, [2, 4])], [h.make_tensor_value_info("y", T.FLOAT, [2, 4])],
+                  [nh.from_array(rng.standard_normal((4, 4)).astype(np.float32), "w"),
+                   nh.from_array(np.array(0.7, np.float32), "half")])
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "auto"])
+def test_dynamic_if_reading_outer_values_runs_partitioned(strategy, tmp_path):
+    from partitioner.artifact import compile as compile_artifact, load_artifact
+    from partitioner.runtime.launch import run_in_process
+
+    m = _dynamic_if_reading_outer_values()
+    art = compile_artifact(m, "cpu:2", strategy=strategy, backend="onnxruntime", out_dir=tmp_path / "a", progress=False)
+    for x in (np.full((2, 4), -3.0, np.float32), np.random.default_rng(7).standard_normal((2, 4)).astype(np.float32) + 2):
+        got, _ = run_in_process(load_artifact(art.root), {"x": x}, timeout=120)
+        np.testing.assert_allclose(got["y"], _ort(m, {"x": x})[0], rtol=1e-6, atol=1e-6)
