@@ -84,7 +84,7 @@ def run_model(model: dict[str, Any], work: Path, *, repeat: int, timeout: int) -
         return rec
     bind = binding_args(model)
     ok, data, reason, dt = _step([*_cli(), "inspect", path, *bind, "--json"], timeout)
-    rec["inspect"] = {"ok": ok, "reason": reason, "seconds": round(dt, 2)}
+    rec["inspect"] = {"ok": ok, "reason": reason}
     if not ok:
         rec["error"] = f"inspect: {reason}"
         return rec
@@ -99,7 +99,7 @@ def run_model(model: dict[str, Any], work: Path, *, repeat: int, timeout: int) -
         out = work / f"{model['id']}_{key}"
         ok, data, reason, dt = _step([*_cli(), "compile", path, *bind, "-o", str(out), "--devices", str(devices),
                                       "--strategy", strategy, "--json"], timeout)
-        build: dict[str, Any] = {"compile": ok, "compile_s": round(dt, 1), "reason": reason}
+        build: dict[str, Any] = {"compile": ok, "reason": reason}
         if ok:
             build["strategy"] = (data or {}).get("plan_summary", {}).get("strategy")
             ok, data, reason, _ = _step([*_cli(), "run", str(out), "--check", "--json", "--rtol", str(tol["rtol"]),
@@ -110,7 +110,7 @@ def run_model(model: dict[str, Any], work: Path, *, repeat: int, timeout: int) -
             build["reason"] = "" if build["check"] else (reason or "mismatch against ONNX Runtime")
         rec["builds"][key] = build
     one = rec["builds"]["1dev_auto"]
-    if one.get("check"):
+    if one.get("check") and repeat > 0:
         ok, data, reason, _ = _step([*_cli(), "bench", str(work / f"{model['id']}_1dev_auto"), "--baseline",
                                      "onnxruntime", "--repeat", str(repeat), "--json"], timeout)
         if ok and data:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="comma-separated model ids")
     ap.add_argument("--fast", action="store_true", help="only the models the fast suite runs")
-    ap.add_argument("--repeat", type=int, default=20, help="bench repetitions (default 20)")
+    ap.add_argument("--repeat", type=int, default=20, help="bench repetitions (default 20; 0 skips the bench)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per CLI step (default 1800)")
     ap.add_argument("--markdown", action="store_true", help="print the README table from the results JSON")
     ap.add_argument("-o", "--output", default=str(RESULTS), help="results JSON")
@@ -137,32 +137,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = [m for m in corpus() if not args.fast or not m["slow"]]
     if args.only:
-        want = set(args.only.split(","))
-        models = [m for m in models if m["id"] in want]
+        by_id = {m["id"]: m for m in models}
+        models = [by_id[i] for i in args.only.split(",") if i in by_id]  # in the order given
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         def tqdm(x, **_):  # type: ignore[no-redef]
             return x
     records = []
+    out = Path(args.output)
     with tempfile.TemporaryDirectory(prefix="real_models_") as tmp:
         for m in tqdm(models, desc="real models", unit="model"):
             rec = run_model(m, Path(tmp), repeat=args.repeat, timeout=args.timeout)
             records.append(rec)
             print(f"{m['id']}: {_summary(rec)}", file=sys.stderr, flush=True)
-    out = Path(args.output)
+            _write(out, [rec])  # after each model: a long run interrupted keeps what it measured
+    print(f"wrote {out}", file=sys.stderr)
+    ok = all(all(b.get("check") for b in r.get("builds", {}).values()) and r.get("builds") for r in records)
+    return 0 if ok else 1
+
+
+def _write(out: Path, records: list[dict[str, Any]]) -> None:
+    """Merge ``records`` into the results file (other models' entries are kept), in corpus order."""
     old = json.loads(out.read_text()) if out.is_file() else {}
     merged = {r["id"]: r for r in old.get("models", [])}
     merged.update({r["id"]: r for r in records})
     order = [m["id"] for m in corpus()]
     doc = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "load_average_1_5_15min": list(os.getloadavg())},
+                       "load_average_1_5_15min": [round(x, 1) for x in os.getloadavg()]},
            "models": [merged[i] for i in order if i in merged]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {out}", file=sys.stderr)
-    ok = all(all(b.get("check") for b in r.get("builds", {}).values()) and r.get("builds") for r in records)
-    return 0 if ok else 1
 
 
 def _summary(rec: dict[str, Any]) -> str:
@@ -196,15 +201,18 @@ def markdown(path: Path) -> str:
             continue
         b = r.get("builds", {})
         two = f"{_cell(b.get('2dev_auto'))} / {_cell(b.get('2dev_pipeline'))}"
-        speed = (r.get("bench") or {}).get("tvm_over_ort_speed")
+        speed = (r.get("bench") or {}).get("tvm_over_ort_speed")  # absent: not benched (--repeat 0)
         rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | {len(r.get('ops', []))} | "
                     f"{r.get('nodes', '–')} | {_cell(b.get('1dev_auto'))} | {two} | "
                     f"{f'{speed:.2f}x' if speed else '–'} |")
     m = doc.get("machine", {})
     rows.append("")
+    benched = any((r.get("bench") or {}).get("tvm_over_ort_speed") for r in doc.get("models", []))
+    speed_note = ("Speed: ONNX Runtime time / TVM time, 1 device (above 1 means TVM is faster)." if benched else
+                  "Speed not measured in this run (`--repeat 0`, a loaded machine): `make real-models` on a quiet "
+                  "machine fills it.")
     rows.append(f"_{len(doc.get('models', []))} models; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
-                f"load {m.get('load_average_1_5_15min', ['?'])[0]}. Speed: ONNX Runtime time / TVM time, 1 device "
-                "(above 1 means TVM is faster)._")
+                f"load {m.get('load_average_1_5_15min', ['?'])[0]}. {speed_note}_")
     return "\n".join(rows)
 
 
