@@ -183,7 +183,15 @@ def _cell(build: dict[str, Any] | None) -> str:
     if build.get("check"):
         return "ok"
     stage = "compile" if not build.get("compile") else "run/check"
-    return f"fails ({stage}): {build.get('reason', '')[:120]}".replace("|", "\\|")
+    return f"fails ({stage}): {_short(build.get('reason', ''))}".replace("|", "\\|")
+
+
+def _short(reason: str) -> str:
+    """The reason without the per-rank graph name and the advice tail, at most 100 characters."""
+    import re
+
+    reason = re.sub(r"^graph '[^']*': ", "", reason).split("; use ")[0]
+    return reason if len(reason) <= 100 else reason[:99] + "…"
 
 
 def markdown(path: Path) -> str:
@@ -194,13 +202,19 @@ def markdown(path: Path) -> str:
     doc = json.loads(path.read_text(encoding="utf-8"))
     rows = ["| model | package | exporter | ops | nodes | 1 device | 2 devices (auto / pipeline) | TVM/ORT speed |",
             "|---|---|---|---:|---:|---|---|---:|"]
-    for r in doc.get("models", []):
+    have = {r["id"]: r for r in doc.get("models", [])}
+    for m in corpus():
+        r = have.get(m["id"])
+        if r is None:
+            rows.append(f"| {m['id']} | {m['package']} {m['version']} | {m['exporter']} | – | – | not run yet | – | – |")
+            continue
         if r.get("error"):
             why = r["error"][:160].replace("|", "\\|")
             rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | – | – | fails: {why} | – | – |")
             continue
         b = r.get("builds", {})
-        two = f"{_cell(b.get('2dev_auto'))} / {_cell(b.get('2dev_pipeline'))}"
+        auto, pipe = _cell(b.get("2dev_auto")), _cell(b.get("2dev_pipeline"))
+        two = auto if auto == pipe else f"{auto} / {pipe}"
         speed = (r.get("bench") or {}).get("tvm_over_ort_speed")  # absent: not benched (--repeat 0)
         rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | {len(r.get('ops', []))} | "
                     f"{r.get('nodes', '–')} | {_cell(b.get('1dev_auto'))} | {two} | "
@@ -211,7 +225,7 @@ def markdown(path: Path) -> str:
     speed_note = ("Speed: ONNX Runtime time / TVM time, 1 device (above 1 means TVM is faster)." if benched else
                   "Speed not measured in this run (`--repeat 0`, a loaded machine): `make real-models` on a quiet "
                   "machine fills it.")
-    rows.append(f"_{len(doc.get('models', []))} models; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+    rows.append(f"_{len(have)} of {len(corpus())} models run; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
                 f"load {m.get('load_average_1_5_15min', ['?'])[0]}. {speed_note}_")
     return "\n".join(rows)
 
