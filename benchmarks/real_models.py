@@ -186,6 +186,14 @@ def _cell(build: dict[str, Any] | None) -> str:
     return f"fails ({stage}): {_short(build.get('reason', ''))}".replace("|", "\\|")
 
 
+def _short_error(error: str) -> str:
+    """A load/pass error without the pass-manager preamble, at most 200 characters."""
+    import re
+
+    error = re.sub(r"pass '[^']+' failed \(after: [^)]*\): ", "", error)
+    return error if len(error) <= 200 else error[:199] + "…"
+
+
 def _short(reason: str) -> str:
     """The reason without the per-rank graph name and the advice tail, at most 100 characters."""
     import re
@@ -209,7 +217,7 @@ def markdown(path: Path) -> str:
             rows.append(f"| {m['id']} | {m['package']} {m['version']} | {m['exporter']} | – | – | not run yet | – | – |")
             continue
         if r.get("error"):
-            why = r["error"][:160].replace("|", "\\|")
+            why = _short_error(r["error"]).replace("|", "\\|")
             rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | – | – | fails: {why} | – | – |")
             continue
         b = r.get("builds", {})
