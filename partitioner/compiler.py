@@ -28,7 +28,7 @@ import onnx
 
 from partitioner import artifact as _artifact
 from partitioner.core.bindings import Bindings
-from partitioner.core.errors import BackendError, PartitionerError
+from partitioner.core.errors import BackendError, PartitionerError, UsageError
 from partitioner.core.files import sha256_file
 
 
@@ -56,15 +56,17 @@ def load_artifact(directory: str | os.PathLike[str]) -> Artifact:
 
 def prepare(model: Any, *, batch: int | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
             passes: Sequence[str] | None = None, keep_source: bool = False,
-            shapes_only: bool = False) -> tuple[Any, onnx.ModelProto | None]:
+            shapes_only: bool = False,
+            constants: Mapping[str, Any] | None = None) -> tuple[Any, onnx.ModelProto | None]:
     """Rule 1: load and validate ``model``, bind shapes, run ``passes`` (None: the default
     clean-up pipeline). Returns the prepared ``onnx_ir.Model`` and, with ``keep_source``, the
     model as loaded, before the passes (what ``run --check`` compares against). ``shapes_only``
-    accepts a model whose external data file is absent (docs/large_models.md)."""
+    accepts a model whose external data file is absent (docs/large_models.md); ``constants``
+    binds inputs to values (``--const``; :mod:`partitioner.bind_inputs`)."""
     from partitioner.load import load
 
     raw = load(model, batch=batch, shapes=dict(shapes) if shapes else None,  # refuse bad input first
-               shapes_only=shapes_only)
+               shapes_only=shapes_only, constants=constants)
     import onnx_ir as ir
 
     from passes import run_pipeline
@@ -83,7 +85,8 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
             shapes: Mapping[str, Sequence[int]] | None = None, passes: Sequence[str] | None = None,
             fallback: str | None = None, jobs: int | None = None, progress: bool | None = None,
             source: onnx.ModelProto | bytes | None = None, source_path: str | None = None,
-            build_options: Mapping[str, Any] | None = None) -> Artifact:
+            build_options: Mapping[str, Any] | None = None,
+            constants: Mapping[str, Any] | None = None) -> Artifact:
     """Load, partition and build ``model`` into an artifact directory.
 
     ``model``: an .onnx path, an ``onnx.ModelProto``, a zoo name or an (already prepared)
@@ -94,6 +97,8 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     backend's options, e.g. ``{"tune_trials": 64, "tuning_db": "db/"}`` or ``{"pipeline": "zero"}``
     for TVM (``backends/tvm/build.py``). ``source``: the model
     ``run --check`` compares against (default: ``model`` as loaded, before the passes).
+    ``constants``: inputs bound to values (``{"sr": 16000}``, the CLI's ``--const``); they become
+    initializers, so the artifact no longer takes them as inputs.
     """
     import onnx_ir as ir
 
@@ -105,13 +110,17 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
         original_sha = sha256_file(path)
     if isinstance(model, ir.Model):
+        if constants:
+            raise UsageError("constants= binds inputs while loading; pass a path or ModelProto, or load with "
+                             "partitioner.load(..., constants=...) first")
         from partitioner.lowering.lazy_weights import read_in_external
 
         prepared = read_in_external(model)  # lazy weights are read in: the build holds them all today
         if source is None:
             source = ir.serde.serialize_model(model)
     else:
-        prepared, raw_source = prepare(model, batch=batch, shapes=shapes, passes=passes, keep_source=source is None)
+        prepared, raw_source = prepare(model, batch=batch, shapes=shapes, passes=passes, keep_source=source is None,
+                                       constants=constants)
         source = source if source is not None else raw_source
     if (cluster is None or isinstance(cluster, int)) and backend == "tvm" and target is not None:
         from backends.tvm.target import gpu_cluster_spec  # a GPU target plans for N of that GPU

@@ -25,7 +25,9 @@ node or tensor):
 4. Allocation bombs: no tensor (initializer, ConstantOfShape/Expand output in any graph or
    subgraph, any graph input or inferred value) may exceed ``max_elements`` elements; checked
    before anything is allocated.
-5. Dynamic dimensions are bound with ``batch`` / ``shapes``; then ``onnx.checker`` with
+5. Legacy ``-1`` dimensions become unknown; inputs named in ``constants`` become initializers;
+   dynamic dimensions are bound with ``batch`` / ``shapes`` (every unbound one listed at once,
+   :mod:`partitioner.bind_inputs`); then ``onnx.checker`` with
    ``full_check=True`` and strict shape inference run.
 
 Any other exception raised on hostile bytes becomes a one-line ModelLoadError ("malformed
@@ -47,6 +49,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
+from partitioner.bind_inputs import bind_constants, bind_dims, clear_legacy_dims
 from partitioner.core.errors import ModelLoadError, PartitionerError, UnsupportedOpError
 
 MIN_OPSET = 7
@@ -67,14 +70,16 @@ def load(
     shapes: Mapping[str, Sequence[int]] | None = None,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     shapes_only: bool = False,
+    constants: Mapping[str, Any] | None = None,
 ) -> ir.Model:
     """Load, validate and shape-infer a model. Returns an onnx-ir model with static shapes.
 
     Large external initializers stay lazy (``ir.ExternalTensor`` with its folder set), so a model
     of any size loads in the memory of its graph; ``shapes_only`` accepts absent data files.
+    ``constants`` binds inputs to values (``--const``; :mod:`partitioner.bind_inputs`).
     """
     proto, base_dir = _load_checked(source, batch=batch, shapes=shapes, max_elements=max_elements,
-                                    shapes_only=shapes_only)
+                                    shapes_only=shapes_only, constants=constants)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as exc:
@@ -92,13 +97,15 @@ def load_proto(
     shapes: Mapping[str, Sequence[int]] | None = None,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     shapes_only: bool = False,
+    constants: Mapping[str, Any] | None = None,
 ) -> onnx.ModelProto:
     """Like :func:`load` but returns the validated, shape-inferred ``ModelProto``.
 
     Large external initializers remain external references (location relative to the model's
     folder), as in :func:`load`.
     """
-    return _load_checked(source, batch=batch, shapes=shapes, max_elements=max_elements, shapes_only=shapes_only)[0]
+    return _load_checked(source, batch=batch, shapes=shapes, max_elements=max_elements, shapes_only=shapes_only,
+                         constants=constants)[0]
 
 
 def _load_checked(
@@ -108,6 +115,7 @@ def _load_checked(
     shapes: Mapping[str, Sequence[int]] | None,
     max_elements: int,
     shapes_only: bool,
+    constants: Mapping[str, Any] | None = None,
 ) -> tuple[onnx.ModelProto, Path | None]:
     """The checks of the module docstring; returns the proto and the model's folder.
 
@@ -121,6 +129,8 @@ def _load_checked(
         _check_structure(proto, label)
         _resolve_tensor_data(proto, label, base_dir, max_elements, shapes_only)
         _guard_constant_of_shape(proto, label, max_elements)
+        clear_legacy_dims(proto)
+        bind_constants(proto, label, dict(constants or {}))
         _bind_dims(proto, label, batch, dict(shapes or {}))
         proto = _check_and_infer(proto, label)
         _guard_inferred_sizes(proto, label, max_elements)
@@ -513,49 +523,8 @@ def _guard_inferred_sizes(proto: onnx.ModelProto, label: str, max_elements: int)
 # 5. shapes, checker, inference -----------------------------------------------------------------
 
 def _bind_dims(proto: onnx.ModelProto, label: str, batch: int | None, shapes: dict[str, list[int]]) -> None:
-    g = proto.graph
-    inits = {t.name for t in g.initializer}
-    real_inputs = [i for i in g.input if i.name not in inits]
-    names = {i.name for i in real_inputs}
-    unknown = [n for n in shapes if n not in names]
-    if unknown:
-        raise ModelLoadError(f"{label}: --shape names unknown input(s) {', '.join(unknown)}; inputs are {', '.join(sorted(names))}")
-    if batch is not None and batch < 1:
-        raise ModelLoadError(f"{label}: --batch must be at least 1")
-    params: dict[str, int] = {}
-    for vi in real_inputs:
-        dims = vi.type.tensor_type.shape.dim
-        if vi.name in shapes:
-            want = shapes[vi.name]
-            if len(want) != len(dims):
-                raise ModelLoadError(f"{label}: --shape {vi.name}: {len(want)} dims given but the input has rank {len(dims)}")
-            for d, w in zip(dims, want):
-                if d.HasField("dim_value") and d.dim_value != w:
-                    raise ModelLoadError(f"{label}: --shape {vi.name}: dimension {d.dim_value} is fixed, cannot bind {w}")
-                if d.HasField("dim_param"):
-                    params[d.dim_param] = w
-                d.dim_value = w
-        elif batch is not None and dims and not dims[0].HasField("dim_value"):
-            if dims[0].HasField("dim_param"):
-                params[dims[0].dim_param] = batch
-            dims[0].dim_value = batch
-    for vi in real_inputs:
-        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            if d.HasField("dim_param") and d.dim_param in params:
-                d.dim_value = params[d.dim_param]
-            if not d.HasField("dim_value"):
-                sym = d.dim_param or "?"
-                raise ModelLoadError(
-                    f"{label}: input {vi.name!r} has a symbolic dimension {sym!r} at axis {axis}; bind it with --batch N "
-                    f"or --shape {vi.name}=D0,D1,..."
-                )
-    for vi in list(g.output) + list(g.value_info):
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param"):
-                if d.dim_param in params:
-                    d.dim_value = params[d.dim_param]
-                else:
-                    d.Clear()
+    """Bind symbolic input dimensions (rules in :mod:`partitioner.bind_inputs`)."""
+    bind_dims(proto, label, batch, shapes)
 
 
 def _check_and_infer(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:

@@ -18,7 +18,9 @@ from passes import (  # noqa: F401
     constant_folding,
     dead_code_elimination,
     expand_recurrent,
+    fold_constant_if,
     fold_conv_batchnorm,
+    fold_shape_subgraphs,
     fuse_bias_activation,
     group_elementwise,
     identity_elimination,
@@ -50,6 +52,7 @@ __all__ = [
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "shape_inference",
     "constant_folding",
+    "fold_shape_subgraphs",  # inference + folding + constant If to a fixed point; names what stays dynamic
     "dead_code_elimination",
     "identity_elimination",
     "common_subexpression_elimination",

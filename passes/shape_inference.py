@@ -15,6 +15,9 @@ Rules:
    :class:`partitioner.core.errors.PassError` with ONNX's message instead of silently leaving the
    model unchanged, as onnx-ir's ``ShapeInferencePass`` does.
 
+4. Main-graph outputs whose declared shape is not fully static are given to ONNX without it
+   (their dims are re-derived; a wrong declared rank must not make strict inference fail).
+
 Invariant: the graph's structure (nodes, edges, names) is unchanged; only dtype and shape
 annotations get more precise. This is the pass that makes the pass manager require static shapes.
 """
@@ -45,6 +48,16 @@ def _strip_big_initializers(proto: onnx.ModelProto) -> None:
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     del graph.initializer[:]
     graph.initializer.extend(kept)
+
+
+def _drop_dynamic_output_shapes(proto: onnx.ModelProto) -> None:
+    """Rule 4: a graph output's declared shape that is not fully static is a hint ONNX re-derives;
+    exporters get it wrong (ddddocr declares rank 2 for a rank-3 Reshape output), and strict
+    inference would then refuse the model once the Reshape target folds."""
+    for out in proto.graph.output:
+        tt = out.type.tensor_type
+        if tt.HasField("shape") and not all(d.HasField("dim_value") for d in tt.shape.dim):
+            tt.ClearField("shape")
 
 
 def _merge_dims(old: ir.Shape | None, new: ir.Shape | None) -> ir.Shape | None:
@@ -96,6 +109,7 @@ class ShapeInference(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         proto = ir.serde.serialize_model(model)
         _strip_big_initializers(proto)
+        _drop_dynamic_output_shapes(proto)
         try:
             inferred = onnx.shape_inference.infer_shapes(
                 proto, check_type=True, strict_mode=True, data_prop=True

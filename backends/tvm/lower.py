@@ -111,7 +111,9 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     node of a chain writes the original output; intermediates are ``<output>__sum<k>``."""
     from onnx import helper, numpy_helper
 
-    program = _clip_as_selects(_fold_empty_reductions(program))
+    from .import_fixes import rewrite_one_hot
+
+    program = _clip_as_selects(_fold_empty_reductions(rewrite_one_hot(program)))
     g = program.graph
     if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program

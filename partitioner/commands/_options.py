@@ -53,6 +53,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None, help="bind the batch (first) dimension of symbolic inputs")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS",
                    help="bind an input's shape, e.g. --shape input=1,3,224,224 (repeatable)")
+    p.add_argument("--const", action="append", metavar="NAME=VALUE",
+                   help="bind an input to a value, e.g. --const sr=16000 or --const mask=1,0,1; the input "
+                        "becomes a constant and an If on it folds (repeatable)")
     p.add_argument("--passes", default=None,
                    help="comma-separated pass names to run instead of the default clean-up pipeline "
                         "('none' runs no pass)")
@@ -92,12 +95,14 @@ def load_model_from_args(args: argparse.Namespace, keep_source: bool = False) ->
     """Load (and validate) the MODEL argument, bind shapes and run the passes
     (:func:`partitioner.compiler.prepare`). Returns an ir.Model, or with ``keep_source`` the pair
     (ir.Model, the ModelProto as loaded before the passes)."""
+    from partitioner.bind_inputs import parse_const_option
     from partitioner.compiler import prepare
 
     model, source = prepare(args.model, batch=getattr(args, "batch", None),
                             shapes=parse_shape_option(getattr(args, "shape", None)),
                             passes=passes_from_args(args), keep_source=keep_source,
-                            shapes_only=getattr(args, "shapes_only", False))
+                            shapes_only=getattr(args, "shapes_only", False),
+                            constants=parse_const_option(getattr(args, "const", None)))
     return (model, source) if keep_source else model
 
 

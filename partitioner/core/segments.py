@@ -65,6 +65,7 @@ def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
             for n in g.node:
                 names.update(i for i in n.input if i and i not in local)
                 names.update(r for r in _subgraph_reads(n) if r not in local)
+            names.update(o.name for o in g.output if o.name not in local)  # an outer value returned as is
     return names
 
 

@@ -32,7 +32,9 @@ from partitioner.core import comm_ops
 from partitioner.core.bindings import Bindings, Placement, TensorBinding
 from partitioner.core.errors import PlanError, VerifyError
 from partitioner.core.model_view import ModelView, attr
+from partitioner.core.segments import node_reads
 from partitioner.lowering.lazy_weights import is_lazy, shard_reference
+from partitioner.lowering.subgraph_reads import materialize_outer_reads, rename_outer_reads
 from partitioner.core.plan import Plan, Sharding
 from partitioner.cost.resharding import COMM_OP, conversion
 from partitioner.lowering.verify import verify_programs
@@ -314,12 +316,14 @@ class _Lowerer(_Resharder):
                 raise PlanError(f"node {node.name!r}: input {name!r} has no layout on the node's ranks {list(np_.ranks)}")
             local_in.append(self.materialize(name, req))
         base = ir.serde.serialize_node(node)
+        outer_reads = materialize_outer_reads(self, base, tuple(np_.ranks))  # If/Loop subgraphs' reads
         out_shapes = [self.local_shape(o, s) if s is not None else None for o, s in zip(outs, np_.outputs)]
         for k, r in enumerate(np_.ranks):
             proto = onnx.NodeProto()
             proto.CopyFrom(base)
             del proto.device_configurations[:]
             proto.input[:] = [local_in[i][r] if n else "" for i, n in enumerate(ins)]
+            rename_outer_reads(proto, outer_reads[r])
             if np_.rule == "bias_on_first" and k > 0 and len(proto.input) > 2:
                 del proto.input[2:]
             if np_.rule == "spatial":
@@ -440,7 +444,7 @@ class _Lowerer(_Resharder):
         for node in reversed(rk.nodes):
             if node.domain == comm_ops.DOMAIN or any(o in live for o in node.output):
                 kept.append(node)
-                live.update(i for i in node.input if i)
+                live.update(node_reads(node))
         rk.nodes = kept[::-1]
         rk.inits = {k: v for k, v in rk.inits.items() if k in live}
         used = live | set(rk.inputs) | {o for n in rk.nodes for o in n.output}  # one set, not a scan per value

@@ -175,7 +175,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         check_trusted(args.artifact, args.trusted_key)  # before anything of the artifact is read
         art = load_artifact(args.artifact)
-        from partitioner.runtime.cuda_devices import require_matching_gpu
+        from backends.tvm.cuda_devices import require_matching_gpu
 
         require_matching_gpu(art.manifest, str(args.artifact))
         if world.Get_size() != art.world_size:
@@ -205,7 +205,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
             phase = "gpu comm"
             from partitioner.runtime.comm_nccl import gpu_communicator
-            from partitioner.runtime.cuda_devices import visible_gpus
+            from backends.tvm.cuda_devices import visible_gpus
 
             comm, report["gpu_comm"] = gpu_communicator(comm, art.manifest["comm_groups"], exe.device.index,
                                                         shared_gpu=local_size > len(visible_gpus()))
@@ -225,13 +225,7 @@ def run_worker(args: argparse.Namespace) -> int:
             report["profile"] = [p.to_json() for p in times.profile]
         reports = gather_reports(comm, report)
         if result is not None:
-            if args.outputs:
-                write_npz(args.outputs, result)
-            if args.timings:
-                doc = {"world_size": art.world_size, "threads_per_rank": threads, "backend": art.backend,
-                       **times.to_json(), "ranks": reports}
-                doc.pop("profile", None)  # rank 0's profile is in ranks[0]
-                Path(args.timings).write_text(json.dumps(doc, indent=2) + "\n")
+            _write_results(args, art, threads, result, times, reports)
         comm.flush()
         comm.barrier()
         return 0
@@ -242,6 +236,18 @@ def run_worker(args: argparse.Namespace) -> int:
 
         world.Abort(2 if isinstance(exc, SignatureError) else 1)  # a refused signature is bad input
         return 1
+
+
+def _write_results(args: argparse.Namespace, art: Any, threads: int, result: Any, times: Any,
+                   reports: Any) -> None:
+    """Rank 0: the gathered outputs (``--outputs``) and the step timings (``--timings``)."""
+    if args.outputs:
+        write_npz(args.outputs, result)
+    if args.timings:
+        doc = {"world_size": art.world_size, "threads_per_rank": threads, "backend": art.backend,
+               **times.to_json(), "ranks": reports}
+        doc.pop("profile", None)  # rank 0's profile is in ranks[0]
+        Path(args.timings).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def _report_failure(rank: int, op: str, exc: BaseException, error_file: str | None) -> None:

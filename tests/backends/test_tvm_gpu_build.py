@@ -66,7 +66,7 @@ def test_tuning_database_for_cuda_applies_without_a_gpu_and_tuning_needs_one(tmp
     import json
 
     from partitioner.core.errors import BackendError
-    from partitioner.runtime.cuda_devices import visible_gpus
+    from backends.tvm.cuda_devices import visible_gpus
 
     model = _model("mlp")
     tdict = target_dict("h200")

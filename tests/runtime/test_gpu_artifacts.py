@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 import models_zoo
-from partitioner.runtime.cuda_devices import (CudaDevice, arch_runs_on, artifact_gpu_arch, gpu_mismatch,
+from backends.tvm.cuda_devices import (CudaDevice, arch_runs_on, artifact_gpu_arch, gpu_mismatch,
                                               parse_arch, visible_gpus)
 
 ROOT = Path(__file__).resolve().parents[2]
