@@ -7,7 +7,7 @@
 
 Steps, in one process, under 10 minutes on one GPU machine:
 1. Probe: the CUDA driver must report a GPU whose compute capability runs the target's cubins
-   (``backends/tvm/cuda_devices.py``); otherwise one line on stderr and exit 2, before any
+   (``backends/cuda_devices.py``); otherwise one line on stderr and exit 2, before any
    build. The NVRTC toolchain (``pip install .[cuda]``) must be installed (exit 2 otherwise).
 2. Build the zoo ``resnet``, ``bert`` and ``gpt`` for 1 and 2 GPUs (``--target``, default h200;
    the planner uses the matching GPU cluster preset). 1 GPU: strategy ``single``; 2 GPUs:
@@ -64,7 +64,7 @@ class CheckRefused(Exception):
 
 def probe(target: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(target dict, visible GPUs) or CheckRefused naming what is missing."""
-    from backends.tvm.cuda_devices import gpu_mismatch, visible_gpus
+    from backends.cuda_devices import gpu_mismatch, visible_gpus
 
     gpus = visible_gpus()  # first, and cheap: the driver alone, before TVM is imported
     if not gpus:

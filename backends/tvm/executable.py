@@ -278,8 +278,8 @@ LOCAL_RANK_ENV = "PARTITIONER_LOCAL_RANK"  # set by the worker: this rank's inde
 
 def cuda_device_index() -> int:
     """The GPU of this rank: local rank modulo the visible GPU count (ranks of one host share
-    its GPUs round-robin; see backends/tvm/cuda_devices.py rule 3)."""
-    from backends.tvm.cuda_devices import device_index, visible_gpus
+    its GPUs round-robin; see backends/cuda_devices.py rule 3)."""
+    from backends.cuda_devices import device_index, visible_gpus
 
     return device_index(int(os.environ.get(LOCAL_RANK_ENV, "0") or 0), len(visible_gpus()))
 

@@ -227,14 +227,14 @@ def _complete_cuda(d: dict[str, Any]) -> dict[str, Any]:
 
     require_cuda_toolchain()
     if not d.get("arch"):
-        from backends.tvm.cuda_devices import visible_gpus
+        from backends.cuda_devices import visible_gpus
 
         gpus = visible_gpus()
         if not gpus:
             raise BackendError(f"target {json.dumps(d)}: no arch given and no GPU visible to take it from; "
                                f"use --target {'|'.join(GPU_PRESETS)} or a JSON dict with \"arch\": \"sm_90\"")
         d["arch"] = gpus[0].arch
-    from backends.tvm.cuda_devices import parse_arch
+    from backends.cuda_devices import parse_arch
 
     if parse_arch(str(d["arch"])) is None:
         raise BackendError(f"target arch {d['arch']!r} is not a CUDA architecture; write e.g. sm_80 or sm_90")

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     signing.check_trusted(args.artifact, args.trusted_key)
     art = load_artifact(args.artifact)
-    from backends.tvm.cuda_devices import require_matching_gpu
+    from backends.cuda_devices import require_matching_gpu
 
     require_matching_gpu(art.manifest, args.artifact)  # a GPU build here without its GPU: one line, exit 2
     if args.microbatches is not None and args.microbatches != art.microbatches:

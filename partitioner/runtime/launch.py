@@ -283,7 +283,7 @@ def run_artifact(art: Any, inputs: Mapping[str, np.ndarray] | str | os.PathLike[
                  rtol: float = 1e-4, atol: float = 1e-5, outputs_path: str | os.PathLike[str] | None = None,
                  warmup: int = 0, repeat: int = 1, extra_worker_args: Sequence[str] = ()) -> RunResult:
     """Run a loaded artifact on ``inputs``; see the module rules."""
-    from backends.tvm.cuda_devices import require_matching_gpu
+    from backends.cuda_devices import require_matching_gpu
     from partitioner.runtime.worker import read_npz, write_npz
 
     require_matching_gpu(art.manifest, str(art.root))  # a GPU artifact on a machine without its GPU

@@ -175,7 +175,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         check_trusted(args.artifact, args.trusted_key)  # before anything of the artifact is read
         art = load_artifact(args.artifact)
-        from backends.tvm.cuda_devices import require_matching_gpu
+        from backends.cuda_devices import require_matching_gpu
 
         require_matching_gpu(art.manifest, str(args.artifact))
         if world.Get_size() != art.world_size:
@@ -205,7 +205,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
             phase = "gpu comm"
             from partitioner.runtime.comm_nccl import gpu_communicator
-            from backends.tvm.cuda_devices import visible_gpus
+            from backends.cuda_devices import visible_gpus
 
             comm, report["gpu_comm"] = gpu_communicator(comm, art.manifest["comm_groups"], exe.device.index,
                                                         shared_gpu=local_size > len(visible_gpus()))

@@ -25,7 +25,7 @@ from backends.tvm.target import target_dict
 SMALL = {
     "mlp": {}, "resnet": {"image": 32, "width": 16}, "resnet50": {"image": 32, "width": 8},
     "bert": {"seq": 8}, "gpt": {"seq": 8}, "unet": {"image": 32, "base": 8},
-    "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5},
+    "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5}, "llama": {"size": "tiny"},
 }
 FAST = {"mlp", "bert"}
 ARCHS = ("sm_80", "sm_90")
@@ -66,7 +66,7 @@ def test_tuning_database_for_cuda_applies_without_a_gpu_and_tuning_needs_one(tmp
     import json
 
     from partitioner.core.errors import BackendError
-    from backends.tvm.cuda_devices import visible_gpus
+    from backends.cuda_devices import visible_gpus
 
     model = _model("mlp")
     tdict = target_dict("h200")

@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 import models_zoo
-from backends.tvm.cuda_devices import (CudaDevice, arch_runs_on, artifact_gpu_arch, gpu_mismatch,
+from backends.cuda_devices import (CudaDevice, arch_runs_on, artifact_gpu_arch, gpu_mismatch,
                                               parse_arch, visible_gpus)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def test_gpu_check_refuses_in_one_line_without_a_gpu(tmp_path: Path) -> None:
 SMALL = {
     "mlp": {}, "resnet": {"image": 32, "width": 16}, "resnet50": {"image": 32, "width": 8},
     "bert": {"seq": 8}, "gpt": {"seq": 8}, "unet": {"image": 32, "base": 8},
-    "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5},
+    "inception": {"image": 32}, "mobilenet": {"image": 32, "width_mult": 0.5}, "llama": {"size": "tiny"},
 }
 
 

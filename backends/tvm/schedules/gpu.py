@@ -61,7 +61,7 @@ def guarded(rule: Any) -> Any:
 def require_gpu_for_tuning(target: Any) -> None:
     """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
     from partitioner.core.errors import BackendError
-    from backends.tvm.cuda_devices import arch_runs_on, visible_gpus
+    from backends.cuda_devices import arch_runs_on, visible_gpus
 
     arch = str(target.attrs.get("arch", ""))
     gpus = visible_gpus()
@@ -74,7 +74,7 @@ def require_gpu_for_tuning(target: Any) -> None:
 def require_gpu_for_tuning(target: Any) -> None:
     """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
     from partitioner.core.errors import BackendError
-    from backends.tvm.cuda_devices import arch_runs_on, visible_gpus
+    from backends.cuda_devices import arch_runs_on, visible_gpus
 
     arch = str(target.attrs.get("arch", ""))
     gpus = visible_gpus()
