@@ -101,7 +101,9 @@ def make_artifact(d: Path, total_bytes: int, seed: int = 0) -> int:
     model = d.parent / "mlp.onnx"
     if not model.exists():
         onnx.save(build("mlp", batch=4), model)
-    pa.compile(str(model), "cpu:2", strategy="tensor", backend="onnxruntime", out_dir=d, progress=False)
+    from partitioner.compiler import compile as compile_artifact
+
+    compile_artifact(str(model), "cpu:2", strategy="tensor", backend="onnxruntime", out_dir=d, progress=False)
     manifest = json.loads((d / pa.MANIFEST).read_text())
     have = sum(p.stat().st_size for p in d.iterdir())
     rng = np.random.default_rng(seed)
