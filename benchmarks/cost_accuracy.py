@@ -44,6 +44,7 @@ import models_zoo  # noqa: E402
 
 from partitioner.calibrate import Calibration, calibrate, cluster_from_calibration  # noqa: E402
 from partitioner.cluster import Device  # noqa: E402
+from partitioner.core.machine import cpu_model  # noqa: E402
 from partitioner.cost.roofline import graph_op_times, op_time  # noqa: E402
 from partitioner.cost.simulate import _dtype_name  # noqa: E402
 from partitioner.cost.workdepth import analyze, constant_values, node_costs  # noqa: E402
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "against ORT",
                      "median_abs_relative_error": _median_abs([r.get("baseline", {}).get("relative_error")
                                                                for r in rows])},
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "loadavg_at_end": list(os.getloadavg())},  # other jobs on the cores skew the measured times
         "versions": {"python": platform.python_version(), "numpy": np.__version__, "onnx": onnx.__version__,
                      "onnxruntime": onnxruntime.__version__, "onnx_ir": ir.__version__, "tvm": str(tvm.__version__)},
@@ -277,15 +278,6 @@ def main(argv: list[str] | None = None) -> int:
           + f"; baseline (ORT) {_pct(doc['baseline']['median_abs_relative_error'])}; wrote {out}")
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from partitioner.core.machine import cpu_model  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "gemm.json"
 SQUARE = [256, 512, 1024, 2048]
 # (label, batch dims, M, K, N, B constant): bert/gpt at batch 8, seq 64, hidden 128, 4 heads
@@ -171,22 +173,13 @@ def run(threads_list: list[int], repeats: int, quick: bool) -> dict[str, Any]:
         r["pct_of_peak"] = {k_: 100.0 * r["flops"] / t / (r["threads"] * peak) for k_, t in r["times_s"].items()}
         if "thread_cpu_s" in r:
             r["pct_of_peak_cpu"] = {k_: 100.0 * r["flops"] / t / peak for k_, t in r["thread_cpu_s"].items()}
-    return {"machine": {"cpu": _cpu(), "cores": __import__("os").cpu_count(), "platform": platform.platform(),
+    return {"machine": {"cpu": cpu_model(), "cores": __import__("os").cpu_count(), "platform": platform.platform(),
                         "target": str(target)},
             "versions": {"tvm": tvm.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__},
             "peak": {"fma_flops_per_core": peak, "before": peak_before.to_json(), "after": peak_after.to_json()},
             "settings": {"threads": threads_list, "repeats": repeats, "quick": quick},
             "rows": rows}
 
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def markdown(data: dict[str, Any]) -> str:

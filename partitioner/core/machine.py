@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -37,6 +38,6 @@ def machine_info() -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "memory_bytes": memory,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "memory_bytes": memory,
             "system": platform.system(), "machine": platform.machine(), "platform": platform.platform(),
             "python": platform.python_version(), "load_average_1_5_15min": load}
