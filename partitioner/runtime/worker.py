@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -107,6 +108,8 @@ def pin_cores(local_rank: int, local_size: int) -> int:
 
 
 _HEAVY_MODULES = ("tvm", "tvm_ffi", "onnxruntime")
+# seconds a failing rank waits, after writing its one line, before MPI_Abort ends the job
+ABORT_GRACE_S = 0.3
 
 
 def rank_report(rank: int, threads: int, imported_before_pin: Sequence[str]) -> dict[str, Any]:
@@ -232,6 +235,9 @@ def run_worker(args: argparse.Namespace) -> int:
     except BaseException as exc:  # noqa: BLE001 - any failure must end every rank, now
         op = comm.current_op if comm is not None and phase == "run" else phase
         _report_failure(rank, op, exc, args.error_file)
+        # under the user's own mpiexec there is no error file: give mpiexec a moment to forward the
+        # line before Abort ends the job (seen: the refusal's exit code arrived without its line)
+        time.sleep(ABORT_GRACE_S)
         from partitioner.signing import SignatureError
 
         world.Abort(2 if isinstance(exc, SignatureError) else 1)  # a refused signature is bad input
