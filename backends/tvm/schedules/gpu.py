@@ -71,19 +71,6 @@ def require_gpu_for_tuning(target: Any) -> None:
                            f"{here}. Tune on the GPU machine and pass its --tuning-db here (applying needs no GPU)")
 
 
-def require_gpu_for_tuning(target: Any) -> None:
-    """Tuning times candidates on the device: refuse (one line) when no GPU is visible here."""
-    from partitioner.core.errors import BackendError
-    from backends.cuda_devices import arch_runs_on, visible_gpus
-
-    arch = str(target.attrs.get("arch", ""))
-    gpus = visible_gpus()
-    if not any(arch_runs_on(arch, g) for g in gpus):
-        here = ", ".join(f"{g.name} ({g.arch})" for g in gpus) or "none"
-        raise BackendError(f"--tune-trials for cuda {arch} times kernels on a GPU that runs {arch}; visible GPUs: "
-                           f"{here}. Tune on the GPU machine and pass its --tuning-db here (applying needs no GPU)")
-
-
 def cuda_kernel_count(executable_mod: Any) -> int:
     """How many ``__global__`` CUDA kernels a compiled module holds (its CUDA source, kept beside
     the cubins): the build's own evidence that every kernel was scheduled and compiled for the GPU."""
