@@ -40,14 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "large_model.json"
 
 _MEASURE = """
-import resource, sys
+import sys
 from partitioner.cli import main
+from partitioner.core.machine import peak_rss_bytes
 try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
     rc = exc.code if isinstance(exc.code, int) else 1
 sys.stdout.flush()
-sys.stderr.write("PEAK_RSS_BYTES %d\\n" % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+sys.stderr.write("PEAK_RSS_BYTES %d\\n" % peak_rss_bytes())
 sys.exit(rc)
 """
 

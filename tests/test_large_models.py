@@ -61,17 +61,15 @@ def sparse_model(folder: Path, hidden: int = 8192, layers: int = 6) -> Path:
 
 
 _MEASURE = """
-import resource, sys
+import sys
 from partitioner.cli import main
+from partitioner.core.machine import peak_rss_bytes
 try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
     rc = exc.code
 sys.stdout.flush()
-# VmHWM is this process image's own high-water mark; getrusage's ru_maxrss survives exec and
-# starts at the forking parent's RSS (a pytest process that ran TVM builds holds gigabytes)
-hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")]
-print("MAXRSS_KIB", hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+print("MAXRSS_KIB", peak_rss_bytes() // 1024, file=sys.stderr)
 sys.exit(rc)
 """
 

@@ -41,3 +41,20 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "memory_bytes": memory,
             "system": platform.system(), "machine": platform.machine(), "platform": platform.platform(),
             "python": platform.python_version(), "load_average_1_5_15min": load}
+
+
+def peak_rss_bytes() -> int:
+    """This process image's peak resident memory: ``VmHWM`` from ``/proc/self/status``.
+
+    ``getrusage(RUSAGE_SELF).ru_maxrss`` is not that: it survives ``exec`` and starts at the
+    forking parent's RSS, so a CLI started from a pytest or benchmark process that holds gigabytes
+    reports the parent's figure. ``ru_maxrss`` is the fallback where ``/proc`` is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

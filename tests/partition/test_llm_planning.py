@@ -90,14 +90,12 @@ def test_lowered_small_plan_agrees_on_weight_bytes(small_llama) -> None:
 _PLAN = """
 import resource, sys, time
 from partitioner.cli import main
+from partitioner.core.machine import peak_rss_bytes
 t = time.perf_counter()
 rc = main(sys.argv[1:])
 sys.stdout.flush()
 u = resource.getrusage(resource.RUSAGE_SELF)
-# VmHWM: this image's own peak (ru_maxrss survives exec and starts at the forking pytest's RSS)
-hwm = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")]
-print("BUDGET", time.perf_counter() - t, u.ru_utime + u.ru_stime, (hwm[0] if hwm else u.ru_maxrss) * 1024,
-      file=sys.stderr)
+print("BUDGET", time.perf_counter() - t, u.ru_utime + u.ru_stime, peak_rss_bytes(), file=sys.stderr)
 sys.exit(rc)
 """
 
