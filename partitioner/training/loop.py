@@ -42,7 +42,7 @@ from partitioner.training.optimizers import Optimizer, make_optimizer
 from partitioner.training.runner import StepRunner
 from partitioner.training.step import build_training_graph, signature
 
-STRATEGIES = ("data", "single", "auto")
+STRATEGIES = ("data", "single", "auto", "pipeline")
 
 
 @dataclass
@@ -129,7 +129,8 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
           strategy: str = "data", backend: str = "onnxruntime", out_dir: str | os.PathLike[str] | None = None,
           seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
           launcher: str = "threads", comm: Any = None,
-          resume: str | os.PathLike[str] | None = None, threads: int = 1) -> TrainResult:
+          resume: str | os.PathLike[str] | None = None, threads: int = 1, schedule: str = "1f1b",
+          micro_batches: int | None = None) -> TrainResult:
     """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
 
     ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
@@ -139,29 +140,21 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     ``resume``: a ``checkpoint_epoch<k>.onnx`` of the same model; its weights and the state saved
     beside it start the run (any device count: data-parallel state is replicated, so nothing is
     resharded; optimizer state of another optimizer starts from zero). ``threads``: intra-op
-    threads of each rank's backend.
+    threads of each rank's backend. ``strategy="pipeline"``: ``devices`` stages, ``schedule``
+    ``gpipe`` or ``1f1b`` over ``micro_batches`` micro-batches (default ``2 * devices``; see
+    :mod:`partitioner.training.pipeline`); every stage rank reads the whole batch.
     """
     from partitioner.load import load_proto
 
-    if strategy not in STRATEGIES:
-        raise UsageError(f"train --strategy {strategy}: this version trains with data parallelism only "
-                         f"({', '.join(STRATEGIES)}); pipeline and tensor training are not implemented yet")
-    if devices < 1 or batch < 1 or epochs < 1:
-        raise UsageError("--devices, --batch and --epochs must be at least 1")
-    if strategy == "single" and devices != 1:
-        raise UsageError("--strategy single runs on one device; give --devices 1")
-    if batch % devices:
-        raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
-    if launcher not in ("threads", "mpi"):
-        raise UsageError(f"unknown launcher {launcher!r}; choose threads or mpi")
+    pipelined = _check_options(strategy, devices, batch, epochs, launcher)
     opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
     x, y = load_data(data)
     checked = load_proto(model, batch=batch)  # validated; a symbolic batch is bound for the step
     # the checkpoint keeps the model as given (a symbolic batch stays symbolic)
     original = (onnx.load(str(model)) if isinstance(model, (str, os.PathLike)) and os.path.isfile(model)
                 else model if isinstance(model, onnx.ModelProto) else checked)
-    local = batch // devices
-    step = build_training_graph(checked, loss=loss, optimizer=opt, batch=local, world_size=devices,
+    local = batch if pipelined else batch // devices
+    step = build_training_graph(checked, loss=loss, optimizer=opt, batch=local, world_size=1 if pipelined else devices,
                                 trainable=trainable)
     from partitioner.training.step import step_program
 
@@ -174,11 +167,17 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
         options = {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None, "lr": lr,
                    "weight_decay": weight_decay, "batch": batch, "epochs": epochs, "devices": devices,
                    "strategy": strategy, "backend": backend, "seed": seed, "progress": progress,
-                   "trainable": trainable, "threads": threads,
+                   "trainable": trainable, "threads": threads, "schedule": schedule, "micro_batches": micro_batches,
                    "resume": str(Path(resume).resolve()) if resume is not None else None}
         return _launch_mpi(model, data, out, options, original)
 
-    if comm is not None:  # one MPI rank of ``devices``
+    if pipelined:
+        from partitioner.training.pipeline_runner import pipeline_runners
+
+        ranks, runners = pipeline_runners(checked, loss, opt, batch=batch, devices=devices, schedule=schedule,
+                                          micro_batches=micro_batches or 2 * devices, trainable=trainable,
+                                          backend=backend, comm=comm, out=out, threads=threads, state=start)
+    elif comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]
         runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
                               state=start, threads=threads)]
@@ -196,6 +195,22 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     writer = ranks[0] == 0
     return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
                  seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
+
+
+def _check_options(strategy: str, devices: int, batch: int, epochs: int, launcher: str) -> bool:
+    """Refuse bad options (one line, exit 2); returns whether the run is pipelined."""
+    if strategy not in STRATEGIES:
+        raise UsageError(f"train --strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
+    if devices < 1 or batch < 1 or epochs < 1:
+        raise UsageError("--devices, --batch and --epochs must be at least 1")
+    if strategy == "single" and devices != 1:
+        raise UsageError("--strategy single runs on one device; give --devices 1")
+    pipelined = strategy == "pipeline" and devices > 1
+    if batch % devices and not pipelined:
+        raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
+    if launcher not in ("threads", "mpi"):
+        raise UsageError(f"unknown launcher {launcher!r}; choose threads or mpi")
+    return pipelined
 
 
 def resume_state(path: str | os.PathLike[str], original: onnx.ModelProto, step: Any) -> dict[str, np.ndarray]:
@@ -253,11 +268,12 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
                 history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt})
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{batch / dt:.0f}")
                 bar.update(1)
-            trained = checkpoint_model(original, runners[0].weights())
+            state = _full_state(runners)  # collective with pipeline stages on MPI ranks
+            trained = checkpoint_model(original, state)
             if out is not None:
                 path = out / f"checkpoint_epoch{epoch}.onnx"
                 onnx.save(trained, str(path))
-                np.savez(out / f"checkpoint_epoch{epoch}.state.npz", **runners[0].state)
+                np.savez(out / f"checkpoint_epoch{epoch}.state.npz", **state)
                 onnx.save(trained, str(out / "model.onnx"))
                 checkpoints.append(str(path))
                 settings = {"loss": loss, "optimizer": sig.optimizer, "devices": devices, "batch": batch}
@@ -268,7 +284,16 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
                 (out / "report.html").write_text(run_report_html(settings, history, checkpoints))
     finally:
         bar.close()
-    return TrainResult(checkpoint_model(original, runners[0].weights()), history, checkpoints)
+    return TrainResult(trained, history, checkpoints)
+
+
+def _full_state(runners: list[Any]) -> dict[str, np.ndarray]:
+    """The whole state (every stage's, for pipeline runners; a data-parallel rank holds it all)."""
+    if getattr(runners[0], "global_batch", False):
+        from partitioner.training.pipeline_runner import gathered_state
+
+        return gathered_state(runners)
+    return dict(runners[0].state)
 
 
 def _launch_mpi(model: Any, data: Any, out: Path | None, options: dict[str, Any],
@@ -294,15 +319,17 @@ def _launch_mpi(model: Any, data: Any, out: Path | None, options: dict[str, Any]
 
 def _run_step(runners: list[StepRunner], ranks: list[int], data_name: str, xb: np.ndarray, yb: np.ndarray,
               local: int) -> float:
+    if getattr(runners[0], "global_batch", False):
+        local, ranks = 0, [0] * len(ranks)  # every pipeline stage takes the whole batch
     if len(runners) == 1:
-        sl = slice(ranks[0] * local, (ranks[0] + 1) * local)
+        sl = slice(ranks[0] * local, (ranks[0] + 1) * local) if local else slice(None)
         return runners[0].step({data_name: xb[sl]}, yb[sl])
     losses: list[float] = [float("nan")] * len(runners)
     errors: list[BaseException] = []
 
     def work(r: int) -> None:
         try:
-            sl = slice(r * local, (r + 1) * local)
+            sl = slice(r * local, (r + 1) * local) if local else slice(None)
             losses[r] = runners[r].step({data_name: xb[sl]}, yb[sl])
         except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the rank
             errors.append(exc)

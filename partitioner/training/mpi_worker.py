@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
               weight_decay=cfg["weight_decay"], batch=cfg["batch"], epochs=cfg["epochs"], devices=cfg["devices"],
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],
               progress=cfg["progress"], trainable=cfg["trainable"], comm=comm, resume=cfg.get("resume"),
-              threads=int(cfg.get("threads", 1)))
+              threads=int(cfg.get("threads", 1)), schedule=cfg.get("schedule", "1f1b"),
+              micro_batches=cfg.get("micro_batches"))
         comm.flush()
         comm.barrier()
         return 0

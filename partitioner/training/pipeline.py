@@ -1,0 +1,334 @@
+"""Pipeline-parallel training: the step cut into stages, run as GPipe or 1F1B over micro-batches.
+
+Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
+
+1. Stages are contiguous ranges of the forward graph's nodes (topological order) chosen by the
+   pipeline strategy's stage DP (:func:`partitioner.strategies.pipeline.best_split`) over each
+   node's training cost (forward FLOPs x 3: the backward is about twice the forward), with the
+   bytes crossing each cut as the send cost. A weight read by two stages is refused (tied
+   weights would need their gradients summed across ranks).
+2. Every stage but the last has two programs per micro-batch: ``F`` (its forward: the values
+   later stages read, plus the *stash*) and ``B`` (its backward: from the stash and the gradients
+   of the values it sent, the gradients of the values it received and of its weights). ``F`` is
+   exactly the ancestors of what the stage sends (and of its BatchNormalization statistics);
+   ``B`` is every other node; the stash is every value ``F`` has (inputs included) that ``B``
+   reads. The last stage runs forward, loss and backward as one program per micro-batch.
+3. Activations go forward and their gradients backward as point-to-point messages of the
+   project's communicators (``send`` is non-blocking on both the in-process and the MPI one), one
+   tag per (micro-batch, value, direction).
+4. Gradients are accumulated over the ``M`` micro-batches (a sum in the rank), then one update
+   program per stage applies ``optimizer(W, sum / M)``: with equal micro-batches the mean of the
+   micro-batch mean losses' gradients is the global batch's mean gradient, so a pipeline step
+   equals a 1-rank step of the same global batch (up to float summation order).
+5. Schedules: ``gpipe`` runs every micro-batch's ``F`` (fill), then every ``B`` in reverse
+   (drain): ``M`` stashes in flight. ``1f1b`` runs ``S - s - 1`` warm-up forwards on stage ``s``,
+   then alternates one forward and one backward, then drains: at most ``S - s`` stashes in flight.
+   The peak is recorded (``PipelineRunner.peak_stash``).
+6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
+   ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
+   in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
+7. BatchNormalization uses each micro-batch's statistics and updates its running statistics once
+   per micro-batch (as GPipe does); pipeline equivalence with 1 rank holds for models without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import helper
+
+from partitioner.core.errors import UsageError
+from partitioner.training.autodiff import Emitter, backward, is_float
+from partitioner.training.losses import emit_loss, label_spec
+from partitioner.training.optimizers import STEP_NAME, Optimizer
+from partitioner.training.step import STEP_OPSET, _checked_forward, _infer, _load, _optimizer_updates, _promote
+
+SCHEDULES = ("gpipe", "1f1b")
+TAG_BASE = 20000
+
+
+@dataclass
+class Stage:
+    """One pipeline stage's programs and the values it exchanges (rule 2)."""
+
+    index: int
+    recv: list[tuple[int, str]]  # (producer stage, value) received each micro-batch, in order
+    send: list[tuple[int, str]]  # (consumer stage, value) sent each micro-batch, in order
+    data: list[str]
+    weights: list[str]
+    grad_in: list[str]  # received float values that get a gradient (sent back)
+    bn_state: list[tuple[str, str]]
+    forward: onnx.ModelProto | None = None
+    backward: onnx.ModelProto | None = None
+    fused: onnx.ModelProto | None = None
+    update: onnx.ModelProto | None = None
+    stash: list[str] = field(default_factory=list)
+    initial: dict[str, np.ndarray] = field(default_factory=dict)
+    update_pairs: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class PipelinePlan:
+    """The stages of a pipelined step and the run's settings."""
+
+    stages: list[Stage]
+    micro_batches: int
+    micro_batch: int
+    schedule: str
+    loss: str
+    labels: str
+    optimizer: Optimizer
+    value_ids: dict[str, int]  # one id per exchanged value (message tags)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def stage_ends(graph: ir.Graph, stages: int) -> list[int]:
+    """Rule 1: the last node index of each stage, by the pipeline strategy's DP."""
+    from partitioner.cost.ops import nbytes, op_cost
+    from partitioner.strategies.pipeline import best_split
+
+    nodes = list(graph)
+    flops = np.array([max(float(op_cost(n).flops), 1.0) * 3.0 for n in nodes])
+    pos = {id(n): i for i, n in enumerate(nodes)}
+    diff = np.zeros(len(nodes) + 1)
+    for i, n in enumerate(nodes):
+        for o in n.outputs:
+            last = max((pos[id(u)] for u, _ in o.uses() if id(u) in pos), default=i)
+            if last > i:
+                diff[i] += nbytes(o)
+                diff[last] -= nbytes(o)
+    send = np.cumsum(diff)[:len(nodes)] * 1e-3  # a byte sent costs about a thousand FLOPs' time
+    ends, _ = best_split([flops] * stages, send)
+    return ends
+
+
+def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, stages: int, micro_batches: int,
+                   schedule: str = "1f1b", trainable: Sequence[str] | None = None,
+                   label_name: str = "labels") -> PipelinePlan:
+    """Rules 1-2: the stages' F/B (or fused) and update programs for micro-batches of ``batch / M``."""
+    from partitioner.training.step import default_trainable
+
+    if schedule not in SCHEDULES:
+        raise UsageError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if micro_batches < 1 or batch % micro_batches:
+        raise UsageError(f"--batch {batch} does not split into {micro_batches} equal micro-batches")
+    micro = batch // micro_batches
+    fwd = _load(model, micro)
+    names = list(default_trainable(fwd.graph) if trainable is None else trainable)
+    nodes = list(fwd.graph)
+    if len(nodes) < stages:
+        raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
+    ends = stage_ends(fwd.graph, stages)
+    proto = ir.serde.serialize_model(fwd)
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
+    _refuse_shared_weights(proto, starts, ends, set(names))
+    value_ids: dict[str, int] = {}
+    out_stages = []
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name)
+        for _, v in stage.recv:
+            value_ids.setdefault(v, len(value_ids))
+        out_stages.append(stage)
+    return PipelinePlan(out_stages, micro_batches, micro, schedule, loss, label_name, optimizer, value_ids)
+
+
+def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list[int], trainable: set[str]) -> None:
+    users: dict[str, set[int]] = {}
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        for n in proto.graph.node[a:b + 1]:
+            for i in n.input:
+                if i in trainable:
+                    users.setdefault(i, set()).add(s)
+    shared = sorted(w for w, st in users.items() if len(st) > 1)
+    if shared:
+        raise UsageError(f"pipeline training: weight(s) {', '.join(shared[:5])} are read by more than one stage "
+                         "(tied weights); train this model with --strategy data")
+
+
+def _stage(proto: onnx.ModelProto, s: int, a: int, b: int, owner: dict[str, int], stages: int, trainable: list[str],
+           loss: str, optimizer: Optimizer, label_name: str) -> Stage:
+    """Cut stage ``s`` (nodes a..b) out of the forward model and build its programs."""
+    g = proto.graph
+    mine = list(g.node[a:b + 1])
+    produced = {o for n in mine for o in n.output}
+    inits = {t.name: t for t in g.initializer}
+    data_names = [i.name for i in g.input if i.name not in inits]
+    read = [i for n in mine for i in n.input if i and i not in produced]
+    recv = [(owner[v], v) for v in dict.fromkeys(read) if v in owner]
+    data = [v for v in dict.fromkeys(read) if v in data_names]
+    later = {i for n in g.node[b + 1:] for i in n.input}
+    outs = [o.name for o in g.output]
+    send_vals = [v for v in dict.fromkeys(o for n in mine for o in n.output) if v in later]
+    send = [(c, v) for v in send_vals for c in sorted({owner[o] for n in g.node[b + 1:] if v in n.input
+                                                        for o in n.output[:1]})]
+    last = s == stages - 1
+    infos = {vi.name: vi for vi in list(g.value_info) + list(g.input) + list(g.output)}
+    sub = helper.make_graph(mine, f"{g.name or 'model'}.stage{s}",
+                            [infos[v] for v in data + [v for _, v in recv]],
+                            [infos[v] for v in (outs if last else send_vals)],
+                            [inits[i] for i in dict.fromkeys(i for n in mine for i in n.input) if i in inits])
+    sub.value_info.extend(vi for vi in g.value_info if vi.name in produced)
+    sub_model = helper.make_model(sub, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    stage_model = ir.serde.deserialize_model(sub_model)
+    weights = [w for w in trainable if w in stage_model.graph.initializers]
+    return _stage_programs(stage_model, s, recv, send, data, weights, last, loss, optimizer, label_name)
+
+
+def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: list[tuple[int, str]],
+                    data: list[str], weights: list[str], last: bool, loss: str, optimizer: Optimizer,
+                    label_name: str) -> Stage:
+    graph = fwd.graph
+    dtype = next((v.dtype for v in graph.outputs if is_float(v)), ir.DataType.FLOAT)
+    em = Emitter(graph, dtype)
+    initial: dict[str, np.ndarray] = {}
+    promote = _promote(graph, initial)
+    recv_vals = {v: graph.inputs[len(data) + i] for i, (_, v) in enumerate(recv)}
+    grad_in = [v for v, val in recv_vals.items() if is_float(val)]
+    w_values, bn_state, out_value = _checked_forward(fwd, em, promote, weights, graph.outputs[0])
+    sent = list(graph.outputs)
+    if last:
+        labels_spec = label_spec(loss, out_value, label_name)
+        labels = ir.Value(name=labels_spec.name, shape=ir.Shape(labels_spec.shape), type=ir.TensorType(labels_spec.dtype))
+        graph.inputs.append(labels)
+        loss_value, dout = emit_loss(loss, em, out_value, labels)
+        seeds = {out_value.name: dout}
+    else:
+        seeds = {}
+        for v in sent:
+            if is_float(v):
+                seed = ir.Value(name=f"{v.name}.grad_out", shape=v.shape, type=ir.TensorType(v.dtype))
+                graph.inputs.append(seed)
+                seeds[v.name] = seed
+    sources = list(w_values) + [recv_vals[v] for v in grad_in]
+    grads = backward(graph, None, seeds, sources, em) if sources else {}
+    em.tag = "optimizer"
+    grad_outs = [em.op("Identity", grads[v], _name=f"{v}.grad_in") for v in grad_in]
+    w_grads = [em.op("Identity", grads[w.name], _name=f"{w.name}.grad") for w in w_values]
+    bn_next = [b for _, b in bn_state]
+    graph.outputs.clear()
+    head = [loss_value] if last else sent
+    for v in head + grad_outs + w_grads + bn_next:
+        graph.outputs.append(v)
+    fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
+    full = ir.serde.serialize_model(_infer(fwd))
+    stage = Stage(s, recv, send, data, weights, grad_in, [(a.name, b.name) for a, b in bn_state], initial=initial)
+    if last:
+        stage.fused = full
+    else:
+        _split_forward_backward(stage, full, [v.name for v in sent] + bn_next)
+    stage.update = _update_program(fwd.graph.name, optimizer, weights, initial, dtype, stage)
+    return stage
+
+
+def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list[str]) -> None:
+    """Rule 2: F = ancestors of what the stage sends and its BN statistics; B = the rest."""
+    g = full.graph
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output}
+    need, todo = set(), list(f_outputs)
+    while todo:
+        v = todo.pop()
+        i = producer.get(v)
+        if i is None or i in need:
+            continue
+        need.add(i)
+        todo.extend(x for x in g.node[i].input if x)
+    f_nodes = [n for i, n in enumerate(g.node) if i in need]
+    b_nodes = [n for i, n in enumerate(g.node) if i not in need]
+    state = set(stage.weights) | {a for a, _ in stage.bn_state}
+    inputs = [i.name for i in g.input]
+    f_have = {o for n in f_nodes for o in n.output} | {i for i in inputs if i not in state and not i.endswith(".grad_out")}
+    b_reads = {i for n in b_nodes for i in n.input if i}
+    stage.stash = sorted((v for v in f_have if v in b_reads), key=lambda v: (v not in inputs, v))
+    b_outputs = [o.name for o in g.output if o.name not in f_outputs]
+    stage.forward = _subprogram(full, f_nodes, [i for i in inputs if not i.endswith(".grad_out")
+                                                and i in {x for n in f_nodes for x in n.input}],
+                                list(dict.fromkeys(f_outputs + [v for v in stage.stash if v not in inputs])), "F")
+    b_inputs = [v for v in stage.stash] + [i for i in inputs if i in b_reads and i not in stage.stash]
+    stage.backward = _subprogram(full, b_nodes, b_inputs, b_outputs, "B")
+
+
+def _subprogram(full: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: list[str], outputs: list[str],
+                suffix: str) -> onnx.ModelProto:
+    g = full.graph
+    infos = {vi.name: vi for vi in list(g.value_info) + list(g.input) + list(g.output)}
+    inits = {t.name: t for t in g.initializer}
+    used = {i for n in nodes for i in n.input}
+    produced = {o for n in nodes for o in n.output}
+    sub = helper.make_graph(nodes, f"{g.name}.{suffix}", [infos[v] for v in inputs if v not in inits],
+                            [infos[v] for v in outputs], [t for n, t in inits.items() if n in used])
+    sub.value_info.extend(vi for vi in g.value_info if vi.name in produced and vi.name not in outputs)
+    return helper.make_model(sub, opset_imports=list(full.opset_import), ir_version=full.ir_version)
+
+
+def _update_program(name: str, optimizer: Optimizer, weights: list[str], initial: dict[str, np.ndarray],
+                    dtype: ir.DataType, stage: Stage) -> onnx.ModelProto:
+    """Rule 4: ``W' = optimizer(W, accumulated / M)``, the scale an input (``grad.scale``)."""
+    graph = ir.Graph(inputs=[], outputs=[], nodes=[], opset_imports={"": STEP_OPSET}, name=f"{name}.update")
+    em = Emitter(graph, dtype)
+    em.tag = "optimizer"
+    scale = ir.Value(name="grad.scale", shape=ir.Shape([]), type=ir.TensorType(dtype))
+    graph.inputs.append(scale)
+    w_values, grads = [], {}
+    for w in weights:
+        shape = ir.Shape(initial[w].shape)
+        wv = ir.Value(name=w, shape=shape, type=ir.TensorType(dtype))
+        gv = ir.Value(name=f"{w}.grad", shape=shape, type=ir.TensorType(dtype))
+        graph.inputs.extend([wv, gv])
+        w_values.append(wv)
+        grads[w] = em.op("Mul", gv, scale)
+    start = dict(initial)
+    pairs = _optimizer_updates(graph, em, optimizer, w_values, grads, start, dtype, [])
+    for _, out in pairs:
+        graph.outputs.append(out)
+    stage.initial.update({k: v for k, v in start.items() if k not in stage.initial})
+    stage.update_pairs = [(a.name, b.name) for a, b in pairs]
+    return ir.serde.serialize_model(_infer(ir.Model(graph, ir_version=8)))
+
+
+def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Rule 5: the stage's ``("F", m)`` / ``("B", m)`` order (the last stage: ``("FB", m)``)."""
+    m_all = range(micro_batches)
+    if stage == stages - 1:
+        return [("FB", m) for m in m_all]
+    if schedule == "gpipe":
+        return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
+    warm = min(stages - stage - 1, micro_batches)
+    order = [("F", m) for m in range(warm)]
+    for i in range(micro_batches - warm):
+        order += [("F", warm + i), ("B", i)]
+    order += [("B", m) for m in range(micro_batches - warm, micro_batches)]
+    return order
+
+
+def tag(plan: PipelinePlan, m: int, value: str, backward_dir: bool) -> int:
+    """Rule 3: one message tag per (micro-batch, value, direction)."""
+    return TAG_BASE + 2 * (m * max(len(plan.value_ids), 1) + plan.value_ids[value]) + int(backward_dir)
+
+
+def plan_state(plan: PipelinePlan) -> dict[str, np.ndarray]:
+    """Rule 6: every stage's start state, merged (a 1-rank step's state names)."""
+    out: dict[str, np.ndarray] = {}
+    for st in plan.stages:
+        out.update({k: v.copy() for k, v in st.initial.items()})
+    return out
+
+
+def stage_state_names(stage: Stage) -> list[str]:
+    names = [a for a, _ in stage.update_pairs] + [a for a, _ in stage.bn_state]
+    return list(dict.fromkeys(names))
+
+
+def merged(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for p in parts:
+        out.update(p)
+    return out

@@ -1,0 +1,216 @@
+"""One pipeline stage's rank: its programs built once, its state resident, the schedule run.
+
+:class:`PipelineRunner` is the pipeline counterpart of
+:class:`~partitioner.training.runner.StepRunner`: ``step(data, labels)`` takes the *global* batch
+(every stage rank sees it; stage 0 reads the data, the last stage the labels), cuts it into the
+plan's micro-batches and runs the stage's schedule (:mod:`partitioner.training.pipeline` rules
+2-5). It returns the global mean loss on every stage (the last stage broadcasts it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from partitioner.core.errors import UsageError
+from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, stage_state_names, tag
+
+GATHER_TAG = 30000
+LOSS_TAG = 29999
+
+
+def _specs(program: onnx.ModelProto | None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of every input and output of ``program``."""
+    if program is None:
+        return {}
+    out = {}
+    for v in list(program.graph.input) + list(program.graph.output):
+        t = v.type.tensor_type
+        out[v.name] = (tuple(d.dim_value for d in t.shape.dim), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+    return out
+
+
+def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, threads: int) -> Any:
+    """The program on ``backend`` (an ORT session set, or a TVM library built into ``workdir``)."""
+    if backend == "onnxruntime":
+        from backends.onnxruntime import RankExecutable
+
+        return RankExecutable(program, threads=threads)
+    if backend != "tvm":
+        raise UsageError(f"unknown backend {backend!r}; choose onnxruntime or tvm")
+    from backends.tvm.build import build_one
+    from backends.tvm.executable import TvmRankExecutable
+    from backends.tvm.target import target_dict
+
+    folder = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-pipe-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{program.graph.name}.so"
+    build_one(program, path, target_dict(None))
+    return TvmRankExecutable(program, path, threads=threads)
+
+
+class PipelineRunner:
+    """Stage ``stage`` of ``plan`` on world rank ``ranks[stage]`` (see the module docstring)."""
+
+    global_batch = True  # the training loop gives every stage rank the whole batch
+
+    def __init__(self, plan: PipelinePlan, stage: int, *, comm: Any, ranks: Sequence[int] | None = None,
+                 backend: str = "onnxruntime", workdir: str | os.PathLike[str] | None = None, threads: int = 1,
+                 state: Mapping[str, np.ndarray] | None = None) -> None:
+        self.plan = plan
+        self.stage = plan.stages[stage]
+        self.ranks = list(ranks) if ranks is not None else list(range(plan.num_stages))
+        self.comm = comm
+        src = state if state is not None else self.stage.initial
+        self.state = {n: np.array(src[n], copy=True) for n in stage_state_names(self.stage)}
+        folder = Path(workdir) / f"stage{stage}" if workdir is not None else None
+        st = self.stage
+        self._exe = {kind: executable(prog, backend, folder, threads)
+                     for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update))
+                     if prog is not None}
+        self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
+        self.peak_stash = 0
+        self.steps = 0
+
+    # one step ----------------------------------------------------------------------------------
+    def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
+        """One step of the global batch ``data`` / ``labels``; returns the global mean loss."""
+        plan, st = self.plan, self.stage
+        acc = {w: np.zeros_like(self.state[w]) for w in st.weights}
+        stash: dict[int, dict[str, np.ndarray]] = {}
+        losses: list[float] = []
+        for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches):
+            sl = slice(m * plan.micro_batch, (m + 1) * plan.micro_batch)
+            if kind == "B":
+                out = self._backward(m, stash.pop(m))
+            else:
+                feeds = self._forward_feeds(m, data, sl)
+                if kind == "FB":
+                    out = self._exe["FB"].run({**feeds, plan.labels: labels[sl]}, self.comm)
+                    losses.append(float(out["loss"]))
+                else:
+                    out = self._exe["F"].run(feeds, self.comm)
+                    for c, v in st.send:
+                        self.comm.send(np.ascontiguousarray(out[v]), self.ranks[c], tag(plan, m, v, False))
+                    stash[m] = {v: (out[v] if v in out else feeds[v]) for v in st.stash}
+                    self.peak_stash = max(self.peak_stash, len(stash))
+                for a, b in st.bn_state:
+                    self.state[a] = np.array(out[b], copy=True)
+                if kind == "F":
+                    continue
+            self._send_back(m, out, acc)
+        self._update(acc)
+        self.steps += 1
+        return self._global_loss(losses)
+
+    def _forward_feeds(self, m: int, data: Mapping[str, np.ndarray], sl: slice) -> dict[str, np.ndarray]:
+        st, plan = self.stage, self.plan
+        feeds = {d: np.ascontiguousarray(data[d][sl]) for d in st.data}
+        for src, v in st.recv:
+            shape, dtype = self._spec[v]
+            feeds[v] = self.comm.recv(self.ranks[src], tag(plan, m, v, False), shape, dtype)
+        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update({a: self.state[a] for a, _ in st.bn_state})
+        return feeds
+
+    def _backward(self, m: int, stashed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rule 2's ``B``: the stash, the weights and the gradients of every value sent (summed
+        over the stages that read it)."""
+        st, plan = self.stage, self.plan
+        feeds = dict(stashed)
+        feeds.update({w: self.state[w] for w in st.weights})
+        for c, v in st.send:
+            key = f"{v}.grad_out"
+            if not self._is_float(v):
+                continue
+            shape, dtype = self._spec[v]
+            g = self.comm.recv(self.ranks[c], tag(plan, m, v, True), shape, dtype)
+            feeds[key] = feeds[key] + g if key in feeds else g
+        return self._exe["B"].run(feeds, self.comm)
+
+    def _is_float(self, v: str) -> bool:
+        return np.issubdtype(self._spec[v][1], np.floating)
+
+    def _send_back(self, m: int, out: Mapping[str, np.ndarray], acc: dict[str, np.ndarray]) -> None:
+        st = self.stage
+        for src, v in st.recv:
+            if v in st.grad_in:
+                self.comm.send(np.ascontiguousarray(out[f"{v}.grad_in"]), self.ranks[src], tag(self.plan, m, v, True))
+        for w in st.weights:
+            acc[w] += out[f"{w}.grad"]
+
+    def _update(self, acc: dict[str, np.ndarray]) -> None:
+        """Rule 4: the optimizer on the mean of the micro-batches' gradients."""
+        st = self.stage
+        scale = np.array(1.0 / self.plan.micro_batches, dtype=self._spec["grad.scale"][1])
+        feeds = {"grad.scale": scale, **{a: self.state[a] for a, _ in st.update_pairs},
+                 **{f"{w}.grad": acc[w] for w in st.weights}}
+        out = self._exe["U"].run(feeds, self.comm)
+        for a, b in st.update_pairs:
+            self.state[a] = np.array(out[b], copy=True)
+        if hasattr(self.comm, "flush"):
+            self.comm.flush()  # every activation / gradient send of this step has completed
+
+    def _global_loss(self, losses: list[float]) -> float:
+        last = self.plan.num_stages - 1
+        if self.plan.num_stages == 1:
+            return float(np.mean(losses))
+        mine = np.array([np.mean(losses)], dtype=np.float64) if self.stage.index == last else None
+        return float(self.comm.broadcast(mine, self.ranks, self.ranks[last], LOSS_TAG)[0])
+
+    # state -------------------------------------------------------------------------------------
+    def weights(self) -> dict[str, np.ndarray]:
+        """This stage's weights and BN statistics."""
+        names = set(self.stage.weights) | {a for a, _ in self.stage.bn_state}
+        return {n: self.state[n] for n in names}
+
+
+def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
+    """Every stage's state in one dict (a 1-rank step's state; pipeline rule 6). With all stages
+    in this process it is a merge; with one stage per MPI rank, the first stage's rank receives
+    the others' state (call it on every rank; the others get their own state back)."""
+    if len(runners) == runners[0].plan.num_stages:
+        return merged([r.state for r in runners])
+    me = runners[0]
+    i = 0
+    if me.stage.index != 0:
+        for i, name in enumerate(sorted(me.state)):
+            me.comm.send(np.ascontiguousarray(me.state[name]), me.ranks[0], GATHER_TAG + i)
+        if hasattr(me.comm, "flush"):
+            me.comm.flush()
+        return dict(me.state)
+    parts = [dict(me.state)]
+    for other in me.plan.stages[1:]:
+        part = {}
+        for i, name in enumerate(sorted(stage_state_names(other))):
+            init = other.initial[name]
+            part[name] = me.comm.recv(me.ranks[other.index], GATHER_TAG + i, init.shape, init.dtype)
+        parts.append(part)
+    return merged(parts)
+
+
+def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devices: int, schedule: str,
+                     micro_batches: int, trainable: Sequence[str] | None, backend: str, comm: Any, out: Path | None,
+                     threads: int, state: Mapping[str, np.ndarray] | None) -> tuple[list[int], list[PipelineRunner]]:
+    """The training loop's runners for ``--strategy pipeline``: one stage per device; on an MPI
+    rank (``comm``) that rank's stage only, else every stage as a thread's runner over an
+    in-process communicator."""
+    from partitioner.training.pipeline import build_pipeline
+
+    plan = build_pipeline(model, loss, optimizer, batch=batch, stages=devices, micro_batches=micro_batches,
+                          schedule=schedule, trainable=trainable)
+    common = {"backend": backend, "threads": threads, "state": state}
+    if comm is not None:
+        work = out / f"rank{comm.rank}" if out is not None else None
+        return [comm.rank], [PipelineRunner(plan, comm.rank, comm=comm, workdir=work, **common)]
+    from partitioner.runtime.comm_local import LocalWorld
+
+    world = LocalWorld(devices)
+    return list(range(devices)), [PipelineRunner(plan, s, comm=world.communicator(s), workdir=out, **common)
+                                  for s in range(devices)]

@@ -1,0 +1,137 @@
+"""Pipeline training (GPipe and 1F1B) on 2 stages against 1 rank on the same global batch.
+
+Both start from the same weights; the pipeline cuts every global batch of 8 into 4 micro-batches,
+sends activations forward and their gradients backward between the stages, accumulates the
+gradients and applies one update per step. After 10 steps the weights (and Adam's moments) must
+match the 1-rank run within rtol 1e-4, atol 1e-5 (only float summation order differs).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import pytest
+
+import models_zoo
+from partitioner.cli import main
+from partitioner.runtime.comm_local import LocalWorld
+from partitioner.training import SGD, AdamW, build_training_graph
+from partitioner.training.pipeline import build_pipeline, schedule_order
+from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
+from partitioner.training.runner import StepRunner
+
+
+def _mlp() -> onnx.ModelProto:
+    return models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+
+
+def _batches(n: int = 10) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    return [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(n)]
+
+
+def _run_pipeline(runners: list[PipelineRunner], batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        out: list[float | None] = [None] * len(runners)
+
+        def work(r: int, x=x, y=y, out=out) -> None:
+            out[r] = runners[r].step({"input": x}, y)
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(len(runners))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert all(o is not None for o in out)
+        assert len(set(out)) == 1  # the last stage broadcasts the global loss
+        losses.append(out[0])
+    return losses
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
+def test_two_stages_match_one_rank_after_10_steps(schedule, optimizer) -> None:
+    model, batches = _mlp(), _batches()
+    one = StepRunner(build_training_graph(model, optimizer=optimizer))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    plan = build_pipeline(model, "cross_entropy", optimizer, batch=8, stages=2, micro_batches=4, schedule=schedule)
+    assert all(st.weights for st in plan.stages), "a stage without weights: the cut is degenerate"
+    world = LocalWorld(2, timeout_s=60)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s)) for s in range(2)]
+    losses = _run_pipeline(runners, batches)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    assert sorted(full) == sorted(one.state)  # same state names: a pipeline checkpoint is a 1-rank one
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    start = StepRunner(build_training_graph(model, optimizer=optimizer)).state
+    assert any(not np.allclose(one.state[n], start[n]) for n in one.signature.weights), "no weight moved"
+    # rule 5: GPipe keeps every micro-batch's stash, 1F1B at most (stages - stage) of them
+    assert runners[0].peak_stash == (4 if schedule == "gpipe" else 2)
+    assert world.bytes_sent > 0
+
+
+def test_schedule_orders() -> None:
+    assert schedule_order("gpipe", 0, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    assert schedule_order("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
+                                               ("B", 2), ("B", 3)]
+    assert schedule_order("1f1b", 2, 3, 2) == [("FB", 0), ("FB", 1)]
+    for sched in ("gpipe", "1f1b"):  # every micro-batch forward once and backward once, forward first
+        order = schedule_order(sched, 1, 4, 8)
+        assert sorted(order) == sorted([("F", m) for m in range(8)] + [("B", m) for m in range(8)])
+        assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(8))
+
+
+def test_pipeline_train_cli_and_mpi_ranks_match_threads(tmp_path, capsys) -> None:
+    """``train --strategy pipeline`` end to end: the in-process stages and 2 MPI processes (ONNX
+    Runtime) give the same losses and weights, and the checkpoint holds every stage's weights."""
+    from partitioner.training import train
+
+    model = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(model))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((40, 16)).astype(np.float32), y=rng.integers(0, 10, 40))
+    common = {"loss": "cross_entropy", "optimizer": "adam", "lr": 1e-2, "batch": 8, "epochs": 1, "devices": 2,
+              "progress": False, "strategy": "pipeline", "micro_batches": 4}
+    threads = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", **common)
+    mpi = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "m", launcher="mpi", **common)
+    single = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "s", **{**common, "devices": 1,
+                                                                                      "strategy": "data"})
+    for run in (threads, mpi):
+        np.testing.assert_allclose([h["loss"] for h in run.history], [h["loss"] for h in single.history],
+                                   rtol=1e-4, atol=1e-5)
+        for a, b in zip(run.model.graph.initializer, single.model.graph.initializer):
+            np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
+                                       atol=1e-5, err_msg=a.name)
+    with np.load(tmp_path / "m" / "checkpoint_epoch1.state.npz") as z:
+        assert "head.weight.m" in z.files and "fc0.weight.m" in z.files  # both stages' optimizer state
+    rc = main(["train", str(model), "--data", str(tmp_path / "d.npz"), "--strategy", "pipeline", "--devices", "2",
+               "--batch", "8", "--micro-batches", "3", "--no-progress", "-o", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "3 equal micro-batches" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_tvm_pipeline_stages_under_mpi_match_one_rank(tmp_path, optimizer) -> None:
+    """2 TVM stages under mpiexec (1F1B, 4 micro-batches) against 1 ONNX Runtime rank, 10 steps."""
+    from partitioner.training import train
+
+    model = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(model))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((80, 16)).astype(np.float32), y=rng.integers(0, 10, 80))
+    common = {"loss": "cross_entropy", "optimizer": optimizer, "lr": 1e-2 if optimizer == "adam" else 0.1,
+              "batch": 8, "epochs": 1, "progress": False}
+    single = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "s", devices=1, **common)
+    tvm = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", devices=2, strategy="pipeline",
+                schedule="1f1b", micro_batches=4, launcher="mpi", backend="tvm", **common)
+    assert len(tvm.history) == 10
+    np.testing.assert_allclose([h["loss"] for h in tvm.history], [h["loss"] for h in single.history],
+                               rtol=1e-4, atol=1e-5)
+    for a, b in zip(tvm.model.graph.initializer, single.model.graph.initializer):
+        np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
+                                   atol=1e-5, err_msg=a.name)
