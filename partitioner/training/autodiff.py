@@ -50,6 +50,11 @@ def register_gradient(*op_types: str) -> Callable[[Rule], Rule]:
     return deco
 
 
+def rule_key(node: ir.Node) -> str:
+    """``op_type`` for the default domain, ``domain.op_type`` otherwise (the comm ops' rules)."""
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+
+
 class Emitter:
     """Appends nodes and constant initializers to a graph, tagging each with its forward node."""
 
@@ -199,7 +204,7 @@ def check_rules(nodes: Sequence[ir.Node]) -> None:
 
     missing: dict[str, list[str]] = {}
     for n in nodes:
-        if n.domain not in ("", "ai.onnx") or n.op_type not in GRADIENTS:
+        if rule_key(n) not in GRADIENTS:
             missing.setdefault(n.op_type if not n.domain else f"{n.domain}.{n.op_type}", []).append(n.name or "?")
     if missing:
         listed = "; ".join(f"{op} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
@@ -244,7 +249,7 @@ def backward(graph: ir.Graph, loss: ir.Value, dloss: dict[str, ir.Value], source
             continue
         em.tag = node.name or node.op_type
         ctx = GradContext(node, dy, needs, em)
-        dx = list(GRADIENTS[node.op_type](ctx))
+        dx = list(GRADIENTS[rule_key(node)](ctx))
         for v, need, d in zip(node.inputs, needs, dx):
             if need and d is not None:
                 grads.setdefault(v.name, []).append(d)

@@ -42,7 +42,7 @@ from partitioner.training.optimizers import Optimizer, make_optimizer
 from partitioner.training.runner import StepRunner
 from partitioner.training.step import build_training_graph, signature
 
-STRATEGIES = ("data", "single", "auto", "pipeline")
+STRATEGIES = ("data", "single", "auto", "pipeline", "tensor")
 
 
 @dataclass
@@ -171,7 +171,12 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
                    "resume": str(Path(resume).resolve()) if resume is not None else None}
         return _launch_mpi(model, data, out, options, original)
 
-    if pipelined:
+    if pipelined and strategy == "tensor":
+        from partitioner.training.tensor import tensor_runners
+
+        ranks, runners = tensor_runners(checked, loss, opt, batch=batch, devices=devices, trainable=trainable,
+                                        backend=backend, comm=comm, out=out, threads=threads, state=start)
+    elif pipelined:
         from partitioner.training.pipeline_runner import pipeline_runners
 
         ranks, runners = pipeline_runners(checked, loss, opt, batch=batch, devices=devices, schedule=schedule,
@@ -205,7 +210,7 @@ def _check_options(strategy: str, devices: int, batch: int, epochs: int, launche
         raise UsageError("--devices, --batch and --epochs must be at least 1")
     if strategy == "single" and devices != 1:
         raise UsageError("--strategy single runs on one device; give --devices 1")
-    pipelined = strategy == "pipeline" and devices > 1
+    pipelined = strategy in ("pipeline", "tensor") and devices > 1  # every rank reads the whole batch
     if batch % devices and not pipelined:
         raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
     if launcher not in ("threads", "mpi"):
@@ -289,11 +294,8 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
 
 def _full_state(runners: list[Any]) -> dict[str, np.ndarray]:
     """The whole state (every stage's, for pipeline runners; a data-parallel rank holds it all)."""
-    if getattr(runners[0], "global_batch", False):
-        from partitioner.training.pipeline_runner import gathered_state
-
-        return gathered_state(runners)
-    return dict(runners[0].state)
+    gather = getattr(runners[0], "gather_state", None)
+    return gather(runners) if gather is not None else dict(runners[0].state)
 
 
 def _launch_mpi(model: Any, data: Any, out: Path | None, options: dict[str, Any],

@@ -165,6 +165,10 @@ class PipelineRunner:
         return float(self.comm.broadcast(mine, self.ranks, self.ranks[last], LOSS_TAG)[0])
 
     # state -------------------------------------------------------------------------------------
+    def gather_state(self, runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
+        """Every stage's state (collective on MPI ranks); :func:`gathered_state`."""
+        return gathered_state(runners)
+
     def weights(self) -> dict[str, np.ndarray]:
         """This stage's weights and BN statistics."""
         names = set(self.stage.weights) | {a for a, _ in self.stage.bn_state}

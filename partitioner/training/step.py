@@ -190,6 +190,7 @@ def build_training_graph(
     label_name: str = "labels",
     gradients_only: bool = False,
     bucket_bytes: int = 25 * 2**20,
+    forward_rewrite: Any = None,
 ) -> ir.Model:
     """Build the training step of ``model`` (see the module docstring for the rules).
 
@@ -197,10 +198,13 @@ def build_training_graph(
     parallelism); ``output`` picks the model output the loss applies to (default: the first).
     ``gradients_only`` builds no update: the outputs are ``loss`` and ``W.grad`` per weight
     (the gradient checks use it). ``bucket_bytes``: the most gradient bytes one AllReduce carries
-    with ``world_size > 1`` (rule 5).
+    with ``world_size > 1`` (rule 5). ``forward_rewrite(model) -> model`` rewrites the loaded
+    forward model first (tensor parallelism shards it; :mod:`partitioner.training.tensor`).
     """
     optimizer = optimizer or SGD()
     fwd = _load(model, batch)
+    if forward_rewrite is not None:
+        fwd = forward_rewrite(fwd)
     graph = fwd.graph
     out_value, spec, weights = _loss_target(graph, loss, output, label_name, trainable)
     dtype = out_value.dtype
@@ -295,9 +299,9 @@ def _finish(fwd: ir.Model, sig: TrainingSignature, world_size: int) -> ir.Model:
     exchange gradients, and infer every type."""
     fwd.metadata_props[SIGNATURE_KEY] = sig.to_json()
     fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
-    if world_size > 1:
-        from partitioner.core.comm_ops import DOMAIN, VERSION
+    from partitioner.core.comm_ops import DOMAIN, VERSION
 
+    if world_size > 1 or any(n.domain == DOMAIN for n in fwd.graph):
         fwd.opset_imports[DOMAIN] = VERSION
     return _infer(fwd)
 

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from partitioner.training.rules import activations, elementwise, linear, normalization, pooling, shape_ops
+from partitioner.training.rules import activations, comm, elementwise, linear, normalization, pooling, shape_ops
 
-__all__ = ["activations", "elementwise", "linear", "normalization", "pooling", "shape_ops"]
+__all__ = ["activations", "comm", "elementwise", "linear", "normalization", "pooling", "shape_ops"]

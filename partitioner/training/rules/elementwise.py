@@ -65,7 +65,12 @@ def neg(g: GradContext) -> list:
 @register_gradient("Identity", "Dropout")
 def identity(g: GradContext) -> list:
     """Dropout is built in inference mode (ratio unused): the step stays deterministic, so ORT,
-    TVM and every rank agree bit for bit; its gradient is the identity."""
+    TVM and every rank agree bit for bit; its gradient is the identity. Tensor parallelism's f
+    (an Identity named ``tp.f.*``) AllReduces it instead (:mod:`.comm`)."""
+    if g.node.op_type == "Identity" and (g.node.name or "").startswith("tp.f."):
+        from partitioner.training.rules.comm import f_backward
+
+        return [f_backward(g)]
     return [g.dy[0]] + [None] * (len(g.x) - 1)
 
 
