@@ -3,9 +3,11 @@
 Rules (``tests/training/test_tensor_training.py`` checks them):
 
 1. A *pair* is a product whose weight is an initializer (``MatMul``, or ``Gemm`` without
-   ``transA``; the *column* product), then a chain of single-use nodes that act per column (its
-   bias ``Add`` of a ``[N]`` initializer, unary activations), then a second such product that
-   reads the chain's end (the *row* product) with ``N`` input features. Pairs do not overlap.
+   ``transA``; the *column* product), then a region of nodes that act per column (its bias
+   ``Add`` of a ``[N]`` initializer; elementwise ops whose other operands are scalar constants,
+   such as GELU written with Erf) with at least one activation, then a second such product that
+   reads the region (the *row* product) with ``N`` input features. No region value is used
+   outside the region and the row product. Pairs do not overlap.
 2. On rank r of R the column product keeps output features ``[r N/R, (r+1) N/R)`` of its weight
    (and bias), the row product the same rows of its weight. The row product's output is a partial
    sum: a ``partitioner.comm.AllReduce`` (sum) over the group follows it (Megatron's g), then the
@@ -35,6 +37,7 @@ from partitioner.core.errors import UsageError
 from partitioner.training.runner import StepRunner
 
 UNARY = {"Relu", "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "Erf"}
+ELEMENTWISE = UNARY | {"Add", "Sub", "Mul", "Div", "Identity"}
 GATHER_TAG = 31000
 G_TAG_BASE = 8500
 
@@ -61,29 +64,43 @@ def find_pairs(graph: onnx.GraphProto) -> list[tuple[onnx.NodeProto, list[onnx.N
         for i in n.input:
             users.setdefault(i, []).append(n)
     outputs = {o.name for o in graph.output}
+    nodes = list(graph.node)
     pairs, used = [], set()
-    for col in graph.node:
+    for k, col in enumerate(nodes):
         if id(col) in used or not _is_product(col, inits):
             continue
-        n_out = inits[col.input[1]].dims[_weight_axes(col)[0]]
-        chain, cur = [], col
-        while len(users.get(cur.output[0], [])) == 1 and cur.output[0] not in outputs:
-            u = users[cur.output[0]][0]
-            bias = next((i for i in u.input if i != cur.output[0]), None) if u.op_type == "Add" else None
-            if u.op_type == "Add" and col.op_type == "MatMul" and not chain and bias in inits \
-                    and list(inits[bias].dims) == [n_out]:
-                chain.append(u)
-            elif u.op_type in UNARY:
-                chain.append(u)
-            elif _is_product(u, inits) and u.input[0] == cur.output[0] and any(c.op_type in UNARY for c in chain) \
-                    and inits[u.input[1]].dims[_weight_axes(u)[1]] == n_out and id(u) not in used:
-                pairs.append((col, chain, u))
-                used.update({id(col), id(u)})
-                break
-            else:
-                break
-            cur = u
+        found = _chain_to_row(col, nodes[k + 1:], inits, users, outputs)
+        if found is not None and id(found[1]) not in used:
+            pairs.append((col, *found))
+            used.update({id(col), id(found[1])})
     return pairs
+
+
+def _chain_to_row(col: onnx.NodeProto, after: list[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto],
+                  users: Mapping[str, list[onnx.NodeProto]], outputs: set[str]) -> Any:
+    """The per-column region after ``col`` (its bias Add, elementwise ops whose other operands are
+    scalar constants) and the row product reading it; None when the region leaks or has no
+    activation."""
+    n_out = inits[col.input[1]].dims[_weight_axes(col)[0]]
+    values, chain = {col.output[0]}, []
+    for u in after:
+        reads = [i for i in u.input if i in values]
+        if not reads:
+            continue
+        others = [i for i in u.input if i and i not in values]
+        if _is_product(u, inits) and u.input[0] in values and len(reads) == 1 \
+                and inits[u.input[1]].dims[_weight_axes(u)[1]] == n_out:
+            leaks = any(v in outputs or any(x is not u and x not in chain for x in users.get(v, []))
+                        for v in values)
+            return None if leaks or not any(c.op_type in UNARY for c in chain) else (chain, u)
+        bias = (u.op_type == "Add" and col.op_type == "MatMul" and not chain and len(others) == 1
+                and others[0] in inits and list(inits[others[0]].dims) == [n_out])
+        scalars = all(i in inits and int(np.prod(inits[i].dims)) == 1 for i in others)
+        if not (bias or (u.op_type in ELEMENTWISE and scalars)):
+            return None
+        chain.append(u)
+        values.update(u.output)
+    return None
 
 
 def _slice(t: onnx.TensorProto, axis: int, rank: int, world: int) -> onnx.TensorProto:
@@ -104,9 +121,9 @@ def shard_axes(proto: onnx.ModelProto, world: int) -> dict[str, int]:
         if col.op_type == "Gemm" and len(col.input) > 2 and col.input[2] in inits and len(inits[col.input[2]].dims) == 1 \
                 and inits[col.input[2]].dims[0] == inits[col.input[1]].dims[out_axis]:
             axes[col.input[2]] = 0
-        for c in chain:
-            if c.op_type == "Add":
-                axes[next(i for i in c.input if i in inits)] = 0
+        n_out = inits[col.input[1]].dims[out_axis]
+        for c in chain:  # the column bias (scalar constants stay whole)
+            axes.update({i: 0 for i in c.input if c.op_type == "Add" and i in inits and list(inits[i].dims) == [n_out]})
         axes[row.input[1]] = _weight_axes(row)[1]
     if not axes:
         raise UsageError(f"tensor training: no Megatron pair (product, per-column activation, product) whose hidden "
