@@ -42,12 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from a checkpoint_epoch<k>.onnx of this model (and its .state.npz), any --devices")
     p.add_argument("-o", "--output", default="run", metavar="DIR", help="run folder (checkpoints, history.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plan", action="store_true",
+                   help="print the predicted step time, samples/s and peak memory per rank, and exit (no training)")
     add_json_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from partitioner.training.loop import train
 
+    if args.plan:
+        return _plan(args)
     result = train(args.model, args.data, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
                    weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
@@ -61,4 +65,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"trained {len(h)} steps: loss {report['first_loss']:.4f} -> {report['last_loss']:.4f}; "
               f"checkpoint {result.checkpoints[-1] if result.checkpoints else '-'}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``--plan``: the training cost model's prediction (partitioner/cost/training.py)."""
+    from partitioner.training.plan import predict_training
+
+    strategy = "single" if args.devices == 1 else {"auto": "data"}.get(args.strategy, args.strategy)
+    p = predict_training(args.model, strategy, args.devices, batch=args.batch, optimizer=args.optimizer,
+                         schedule=args.schedule, micro_batches=args.micro_batches)
+    if args.json:
+        print_json(p.to_json())
+        return 0
+    sched = f" {p.schedule}, {p.micro_batches} micro-batches" if p.schedule else ""
+    print(f"{strategy} on {p.devices} device(s){sched}, batch {p.batch}: predicted step {p.step_time_s * 1e3:.3f} ms, "
+          f"{p.samples_per_s:.1f} samples/s")
+    for r, m in enumerate(p.memory_per_rank):
+        print(f"  rank {r}: peak memory {m / 2**20:.1f} MiB (weights, gradients, optimizer state, stashed activations)")
+    print("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in p.breakdown.items()))
     return 0

@@ -1,0 +1,155 @@
+"""The cost of a training step: time and per-rank memory for single, data, pipeline and tensor.
+
+The formulas only: :func:`partitioner.training.plan.predict_training` loads the model at the
+rank's batch, finds the stages or the tensor pairs as the runtime does, and calls these.
+
+Rules (``tests/training/test_training_cost.py`` checks them):
+
+1. Forward time per node: the roofline model (:func:`partitioner.cost.roofline.graph_op_times`)
+   on the cluster's first device at the batch a rank runs (the local batch for ``data``, the
+   micro-batch for ``pipeline``, the whole batch for ``tensor``). Backward time per node: the
+   forward time x ``BACKWARD_FACTOR[op class]`` (contractions 2: one product per operand
+   gradient; the rest 1).
+2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
+   gradient and the optimizer's state copies (``OPTIMIZER_COPIES``: SGD 0, momentum 1, Adam 2).
+3. Memory per rank = weights + gradients + optimizer state (copies x weights) + stashed
+   activations: every forward value's bytes at the rank's batch, times the micro-batches in
+   flight (``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``).
+4. Step time:
+   - ``single``: forward + backward + optimizer;
+   - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
+     cluster's collective model; the buckets are reduced after the backward pass, no overlap);
+   - ``pipeline``: fill-drain over ``M`` micro-batches of per-stage (forward + backward) times
+     with the activation and gradient sends between stages
+     (:func:`partitioner.cost.pipeline.pipeline_step_time`), plus the slowest stage's update.
+     The stages are given (the runtime's cut, :func:`partitioner.training.pipeline.stage_ends`);
+   - ``tensor``: the Megatron pairs' nodes run 1/R of their work; every pair adds one AllReduce
+     of its output forward and one of its input's gradient backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+BACKWARD_FACTOR = {"gemm": 2.0, "conv": 2.0, "depthwise_conv": 2.0}
+OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "Momentum": 1, "AdamW": 2}
+
+
+@dataclass
+class TrainingPrediction:
+    """Predicted step time (s), throughput and peak memory per rank (bytes) of one plan."""
+
+    strategy: str
+    devices: int
+    batch: int
+    step_time_s: float
+    samples_per_s: float
+    memory_per_rank: list[float]
+    breakdown: dict[str, float] = field(default_factory=dict)
+    schedule: str | None = None
+    micro_batches: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Profile:
+    forward: np.ndarray  # seconds per node
+    backward: np.ndarray
+    activation: np.ndarray  # output bytes per node
+    weight: np.ndarray  # trainable bytes first read by each node
+    names: list[str]
+    graph: Any
+
+
+def profile(graph: Any, device: Any, trainable: set[str]) -> _Profile:
+    """Rule 1 on a forward graph whose shapes are bound at the rank's batch."""
+    from partitioner.cost.ops import nbytes, op_class
+    from partitioner.cost.roofline import graph_op_times
+
+    nodes = list(graph)
+    times = np.array(graph_op_times(graph, device), dtype=np.float64)
+    factor = np.array([BACKWARD_FACTOR.get(op_class(n), 1.0) for n in nodes])
+    seen: set[str] = set()
+    weight = np.zeros(len(nodes))
+    for i, n in enumerate(nodes):
+        for v in n.inputs:
+            if v is not None and v.name in trainable and v.name not in seen:
+                seen.add(v.name)
+                weight[i] += nbytes(v)
+    act = np.array([sum(nbytes(o) for o in n.outputs) for n in nodes], dtype=np.float64)
+    return _Profile(times, times * factor, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph)
+
+
+def _optimizer_time(weight_bytes: float, copies: int, device: Any) -> float:
+    """Rule 2: read W, g and the state, write W and the state."""
+    return weight_bytes * (2 + 1 + 2 * copies) / device.memory_bandwidth
+
+
+def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
+                   device: Any) -> TrainingPrediction:
+    """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch)."""
+    from partitioner.cost.comm import collective_time
+
+    w = float(p.weight.sum())
+    comm = 0.0
+    if strategy == "data" and devices > 1:
+        comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
+    parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
+             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
+    step = sum(parts.values())
+    mem = w * (2 + copies) + float(p.activation.sum())
+    return TrainingPrediction(strategy, devices, batch, step, batch / step, [mem] * devices, parts)
+
+
+def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
+             device: Any) -> TrainingPrediction:
+    """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last node)."""
+    from partitioner.cost.comm import collective_time
+    from partitioner.cost.pipeline import pipeline_step_time
+
+    stages = len(ends)
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    spans = [slice(a, b + 1) for a, b in zip(starts, ends)]
+    stage_t = [float(p.forward[s].sum() + p.backward[s].sum()) for s in spans]
+    sends = [2 * collective_time("send", cut_bytes(p.graph, ends[k]), [k, k + 1], cluster).seconds
+             for k in range(stages - 1)]  # activations forward and their gradients back
+    opt = [_optimizer_time(float(p.weight[s].sum()), copies, device) for s in spans]
+    step = pipeline_step_time(stage_t, sends, m) + max(opt)
+    inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
+    mem = [float(p.weight[s].sum()) * (2 + copies) + float(p.activation[s].sum()) * inflight[i]
+           for i, s in enumerate(spans)]
+    parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
+             "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t)}
+    return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m)
+
+
+def cut_bytes(graph: Any, end: int) -> float:
+    """Bytes of the values produced at or before node ``end`` and read after it (the data
+    inputs are not sent: every stage rank holds the batch)."""
+    from partitioner.cost.ops import nbytes
+
+    nodes = list(graph)
+    after = {id(n) for n in nodes[end + 1:]}
+    return float(sum(nbytes(o) for n in nodes[:end + 1] for o in n.outputs
+                     if any(id(u) in after for u, _ in o.uses())))
+
+
+def tensor(p: _Profile, world: int, batch: int, copies: int, split: set[str], allreduce_bytes: list[float],
+           cluster: Any, device: Any) -> TrainingPrediction:
+    """Rule 4 for ``tensor``: ``split`` names the pairs' nodes; ``allreduce_bytes`` the f and g
+    AllReduces' sizes."""
+    from partitioner.cost.comm import collective_time
+
+    share = np.array([1.0 / world if name in split else 1.0 for name in p.names])
+    comm = sum(collective_time("allreduce", b, list(range(world)), cluster).seconds for b in allreduce_bytes)
+    w = float((p.weight * share).sum())
+    parts = {"forward_s": float((p.forward * share).sum()), "backward_s": float((p.backward * share).sum()),
+             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
+    step = sum(parts.values())
+    mem = w * (2 + copies) + float((p.activation * share).sum())
+    return TrainingPrediction("tensor", world, batch, step, batch / step, [mem] * world, parts)

@@ -1,0 +1,60 @@
+"""``predict_training``: the training cost model applied to a model and a plan.
+
+Loads the forward graph at the batch one rank runs, finds what the runtime would run (the
+pipeline stages by :func:`partitioner.training.pipeline.stage_ends`, the tensor pairs by
+:func:`partitioner.training.tensor.find_pairs`) and applies the formulas of
+:mod:`partitioner.cost.training` on the cluster's devices (default ``cpu:<devices>``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+
+from partitioner.core.errors import UsageError
+from partitioner.cost import training as cost
+from partitioner.cost.training import TrainingPrediction
+
+STRATEGIES = ("single", "data", "pipeline", "tensor")
+
+
+def predict_training(model: Any, strategy: str, devices: int, *, batch: int, optimizer: str = "sgd",
+                     schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None) -> TrainingPrediction:
+    """Predicted step time, samples/s and peak memory per rank of training ``model`` so."""
+    from partitioner.cluster import resolve_cluster
+    from partitioner.training.step import _load, default_trainable
+
+    if strategy not in STRATEGIES:
+        raise UsageError(f"training cost: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if devices < 1 or batch < 1:
+        raise UsageError("--devices and --batch must be at least 1")
+    cl = resolve_cluster(cluster if cluster is not None else f"cpu:{devices}")
+    device = cl.devices[0]
+    copies = cost.OPTIMIZER_COPIES.get(optimizer, 0)
+    m = micro_batches or 2 * devices
+    if strategy == "pipeline" and devices > 1 and batch % m:
+        raise UsageError(f"--batch {batch} does not split into {m} equal micro-batches")
+    local = {"data": batch // devices, "pipeline": batch // m}.get(strategy, batch) if devices > 1 else batch
+    graph = _load(model, local).graph
+    prof = cost.profile(graph, device, set(default_trainable(graph)))
+    if strategy == "pipeline" and devices > 1:
+        from partitioner.training.pipeline import stage_ends
+
+        return cost.pipeline(prof, stage_ends(graph, devices), batch, copies, schedule, m, cl, device)
+    if strategy == "tensor" and devices > 1:
+        return _tensor(prof, graph, devices, batch, copies, cl, device)
+    return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device)
+
+
+def _tensor(prof: Any, graph: ir.Graph, world: int, batch: int, copies: int, cl: Any, device: Any) -> TrainingPrediction:
+    from partitioner.cost.ops import nbytes
+    from partitioner.training.tensor import find_pairs, shard_axes
+
+    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=8))
+    axes = shard_axes(proto, world)  # refuses a model without a pair, as the runtime does
+    pairs = [p for p in find_pairs(proto.graph) if p[0].input[1] in axes]
+    split = {n.name for col, chain, row in pairs for n in (col, *chain, row)}
+    values = {v.name: v for n in graph for v in (*n.inputs, *n.outputs) if v is not None}
+    sizes = [nbytes(values[name]) for col, _chain, row in pairs for name in (row.output[0], col.input[0])]
+    return cost.tensor(prof, world, batch, copies, split, sizes, cl, device)

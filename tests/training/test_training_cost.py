@@ -1,0 +1,69 @@
+"""The training cost model (partitioner/cost/training.py): its rules, checked against quantities
+computed here from the ONNX model itself, and the ``train --plan`` report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import models_zoo
+from partitioner.cli import main
+from partitioner.training.plan import predict_training
+
+
+@pytest.fixture(scope="module")
+def mlp() -> onnx.ModelProto:
+    return models_zoo.build("mlp", batch=32, hidden=64, in_features=16)
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    return sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def test_optimizer_state_memory_is_weight_copies(mlp) -> None:
+    """Rule 3: Adam keeps 2 copies of the weights, momentum 1, SGD none."""
+    w = _weight_bytes(mlp)
+    mem = {opt: predict_training(mlp, "single", 1, batch=32, optimizer=opt).memory_per_rank[0]
+           for opt in ("sgd", "momentum", "adam")}
+    assert mem["momentum"] - mem["sgd"] == pytest.approx(w, rel=1e-9)
+    assert mem["adam"] - mem["sgd"] == pytest.approx(2 * w, rel=1e-9)
+    assert mem["sgd"] > 2 * w  # weights + gradients + activations
+
+
+def test_backward_is_about_twice_the_forward_and_data_parallel_adds_the_allreduce(mlp) -> None:
+    one = predict_training(mlp, "single", 1, batch=32)
+    assert 1.5 <= one.breakdown["backward_s"] / one.breakdown["forward_s"] <= 2.0
+    two = predict_training(mlp, "data", 2, batch=32)
+    assert two.breakdown["comm_s"] > 0 and one.breakdown["comm_s"] == 0
+    assert two.breakdown["forward_s"] < one.breakdown["forward_s"]  # half the batch per rank
+    assert two.samples_per_s == pytest.approx(32 / two.step_time_s)
+
+
+def test_pipeline_stash_gpipe_against_1f1b(mlp) -> None:
+    """Rule 3: GPipe stashes all M micro-batches on every stage, 1F1B at most S - s: stage 0 of
+    GPipe needs more memory; the last stage (one in flight either way) the same."""
+    g = predict_training(mlp, "pipeline", 2, batch=32, schedule="gpipe", micro_batches=8)
+    f = predict_training(mlp, "pipeline", 2, batch=32, schedule="1f1b", micro_batches=8)
+    assert g.memory_per_rank[0] > f.memory_per_rank[0]
+    assert g.step_time_s == pytest.approx(f.step_time_s)
+    assert sum(f.memory_per_rank) < 2 * predict_training(mlp, "single", 1, batch=32).memory_per_rank[0]
+
+
+def test_tensor_splits_pair_weights_and_adds_f_and_g(mlp) -> None:
+    t = predict_training(mlp, "tensor", 2, batch=32, optimizer="adam")
+    s = predict_training(mlp, "single", 1, batch=32, optimizer="adam")
+    assert t.breakdown["comm_s"] > 0
+    assert t.memory_per_rank[0] < s.memory_per_rank[0]
+
+
+def test_train_plan_prints_prediction_json(tmp_path, capsys) -> None:
+    path = tmp_path / "mlp.onnx"
+    onnx.save(models_zoo.build("mlp", batch=8, hidden=32, in_features=16), str(path))
+    rc = main(["train", str(path), "--data", str(tmp_path / "none.npz"), "--devices", "2", "--strategy", "pipeline",
+               "--micro-batches", "4", "--batch", "16", "--optimizer", "adam", "--plan", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["strategy"] == "pipeline" and len(out["memory_per_rank"]) == 2
+    assert out["micro_batches"] == 4 and np.isfinite(out["step_time_s"]) and out["step_time_s"] > 0
