@@ -29,7 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--devices", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--strategy", default="data",
-                   help="data (default; auto means data), pipeline (one stage per device) or single")
+                   help="data (default; auto means data), pipeline (one stage per device), tensor (Megatron MLP "
+                        "pairs), hybrid (data x pipeline) or single")
+    p.add_argument("--stages", type=int, default=None,
+                   help="hybrid: pipeline stages per data-parallel replica (default 2; --devices a multiple)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pipeline schedule")
     p.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="pipeline micro-batches per step (default 2 x --devices; must divide --batch)")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                    weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
                    progress=not (args.no_progress or args.json), launcher=args.launcher, resume=args.resume,
-                   threads=args.threads, schedule=args.schedule, micro_batches=args.micro_batches)
+                   threads=args.threads, schedule=args.schedule, micro_batches=args.micro_batches,
+                   stages=args.stages)
     h = result.history
     report = {"steps": len(h), "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
               "checkpoints": result.checkpoints, "output": args.output}

@@ -42,7 +42,7 @@ from partitioner.training.optimizers import Optimizer, make_optimizer
 from partitioner.training.runner import StepRunner
 from partitioner.training.step import build_training_graph, signature
 
-STRATEGIES = ("data", "single", "auto", "pipeline", "tensor")
+STRATEGIES = ("data", "single", "auto", "pipeline", "tensor", "hybrid")
 
 
 @dataclass
@@ -130,7 +130,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
           seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
           launcher: str = "threads", comm: Any = None,
           resume: str | os.PathLike[str] | None = None, threads: int = 1, schedule: str = "1f1b",
-          micro_batches: int | None = None) -> TrainResult:
+          micro_batches: int | None = None, stages: int | None = None) -> TrainResult:
     """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
 
     ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
@@ -142,7 +142,9 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     resharded; optimizer state of another optimizer starts from zero). ``threads``: intra-op
     threads of each rank's backend. ``strategy="pipeline"``: ``devices`` stages, ``schedule``
     ``gpipe`` or ``1f1b`` over ``micro_batches`` micro-batches (default ``2 * devices``; see
-    :mod:`partitioner.training.pipeline`); every stage rank reads the whole batch.
+    :mod:`partitioner.training.pipeline`); every stage rank reads the whole batch. ``hybrid``:
+    ``devices / stages`` data-parallel replicas of a ``stages``-stage pipeline (default 2);
+    ``tensor``: Megatron pairs split over ``devices`` (:mod:`partitioner.training.tensor`).
     """
     from partitioner.load import load_proto
 
@@ -167,7 +169,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
         options = {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None, "lr": lr,
                    "weight_decay": weight_decay, "batch": batch, "epochs": epochs, "devices": devices,
                    "strategy": strategy, "backend": backend, "seed": seed, "progress": progress,
-                   "trainable": trainable, "threads": threads, "schedule": schedule, "micro_batches": micro_batches,
+                   "trainable": trainable, "threads": threads, "schedule": schedule, "micro_batches": micro_batches, "stages": stages,
                    "resume": str(Path(resume).resolve()) if resume is not None else None}
         return _launch_mpi(model, data, out, options, original)
 
@@ -181,7 +183,8 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
 
         ranks, runners = pipeline_runners(checked, loss, opt, batch=batch, devices=devices, schedule=schedule,
                                           micro_batches=micro_batches or 2 * devices, trainable=trainable,
-                                          backend=backend, comm=comm, out=out, threads=threads, state=start)
+                                          backend=backend, comm=comm, out=out, threads=threads, state=start,
+                                          stages=(stages or 2) if strategy == "hybrid" else devices)
     elif comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]
         runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
@@ -210,7 +213,7 @@ def _check_options(strategy: str, devices: int, batch: int, epochs: int, launche
         raise UsageError("--devices, --batch and --epochs must be at least 1")
     if strategy == "single" and devices != 1:
         raise UsageError("--strategy single runs on one device; give --devices 1")
-    pipelined = strategy in ("pipeline", "tensor") and devices > 1  # every rank reads the whole batch
+    pipelined = strategy in ("pipeline", "tensor", "hybrid") and devices > 1  # every rank reads the whole batch
     if batch % devices and not pipelined:
         raise UsageError(f"--batch {batch} does not split evenly over {devices} devices")
     if launcher not in ("threads", "mpi"):

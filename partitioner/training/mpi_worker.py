@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         from partitioner.runtime.comm_mpi import MPICommunicator
         from partitioner.training.loop import train
 
-        comm = MPICommunicator([list(range(world.Get_size()))])
+        comm = MPICommunicator(comm_groups(world.Get_size(), cfg.get("strategy", "data"), cfg.get("stages")))
         train(cfg["model"], cfg["data"], loss=cfg["loss"], optimizer=cfg["optimizer"], lr=cfg["lr"],
               weight_decay=cfg["weight_decay"], batch=cfg["batch"], epochs=cfg["epochs"], devices=cfg["devices"],
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],
               progress=cfg["progress"], trainable=cfg["trainable"], comm=comm, resume=cfg.get("resume"),
               threads=int(cfg.get("threads", 1)), schedule=cfg.get("schedule", "1f1b"),
-              micro_batches=cfg.get("micro_batches"))
+              micro_batches=cfg.get("micro_batches"), stages=cfg.get("stages"))
         comm.flush()
         comm.barrier()
         return 0
@@ -61,6 +61,18 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         world.Abort(1)
         return 1
+
+
+def comm_groups(size: int, strategy: str, stages: int | None) -> list[list[int]]:
+    """Every collective group a rank may use (MPI creates them at start-up, on every rank in the
+    same order): the world; for ``hybrid`` also each pipeline replica (the loss broadcast) and
+    each stage's replicas (the gradient AllReduce)."""
+    groups = [list(range(size))]
+    if strategy == "hybrid":
+        s = stages or 2
+        groups += [[d * s + k for k in range(s)] for d in range(size // s)]
+        groups += [[d * s + k for d in range(size // s)] for k in range(s)]
+    return groups
 
 
 if __name__ == "__main__":

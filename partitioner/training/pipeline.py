@@ -79,6 +79,7 @@ class PipelinePlan:
     stages: list[Stage]
     micro_batches: int
     micro_batch: int
+    batch: int  # samples one pipeline replica runs per step
     schedule: str
     loss: str
     labels: str
@@ -138,7 +139,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
-    return PipelinePlan(out_stages, micro_batches, micro, schedule, loss, label_name, optimizer, value_ids)
+    return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids)
 
 
 def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list[int], trainable: set[str]) -> None:

@@ -23,6 +23,7 @@ from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, 
 
 GATHER_TAG = 30000
 LOSS_TAG = 29999
+REPLICA_TAG = 26000
 
 
 def _specs(program: onnx.ModelProto | None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -62,10 +63,15 @@ class PipelineRunner:
 
     def __init__(self, plan: PipelinePlan, stage: int, *, comm: Any, ranks: Sequence[int] | None = None,
                  backend: str = "onnxruntime", workdir: str | os.PathLike[str] | None = None, threads: int = 1,
-                 state: Mapping[str, np.ndarray] | None = None) -> None:
+                 state: Mapping[str, np.ndarray] | None = None, replica: int = 0,
+                 replica_group: Sequence[int] | None = None) -> None:
         self.plan = plan
         self.stage = plan.stages[stage]
         self.ranks = list(ranks) if ranks is not None else list(range(plan.num_stages))
+        # hybrid (data x pipeline): this rank is stage ``stage`` of pipeline replica ``replica``;
+        # ``replica_group`` = the ranks holding this stage in every replica (gradient AllReduce)
+        self.replica = replica
+        self.replica_group = list(replica_group) if replica_group is not None else [self.ranks[stage]]
         self.comm = comm
         src = state if state is not None else self.stage.initial
         self.state = {n: np.array(src[n], copy=True) for n in stage_state_names(self.stage)}
@@ -82,6 +88,9 @@ class PipelineRunner:
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step of the global batch ``data`` / ``labels``; returns the global mean loss."""
         plan, st = self.plan, self.stage
+        if len(self.replica_group) > 1:  # hybrid: this replica's rows of the global batch
+            rows = slice(self.replica * plan.batch, (self.replica + 1) * plan.batch)
+            data, labels = {k: v[rows] for k, v in data.items()}, labels[rows]
         acc = {w: np.zeros_like(self.state[w]) for w in st.weights}
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
@@ -148,7 +157,10 @@ class PipelineRunner:
     def _update(self, acc: dict[str, np.ndarray]) -> None:
         """Rule 4: the optimizer on the mean of the micro-batches' gradients."""
         st = self.stage
-        scale = np.array(1.0 / self.plan.micro_batches, dtype=self._spec["grad.scale"][1])
+        replicas = len(self.replica_group)
+        for i, w in enumerate(st.weights if replicas > 1 else ()):  # hybrid: sum over the replicas
+            acc[w] = self.comm.allreduce(acc[w], self.replica_group, "sum", REPLICA_TAG + i)
+        scale = np.array(1.0 / (self.plan.micro_batches * replicas), dtype=self._spec["grad.scale"][1])
         feeds = {"grad.scale": scale, **{a: self.state[a] for a, _ in st.update_pairs},
                  **{f"{w}.grad": acc[w] for w in st.weights}}
         out = self._exe["U"].run(feeds, self.comm)
@@ -162,7 +174,10 @@ class PipelineRunner:
         if self.plan.num_stages == 1:
             return float(np.mean(losses))
         mine = np.array([np.mean(losses)], dtype=np.float64) if self.stage.index == last else None
-        return float(self.comm.broadcast(mine, self.ranks, self.ranks[last], LOSS_TAG)[0])
+        loss = self.comm.broadcast(mine, self.ranks, self.ranks[last], LOSS_TAG)
+        if len(self.replica_group) > 1:  # hybrid: the mean over the replicas
+            loss = self.comm.allreduce(loss, self.replica_group, "sum", LOSS_TAG - 1) / len(self.replica_group)
+        return float(loss[0])
 
     # state -------------------------------------------------------------------------------------
     def gather_state(self, runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
@@ -179,9 +194,11 @@ def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
     """Every stage's state in one dict (a 1-rank step's state; pipeline rule 6). With all stages
     in this process it is a merge; with one stage per MPI rank, the first stage's rank receives
     the others' state (call it on every rank; the others get their own state back)."""
-    if len(runners) == runners[0].plan.num_stages:
-        return merged([r.state for r in runners])
+    if len(runners) > 1:  # every rank in this process: replica 0's stages hold the state
+        return merged([r.state for r in runners if r.replica == 0])
     me = runners[0]
+    if me.replica != 0:  # replicas hold the same state; replica 0's stages gather it
+        return dict(me.state)
     i = 0
     if me.stage.index != 0:
         for i, name in enumerate(sorted(me.state)):
@@ -201,20 +218,34 @@ def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
 
 def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devices: int, schedule: str,
                      micro_batches: int, trainable: Sequence[str] | None, backend: str, comm: Any, out: Path | None,
-                     threads: int, state: Mapping[str, np.ndarray] | None) -> tuple[list[int], list[PipelineRunner]]:
-    """The training loop's runners for ``--strategy pipeline``: one stage per device; on an MPI
-    rank (``comm``) that rank's stage only, else every stage as a thread's runner over an
-    in-process communicator."""
+                     threads: int, state: Mapping[str, np.ndarray] | None,
+                     stages: int | None = None) -> tuple[list[int], list[PipelineRunner]]:
+    """The training loop's runners for ``--strategy pipeline`` (``stages = devices``) or ``hybrid``
+    (``devices / stages`` data-parallel replicas of a ``stages``-stage pipeline; rank
+    ``d * stages + s`` is stage s of replica d): on an MPI rank (``comm``) that rank's runner
+    only, else every rank as a thread's runner over an in-process communicator."""
     from partitioner.training.pipeline import build_pipeline
 
-    plan = build_pipeline(model, loss, optimizer, batch=batch, stages=devices, micro_batches=micro_batches,
+    stages = stages or devices
+    if stages < 2 or devices % stages:
+        raise UsageError(f"--stages {stages}: a pipeline needs at least 2 stages, and --devices {devices} must be a "
+                         "multiple of it")
+    replicas = devices // stages
+    if batch % replicas:
+        raise UsageError(f"--batch {batch} does not split evenly over {replicas} pipeline replicas")
+    plan = build_pipeline(model, loss, optimizer, batch=batch // replicas, stages=stages, micro_batches=micro_batches,
                           schedule=schedule, trainable=trainable)
-    common = {"backend": backend, "threads": threads, "state": state}
+
+    def runner(rank: int, c: Any, work: Path | None) -> PipelineRunner:
+        d, s = divmod(rank, stages)
+        return PipelineRunner(plan, s, comm=c, ranks=[d * stages + k for k in range(stages)], replica=d,
+                              replica_group=[e * stages + s for e in range(replicas)], workdir=work,
+                              backend=backend, threads=threads, state=state)
+
     if comm is not None:
-        work = out / f"rank{comm.rank}" if out is not None else None
-        return [comm.rank], [PipelineRunner(plan, comm.rank, comm=comm, workdir=work, **common)]
+        return [comm.rank], [runner(comm.rank, comm, out / f"rank{comm.rank}" if out is not None else None)]
     from partitioner.runtime.comm_local import LocalWorld
 
     world = LocalWorld(devices)
-    return list(range(devices)), [PipelineRunner(plan, s, comm=world.communicator(s), workdir=out, **common)
-                                  for s in range(devices)]
+    return list(range(devices)), [runner(r, world.communicator(r), out / f"rank{r}" if out is not None else None)
+                                  for r in range(devices)]

@@ -74,6 +74,30 @@ def test_two_stages_match_one_rank_after_10_steps(schedule, optimizer) -> None:
     assert world.bytes_sent > 0
 
 
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
+def test_hybrid_data_x_pipeline_matches_one_rank_after_10_steps(optimizer) -> None:
+    """4 ranks: 2 data-parallel replicas of a 2-stage 1F1B pipeline (each replica takes half of
+    every global batch of 8, in 2 micro-batches; each stage's gradients are AllReduced over the
+    replicas) against 1 rank."""
+    from partitioner.training.pipeline_runner import pipeline_runners
+
+    model, batches = _mlp(), _batches()
+    one = StepRunner(build_training_graph(model, optimizer=optimizer))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    _, runners = pipeline_runners(model, "cross_entropy", optimizer, batch=8, devices=4, schedule="1f1b",
+                                  micro_batches=2, trainable=None, backend="onnxruntime", comm=None, out=None,
+                                  threads=1, state=None, stages=2)
+    assert [(r.replica, r.stage.index, r.replica_group) for r in runners] == [
+        (0, 0, [0, 2]), (0, 1, [1, 3]), (1, 0, [0, 2]), (1, 1, [1, 3])]
+    losses = _run_pipeline(runners, batches)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+        replica1 = next(r for r in runners if r.replica == 1 and name in r.state)
+        np.testing.assert_allclose(replica1.state[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_schedule_orders() -> None:
     assert schedule_order("gpipe", 0, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
     assert schedule_order("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
@@ -130,6 +154,26 @@ def test_tvm_pipeline_stages_under_mpi_match_one_rank(tmp_path, optimizer) -> No
     tvm = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", devices=2, strategy="pipeline",
                 schedule="1f1b", micro_batches=4, launcher="mpi", backend="tvm", **common)
     assert len(tvm.history) == 10
+    np.testing.assert_allclose([h["loss"] for h in tvm.history], [h["loss"] for h in single.history],
+                               rtol=1e-4, atol=1e-5)
+    for a, b in zip(tvm.model.graph.initializer, single.model.graph.initializer):
+        np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
+                                   atol=1e-5, err_msg=a.name)
+
+
+@pytest.mark.slow
+def test_tvm_hybrid_under_mpi_matches_one_rank(tmp_path) -> None:
+    """4 TVM ranks under mpiexec: 2 replicas x 2 stages (1F1B, 2 micro-batches), 10 SGD steps."""
+    from partitioner.training import train
+
+    model = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), str(model))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((80, 16)).astype(np.float32), y=rng.integers(0, 10, 80))
+    common = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.1, "batch": 8, "epochs": 1, "progress": False}
+    single = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "s", devices=1, **common)
+    tvm = train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / "t", devices=4, strategy="hybrid", stages=2,
+                micro_batches=2, launcher="mpi", backend="tvm", **common)
     np.testing.assert_allclose([h["loss"] for h in tvm.history], [h["loss"] for h in single.history],
                                rtol=1e-4, atol=1e-5)
     for a, b in zip(tvm.model.graph.initializer, single.model.graph.initializer):
