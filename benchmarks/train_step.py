@@ -73,6 +73,9 @@ def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, thre
                 strategy="data" if strategy == "single" else strategy, progress=False, threads=threads,
                 out_dir=tmp / label.replace(" ", "_").replace(",", ""), **extra)
     times = [batch / h["samples_per_s"] for h in res.history[steps:]]  # epoch 2 only (warm)
+    run_dir = tmp / label.replace(" ", "_").replace(",", "")
+    measured_mem = [json.loads((run_dir / f"memory_rank{r}.json").read_text())["training_bytes"]
+                    for r in range(devices) if (run_dir / f"memory_rank{r}.json").is_file()] or None
     med = statistics.median(times)
     # the cost model has no intra-op thread model: the 2-thread run has no prediction
     pred_s = predicted.step_time_s if threads == 1 else None
@@ -80,6 +83,7 @@ def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, thre
           + (f"  predicted {pred_s * 1e3:8.2f} ms" if pred_s else ""), flush=True)
     return {"median_step_s": med, "samples_per_s": batch / med, "steps": len(times), "predicted_step_s": pred_s,
             "predicted_memory_per_rank": predicted.memory_per_rank if threads == 1 else None,
+            "measured_memory_per_rank": measured_mem,  # MPI ranks: peak RSS - RSS with the backend loaded
             "predicted_over_measured": pred_s / med if pred_s else None}
 
 

@@ -6,7 +6,8 @@ failing rank and kills every rank on failure). Each rank builds the same step pr
 its own state, takes its slice of every global batch and AllReduces its gradients over
 ``MPI.COMM_WORLD`` through the project's MPI communicator; rank 0 writes the run folder. Each
 rank is pinned to its share of the host's cores as ``partitioner run``'s workers are. On any
-error a rank prints ``rank R: train: <message>`` and aborts the job.
+error a rank prints ``rank R: train: <message>`` and aborts the job. Each rank writes
+``memory_rank<r>.json`` (peak RSS minus the RSS once the backend is loaded) to the run folder.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from partitioner.training.loop import train
 
         comm = MPICommunicator(comm_groups(world.Get_size(), cfg.get("strategy", "data"), cfg.get("stages")))
+        baseline = _baseline_rss(cfg.get("backend", "onnxruntime"))
         train(cfg["model"], cfg["data"], loss=cfg["loss"], optimizer=cfg["optimizer"], lr=cfg["lr"],
               weight_decay=cfg["weight_decay"], batch=cfg["batch"], epochs=cfg["epochs"], devices=cfg["devices"],
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
               threads=int(cfg.get("threads", 1)), schedule=cfg.get("schedule", "1f1b"),
               micro_batches=cfg.get("micro_batches"), stages=cfg.get("stages"))
         comm.flush()
+        _write_memory(cfg["out_dir"], rank, baseline)
         comm.barrier()
         return 0
     except BaseException as exc:  # noqa: BLE001 - any failure must end every rank, now
@@ -61,6 +64,38 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         world.Abort(1)
         return 1
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status", encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _baseline_rss(backend: str) -> int:
+    """Resident memory once the backend's libraries are loaded, before the step is built: the
+    training's own memory is the peak minus this (what the cost model predicts)."""
+    try:
+        import onnxruntime  # noqa: F401
+
+        if backend == "tvm":
+            import tvm  # noqa: F401
+        return _rss_bytes()
+    except (OSError, ImportError):
+        return 0
+
+
+def _write_memory(out_dir: str, rank: int, baseline: int) -> None:
+    """``memory_rank<r>.json``: this rank's baseline, peak (VmHWM) and peak - baseline RSS."""
+    from pathlib import Path
+
+    from partitioner.core.machine import peak_rss_bytes
+
+    peak = peak_rss_bytes()
+    Path(out_dir, f"memory_rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak, "training_bytes": peak - baseline}))
 
 
 def comm_groups(size: int, strategy: str, stages: int | None) -> list[list[int]]:
