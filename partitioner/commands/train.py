@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--devices", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--strategy", default="data",
-                   help="data (default; auto means data), pipeline (one stage per device), tensor (Megatron MLP "
+                   help="data (default), auto (the cost model's fastest plan), pipeline (one stage per device), tensor (Megatron MLP "
                         "pairs), hybrid (data x pipeline) or single")
     p.add_argument("--stages", type=int, default=None,
                    help="hybrid: pipeline stages per data-parallel replica (default 2; --devices a multiple)")

@@ -148,6 +148,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     """
     from partitioner.load import load_proto
 
+    strategy = _auto(model, strategy, devices, batch, optimizer, micro_batches, progress and comm is None)
     pipelined = _check_options(strategy, devices, batch, epochs, launcher)
     opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
     x, y = load_data(data)
@@ -203,6 +204,24 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     writer = ranks[0] == 0
     return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
                  seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
+
+
+def _auto(model: Any, strategy: str, devices: int, batch: int, optimizer: Any, micro_batches: int | None,
+          say: bool) -> str:
+    """``--strategy auto`` on several devices: the training cost model's fastest plan
+    (:func:`partitioner.training.plan.choose_strategy`); named on stderr when ``say``."""
+    if strategy != "auto" or devices == 1:
+        return strategy
+    import sys
+
+    from partitioner.training.plan import choose_strategy
+
+    name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+    chosen, preds = choose_strategy(model, devices, batch=batch, optimizer=name, micro_batches=micro_batches)
+    if say:
+        sys.stderr.write(f"train --strategy auto: {chosen} (predicted samples/s: "
+                         f"{', '.join(f'{k} {p.samples_per_s:.0f}' for k, p in preds.items())})\n")
+    return chosen
 
 
 def _check_options(strategy: str, devices: int, batch: int, epochs: int, launcher: str) -> bool:

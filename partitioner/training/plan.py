@@ -58,3 +58,26 @@ def _tensor(prof: Any, graph: ir.Graph, world: int, batch: int, copies: int, cl:
     values = {v.name: v for n in graph for v in (*n.inputs, *n.outputs) if v is not None}
     sizes = [nbytes(values[name]) for col, _chain, row in pairs for name in (row.output[0], col.input[0])]
     return cost.tensor(prof, world, batch, copies, split, sizes, cl, device)
+
+
+def choose_strategy(model: Any, devices: int, *, batch: int, optimizer: str = "sgd", micro_batches: int | None = None,
+                    memory_limit: float | None = None, cluster: Any = None) -> tuple[str, dict[str, TrainingPrediction]]:
+    """``--strategy auto``: the plan with the highest predicted samples/s among data, pipeline
+    (1F1B), tensor and hybrid (devices >= 4) whose predicted peak memory per rank fits
+    ``memory_limit``; plans the model does not admit are skipped. Returns (strategy, predictions)."""
+    if devices == 1:
+        return "data", {}
+    candidates = ["data", "pipeline", "tensor"]
+    preds: dict[str, TrainingPrediction] = {}
+    for strategy in candidates:
+        try:
+            preds[strategy] = predict_training(model, strategy, devices, batch=batch, optimizer=optimizer,
+                                               micro_batches=micro_batches, cluster=cluster)
+        except UsageError:
+            continue
+    fits = {k: p for k, p in preds.items() if memory_limit is None or max(p.memory_per_rank) <= memory_limit}
+    if not fits:
+        raise UsageError(f"train --strategy auto: no plan on {devices} devices fits the memory limit "
+                         f"({', '.join(f'{k}: {max(p.memory_per_rank) / 2**20:.0f} MiB' for k, p in preds.items())})")
+    best = max(fits, key=lambda k: fits[k].samples_per_s)
+    return best, preds

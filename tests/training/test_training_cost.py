@@ -67,3 +67,26 @@ def test_train_plan_prints_prediction_json(tmp_path, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["strategy"] == "pipeline" and len(out["memory_per_rank"]) == 2
     assert out["micro_batches"] == 4 and np.isfinite(out["step_time_s"]) and out["step_time_s"] > 0
+
+
+def test_auto_picks_the_fastest_plan_that_fits_and_trains_like_one_device(mlp) -> None:
+    from partitioner.training import train
+    from partitioner.training.plan import choose_strategy
+
+    chosen, preds = choose_strategy(mlp, 2, batch=32, optimizer="adam")
+    assert set(preds) == {"data", "pipeline", "tensor"}
+    assert preds[chosen].samples_per_s == max(p.samples_per_s for p in preds.values())
+    # a memory limit under the chosen plan's peak moves the choice to a plan that fits
+    limit = max(preds[chosen].memory_per_rank) * 0.999
+    fitting = {k for k, p in preds.items() if max(p.memory_per_rank) <= limit}
+    if fitting:
+        assert choose_strategy(mlp, 2, batch=32, optimizer="adam", memory_limit=limit)[0] in fitting
+    with pytest.raises(Exception, match="fits the memory limit"):
+        choose_strategy(mlp, 2, batch=32, optimizer="adam", memory_limit=1.0)
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((64, 16)).astype(np.float32), "y": rng.integers(0, 10, 64)}
+    common = {"loss": "cross_entropy", "optimizer": "adam", "lr": 1e-2, "batch": 32, "epochs": 1, "progress": False}
+    auto = train(mlp, data, devices=2, strategy="auto", **common)
+    one = train(mlp, data, devices=1, **common)
+    np.testing.assert_allclose([h["loss"] for h in auto.history], [h["loss"] for h in one.history], rtol=1e-4,
+                               atol=1e-5)
