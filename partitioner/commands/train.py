@@ -76,9 +76,14 @@ def _plan(args: argparse.Namespace) -> int:
     """``--plan``: the training cost model's prediction (partitioner/cost/training.py)."""
     from partitioner.training.plan import predict_training
 
-    strategy = "single" if args.devices == 1 else {"auto": "data"}.get(args.strategy, args.strategy)
+    strategy = "single" if args.devices == 1 else args.strategy
+    if strategy == "auto":
+        from partitioner.training.plan import choose_strategy
+
+        strategy = choose_strategy(args.model, args.devices, batch=args.batch, optimizer=args.optimizer,
+                                   micro_batches=args.micro_batches)[0]
     p = predict_training(args.model, strategy, args.devices, batch=args.batch, optimizer=args.optimizer,
-                         schedule=args.schedule, micro_batches=args.micro_batches)
+                         schedule=args.schedule, micro_batches=args.micro_batches, stages=args.stages)
     if args.json:
         print_json(p.to_json())
         return 0

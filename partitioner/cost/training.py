@@ -51,6 +51,7 @@ class TrainingPrediction:
     breakdown: dict[str, float] = field(default_factory=dict)
     schedule: str | None = None
     micro_batches: int | None = None
+    stage_weight_bytes: list[float] | None = None  # pipeline: the trainable bytes of each stage
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,7 +126,8 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
            for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t)}
-    return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m)
+    return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m,
+                              [float(p.weight[s].sum()) for s in spans])
 
 
 def cut_bytes(graph: Any, end: int) -> float:

@@ -16,12 +16,14 @@ from partitioner.core.errors import UsageError
 from partitioner.cost import training as cost
 from partitioner.cost.training import TrainingPrediction
 
-STRATEGIES = ("single", "data", "pipeline", "tensor")
+STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
 
 
 def predict_training(model: Any, strategy: str, devices: int, *, batch: int, optimizer: str = "sgd",
-                     schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None) -> TrainingPrediction:
-    """Predicted step time, samples/s and peak memory per rank of training ``model`` so."""
+                     schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None,
+                     stages: int | None = None) -> TrainingPrediction:
+    """Predicted step time, samples/s and peak memory per rank of training ``model`` so
+    (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2)."""
     from partitioner.cluster import resolve_cluster
     from partitioner.training.step import _load, default_trainable
 
@@ -29,6 +31,9 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         raise UsageError(f"training cost: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if devices < 1 or batch < 1:
         raise UsageError("--devices and --batch must be at least 1")
+    if strategy == "hybrid" and devices > 1:
+        return _hybrid(model, devices, stages or 2, batch=batch, optimizer=optimizer, schedule=schedule,
+                       micro_batches=micro_batches, cluster=cluster)
     cl = resolve_cluster(cluster if cluster is not None else f"cpu:{devices}")
     device = cl.devices[0]
     copies = cost.OPTIMIZER_COPIES.get(optimizer, 0)
@@ -45,6 +50,29 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
     return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device)
+
+
+def _hybrid(model: Any, devices: int, stages: int, **kw: Any) -> TrainingPrediction:
+    """One replica's pipeline on its share of the batch, plus each stage's gradient AllReduce over
+    the replicas (the biggest stage's weights; the replicas' groups reduce at the same time)."""
+    from partitioner.cluster import resolve_cluster
+    from partitioner.cost.comm import collective_time
+
+    if stages < 2 or devices % stages:
+        raise UsageError(f"--stages {stages}: a pipeline needs at least 2 stages, and --devices {devices} must be a "
+                         "multiple of it")
+    replicas, batch = devices // stages, kw.pop("batch")
+    if batch % replicas:
+        raise UsageError(f"--batch {batch} does not split evenly over {replicas} pipeline replicas")
+    cluster = kw.pop("cluster")
+    cl = resolve_cluster(cluster if cluster is not None else f"cpu:{devices}")
+    p = predict_training(model, "pipeline", stages, batch=batch // replicas, cluster=cl, **kw)
+    comm = collective_time("allreduce", max(p.stage_weight_bytes or [0.0]), [k * stages for k in range(replicas)],
+                           cl).seconds
+    step = p.step_time_s + comm
+    parts = {**p.breakdown, "replica_allreduce_s": comm}
+    return TrainingPrediction("hybrid", devices, batch, step, batch / step, p.memory_per_rank * replicas, parts,
+                              p.schedule, p.micro_batches, p.stage_weight_bytes)
 
 
 def _tensor(prof: Any, graph: ir.Graph, world: int, batch: int, copies: int, cl: Any, device: Any) -> TrainingPrediction:

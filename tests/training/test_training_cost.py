@@ -90,3 +90,12 @@ def test_auto_picks_the_fastest_plan_that_fits_and_trains_like_one_device(mlp) -
     one = train(mlp, data, devices=1, **common)
     np.testing.assert_allclose([h["loss"] for h in auto.history], [h["loss"] for h in one.history], rtol=1e-4,
                                atol=1e-5)
+
+
+def test_hybrid_prediction_is_a_replica_pipeline_plus_the_replica_allreduce(mlp) -> None:
+    h = predict_training(mlp, "hybrid", 4, batch=32, stages=2, micro_batches=4)
+    p = predict_training(mlp, "pipeline", 2, batch=16, micro_batches=4)
+    assert h.memory_per_rank == p.memory_per_rank * 2
+    assert h.breakdown["replica_allreduce_s"] > 0
+    assert h.step_time_s == pytest.approx(p.step_time_s + h.breakdown["replica_allreduce_s"])
+    assert sum(p.stage_weight_bytes) == pytest.approx(_weight_bytes(mlp))  # every weight in exactly one stage
