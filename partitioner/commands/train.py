@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from a checkpoint_epoch<k>.onnx of this model (and its .state.npz), any --devices")
     p.add_argument("-o", "--output", default="run", metavar="DIR", help="run folder (checkpoints, history.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--memory-limit", default=None, metavar="BYTES",
+                   help="per-device memory limit, e.g. 2GiB: auto picks a plan whose predicted peak fits; "
+                        "a given strategy that does not fit is refused")
     p.add_argument("--plan", action="store_true",
                    help="print the predicted step time, samples/s and peak memory per rank, and exit (no training)")
     add_json_argument(p)
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
                    progress=not (args.no_progress or args.json), launcher=args.launcher, resume=args.resume,
                    threads=args.threads, schedule=args.schedule, micro_batches=args.micro_batches,
-                   stages=args.stages)
+                   stages=args.stages, memory_limit=_limit(args))
     h = result.history
     report = {"steps": len(h), "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
               "checkpoints": result.checkpoints, "output": args.output}
@@ -81,7 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
         from partitioner.training.plan import choose_strategy
 
         strategy = choose_strategy(args.model, args.devices, batch=args.batch, optimizer=args.optimizer,
-                                   micro_batches=args.micro_batches)[0]
+                                   micro_batches=args.micro_batches, memory_limit=_limit(args))[0]
     p = predict_training(args.model, strategy, args.devices, batch=args.batch, optimizer=args.optimizer,
                          schedule=args.schedule, micro_batches=args.micro_batches, stages=args.stages)
     if args.json:
@@ -94,3 +97,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  rank {r}: peak memory {m / 2**20:.1f} MiB (weights, gradients, optimizer state, stashed activations)")
     print("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in p.breakdown.items()))
     return 0
+
+
+def _limit(args: argparse.Namespace) -> float | None:
+    from partitioner.commands._options import parse_bytes
+
+    return float(parse_bytes(args.memory_limit)) if args.memory_limit else None

@@ -130,25 +130,23 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
           seed: int = 0, progress: bool = True, trainable: list[str] | None = None,
           launcher: str = "threads", comm: Any = None,
           resume: str | os.PathLike[str] | None = None, threads: int = 1, schedule: str = "1f1b",
-          micro_batches: int | None = None, stages: int | None = None) -> TrainResult:
+          micro_batches: int | None = None, stages: int | None = None,
+          memory_limit: float | None = None) -> TrainResult:
     """Train ``model`` on ``data`` (see the module docstring); returns the trained model and history.
 
     ``launcher``: ``threads`` runs the data-parallel ranks in this process (the project's
     in-process communicator); ``mpi`` starts ``devices`` processes under ``mpiexec``
     (:mod:`partitioner.training.mpi_worker`), each with its own state, and reads rank 0's
     results from ``out_dir``. ``comm`` is set by that worker: this process is one MPI rank.
-    ``resume``: a ``checkpoint_epoch<k>.onnx`` of the same model; its weights and the state saved
-    beside it start the run (any device count: data-parallel state is replicated, so nothing is
-    resharded; optimizer state of another optimizer starts from zero). ``threads``: intra-op
-    threads of each rank's backend. ``strategy="pipeline"``: ``devices`` stages, ``schedule``
-    ``gpipe`` or ``1f1b`` over ``micro_batches`` micro-batches (default ``2 * devices``; see
-    :mod:`partitioner.training.pipeline`); every stage rank reads the whole batch. ``hybrid``:
-    ``devices / stages`` data-parallel replicas of a ``stages``-stage pipeline (default 2);
-    ``tensor``: Megatron pairs split over ``devices`` (:mod:`partitioner.training.tensor`).
+    ``resume``: a ``checkpoint_epoch<k>.onnx`` of the same model and its saved state (any plan and
+    device count: checkpoints hold the 1-rank state). ``threads``: intra-op threads per rank.
+    ``pipeline`` / ``hybrid`` / ``tensor``, ``schedule``, ``micro_batches`` (default 2 x devices),
+    ``stages`` and ``memory_limit``: docs/training.md ("Pipeline, tensor and hybrid training").
     """
     from partitioner.load import load_proto
 
-    strategy = _auto(model, strategy, devices, batch, optimizer, micro_batches, progress and comm is None)
+    strategy = _auto(model, strategy, devices, batch, optimizer, micro_batches, progress and comm is None,
+                     memory_limit if comm is None else None)
     pipelined = _check_options(strategy, devices, batch, epochs, launcher)
     opt = make_optimizer(optimizer, lr, weight_decay) if isinstance(optimizer, str) else optimizer
     x, y = load_data(data)
@@ -207,17 +205,27 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
 
 
 def _auto(model: Any, strategy: str, devices: int, batch: int, optimizer: Any, micro_batches: int | None,
-          say: bool) -> str:
-    """``--strategy auto`` on several devices: the training cost model's fastest plan
-    (:func:`partitioner.training.plan.choose_strategy`); named on stderr when ``say``."""
-    if strategy != "auto" or devices == 1:
-        return strategy
+          say: bool, memory_limit: float | None = None) -> str:
+    """``--strategy auto`` on several devices: the training cost model's fastest plan that fits
+    ``memory_limit`` (:func:`partitioner.training.plan.choose_strategy`), named on stderr when
+    ``say``. A given strategy whose predicted peak memory per rank exceeds the limit is refused."""
     import sys
 
-    from partitioner.training.plan import choose_strategy
+    from partitioner.training.plan import choose_strategy, predict_training
 
     name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
-    chosen, preds = choose_strategy(model, devices, batch=batch, optimizer=name, micro_batches=micro_batches)
+    if strategy != "auto" or devices == 1:
+        if memory_limit is not None and strategy in ("data", "single", "pipeline", "tensor", "auto"):
+            kind = "single" if devices == 1 else strategy
+            peak = max(predict_training(model, kind, devices, batch=batch, optimizer=name,
+                                        micro_batches=micro_batches).memory_per_rank)
+            if peak > memory_limit:
+                raise UsageError(f"train --strategy {strategy} on {devices} device(s): predicted peak memory per rank "
+                                 f"{peak / 2**20:.1f} MiB exceeds --memory-limit {memory_limit / 2**20:.1f} MiB; "
+                                 "use more devices or --strategy auto")
+        return strategy
+    chosen, preds = choose_strategy(model, devices, batch=batch, optimizer=name, micro_batches=micro_batches,
+                                    memory_limit=memory_limit)
     if say:
         sys.stderr.write(f"train --strategy auto: {chosen} (predicted samples/s: "
                          f"{', '.join(f'{k} {p.samples_per_s:.0f}' for k, p in preds.items())})\n")

@@ -99,3 +99,25 @@ def test_hybrid_prediction_is_a_replica_pipeline_plus_the_replica_allreduce(mlp)
     assert h.breakdown["replica_allreduce_s"] > 0
     assert h.step_time_s == pytest.approx(p.step_time_s + h.breakdown["replica_allreduce_s"])
     assert sum(p.stage_weight_bytes) == pytest.approx(_weight_bytes(mlp))  # every weight in exactly one stage
+
+
+def test_memory_limit_picks_a_sharded_plan_and_refuses_one_that_does_not_fit(tmp_path, capsys) -> None:
+    """A limit under the data-parallel (replicated) prediction but above a sharded plan's: auto
+    trains with a sharded plan; --strategy data is refused with one line, exit 2."""
+    model = models_zoo.build("mlp", batch=32, hidden=256, in_features=64)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((64, 64)).astype(np.float32), y=rng.integers(0, 10, 64))
+    data = max(predict_training(model, "data", 2, batch=32, optimizer="adam").memory_per_rank)
+    sharded = min(max(predict_training(model, s, 2, batch=32, optimizer="adam").memory_per_rank)
+                  for s in ("pipeline", "tensor"))
+    assert sharded < data
+    limit = str(int((sharded + data) / 2))
+    base = ["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--devices", "2", "--batch", "32",
+            "--optimizer", "adam", "--memory-limit", limit, "-o", str(tmp_path / "r")]
+    rc = main([*base, "--strategy", "data", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "exceeds --memory-limit" in err and len(err.strip().splitlines()) == 1
+    rc = main([*base, "--strategy", "auto", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0 and json.loads(cap.out)["steps"] == 2
