@@ -86,7 +86,8 @@ def _plan(args: argparse.Namespace) -> int:
         strategy = choose_strategy(args.model, args.devices, batch=args.batch, optimizer=args.optimizer,
                                    micro_batches=args.micro_batches, memory_limit=_limit(args))[0]
     p = predict_training(args.model, strategy, args.devices, batch=args.batch, optimizer=args.optimizer,
-                         schedule=args.schedule, micro_batches=args.micro_batches, stages=args.stages)
+                         schedule=args.schedule, micro_batches=args.micro_batches, stages=args.stages,
+                         memory_limit=_limit(args))
     if args.json:
         print_json(p.to_json())
         return 0

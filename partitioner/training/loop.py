@@ -168,7 +168,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
         options = {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None, "lr": lr,
                    "weight_decay": weight_decay, "batch": batch, "epochs": epochs, "devices": devices,
                    "strategy": strategy, "backend": backend, "seed": seed, "progress": progress,
-                   "trainable": trainable, "threads": threads, "schedule": schedule, "micro_batches": micro_batches, "stages": stages,
+                   "trainable": trainable, "threads": threads, "schedule": schedule, "micro_batches": micro_batches, "stages": stages, "memory_limit": memory_limit,
                    "resume": str(Path(resume).resolve()) if resume is not None else None}
         return _launch_mpi(model, data, out, options, original)
 
@@ -183,7 +183,8 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
         ranks, runners = pipeline_runners(checked, loss, opt, batch=batch, devices=devices, schedule=schedule,
                                           micro_batches=micro_batches or 2 * devices, trainable=trainable,
                                           backend=backend, comm=comm, out=out, threads=threads, state=start,
-                                          stages=(stages or 2) if strategy == "hybrid" else devices)
+                                          stages=(stages or 2) if strategy == "hybrid" else devices,
+                                          memory_limit=memory_limit)
     elif comm is not None:  # one MPI rank of ``devices``
         ranks = [comm.rank]
         runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
@@ -217,8 +218,8 @@ def _auto(model: Any, strategy: str, devices: int, batch: int, optimizer: Any, m
     if strategy != "auto" or devices == 1:
         if memory_limit is not None and strategy in ("data", "single", "pipeline", "tensor", "auto"):
             kind = "single" if devices == 1 else strategy
-            peak = max(predict_training(model, kind, devices, batch=batch, optimizer=name,
-                                        micro_batches=micro_batches).memory_per_rank)
+            peak = max(predict_training(model, kind, devices, batch=batch, optimizer=name, micro_batches=micro_batches,
+                                        memory_limit=memory_limit).memory_per_rank)
             if peak > memory_limit:
                 raise UsageError(f"train --strategy {strategy} on {devices} device(s): predicted peak memory per rank "
                                  f"{peak / 2**20:.1f} MiB exceeds --memory-limit {memory_limit / 2**20:.1f} MiB; "
@@ -286,12 +287,13 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
     checkpoints: list[str] = []
     bar = tqdm(total=steps_per_epoch * epochs, disable=None if progress else True, unit="step", dynamic_ncols=True)
     y_dtype = np.int64 if loss == "cross_entropy" else np.float32
+    x_dtype = np.int64 if x.dtype.kind in "iu" else np.float32  # token ids stay integers (bert, gpt)
     try:
         for epoch in range(1, epochs + 1):
             order = np.random.default_rng(seed + epoch).permutation(len(x))
             for k in range(steps_per_epoch):
                 idx = order[k * batch:(k + 1) * batch]
-                xb, yb = x[idx].astype(np.float32, copy=False), y[idx].astype(y_dtype, copy=False)
+                xb, yb = x[idx].astype(x_dtype, copy=False), y[idx].astype(y_dtype, copy=False)
                 t0 = time.perf_counter()
                 value = _run_step(runners, ranks, sig.data[0], xb, yb, local)
                 dt = time.perf_counter() - t0

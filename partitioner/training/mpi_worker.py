@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],
               progress=cfg["progress"], trainable=cfg["trainable"], comm=comm, resume=cfg.get("resume"),
               threads=int(cfg.get("threads", 1)), schedule=cfg.get("schedule", "1f1b"),
-              micro_batches=cfg.get("micro_batches"), stages=cfg.get("stages"))
+              micro_batches=cfg.get("micro_batches"), stages=cfg.get("stages"), memory_limit=cfg.get("memory_limit"))
         comm.flush()
         _write_memory(cfg["out_dir"], rank, baseline)
         comm.barrier()

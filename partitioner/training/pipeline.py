@@ -91,8 +91,14 @@ class PipelinePlan:
         return len(self.stages)
 
 
-def stage_ends(graph: ir.Graph, stages: int) -> list[int]:
-    """Rule 1: the last node index of each stage, by the pipeline strategy's DP."""
+def stage_ends(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
+               in_flight: Sequence[int] | None = None) -> list[int]:
+    """Rule 1: the last node index of each stage, by the pipeline strategy's DP. With
+    ``memory_limit`` every stage must fit it: stage s holds its trainable weights x (2 +
+    ``state_copies``) (weight, gradient, optimizer state) plus its nodes' outputs x
+    ``in_flight[s]`` (its stashed micro-batches: ``M`` for GPipe, ``min(S - s, M)`` for 1F1B);
+    the bottleneck is then minimised over the splits that fit (:func:`_memory_split`)."""
+    from partitioner.core.errors import StrategyNotApplicable
     from partitioner.cost.ops import nbytes, op_cost
     from partitioner.strategies.pipeline import best_split
 
@@ -107,13 +113,62 @@ def stage_ends(graph: ir.Graph, stages: int) -> list[int]:
                 diff[i] += nbytes(o)
                 diff[last] -= nbytes(o)
     send = np.cumsum(diff)[:len(nodes)] * 1e-3  # a byte sent costs about a thousand FLOPs' time
-    ends, _ = best_split([flops] * stages, send)
+    if memory_limit is not None:
+        return _memory_split(graph, flops, send, stages, float(memory_limit), state_copies,
+                             list(in_flight) if in_flight is not None else [1] * stages)
+    try:
+        ends, _ = best_split([flops] * stages, send)
+    except StrategyNotApplicable as exc:
+        raise UsageError(f"pipeline training on {stages} stages: {exc}") from None
     return ends
+
+
+def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: int, limit: float, copies: int,
+                  in_flight: list[int]) -> list[int]:
+    """The contiguous split of least bottleneck (stage work + its send) whose every stage fits
+    ``limit`` with its own in-flight count (a DP over (stage, last node))."""
+    from partitioner.cost.ops import nbytes
+    from partitioner.training.step import default_trainable
+
+    nodes = list(graph)
+    n = len(nodes)
+    trainable, seen = set(default_trainable(graph)), set()
+    wmem, amem = np.zeros(n), np.zeros(n)
+    for i, node in enumerate(nodes):
+        amem[i] = sum(nbytes(o) for o in node.outputs)
+        for v in node.inputs:
+            if v is not None and v.name in trainable and v.name not in seen:
+                seen.add(v.name)
+                wmem[i] += nbytes(v) * (2 + copies)
+    pt, pw, pa = (np.concatenate([[0.0], np.cumsum(a)]) for a in (flops, wmem, amem))
+    send = send.copy()
+    send[-1] = 0.0
+    inf = float("inf")
+    f = np.full((stages, n), inf)
+    arg = np.zeros((stages, n), dtype=np.int64)
+    ks = np.arange(n)
+    fits0 = pw[ks + 1] + pa[ks + 1] * in_flight[0] <= limit
+    f[0] = np.where(fits0, pt[ks + 1] + send, inf)
+    for s in range(1, stages):
+        for k in range(s, n):
+            j = np.arange(s - 1, k)  # the previous stage ends at j
+            fits = (pw[k + 1] - pw[j + 1]) + (pa[k + 1] - pa[j + 1]) * in_flight[s] <= limit
+            val = np.where(fits, np.maximum(f[s - 1][j], pt[k + 1] - pt[j + 1] + send[k]), inf)
+            b = int(np.argmin(val))
+            f[s][k], arg[s][k] = val[b], j[b]
+    if not np.isfinite(f[stages - 1][n - 1]):
+        raise UsageError(f"pipeline training: no split into {stages} stages fits --memory-limit "
+                         f"{limit / 2**20:.1f} MiB per device (weights, gradients, optimizer state and stashed "
+                         "activations); use more devices or a larger limit")
+    ends = [n - 1]
+    for s in range(stages - 1, 0, -1):
+        ends.append(int(arg[s][ends[-1]]))
+    return ends[::-1]
 
 
 def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, stages: int, micro_batches: int,
                    schedule: str = "1f1b", trainable: Sequence[str] | None = None,
-                   label_name: str = "labels") -> PipelinePlan:
+                   label_name: str = "labels", memory_limit: float | None = None) -> PipelinePlan:
     """Rules 1-2: the stages' F/B (or fused) and update programs for micro-batches of ``batch / M``."""
     from partitioner.training.step import default_trainable
 
@@ -127,7 +182,8 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
-    ends = stage_ends(fwd.graph, stages)
+    ends = stage_ends(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
+                      in_flight=in_flight(schedule, stages, micro_batches))
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
@@ -293,6 +349,11 @@ def _update_program(name: str, optimizer: Optimizer, weights: list[str], initial
     stage.initial.update({k: v for k, v in start.items() if k not in stage.initial})
     stage.update_pairs = [(a.name, b.name) for a, b in pairs]
     return ir.serde.serialize_model(_infer(ir.Model(graph, ir_version=8)))
+
+
+def in_flight(schedule: str, stages: int, micro_batches: int) -> list[int]:
+    """Rule 5: the most micro-batches each stage stashes at once."""
+    return [micro_batches if schedule == "gpipe" else min(stages - s, micro_batches) for s in range(stages)]
 
 
 def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:

@@ -219,7 +219,8 @@ def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
 def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devices: int, schedule: str,
                      micro_batches: int, trainable: Sequence[str] | None, backend: str, comm: Any, out: Path | None,
                      threads: int, state: Mapping[str, np.ndarray] | None,
-                     stages: int | None = None) -> tuple[list[int], list[PipelineRunner]]:
+                     stages: int | None = None, memory_limit: float | None = None
+                     ) -> tuple[list[int], list[PipelineRunner]]:
     """The training loop's runners for ``--strategy pipeline`` (``stages = devices``) or ``hybrid``
     (``devices / stages`` data-parallel replicas of a ``stages``-stage pipeline; rank
     ``d * stages + s`` is stage s of replica d): on an MPI rank (``comm``) that rank's runner
@@ -234,7 +235,7 @@ def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devic
     if batch % replicas:
         raise UsageError(f"--batch {batch} does not split evenly over {replicas} pipeline replicas")
     plan = build_pipeline(model, loss, optimizer, batch=batch // replicas, stages=stages, micro_batches=micro_batches,
-                          schedule=schedule, trainable=trainable)
+                          schedule=schedule, trainable=trainable, memory_limit=memory_limit)
 
     def runner(rank: int, c: Any, work: Path | None) -> PipelineRunner:
         d, s = divmod(rank, stages)

@@ -21,7 +21,7 @@ STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
 
 def predict_training(model: Any, strategy: str, devices: int, *, batch: int, optimizer: str = "sgd",
                      schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None,
-                     stages: int | None = None) -> TrainingPrediction:
+                     stages: int | None = None, memory_limit: float | None = None) -> TrainingPrediction:
     """Predicted step time, samples/s and peak memory per rank of training ``model`` so
     (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2)."""
     from partitioner.cluster import resolve_cluster
@@ -44,9 +44,11 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     graph = _load(model, local).graph
     prof = cost.profile(graph, device, set(default_trainable(graph)))
     if strategy == "pipeline" and devices > 1:
-        from partitioner.training.pipeline import stage_ends
+        from partitioner.training.pipeline import in_flight, stage_ends
 
-        return cost.pipeline(prof, stage_ends(graph, devices), batch, copies, schedule, m, cl, device)
+        ends = stage_ends(graph, devices, memory_limit=memory_limit, state_copies=copies,
+                          in_flight=in_flight(schedule, devices, m))
+        return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device)
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
     return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device)
@@ -100,7 +102,7 @@ def choose_strategy(model: Any, devices: int, *, batch: int, optimizer: str = "s
     for strategy in candidates:
         try:
             preds[strategy] = predict_training(model, strategy, devices, batch=batch, optimizer=optimizer,
-                                               micro_batches=micro_batches, cluster=cluster)
+                                               micro_batches=micro_batches, cluster=cluster, memory_limit=memory_limit)
         except UsageError:
             continue
     fits = {k: p for k, p in preds.items() if memory_limit is None or max(p.memory_per_rank) <= memory_limit}

@@ -121,3 +121,34 @@ def test_memory_limit_picks_a_sharded_plan_and_refuses_one_that_does_not_fit(tmp
     rc = main([*base, "--strategy", "auto", "--json"])
     cap = capsys.readouterr()
     assert rc == 0 and json.loads(cap.out)["steps"] == 2
+
+
+def test_pipeline_cut_respects_the_memory_limit_and_still_trains_like_one_rank(tmp_path, capsys) -> None:
+    """The stage DP under --memory-limit: the default (time-balanced) cut of a small bert exceeds a
+    limit 5% under its peak; the memory-aware cut fits it on every rank (the cost model's
+    per-stage prediction, 1F1B stash counts) and the pipeline still trains like one rank."""
+    from partitioner.training import SGD, train
+    from partitioner.training.pipeline import build_pipeline
+
+    model = models_zoo.build("bert", batch=4, seq=16, hidden=32, heads=2, layers=2, vocab=50)
+    free = predict_training(model, "pipeline", 2, batch=4, optimizer="sgd", micro_batches=2)
+    limit = 0.95 * max(free.memory_per_rank)
+    fitted = predict_training(model, "pipeline", 2, batch=4, optimizer="sgd", micro_batches=2, memory_limit=limit)
+    assert max(fitted.memory_per_rank) <= limit < max(free.memory_per_rank)
+    plan = build_pipeline(model, "mse", SGD(lr=0.1), batch=4, stages=2, micro_batches=2, memory_limit=limit)
+    free_plan = build_pipeline(model, "mse", SGD(lr=0.1), batch=4, stages=2, micro_batches=2)
+    assert plan.stages[0].weights != free_plan.stages[0].weights  # the cut moved
+    rng = np.random.default_rng(0)
+    data = {"x": rng.integers(0, 50, (12, 16)), "y": rng.standard_normal((12, 16, 32)).astype(np.float32)}
+    common = {"loss": "mse", "optimizer": "sgd", "lr": 0.1, "batch": 4, "epochs": 1, "progress": False}
+    piped = train(model, data, devices=2, strategy="pipeline", micro_batches=2, memory_limit=limit, **common)
+    one = train(model, data, devices=1, **common)
+    np.testing.assert_allclose([h["loss"] for h in piped.history], [h["loss"] for h in one.history], rtol=1e-4,
+                               atol=1e-5)
+    onnx.save(model, str(tmp_path / "bert.onnx"))
+    np.savez(tmp_path / "d.npz", **data)
+    rc = main(["train", str(tmp_path / "bert.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "mse", "--devices",
+               "2", "--strategy", "pipeline", "--batch", "4", "--memory-limit", "1000", "--no-progress", "-o",
+               str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "fits --memory-limit" in err and len(err.strip().splitlines()) == 1
