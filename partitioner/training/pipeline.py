@@ -281,7 +281,7 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
     if last:
         stage.fused = full
     else:
-        _split_forward_backward(stage, full, [v.name for v in sent] + bn_next)
+        _split_forward_backward(stage, full, [v.name for v in sent] + [b.name for b in bn_next])
     stage.update = _update_program(fwd.graph.name, optimizer, weights, initial, dtype, stage)
     return stage
 

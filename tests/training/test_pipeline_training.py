@@ -184,3 +184,23 @@ def test_tvm_hybrid_under_mpi_matches_one_rank(tmp_path) -> None:
     for a, b in zip(tvm.model.graph.initializer, single.model.graph.initializer):
         np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
                                    atol=1e-5, err_msg=a.name)
+
+
+@pytest.mark.slow
+def test_batchnorm_model_pipelines_with_micro_batch_statistics() -> None:
+    """Rule 7: a BatchNormalization model (the zoo resnet) trains on 2 stages; its running
+    statistics move (once per micro-batch) and GPipe and 1F1B give the same losses and state."""
+    from partitioner.training import train
+
+    model = models_zoo.build("resnet", batch=4, image=32, classes=10)
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((8, 3, 32, 32)).astype(np.float32), "y": rng.integers(0, 10, 8)}
+    runs = {s: train(model, data, devices=2, strategy="pipeline", schedule=s, micro_batches=2, batch=4, epochs=1,
+                     progress=False, lr=0.01) for s in ("gpipe", "1f1b")}
+    np.testing.assert_allclose([h["loss"] for h in runs["gpipe"].history], [h["loss"] for h in runs["1f1b"].history],
+                               rtol=1e-5, atol=1e-6)
+    assert all(np.isfinite(h["loss"]) for h in runs["1f1b"].history)
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in runs["1f1b"].model.graph.initializer}
+    means = [n for n in before if n.endswith(".mean")]
+    assert means and all(not np.allclose(after[n], before[n]) for n in means)  # every BN's statistics, both stages
