@@ -1,0 +1,59 @@
+"""Per-rank programs in their two forms: onnx-ir (what lowering builds, the simulator and the
+verifier read) and protobuf (what the artifact stores and the backends import).
+
+Rules:
+1. A program is serialised once, where it leaves the process (the artifact writer, an export):
+   :func:`to_proto` is that step and passes a ``ModelProto`` through unchanged.
+2. :func:`to_ir` is for programs that arrive as protobuf (hand-built in tests, read back from an
+   artifact); lowering's own output is never parsed back.
+3. :func:`outer_values` names what a node's subgraphs read from the enclosing scope: those reads
+   are not node inputs, yet they are uses (pruning, placement, verification count them).
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+
+def to_proto(program: ir.Model | onnx.ModelProto) -> onnx.ModelProto:
+    """Rule 1."""
+    return program if isinstance(program, onnx.ModelProto) else ir.serde.serialize_model(program)
+
+
+def to_ir(program: ir.Model | onnx.ModelProto) -> ir.Model:
+    """Rule 2."""
+    return ir.serde.deserialize_model(program) if isinstance(program, onnx.ModelProto) else program
+
+
+def _graph_attrs(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.as_graph())
+        elif isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.as_graphs())
+    return graphs
+
+
+def outer_values(node: ir.Node) -> dict[str, ir.Value]:
+    """Rule 3: every value ``node``'s subgraphs (at any depth) read from outside them, node
+    inputs included, by name."""
+    graphs: list[ir.Graph] = []
+    todo = _graph_attrs(node)
+    while todo:
+        g = todo.pop()
+        graphs.append(g)
+        for n in g:
+            todo.extend(_graph_attrs(n))
+    inside = set(map(id, graphs))
+    found: dict[str, ir.Value] = {}
+    for g in graphs:
+        for n in g:
+            for v in n.inputs:
+                if v is not None and id(v.graph) not in inside:
+                    found.setdefault(v.name or "", v)
+        for v in g.outputs:  # a branch returning an outer value as is
+            if id(v.graph) not in inside:
+                found.setdefault(v.name or "", v)
+    return found
