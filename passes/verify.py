@@ -268,6 +268,12 @@ def verify_programs(programs: Sequence[ir.Model | onnx.ModelProto], bindings: Bi
     _check_bindings(models, bindings, model)
 
 
+def cross_rank_edge(rank: int, node: str | None, op_type: str, name: str) -> VerifyError:
+    """Rule 7's error: a node reads a value its rank does not produce."""
+    return VerifyError(f"rank {rank}: node {node!r} ({op_type}) reads {name!r}, which is not produced on this "
+                       "rank: a cross-rank edge without a comm op")
+
+
 def _value_type(v: ir.Value) -> tuple[int, tuple[int, ...]]:
     dtype = v.dtype if v.dtype is not None else (v.const_value.dtype if v.const_value is not None else None)
     shape = v.shape if v.shape is not None else (v.const_value.shape if v.const_value is not None else None)
@@ -285,8 +291,7 @@ def _rank_comm(r: int, p: ir.Model, sends: dict, recvs: dict) -> list[CommOp]:
         reads = [v.name for v in node.inputs if v is not None] + list(outer_values(node))
         missing = [n for n in reads if n not in known]
         if missing:
-            raise VerifyError(f"rank {r}: node {node.name!r} ({node.op_type}) reads {missing[0]!r}, which is not "
-                              "produced on this rank: a cross-rank edge without a comm op")
+            raise cross_rank_edge(r, node.name, node.op_type, missing[0])
         known.update(o.name for o in node.outputs if o.name)
         if not is_comm(node):
             continue

@@ -26,13 +26,16 @@ def to_ir(program: ir.Model | onnx.ModelProto) -> ir.Model:
     return ir.serde.deserialize_model(program) if isinstance(program, onnx.ModelProto) else program
 
 
+def graph_attributes(node: ir.Node) -> dict[str, ir.Attr]:
+    """The node's GRAPH and GRAPHS attributes (an If's branches, a Loop's body), by name."""
+    return {k: a for k, a in node.attributes.items()
+            if isinstance(a, ir.Attr) and a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)}
+
+
 def _graph_attrs(node: ir.Node) -> list[ir.Graph]:
     graphs: list[ir.Graph] = []
-    for attr in node.attributes.values():
-        if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
-            graphs.append(attr.as_graph())
-        elif isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attr.as_graphs())
+    for attr in graph_attributes(node).values():
+        graphs.extend([attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else attr.as_graphs())
     return graphs
 
 

@@ -33,14 +33,14 @@ import onnx_ir as ir
 
 from partitioner.core import comm_ops
 from partitioner.core.bindings import Bindings, Placement, TensorBinding
-from partitioner.core.errors import PlanError, VerifyError
+from partitioner.core.errors import PlanError
 from partitioner.core.model_view import ModelView, attr
 from partitioner.core.plan import Plan, Sharding
 from partitioner.cost.resharding import COMM_OP, conversion
 from partitioner.lowering.lazy_weights import is_lazy, shard_reference
 from partitioner.core.programs import outer_values, to_proto
 from partitioner.lowering.subgraph_reads import clone_subgraphs, materialize_outer_reads
-from passes.verify import check_programs, verify_programs
+from passes.verify import check_programs, cross_rank_edge, verify_programs
 
 __all__ = ["lower", "verify_programs", "check_programs", "LoweredProgram"]
 
@@ -518,9 +518,8 @@ class _Lowerer(_Resharder):
         """One ``ir.Node`` of rank ``r``: inputs bound to the rank's values, outputs typed, and
         the rank's own copy of any subgraph (:func:`subgraph_reads.clone_subgraphs`)."""
         missing = [n for n in op.reads() if n not in vals]
-        if missing:
-            raise VerifyError(f"rank {r}: node {op.name!r} ({op.op_type}) reads {missing[0]!r}, which is not "
-                              "produced on this rank: a cross-rank edge without a comm op")
+        if missing:  # the verifier's rule 7, met while building
+            raise cross_rank_edge(r, op.name, op.op_type, missing[0])
         attrs = dict(op.attrs)
         src = op.source
         if src is not None:

@@ -18,20 +18,14 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import onnx_ir as ir
 from onnx_ir import _cloner
 
 from partitioner.core.plan import Sharding
-from partitioner.core.programs import outer_values
-
-
-def _subgraphs(node: ir.Node) -> Iterator[tuple[str, ir.Attr]]:
-    for key, attr in node.attributes.items():
-        if isinstance(attr, ir.Attr) and attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-            yield key, attr
+from partitioner.core.programs import graph_attributes, outer_values
 
 
 def materialize_outer_reads(lowerer: Any, node: ir.Node, ranks: tuple[int, ...]) -> dict[int, dict[str, str]]:
@@ -52,4 +46,4 @@ def clone_subgraphs(node: ir.Node, local: Mapping[str, ir.Value]) -> dict[str, i
     outer = outer_values(node)
     value_map: dict[ir.Value, ir.Value | None] = {v: local[name] for name, v in outer.items()}
     cloner = _cloner.Cloner(attr_map={}, value_map=value_map, metadata_props={}, resolve_ref_attrs=False)
-    return {key: cloner.clone_attr(key, attr) for key, attr in _subgraphs(node)}  # type: ignore[misc]
+    return {key: cloner.clone_attr(key, attr) for key, attr in graph_attributes(node).items()}  # type: ignore[misc]
