@@ -3,7 +3,9 @@ verifier read) and protobuf (what the artifact stores and the backends import).
 
 Rules:
 1. A program is serialised once, where it leaves the process (the artifact writer, an export):
-   :func:`to_proto` is that step and passes a ``ModelProto`` through unchanged.
+   :func:`to_proto` is that step and passes a ``ModelProto`` through unchanged. Initializers get
+   no ``value_info`` (their tensors carry dtype and dims; onnx-ir would add one per weight), so a
+   rank program's bytes are what the lowering has always written.
 2. :func:`to_ir` is for programs that arrive as protobuf (hand-built in tests, read back from an
    artifact); lowering's own output is never parsed back.
 3. :func:`outer_values` names what a node's subgraphs read from the enclosing scope: those reads
@@ -18,7 +20,16 @@ import onnx_ir as ir
 
 def to_proto(program: ir.Model | onnx.ModelProto) -> onnx.ModelProto:
     """Rule 1."""
-    return program if isinstance(program, onnx.ModelProto) else ir.serde.serialize_model(program)
+    if isinstance(program, onnx.ModelProto):
+        return program
+    proto = ir.serde.serialize_model(program)
+    g = proto.graph
+    inits = {t.name for t in g.initializer}
+    if any(v.name in inits for v in g.value_info):
+        kept = [v for v in g.value_info if v.name not in inits]
+        del g.value_info[:]
+        g.value_info.extend(kept)
+    return proto
 
 
 def to_ir(program: ir.Model | onnx.ModelProto) -> ir.Model:

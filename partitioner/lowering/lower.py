@@ -64,15 +64,15 @@ class _Op:
 
 
 def _attrs(**kw: Any) -> dict[str, ir.Attr]:
-    """Typed attributes (lists are INTS even when empty: the shape of a scalar)."""
+    """Typed attributes (lists are INTS even when empty: the shape of a scalar); scalars sorted by
+    name, then lists in the order given, as ``comm_ops.make_node`` writes them."""
     out: dict[str, ir.Attr] = {}
     for k, v in sorted(kw.items()):
-        if isinstance(v, (list, tuple)):
-            out[k] = ir.AttrInt64s(k, [int(x) for x in v])
-        elif isinstance(v, str):
+        if isinstance(v, str):
             out[k] = ir.AttrString(k, v)
-        else:
+        elif not isinstance(v, (list, tuple)):
             out[k] = ir.AttrInt64(k, int(v))
+    out.update((k, ir.AttrInt64s(k, [int(x) for x in v])) for k, v in kw.items() if isinstance(v, (list, tuple)))
     return out
 
 
@@ -365,7 +365,7 @@ class _Lowerer(_Resharder):
                 raise PlanError(f"node {node.name!r}: input {name!r} has no layout on the node's ranks {list(np_.ranks)}")
             local_in.append(self.materialize(name, req))
         outer_reads = materialize_outer_reads(self, node, tuple(np_.ranks))  # If/Loop subgraphs' reads
-        sub_reads = set(outer_values(node)) if outer_reads else set()
+        sub_reads = set(outer_values(node))
         out_shapes = [self.local_shape(o, s) if s is not None else None for o, s in zip(outs, np_.outputs)]
         for k, r in enumerate(np_.ranks):
             inputs = [local_in[i][r] if n else "" for i, n in enumerate(ins)]
