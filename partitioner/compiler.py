@@ -25,11 +25,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from partitioner import artifact as _artifact
 from partitioner.core.bindings import Bindings
 from partitioner.core.errors import BackendError, PartitionerError, UsageError
 from partitioner.core.files import sha256_file
+from partitioner.core.programs import to_proto
 
 
 class Artifact(_artifact.Artifact):
@@ -139,7 +141,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     if sim is not None:
         prediction["simulated"] = sim
         prediction["step_latency_s"] = sim["step_latency_s"]
-    return build_artifact(out, result.programs, result.bindings, source=source, backend=backend, target=target,
+    return build_artifact(out, result.models, result.bindings, source=source, backend=backend, target=target,
                           plan=result.plan.to_json(), cluster=cluster_obj.to_json(),
                           prediction=prediction, explanation=result.explanation,
                           report_html=html, jobs=jobs, fallback=fallback,
@@ -165,7 +167,7 @@ def _simulate_and_render(model: Any, result: Any, cluster: Any) -> tuple[str | N
 # build + write
 
 
-def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.ModelProto], bindings: Bindings, *,
+def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[ir.Model | onnx.ModelProto], bindings: Bindings, *,
                    source: onnx.ModelProto | bytes | str | os.PathLike[str], backend: str = "onnxruntime",
                    target: Any = None, plan: Mapping[str, Any] | None = None,
                    cluster: Mapping[str, Any] | None = None, prediction: Mapping[str, Any] | None = None,
@@ -174,7 +176,9 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
                    progress: bool | None = None, build_options: Mapping[str, Any] | None = None) -> Artifact:
     """Build per-rank programs with ``backend`` and write them as an artifact directory (the
     mechanism under :func:`compile`; tests use it with hand-built programs). Returns the verified
-    artifact."""
+    artifact. ``programs`` from the lowering are onnx-ir: this is where they are serialised, once
+    (``core.programs.to_proto``)."""
+    programs = [to_proto(p) for p in programs]
     _artifact.check_layout(programs, bindings)
     ort_marked = False
     if backend == "tvm" and fallback == "onnxruntime":

@@ -1,10 +1,13 @@
 """Public API: ``partition(model, cluster, strategy=...)`` -> plan + per-rank programs + bindings +
 predicted costs. Strategies are policies (:mod:`partitioner.strategies`); :func:`lower` is the
-shared mechanism; every result is verified (:func:`verify_programs`) before it is returned."""
+shared mechanism; every result is verified (``passes.verify.verify_programs``) before it is
+returned. The programs stay onnx-ir (``PartitionResult.models``): the simulator reads them as they
+are; ``PartitionResult.programs`` is their serialised form, made once, on first use."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import onnx
@@ -14,6 +17,7 @@ from partitioner.core.bindings import Bindings
 from partitioner.core.errors import StrategyNotApplicable, UsageError
 from partitioner.core.model_view import ModelView
 from partitioner.core.plan import Plan
+from partitioner.core.programs import to_proto
 from partitioner.lowering.lower import lower as lower_plan
 from partitioner.strategies import costing, get_strategy
 from partitioner.strategies.constraints import read_constraints, violation
@@ -29,12 +33,17 @@ LOWER_AUTO_LIMIT = 150_000
 @dataclass(frozen=True)
 class PartitionResult:
     plan: Plan
-    programs: tuple[onnx.ModelProto, ...]
+    models: tuple[ir.Model, ...] = field(hash=False)
     bindings: Bindings
     prediction: dict[str, Any] = field(hash=False)
     explanation: str = ""
     alternatives: tuple[dict[str, Any], ...] = ()
     simulation: Any = field(default=None, hash=False, compare=False)  # cost.simulate.SimResult
+
+    @cached_property
+    def programs(self) -> tuple[onnx.ModelProto, ...]:
+        """The per-rank programs serialised (for an export, a backend, a test), once."""
+        return tuple(to_proto(m) for m in self.models)
 
     def to_json(self) -> dict[str, Any]:
         return {"plan": self.plan.summary(), "prediction": self.prediction, "explanation": self.explanation,
@@ -81,10 +90,10 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
                         "analytical estimate; `plan --simulate` lowers and simulates every rank)")
         return PartitionResult(plan, (), None, prediction, explanation, alternatives, None)  # type: ignore[arg-type]
     lowered = lower_plan(view, plan)
-    sim = simulate_programs(lowered.programs, cluster, plan.microbatches, view.batch_size())
+    sim = simulate_programs(lowered.models, cluster, plan.microbatches, view.batch_size())
     prediction = pred.to_json()
     prediction["simulated"] = sim.to_json()
-    return PartitionResult(plan, lowered.programs, lowered.bindings, prediction, explanation, alternatives, sim)
+    return PartitionResult(plan, lowered.models, lowered.bindings, prediction, explanation, alternatives, sim)
 
 
 def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:
@@ -94,49 +103,59 @@ def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:
 
 def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size: int) -> Any:
     """Run the event simulator on the lowered per-rank programs (the faithful prediction: it sees
-    every comm op the lowering inserted, in program order)."""
+    every comm op the lowering inserted, in program order). ``programs`` are ``ir.Model`` (the
+    lowering's output) or protobuf (read back from an artifact)."""
+    from partitioner.core.programs import to_ir
     from partitioner.cost.simulate import simulate
 
     # Ranks whose programs differ only in weight values (tensor- and data-parallel shards) cost
-    # the same: deserialise and cost each distinct structure once.
+    # the same: cost each distinct structure once.
     by_key: dict[str, ir.Model] = {}
     models = []
     for p in programs:
-        key = _structure_key(p)
-        if key not in by_key:
-            by_key[key] = ir.serde.deserialize_model(p)
-        models.append(by_key[key])
+        m = to_ir(p)
+        models.append(by_key.setdefault(_structure_key(m), m))
     return simulate(models, cluster, microbatches, batch_size)
 
 
-def _structure_key(program: onnx.ModelProto) -> str:
+def _structure_key(program: ir.Model) -> str:
     """A digest of everything the cost model reads, with value names replaced by their order of
     first use (ranks name their comm outputs differently): each node's op, domain, attributes and
     wiring, each value's type and shape, each initializer's type and dims; not weight data."""
     import hashlib
 
     g = program.graph
-    types: dict[str, bytes] = {v.name: v.type.SerializeToString(deterministic=True)
-                               for part in (g.input, g.output, g.value_info) for v in part}
-    for t in g.initializer:
-        types[t.name] = f"init:{t.data_type}:{list(t.dims)}".encode()
-    ids: dict[str, int] = {}
+    ids: dict[int, int] = {}
     h = hashlib.sha256()
 
-    def ref(name: str) -> bytes:
-        if name not in ids:
-            ids[name] = len(ids)
-            h.update(types.get(name, b"?"))
-        return str(ids[name]).encode()
+    def ref(v: ir.Value | None) -> bytes:
+        if v is None:
+            return b"-"
+        if id(v) not in ids:
+            ids[id(v)] = len(ids)
+            init = v.const_value is not None and v.name in g.initializers
+            h.update(f"{'init:' if init else ''}{v.dtype}:{v.shape}".encode())
+        return str(ids[id(v)]).encode()
 
-    for v in g.input:
-        h.update(b"in:" + ref(v.name))
-    for node in g.node:
+    for v in g.inputs:
+        h.update(b"in:" + ref(v))
+    for node in g:
         h.update(f"{node.domain}::{node.op_type}(".encode())
-        for a in node.attribute:
-            h.update(a.SerializeToString(deterministic=True))
-        h.update(b",".join(ref(i) if i else b"-" for i in node.input) + b"->")
-        h.update(b",".join(ref(o) if o else b"-" for o in node.output) + b")")
-    for v in g.output:
-        h.update(b"out:" + ref(v.name))
+        for a in node.attributes.values():
+            h.update(_attr_key(a))
+        h.update(b",".join(ref(i) for i in node.inputs) + b"->")
+        h.update(b",".join(ref(o) for o in node.outputs) + b")")
+    for v in g.outputs:
+        h.update(b"out:" + ref(v))
     return h.hexdigest()
+
+
+def _attr_key(a: Any) -> bytes:
+    """An attribute's name and value; a tensor by its bytes, a subgraph by identity (each rank's
+    copy of a subgraph is its own, so nodes with subgraphs are costed per rank)."""
+    if a.type == ir.AttributeType.TENSOR:
+        t = a.value
+        return f"{a.name}=tensor:{t.dtype}:{t.shape}:".encode() + t.tobytes() + b";"
+    if a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS, ir.AttributeType.TENSORS):
+        return f"{a.name}=<{id(a)}>;".encode()
+    return f"{a.name}={a.value!r};".encode()

@@ -18,17 +18,37 @@ Rules, checked in one walk over the nodes in their stored order:
    has a known dtype and a fully static shape. Node outputs that nothing reads (a ``Dropout``
    mask) and subgraph values are not held to this.
 
-Each failure raises :class:`partitioner.core.errors.VerifyError` with one line naming the node or
-value and what is wrong.
+Per-rank programs (the lowering's output, :func:`verify_programs`) are held to rules 1-5 on each
+rank and, across ranks, to:
+
+7. every value a rank's node reads (inputs and subgraph reads) is produced on that rank: a value
+   crossing ranks must go through a comm op;
+8. every Send has exactly one Recv with the same (source, destination, tag), shape and dtype;
+9. the comm ops cannot deadlock: the ranks are simulated step by step with non-blocking Sends,
+   blocking Recvs and collectives that need every group member at the same (group, tag);
+10. the bindings cover every model input and output, and each placement names a graph
+    input/output of its rank's program;
+11. with ``model`` given: every model node runs on some rank (by node name).
+
+This is the one verifier: the pass manager runs :func:`verify` after each pass, lowering runs
+:func:`verify_programs` on what it built. Each failure raises
+:class:`partitioner.core.errors.VerifyError` with one line naming the node or value (and rank)
+and what is wrong.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+import onnx
 import onnx_ir as ir
 
+from partitioner.core.bindings import Bindings
+from partitioner.core.comm_ops import COLLECTIVES, CommOp, is_comm
 from partitioner.core.errors import VerifyError
+from partitioner.core.programs import outer_values, to_ir, to_proto
 from passes.side_effects import COMM_DOMAIN, COMM_OP_TYPES
 
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -218,3 +238,143 @@ def _verify_subgraphs(graphs: Iterable[ir.Graph], outer: set[ir.Value], opsets: 
     for sub in graphs:
         sub_opsets = {**opsets, **dict(sub.opset_imports)}
         _verify_graph(sub, outer=frozenset(outer), opsets=sub_opsets, require_shapes=False)
+
+
+# ---- per-rank programs (rules 7-11) ---------------------------------------------------------------
+def verify_programs(programs: Sequence[ir.Model | onnx.ModelProto], bindings: Bindings, *, model: Any = None) -> None:
+    """Rules 1-5 on every rank, then 7-11 across ranks (module docstring)."""
+    if len(programs) != bindings.world_size:
+        raise VerifyError(f"{len(programs)} programs for a world size of {bindings.world_size}")
+    models = [to_ir(p) for p in programs]
+    comm: list[list[CommOp]] = []
+    sends: dict[tuple[int, int, int], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    recvs: dict[tuple[int, int, int], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    for r, p in enumerate(models):
+        comm.append(_rank_comm(r, p, sends, recvs))
+        try:
+            verify(p, require_shapes=False)
+        except VerifyError as exc:
+            raise VerifyError(f"rank {r}: {exc}") from None
+    for key in set(sends) | set(recvs):
+        s, d, tag = key
+        if len(sends.get(key, [])) != len(recvs.get(key, [])):
+            raise VerifyError(f"Send/Recv mismatch from rank {s} to rank {d} tag {tag}: "
+                              f"{len(sends.get(key, []))} send(s), {len(recvs.get(key, []))} recv(s)")
+        for st, rt in zip(sends[key], recvs[key]):
+            if st != rt:
+                raise VerifyError(f"Send from rank {s} to rank {d} tag {tag} carries elem type {st[0]} shape {list(st[1])} "
+                                  f"but the Recv expects elem type {rt[0]} shape {list(rt[1])}")
+    simulate_comm(comm)
+    _check_bindings(models, bindings, model)
+
+
+def cross_rank_edge(rank: int, node: str | None, op_type: str, name: str) -> VerifyError:
+    """Rule 7's error: a node reads a value its rank does not produce."""
+    return VerifyError(f"rank {rank}: node {node!r} ({op_type}) reads {name!r}, which is not produced on this "
+                       "rank: a cross-rank edge without a comm op")
+
+
+def _value_type(v: ir.Value) -> tuple[int, tuple[int, ...]]:
+    dtype = v.dtype if v.dtype is not None else (v.const_value.dtype if v.const_value is not None else None)
+    shape = v.shape if v.shape is not None else (v.const_value.shape if v.const_value is not None else None)
+    if dtype is None or shape is None:
+        return 0, ()
+    return int(dtype), tuple(int(d) if isinstance(d, int) else 0 for d in shape)
+
+
+def _rank_comm(r: int, p: ir.Model, sends: dict, recvs: dict) -> list[CommOp]:
+    """Rule 7 on rank ``r``; collects its Sends and Recvs (rule 8) and returns its comm ops in order."""
+    g = p.graph
+    known = {v.name for v in g.inputs} | set(g.initializers)
+    ops = []
+    for node in g:
+        reads = [v.name for v in node.inputs if v is not None] + list(outer_values(node))
+        missing = [n for n in reads if n not in known]
+        if missing:
+            raise cross_rank_edge(r, node.name, node.op_type, missing[0])
+        known.update(o.name for o in node.outputs if o.name)
+        if not is_comm(node):
+            continue
+        op = CommOp.from_node(node)
+        ops.append(op)
+        if op.op_type == "Send":
+            sends[(r, int(op.attrs["peer"]), op.tag)].append(_value_type(node.inputs[0]))
+        elif op.op_type == "Recv":
+            recvs[(int(op.attrs["peer"]), r, op.tag)].append(
+                (int(op.attrs["dtype"]), tuple(int(d) for d in op.attrs["shape"])))
+    missing_out = [o.name for o in g.outputs if o.name not in known]
+    if missing_out:
+        raise VerifyError(f"rank {r}: graph output {missing_out[0]!r} is never produced")
+    return ops
+
+
+def simulate_comm(comm: Sequence[Sequence[CommOp]]) -> None:
+    """Run the ranks' comm sequences (rule 9); raise VerifyError naming the stalled ranks and ops."""
+    n = len(comm)
+    pc = [0] * n
+    mail: dict[tuple[int, int, int], int] = defaultdict(int)
+    while True:
+        progress = False
+        for r in range(n):
+            while pc[r] < len(comm[r]):
+                op = comm[r][pc[r]]
+                if op.op_type == "Send":
+                    mail[(r, int(op.attrs["peer"]), op.tag)] += 1
+                elif op.op_type == "Recv":
+                    key = (int(op.attrs["peer"]), r, op.tag)
+                    if mail[key] == 0:
+                        break
+                    mail[key] -= 1
+                else:
+                    break
+                pc[r] += 1
+                progress = True
+        # collectives: fire when every member is waiting at the same (group, tag)
+        waiting: dict[tuple[tuple[int, ...], int, str], list[int]] = defaultdict(list)
+        for r in range(n):
+            if pc[r] < len(comm[r]) and comm[r][pc[r]].op_type in COLLECTIVES:
+                op = comm[r][pc[r]]
+                if r not in op.group:
+                    raise VerifyError(f"rank {r}: collective {op.name!r} does not list the rank in its group {list(op.group)}")
+                waiting[(op.group, op.tag, op.op_type)].append(r)
+        for (group, _tag, _t), members in waiting.items():
+            if sorted(members) == sorted(group):
+                for r in members:
+                    pc[r] += 1
+                progress = True
+        if all(pc[r] == len(comm[r]) for r in range(n)):
+            return
+        if not progress:
+            stuck = [f"rank {r} at {comm[r][pc[r]].op_type} {comm[r][pc[r]].name!r}" for r in range(n) if pc[r] < len(comm[r])]
+            raise VerifyError(f"deadlock: {'; '.join(stuck)}")
+
+
+def _check_bindings(programs: Sequence[ir.Model], bindings: Bindings, model: Any) -> None:
+    """Rules 10 and 11."""
+    bindings.check()
+    for kind, items in (("input", bindings.inputs), ("output", bindings.outputs)):
+        for b in items:
+            for p in b.placements:
+                g = programs[p.rank].graph
+                names = {v.name for v in (g.inputs if kind == "input" else g.outputs)}
+                if p.local_name not in names:
+                    raise VerifyError(f"binding of {kind} {b.name!r}: rank {p.rank} has no graph {kind} {p.local_name!r}")
+    if model is None:
+        return
+    need_in, need_out = set(model.inputs), set(model.outputs)
+    have_in, have_out = {b.name for b in bindings.inputs}, {b.name for b in bindings.outputs}
+    if need_in - have_in or need_out - have_out:
+        raise VerifyError(f"bindings miss model input(s)/output(s): {sorted((need_in - have_in) | (need_out - have_out))}")
+    ran = {n.name for p in programs for n in p.graph}
+    lost = [n.name for n in model.nodes if n.name not in ran]
+    if lost:
+        raise VerifyError(f"{len(lost)} model node(s) run on no rank, e.g. {lost[0]!r}")
+
+
+def check_programs(programs: Sequence[ir.Model | onnx.ModelProto]) -> None:
+    """``onnx.checker.check_model(full_check=True)`` on every program; raises VerifyError naming the rank."""
+    for r, p in enumerate(programs):
+        try:
+            onnx.checker.check_model(to_proto(p), full_check=True)
+        except Exception as exc:  # onnx raises several checker/inference error types
+            raise VerifyError(f"rank {r}: program does not pass the ONNX checker: {str(exc).splitlines()[0]}") from None

@@ -15,10 +15,12 @@ backend builds all of them from TE and schedules them with the same default rule
 
 Rules:
 
-1. :func:`rewrite_convolutions` (a Relax pass, after ``ConvertLayout`` and ``FoldConstant``)
-   replaces each eligible ``relax.nn.conv2d`` (NHWC data, HWIO constant weights, float32) by the
-   chosen algorithm's TE stages; its output has the conv's shape and layout, so the epilogue
-   (bias, batch-norm affine, ReLU) still fuses into the last stage.
+1. Choose, then rewrite: :func:`choose_algorithms` (the choice step; it reads the module and
+   changes nothing) names an algorithm per distinct eligible conv; :func:`apply_algorithms`
+   (the rewrite step, a Relax mutation after ``ConvertLayout`` and ``FoldConstant``) replaces each
+   chosen ``relax.nn.conv2d`` (NHWC data, HWIO constant weights, float32) by that algorithm's TE
+   stages; its output has the conv's shape and layout, so the epilogue (bias, batch-norm
+   affine, ReLU) still fuses into the last stage. :func:`rewrite_convolutions` runs both.
 2. The choice (build option ``conv_algorithm``): ``"direct"`` (the default: nothing is
    rewritten), ``"im2col"``, ``"winograd"`` (where eligible; otherwise direct), or ``"auto"``:
    by measurement, like cuDNN's ``Find``: every distinct eligible conv (shape, stride, padding)
@@ -241,22 +243,18 @@ def measure(p: dict[str, Any], target: Any, cache_file: Path | None = None) -> s
     return best
 
 
-def rewrite_convolutions(mod: Any, algorithm: str, target: Any, cache_file: Path | None = None) -> tuple[Any, dict[str, int]]:
-    """Replace eligible ``relax.nn.conv2d`` calls by ``algorithm`` (rule 1); returns the module and
-    a count of the algorithm used per conv."""
+def _walk(mod: Any, on_conv: Any) -> Any:
+    """Visit every ``relax.nn.conv2d`` call of ``mod`` (weights resolved through their bindings);
+    ``on_conv(builder, call, weight, params)`` returns what replaces the call (the call itself to
+    keep it). Returns the mutated module."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    if algorithm not in ALGORITHMS:
-        raise BackendError(f"unknown conv algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-    counts: dict[str, int] = {}
-    if algorithm == "direct":
-        return mod, counts
     conv_op = tvm.ir.Op.get("relax.nn.conv2d")
 
     @mutator
-    class _Rewrite(PyExprMutator):
+    class _Convs(PyExprMutator):
         def __init__(self, module):
             super().__init__(module)
             self.module = module
@@ -274,19 +272,68 @@ def rewrite_convolutions(mod: Any, algorithm: str, target: Any, cache_file: Path
             weight = call.args[1]
             if isinstance(weight, relax.Var):
                 weight = self.lookup_binding(weight)
-            p = _conv_params(call, weight)
-            chosen = "direct"
-            if p is not None:
-                if algorithm == "auto":
-                    chosen = measure(p, target, cache_file)
-                elif p.get(algorithm):
-                    chosen = algorithm
-            counts[chosen] = counts.get(chosen, 0) + 1
-            if chosen == "direct":
-                return call
-            return _emit(self.builder_, chosen, call.args[0], weight, p)
+            return on_conv(self.builder_, call, weight, _conv_params(call, weight))
 
+    return _Convs(mod).transform()
+
+
+def choose_algorithms(mod: Any, algorithm: str, target: Any, cache_file: Path | None = None) -> dict[str, str]:
+    """The choice step (rule 2): ``{conv key: algorithm}`` for every eligible conv of ``mod`` that
+    does not stay direct. ``"auto"`` measures (:func:`measure`, cached); a fixed algorithm is
+    taken where the conv is eligible for it. Nothing in ``mod`` changes."""
+    if algorithm not in ALGORITHMS:
+        raise BackendError(f"unknown conv algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    sites: dict[str, dict[str, Any]] = {}
+    if algorithm != "direct":
+        def collect(_bb: Any, call: Any, _weight: Any, p: dict[str, Any] | None) -> Any:
+            if p is not None:
+                sites.setdefault(_key(p), p)
+            return call
+
+        _walk(mod, collect)
+    choices: dict[str, str] = {}
+    for key, p in sites.items():
+        chosen = measure(p, target, cache_file) if algorithm == "auto" else (algorithm if p.get(algorithm) else "direct")
+        if chosen != "direct":
+            choices[key] = chosen
+    return choices
+
+
+def apply_algorithms(mod: Any, choices: dict[str, str]) -> tuple[Any, dict[str, int]]:
+    """The rewrite step (rule 1): each conv named in ``choices`` becomes its algorithm's TE stages;
+    returns the module and a count of the algorithm used per conv (``direct`` included)."""
+    from tvm import relax
+
+    counts: dict[str, int] = {}
+
+    def rewrite(bb: Any, call: Any, weight: Any, p: dict[str, Any] | None) -> Any:
+        chosen = choices.get(_key(p), "direct") if p is not None else "direct"
+        counts[chosen] = counts.get(chosen, 0) + 1
+        return call if chosen == "direct" else _emit(bb, chosen, call.args[0], weight, p)
+
+    if not choices:
+        return mod, {}
+    mod = _walk(mod, rewrite)
+    return relax.transform.Normalize()(relax.transform.DeadCodeElimination()(mod)), counts
+
+
+def rewrite_convolutions(mod: Any, algorithm: str, target: Any, cache_file: Path | None = None) -> tuple[Any, dict[str, int]]:
+    """Choose (:func:`choose_algorithms`), then rewrite (:func:`apply_algorithms`) every eligible
+    ``relax.nn.conv2d`` of ``mod``; returns the module and a count of the algorithm used per conv."""
+    from tvm import relax
+
+    if algorithm == "direct":
+        return mod, {}
     with target:
         mod = relax.transform.FoldConstant()(mod)
-    mod = _Rewrite(mod).transform()
-    return relax.transform.Normalize()(relax.transform.DeadCodeElimination()(mod)) if counts else mod, counts
+    choices = choose_algorithms(mod, algorithm, target, cache_file)
+    if not choices:  # every conv stays direct: counted, module unchanged
+        counts: dict[str, int] = {}
+
+        def count(_bb: Any, call: Any, _w: Any, _p: Any) -> Any:
+            counts["direct"] = counts.get("direct", 0) + 1
+            return call
+
+        _walk(mod, count)
+        return mod, counts
+    return apply_algorithms(mod, choices)

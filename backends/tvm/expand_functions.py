@@ -19,8 +19,9 @@ Rules:
    may itself hold ops TVM lacks) up to :data:`MAX_ROUNDS` times.
 4. After an expansion (only then: programs with nothing to expand are returned untouched), the
    model is re-inferred with data propagation and the values the bodies compute from static
-   shapes and constants are folded (:func:`fold_static_shapes`, :func:`fold_constants`), so that
-   TVM's importer sees constant shapes instead of ``ShapeExpr`` chains it refuses.
+   shapes and constants are folded (:func:`fold_for_import`: the project's one constant folder,
+   ``passes.constant_folding``, with a small size limit, then ``passes.dead_code_elimination``),
+   so that TVM's importer sees constant shapes instead of ``ShapeExpr`` chains it refuses.
 5. Expansion never raises: a node whose body cannot be built is left as it is (the import then
    refuses it the usual way, naming it).
 6. ``LSTM``/``GRU``/``RNN`` have no function body; when TVM lacks them they are unrolled first by
@@ -33,7 +34,6 @@ from collections.abc import Iterable
 
 import onnx
 
-from partitioner.core.op_classes import RANDOM
 
 LOCAL_DOMAIN = "partitioner.expand"
 MAX_ROUNDS = 4
@@ -154,7 +154,7 @@ def expand_nodes(model: onnx.ModelProto, wanted: Iterable[str] | None = None, *,
             current = onnx.shape_inference.infer_shapes(current, data_prop=True)
         except Exception:  # noqa: BLE001 - the caller's own inference reports it
             break
-        folded = fold_constants(fold_static_shapes(current))
+        folded = fold_for_import(current)
         if folded is current:
             break
         current = folded
@@ -184,106 +184,24 @@ def _local_call(node: onnx.NodeProto, opset: int, types: dict[str, onnx.TypeProt
     return call, body
 
 
-def fold_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Replace every top-level ``Shape``/``Size`` node whose input has a fully static inferred
-    shape (and whose output is not a graph output) by an int64 initializer. Function bodies
-    compute shapes at run time (Shape -> Gather -> Concat -> Reshape); TVM's importer turns a
-    Shape into a ShapeExpr that many converters refuse ("Node cannot handle ShapeExpr inputs"),
-    whereas constants fold. Applied to expanded programs only (shapes are static there)."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    g = model.graph
-    shapes: dict[str, list[int]] = {}
-    for v in [*g.input, *g.value_info, *g.output]:
-        t = v.type.tensor_type
-        if v.type.HasField("tensor_type") and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
-            shapes[v.name] = [int(d.dim_value) for d in t.shape.dim]
-    for t in g.initializer:
-        shapes[t.name] = list(t.dims)
-    outputs = {o.name for o in g.output}
-    keep: list[onnx.NodeProto] = []
-    folded: list[onnx.TensorProto] = []
-    for node in g.node:
-        if (node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.input
-                and node.input[0] in shapes and node.output[0] not in outputs):
-            dims = shapes[node.input[0]]
-            if node.op_type == "Size":
-                value = np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
-            else:
-                attrs = {a.name: a.i for a in node.attribute}
-                start, end = attrs.get("start", 0), attrs.get("end", len(dims))
-                value = np.array(dims[slice(start, end)], dtype=np.int64)
-            folded.append(numpy_helper.from_array(value, node.output[0]))
-            continue
-        keep.append(node)
-    if not folded:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(keep)
-    out.graph.initializer.extend(folded)
-    names = {t.name for t in folded}
-    vi = [v for v in out.graph.value_info if v.name not in names]
-    del out.graph.value_info[:]
-    out.graph.value_info.extend(vi)
-    return out
-
-
+#: Folded values are kept small: a body's masks and shapes, not a materialised weight.
 FOLD_MAX_ELEMENTS = 1 << 16
-_NO_FOLD = RANDOM | {"If", "Loop", "Scan"}
 
 
-def fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Evaluate, with ``onnx.reference``, every top-level default-domain node whose inputs are all
-    constants (initializers, Constant nodes, folded values) and whose outputs hold at most
-    :data:`FOLD_MAX_ELEMENTS` elements each; replace it by initializers. Function bodies build
-    masks and shapes from constants (Concat -> ConstantOfShape -> Expand) that TVM's importer
-    would otherwise see as symbolic shapes. A node feeding a graph output directly is kept."""
-    import numpy as np
-    from onnx import numpy_helper
-    from onnx.reference import ReferenceEvaluator
+def fold_for_import(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Fold what an expanded body computes from static shapes and constants (rule 4): Function
+    bodies compute shapes at run time (Shape -> Gather -> Concat -> Reshape) and build masks from
+    constants (Concat -> ConstantOfShape -> Expand); TVM's importer turns a Shape into a ShapeExpr
+    that many converters refuse, whereas constants fold. Runs the one constant folder
+    (``passes.constant_folding``, outputs of at most :data:`FOLD_MAX_ELEMENTS` elements) and
+    dead-code elimination on the onnx-ir form; ``model`` itself when nothing folds."""
+    import onnx_ir as ir
 
-    g = model.graph
-    values: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-    outputs = {o.name for o in g.output}
-    opset = _default_opset(model) or 1
-    keep: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = []
-    changed = False
-    for node in g.node:
-        ins = [i for i in node.input if i]
-        foldable = (node.domain in ("", "ai.onnx") and node.op_type not in _NO_FOLD
-                    and all(i in values for i in ins) and not any(o in outputs for o in node.output)
-                    and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute))
-        if foldable:
-            try:
-                ev = ReferenceEvaluator(onnx.helper.make_model(
-                    onnx.helper.make_graph([node], "fold", [], []), opset_imports=[onnx.helper.make_opsetid("", opset)]))
-                res = ev.run([o for o in node.output if o], {i: values[i] for i in ins})
-            except Exception:  # noqa: BLE001 - not foldable here; TVM sees it as it is
-                res = None
-            if res is not None and all(np.asarray(r).size <= FOLD_MAX_ELEMENTS for r in res):
-                for name, r in zip([o for o in node.output if o], res):
-                    arr = np.asarray(r)
-                    values[name] = arr
-                    new_inits.append(numpy_helper.from_array(arr, name))
-                changed = True
-                continue
-        keep.append(node)
-    if not changed:
+    from passes.constant_folding import ConstantFolding
+    from passes.dead_code_elimination import DeadCodeElimination
+
+    program = ir.serde.deserialize_model(model)
+    if not ConstantFolding(size_limit=FOLD_MAX_ELEMENTS)(program).modified:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(keep)
-    read = {i for n in keep for i in n.input} | outputs
-    kept_inits = [t for t in out.graph.initializer if t.name in read or t.name in {i.name for i in g.input}]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept_inits + [t for t in new_inits if t.name in read])
-    names = {t.name for t in new_inits}
-    vi = [v for v in out.graph.value_info if v.name not in names]
-    del out.graph.value_info[:]
-    out.graph.value_info.extend(vi)
-    return out
+    DeadCodeElimination()(program)
+    return ir.serde.serialize_model(program)

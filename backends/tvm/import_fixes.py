@@ -1,72 +1,313 @@
-"""Small rewrites of a per-rank program so TVM's ONNX importer gets ``OneHot`` right.
+"""The TVM backend's import rewrites: onnx-ir passes, run by the pass manager, that reshape a
+per-rank program into what TVM 0.27's ONNX importer converts correctly and ``ConvertLayout``
+accepts (backends/tvm/lower.py imports the result).
 
-Rules:
+Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by :func:`rewrite_for_import`):
 
-1. ``OneHot`` with constant ``depth`` and ``values`` and the default ``axis`` (-1, the new last
-   axis) becomes ``Where(Equal(Unsqueeze(i', -1), arange(depth)), on, off)``, where ``i'`` is the
-   indices cast to int64 with negative ones wrapped (``i + depth``), as ONNX defines. TVM 0.27's
-   converter fails on a rank-1 ``depth`` (ONNX allows "a scalar or a rank-1 tensor of one
-   element"; tf2onnx writes ``[257]`` in magika: it passes a list where an int is wanted) and
-   gives a float64 result for float32 ``values`` (it wraps them as Python floats).
-2. Other ``OneHot`` nodes are left to TVM's converter.
+1. ``OneHotAsSelect``: ``OneHot`` with constant ``depth`` and ``values`` (initializers) and the
+   default ``axis`` (-1) becomes ``Where(Equal(Unsqueeze(i', -1), arange(depth)), on, off)``, where
+   ``i'`` is the indices cast to int64 with negative ones wrapped (``i + depth``), as ONNX
+   defines. TVM's converter fails on a rank-1 ``depth`` (tf2onnx writes ``[257]`` in magika) and
+   gives a float64 result for float32 ``values``. Other ``OneHot`` nodes are left to TVM.
+2. ``EmptyReductions``: a reduction whose input has no elements but whose output has some becomes
+   a ``Constant`` of the reduction's empty-set value: TVM's kernels never run the init of a
+   reduction loop of extent 0 and return uninitialised memory (the ONNX ``*_empty_set`` cases).
+3. ``ClipAsSelects``: ``Clip(x, lo, hi)`` with constant scalar float bounds becomes
+   ``Where(Greater(t, hi), hi, t)`` with ``t = Where(Less(x, lo), lo, x)``. TVM turns Clip into
+   ``emit_te(topi.maximum/minimum)`` calls that ``ConvertLayout`` cannot see through (mobilenet's
+   ReLU6: 24 transposes, no fusion into the conv); compares and selects keep the layout and fuse.
+   NaN inputs stay NaN, a NaN bound means no bound (as ONNX and ORT).
+4. ``VariadicChains``: ``Sum``/``Mean`` (any number of inputs) become a left-to-right chain of
+   binary ``Add`` (and a ``Div`` by n for ``Mean``), variadic ``Max``/``Min`` a chain of two-input
+   selects (one input: ``Identity``): TVM's importer stacks the inputs into a rank+1 tensor that
+   ``ConvertLayout`` rejects and that costs a copy of every input. Same arithmetic as ORT.
+5. ``InferenceDropout``: a ``Dropout`` without ``training_mode`` input whose mask nobody reads
+   becomes ``Identity``: the importer's ``R.nn.dropout`` returns a tuple ``ConvertLayout`` rejects.
 
-Invariant: the program computes the same values, names its outputs the same; only initializers
-and nodes are added before each rewritten node.
+Invariant: every rewritten node's last replacement writes the original output (same name, type,
+shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
+touched; a program nothing applies to comes back as the same object.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+import onnx_ir as ir
+
+_ONNX = ("", "ai.onnx")
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+_CLIP_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
+# The value of a reduction over an empty set, per op (ONNX's definitions: the identity of the
+# reduction; log of an empty sum is log 0; the mean of nothing is 0/0).
+_EMPTY_REDUCTION = {"ReduceSum": 0.0, "ReduceL1": 0.0, "ReduceL2": 0.0, "ReduceSumSquare": 0.0,
+                    "ReduceProd": 1.0, "ReduceMax": -np.inf, "ReduceMin": np.inf,
+                    "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf, "ReduceMean": np.nan}
 
 
-def _opset(program: onnx.ModelProto) -> int:
-    return next((o.version for o in program.opset_import if o.domain in ("", "ai.onnx")), 13)
+# ---- building blocks ------------------------------------------------------------------------------
+def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A new initializer ``name`` holding ``array``."""
+    t = ir.tensor(array, name=name)
+    v = ir.Value(name=name, const_value=t, type=ir.TensorType(t.dtype), shape=ir.Shape(t.shape))
+    graph.register_initializer(v)
+    return v
+
+
+def _node(op: str, inputs: Sequence[ir.Value | None], out: str, name: str, **attrs: Any) -> ir.Node:
+    return ir.Node("", op, list(inputs), ir.convenience.convert_attributes(attrs), outputs=[ir.Value(name=out)],
+                   name=name)
+
+
+def _replace(graph: ir.Graph, old: ir.Node, new: Sequence[ir.Node]) -> None:
+    """``new`` takes ``old``'s place; its last node's output takes over ``old``'s first output
+    (name, type, shape, uses, graph output)."""
+    ir.convenience.replace_nodes_and_values(graph, old, [old], list(new), [old.outputs[0]], [new[-1].outputs[0]])
+
+
+def _onnx_nodes(graph: ir.Graph, ops: Sequence[str]) -> list[ir.Node]:
+    return [n for n in graph if n.op_type in ops and n.domain in _ONNX]
+
+
+def _initializer(graph: ir.Graph, v: ir.Value | None) -> np.ndarray | None:
+    if v is None or v.name not in graph.initializers or v.const_value is None:
+        return None
+    return v.const_value.numpy()
+
+
+def _constant(graph: ir.Graph, v: ir.Value | None) -> np.ndarray | None:
+    """An initializer's or a ``Constant(value=...)`` node's array."""
+    arr = _initializer(graph, v)
+    if arr is not None or v is None:
+        return arr
+    p = v.producer()
+    if p is not None and p.op_type == "Constant" and p.domain in _ONNX and "value" in p.attributes:
+        return p.attributes["value"].value.numpy()
+    return None
+
+
+def _static(v: ir.Value | None) -> tuple[ir.DataType, list[int]] | None:
+    if v is None or v.dtype is None or v.shape is None or not v.shape.is_static():
+        return None
+    return v.dtype, [int(d) for d in v.shape]
+
+
+class _Rewrite(ir.passes.InPlacePass):
+    """A rewrite of top-level ``OPS`` nodes: :meth:`rewrite` returns True when it replaced one."""
+
+    OPS: tuple[str, ...] = ()
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        self.opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 13))
+        changed = False
+        for node in _onnx_nodes(graph, self.OPS):
+            changed = self.rewrite(graph, node) or changed
+        return ir.passes.PassResult(model, changed)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+# ---- the passes -----------------------------------------------------------------------------------
+class OneHotAsSelect(_Rewrite):
+    """Rule 1."""
+
+    OPS = ("OneHot",)
+
+    def rewrite(self, graph: ir.Graph, n: ir.Node) -> bool:
+        axis = n.attributes.get_int("axis", -1)
+        depth_a = _initializer(graph, n.inputs[1]) if len(n.inputs) == 3 else None
+        values = _initializer(graph, n.inputs[2]) if len(n.inputs) == 3 else None
+        if axis != -1 or depth_a is None or values is None or depth_a.size != 1 or values.size != 2:
+            return False
+        depth, values = int(depth_a.reshape(-1)[0]), values.reshape(-1)
+        k = list(graph).index(n)
+        p = f"{n.outputs[0].name}__onehot{k}"
+        c = {s: _const(graph, f"{p}_{s}", a) for s, a in (
+            ("depth", np.array(depth, np.int64)), ("zero", np.array(0, np.int64)),
+            ("range", np.arange(depth, dtype=np.int64)), ("on", values[1:2].reshape(())),
+            ("off", values[0:1].reshape(())))}
+        cast = _node("Cast", [n.inputs[0]], f"{p}_i", f"{p}_cast", to=int(onnx.TensorProto.INT64))
+        i = cast.outputs[0]
+        neg = _node("Less", [i, c["zero"]], f"{p}_neg", f"{p}_less")
+        wrapped = _node("Add", [i, c["depth"]], f"{p}_wrapped", f"{p}_add")
+        idx = _node("Where", [neg.outputs[0], wrapped.outputs[0], i], f"{p}_idx", f"{p}_where")
+        if self.opset >= 13:
+            unsq = _node("Unsqueeze", [idx.outputs[0], _const(graph, f"{p}_axes", np.array([-1], np.int64))],
+                         f"{p}_u", f"{p}_unsqueeze")
+        else:
+            unsq = _node("Unsqueeze", [idx.outputs[0]], f"{p}_u", f"{p}_unsqueeze", axes=[-1])
+        eq = _node("Equal", [unsq.outputs[0], c["range"]], f"{p}_eq", f"{p}_equal")
+        out = _node("Where", [eq.outputs[0], c["on"], c["off"]], f"{p}_out", n.name or f"{p}_select")
+        _replace(graph, n, [cast, neg, wrapped, idx, unsq, eq, out])
+        return True
+
+
+class EmptyReductions(_Rewrite):
+    """Rule 2."""
+
+    OPS = tuple(_EMPTY_REDUCTION)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        if not node.inputs:
+            return False
+        src, dst = _static(node.inputs[0]), _static(node.outputs[0])
+        if src is None or dst is None or int(np.prod(src[1])) != 0 or int(np.prod(dst[1])) == 0:
+            return False
+        dtype = dst[0].numpy()
+        value = _EMPTY_REDUCTION[node.op_type]
+        if dtype.kind == "b":  # bool Max/Min: max of nothing is False, min of nothing True
+            if np.isnan(value):
+                return False
+            value = bool(value > 0)
+        elif dtype.kind in "iu":  # integer reductions: the type's extremes stand for +-inf
+            if np.isnan(value):
+                return False  # integer mean of nothing is undefined: leave it to the kernel
+            value = np.iinfo(dtype).min if value == -np.inf else np.iinfo(dtype).max if value == np.inf else value
+        out = node.outputs[0].name
+        tensor = ir.tensor(np.full(dst[1], value, dtype=dtype), name=f"{out}__empty")
+        _replace(graph, node, [ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)],
+                                       outputs=[ir.Value(name=f"{out}__empty")], name=node.name)])
+        return True
+
+
+class ClipAsSelects(_Rewrite):
+    """Rule 3."""
+
+    OPS = ("Clip",)
+
+    @staticmethod
+    def _bound(graph: ir.Graph, node: ir.Node, i: int, attr: str) -> tuple[bool, float | None]:
+        """One bound: (usable, value); value None = no bound on this side."""
+        if len(node.inputs) > 1 or not node.attributes:  # opset >= 11: inputs
+            v = node.inputs[i] if len(node.inputs) > i else None
+            if v is None:
+                return True, None
+            arr = _constant(graph, v)
+            if arr is None or arr.size != 1:
+                return False, None
+            x = float(arr.reshape(()))
+        else:  # opset 6: attributes
+            if attr not in node.attributes:
+                return True, None
+            x = float(node.attributes[attr].value)
+        return True, (None if np.isnan(x) else x)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        x = node.inputs[0] if node.inputs else None
+        if x is None or x.dtype not in _CLIP_TYPES or x.shape is None:
+            return False
+        (ok_lo, lo), (ok_hi, hi) = self._bound(graph, node, 1, "min"), self._bound(graph, node, 2, "max")
+        if not (ok_lo and ok_hi):
+            return False
+        y = node.outputs[0].name
+        steps = [(s, v) for s, v in (("lo", lo), ("hi", hi)) if v is not None]
+        if not steps:
+            _replace(graph, node, [_node("Identity", [x], f"{y}__clip_id", node.name)])
+            return True
+        new: list[ir.Node] = []
+        cur = x
+        for k, (side, v) in enumerate(steps):
+            # shaped [1] * rank(x), not 0-d: ConvertLayout transposes a same-rank Where operand,
+            # but wrapped the 0-d version in transposes again
+            c = _const(graph, f"{y}__clip_{side}", np.full([1] * len(x.shape), v, dtype=x.dtype.numpy()))
+            last = k == len(steps) - 1
+            cmp = _node("Less" if side == "lo" else "Greater", [cur, c], f"{y}__clip_{side}_cmp",
+                        f"{node.name}__{side}_cmp")
+            new += [cmp, _node("Where", [cmp.outputs[0], c, cur], f"{y}__clip_{side}_out" if last else f"{y}__clip_t",
+                               node.name if last else f"{node.name}__{side}")]
+            cur = new[-1].outputs[0]
+        _replace(graph, node, new)
+        return True
+
+
+class VariadicChains(_Rewrite):
+    """Rule 4."""
+
+    OPS = ("Sum", "Mean", "Max", "Min")
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        ins = [v for v in node.inputs if v is not None]
+        if not ins:
+            return False
+        result = node.outputs[0]
+        r = result.name
+        if len(ins) == 1:
+            _replace(graph, node, [_node("Identity", ins, f"{r}__id", node.name)])
+            return True
+        mean = node.op_type == "Mean"
+        elem = result.dtype or ins[0].dtype
+        new: list[ir.Node] = []
+        acc = ins[0]
+        for k, x in enumerate(ins[1:], start=1):
+            last = k == len(ins) - 1 and not mean
+            dst, step = (f"{r}__last", node.name) if last else (f"{r}__sum{k}", f"{node.name}__add{k}")
+            if node.op_type in ("Sum", "Mean"):
+                new.append(_node("Add", [acc, x], dst, step))
+            else:  # Max/Min: TVM's converter stacks even two inputs
+                new += _select_chain(node.op_type, acc, x, dst, step, elem)
+            acc = new[-1].outputs[0]
+        if mean:
+            count = _const(graph, f"{r}__count", np.array(len(ins), dtype=(elem or ir.DataType.FLOAT).numpy()))
+            new.append(_node("Div", [acc, count], f"{r}__mean", node.name))
+        _replace(graph, node, new)
+        return True
+
+
+def _select_chain(op: str, a: ir.Value, b: ir.Value, dst: str, name: str, elem: ir.DataType | None) -> list[ir.Node]:
+    """``dst = Max(a, b)`` (or Min) as ``Where(a >= b or isnan(a), a, b)`` (``<=`` for Min), with
+    broadcasting; a NaN in either input gives NaN, as ONNX Max/Min (numpy maximum) does."""
+    cmp = _node("GreaterOrEqual" if op == "Max" else "LessOrEqual", [a, b], f"{dst}__pick{name}", f"{name}__cmp")
+    nodes = [cmp]
+    pick = cmp.outputs[0]
+    if elem in _FLOAT_TYPES:
+        nan = _node("IsNaN", [a], f"{dst}__nan{name}", f"{name}__isnan")
+        either = _node("Or", [pick, nan.outputs[0]], f"{dst}__pickn{name}", f"{name}__or")
+        nodes += [nan, either]
+        pick = either.outputs[0]
+    nodes.append(_node("Where", [pick, a, b], dst, name))
+    return nodes
+
+
+class InferenceDropout(_Rewrite):
+    """Rule 5."""
+
+    OPS = ("Dropout",)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        if len(node.inputs) >= 3 or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+            return False
+        _replace(graph, node, [_node("Identity", [node.inputs[0]], f"{node.outputs[0].name}__id", node.name)])
+        return True
+
+
+#: The backend-owned pipeline, in order (module docstring).
+IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, ClipAsSelects, VariadicChains,
+                                               InferenceDropout)
+
+
+def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -> onnx.ModelProto:
+    """``program`` through ``rewrites`` (with the pass manager, on its onnx-ir form); ``program``
+    itself when none applies."""
+    from passes.manager import PassManager
+
+    if not any(n.op_type in p.OPS and n.domain in _ONNX for p in rewrites for n in program.graph.node):
+        return program
+    model = ir.serde.deserialize_model(program)
+    if not PassManager([p() for p in rewrites], verify=False)(model).modified:
+        return program
+    return ir.serde.serialize_model(model)
+
+
+def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
+    """Every rewrite of :data:`IMPORT_REWRITES` (rules 1-5), in order."""
+    return run_rewrites(program, IMPORT_REWRITES)
 
 
 def rewrite_one_hot(program: onnx.ModelProto) -> onnx.ModelProto:
-    """Rule 1. Returns ``program`` itself when no node needs it, else a rewritten copy."""
-    g = program.graph
-    inits = {t.name: t for t in g.initializer}
-
-    def eligible(n: onnx.NodeProto) -> bool:
-        axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
-        return (n.op_type == "OneHot" and n.domain in ("", "ai.onnx") and len(n.input) == 3 and axis == -1
-                and n.input[1] in inits and n.input[2] in inits
-                and int(np.prod(inits[n.input[1]].dims)) == 1 and int(np.prod(inits[n.input[2]].dims)) == 2)
-
-    if not any(eligible(n) for n in g.node):
-        return program
-    out = onnx.ModelProto()
-    out.CopyFrom(program)
-    opset = _opset(program)
-    nodes: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = []
-    for k, n in enumerate(g.node):
-        if not eligible(n):
-            nodes.append(n)
-            continue
-        depth = int(numpy_helper.to_array(inits[n.input[1]]).reshape(-1)[0])
-        values = numpy_helper.to_array(inits[n.input[2]]).reshape(-1)
-        p = f"{n.output[0]}__onehot{k}"
-        new_inits += [numpy_helper.from_array(np.array(depth, np.int64), f"{p}_depth"),
-                      numpy_helper.from_array(np.array(0, np.int64), f"{p}_zero"),
-                      numpy_helper.from_array(np.arange(depth, dtype=np.int64), f"{p}_range"),
-                      numpy_helper.from_array(values[1:2].reshape(()), f"{p}_on"),
-                      numpy_helper.from_array(values[0:1].reshape(()), f"{p}_off")]
-        nodes += [helper.make_node("Cast", [n.input[0]], [f"{p}_i"], to=TensorProto.INT64),
-                  helper.make_node("Less", [f"{p}_i", f"{p}_zero"], [f"{p}_neg"]),
-                  helper.make_node("Add", [f"{p}_i", f"{p}_depth"], [f"{p}_wrapped"]),
-                  helper.make_node("Where", [f"{p}_neg", f"{p}_wrapped", f"{p}_i"], [f"{p}_idx"])]
-        if opset >= 13:
-            new_inits.append(numpy_helper.from_array(np.array([-1], np.int64), f"{p}_axes"))
-            nodes.append(helper.make_node("Unsqueeze", [f"{p}_idx", f"{p}_axes"], [f"{p}_u"]))
-        else:
-            nodes.append(helper.make_node("Unsqueeze", [f"{p}_idx"], [f"{p}_u"], axes=[-1]))
-        nodes += [helper.make_node("Equal", [f"{p}_u", f"{p}_range"], [f"{p}_eq"]),
-                  helper.make_node("Where", [f"{p}_eq", f"{p}_on", f"{p}_off"], [n.output[0]], name=n.name)]
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    out.graph.initializer.extend(new_inits)
-    return out
+    """Rule 1 alone."""
+    return run_rewrites(program, (OneHotAsSelect,))

@@ -21,16 +21,10 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
 Before the import, nodes TVM's importer lacks (or mis-converts, e.g. Attention) but whose ONNX
 schema defines a function body are expanded into that body (:func:`expand_for_import`,
 :mod:`backends.tvm.expand_functions`); :func:`check_supported` judges the expanded program.
-Then :func:`rewrite_for_import` replaces ONNX ``Sum``/``Mean`` (any number of
-inputs) with a left-to-right chain of binary ``Add`` (and a ``Div`` by n for ``Mean``), and
-variadic ``Max``/``Min`` with a chain of two-input ``Max``/``Min`` (one input: ``Identity``): TVM's
-importer turns them into ``stack`` + ``sum``, a rank+1 tensor that ``ConvertLayout`` (NHWC)
-rejects ("Invalid SLayout: can't find S in source layout ABCDE") and that costs a copy of every
-input. The chain is the same arithmetic ONNX Runtime does (left to right). An inference
-``Dropout`` (no ``training_mode`` input, mask unread) becomes ``Identity``: the importer's
-``R.nn.dropout`` returns a tuple that ``ConvertLayout`` rejects ("Expected nested to match tuple").
-A reduction over an empty input (``ReduceSum`` of a ``[2, 0, 4]`` tensor) becomes a ``Constant`` of
-its empty-set value: TVM's kernel returns uninitialised memory there.
+Then :func:`rewrite_for_import` (:mod:`backends.tvm.import_fixes`: the backend's pipeline of
+onnx-ir passes, run by the pass manager) rewrites what the importer mis-converts: OneHot with a
+rank-1 depth, reductions over empty inputs, Clip with constant bounds, variadic Sum/Mean/Max/Min
+(TVM stacks them into a rank+1 tensor ``ConvertLayout`` rejects) and inference Dropout.
 
 Invariant: ``op_id`` of a comm node is its index among the program's comm nodes in node order
 (:func:`comm_table`); the runtime uses the same table to find the op to run.
@@ -48,6 +42,8 @@ import onnx
 from partitioner.core.comm_ops import CommOp, is_comm
 from partitioner.core.errors import BackendError, UnsupportedByBackendError
 from partitioner.core.segments import CommStep, Segment, all_nodes, split_program, value_infos
+
+from .import_fixes import rewrite_for_import
 
 PACKED_PREFIX = "partitioner.comm."
 KEEP_FUNC = PACKED_PREFIX + "keep"
@@ -105,232 +101,8 @@ def check_supported(program: onnx.ModelProto) -> None:
         )
 
 
-def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``program`` with every top-level ``Sum``/``Mean`` node rewritten to binary
-    ``Add`` nodes and every inference ``Dropout`` to ``Identity`` (see the module docstring). Node names and outputs keep their meaning: the last
-    node of a chain writes the original output; intermediates are ``<output>__sum<k>``."""
-    from onnx import helper, numpy_helper
-
-    from .import_fixes import rewrite_one_hot
-
-    program = _clip_as_selects(_fold_empty_reductions(rewrite_one_hot(program)))
-    g = program.graph
-    if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
-        return program
-    read = {i for n in all_nodes(g) for i in n.input} | {o.name for o in g.output}
-    out = onnx.ModelProto()
-    out.CopyFrom(program)
-    nodes: list[onnx.NodeProto] = []
-    elem = _elem_types(g)
-    for node in g.node:
-        ins = [i for i in node.input if i]
-        if (node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.input) < 3
-                and not any(o and o in read for o in node.output[1:])):
-            nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
-            continue
-        if node.op_type not in ("Sum", "Mean", "Max", "Min") or node.domain not in ("", "ai.onnx") or not ins:
-            nodes.append(node)
-            continue
-        result = node.output[0]
-        mean = node.op_type == "Mean" and len(ins) > 1
-        if len(ins) == 1:
-            nodes.append(helper.make_node("Identity", ins, [result], name=node.name))
-            continue
-        acc = ins[0]
-        for k, x in enumerate(ins[1:], start=1):
-            last = k == len(ins) - 1 and not mean
-            dst = result if last else f"{result}__sum{k}"
-            step_name = f"{node.name}__add{k}" if not last else node.name
-            if node.op_type in ("Sum", "Mean"):
-                nodes.append(helper.make_node("Add", [acc, x], [dst], name=step_name))
-            else:  # Max/Min: TVM's converter stacks even two inputs (see the module docstring)
-                nodes.extend(_select_chain(node.op_type, acc, x, dst, step_name, elem.get(result, elem.get(ins[0]))))
-            acc = dst
-        if mean:
-            import numpy as np
-
-            dtype = helper.tensor_dtype_to_np_dtype(elem.get(result, elem.get(ins[0], onnx.TensorProto.FLOAT)))
-            n_name = f"{result}__count"
-            out.graph.initializer.append(numpy_helper.from_array(np.array(len(ins), dtype=dtype), n_name))
-            nodes.append(helper.make_node("Div", [acc, n_name], [result], name=node.name))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
-
-# The value of a reduction over an empty set, per op (ONNX's definitions: the identity of the
-# reduction; log of an empty sum is log 0; the mean of nothing is 0/0).
-_EMPTY_REDUCTION = {"ReduceSum": 0.0, "ReduceL1": 0.0, "ReduceL2": 0.0, "ReduceSumSquare": 0.0,
-                    "ReduceProd": 1.0, "ReduceMax": -np.inf, "ReduceMin": np.inf,
-                    "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf, "ReduceMean": np.nan}
-
-
-def _elem_types(g: onnx.GraphProto) -> dict[str, int]:
-    """ONNX element type of every typed value of ``g`` (inputs, value_info, outputs, initializers)."""
-    elem = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
-    elem.update({t.name: t.data_type for t in g.initializer})
-    return elem
-
-
-_CLIP_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16})
-
-
-def _clip_bound(node: onnx.NodeProto, i: int, attr: str, consts: dict[str, onnx.TensorProto]) -> tuple[bool, float | None]:
-    """One bound of a Clip: (usable, value); value None = no bound on this side."""
-    from onnx import numpy_helper
-
-    if len(node.input) > 1 or not node.attribute:  # opset >= 11: inputs
-        name = node.input[i] if len(node.input) > i else ""
-        if not name:
-            return True, None
-        if name not in consts:
-            return False, None
-        arr = numpy_helper.to_array(consts[name])
-        if arr.size != 1:
-            return False, None
-        v = float(arr.reshape(()))
-    else:  # opset 6: attributes
-        a = next((x for x in node.attribute if x.name == attr), None)
-        if a is None:
-            return True, None
-        v = float(a.f)
-    return True, (None if np.isnan(v) else v)
-
-
-def _clip_as_selects(program: onnx.ModelProto) -> onnx.ModelProto:
-    """``Clip(x, lo, hi)`` with constant scalar float bounds becomes
-    ``Where(Greater(t, hi), hi, t)`` with ``t = Where(Less(x, lo), lo, x)``.
-
-    TVM's importer turns Clip into ``emit_te(topi.maximum/minimum)`` calls, which
-    ``ConvertLayout`` cannot see through: on an NHWC graph it wrapped every ReLU6 in two
-    transposes (mobilenet: 24 of them), and the clip never fused into the convolution before it.
-    Compares and selects are elementwise Relax ops: they keep the layout and fuse into the conv's
-    epilogue. NaN inputs stay NaN (both compares are false), as in ONNX; a NaN bound means no
-    bound, as in ONNX and ORT. Clips with bounds computed at run time are left as they are."""
-    from onnx import helper, numpy_helper
-
-    g = program.graph
-    if not any(n.op_type == "Clip" and n.domain in ("", "ai.onnx") for n in g.node):
-        return program
-    consts = {t.name: t for t in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = n.attribute[0].t
-    elem = _elem_types(g)
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*g.input, *g.value_info, *g.output]
-             if v.type.tensor_type.HasField("shape")}
-
-    out = onnx.ModelProto()
-    out.CopyFrom(program)
-    nodes: list[onnx.NodeProto] = []
-    changed = False
-    for node in g.node:
-        dtype = elem.get(node.input[0]) if node.input else None
-        if node.op_type != "Clip" or node.domain not in ("", "ai.onnx") or dtype not in _CLIP_TYPES:
-            nodes.append(node)
-            continue
-        (ok_lo, lo), (ok_hi, hi) = _clip_bound(node, 1, "min", consts), _clip_bound(node, 2, "max", consts)
-        if not (ok_lo and ok_hi):
-            nodes.append(node)
-            continue
-        np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
-        cur, y = node.input[0], node.output[0]
-        rank = ranks.get(cur)
-        if rank is None:
-            nodes.append(node)
-            continue
-        steps = [(s, v) for s, v in (("lo", lo), ("hi", hi)) if v is not None]
-        if not steps:
-            nodes.append(helper.make_node("Identity", [cur], [y], name=node.name))
-            changed = True
-            continue
-        for k, (side, v) in enumerate(steps):
-            c = f"{y}__clip_{side}"
-            # shaped [1] * rank(x), not 0-d: ConvertLayout transposes a same-rank Where operand,
-            # but wrapped the 0-d version in transposes again
-            out.graph.initializer.append(numpy_helper.from_array(np.full([1] * rank, v, dtype=np_dtype), c))
-            dst = y if k == len(steps) - 1 else f"{y}__clip_t"
-            cmp = f"{y}__clip_{side}_cmp"
-            nodes.append(helper.make_node("Less" if side == "lo" else "Greater", [cur, c], [cmp], name=f"{node.name}__{side}_cmp"))
-            nodes.append(helper.make_node("Where", [cmp, c, cur], [dst], name=node.name if dst == y else f"{node.name}__{side}"))
-            cur = dst
-        changed = True
-    if not changed:
-        return program
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
-
-def _fold_empty_reductions(program: onnx.ModelProto) -> onnx.ModelProto:
-    """Replace every reduction whose input has no elements but whose output has some with a
-    ``Constant`` of the reduction's empty-set value. TVM's kernels never run the init of a
-    reduction loop of extent 0 and return uninitialised memory (checked on 0.27: the ONNX
-    ``*_empty_set`` node cases gave garbage); the result does not depend on any data."""
-    from onnx import helper, numpy_helper
-
-    g = program.graph
-    info = {v.name: v for v in [*g.input, *g.value_info, *g.output]}
-
-    def static(name: str) -> tuple[int, list[int]] | None:
-        v = info.get(name)
-        if v is None or not v.type.HasField("tensor_type") or not v.type.tensor_type.HasField("shape"):
-            return None
-        dims = v.type.tensor_type.shape.dim
-        if not all(d.HasField("dim_value") for d in dims):
-            return None
-        return v.type.tensor_type.elem_type, [int(d.dim_value) for d in dims]
-
-    replaced: dict[int, onnx.NodeProto] = {}
-    for k, node in enumerate(g.node):
-        if node.op_type not in _EMPTY_REDUCTION or node.domain not in ("", "ai.onnx") or not node.input:
-            continue
-        src, dst = static(node.input[0]), static(node.output[0])
-        if src is None or dst is None or int(np.prod(src[1])) != 0 or int(np.prod(dst[1])) == 0:
-            continue
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(dst[0]))
-        value = _EMPTY_REDUCTION[node.op_type]
-        if dtype.kind == "b":  # bool Max/Min: max of nothing is False, min of nothing True
-            if np.isnan(value):
-                continue
-            value = bool(value > 0)
-        elif dtype.kind in "iu":  # integer reductions: the type's extremes stand for +-inf
-            value = np.iinfo(dtype).min if value == -np.inf else np.iinfo(dtype).max if value == np.inf else value
-            if np.isnan(value):
-                continue  # integer mean of nothing is undefined: leave it to the kernel
-        tensor = numpy_helper.from_array(np.full(dst[1], value, dtype=dtype), f"{node.output[0]}__empty")
-        replaced[k] = helper.make_node("Constant", [], [node.output[0]], name=node.name, value=tensor)
-    if not replaced:
-        return program
-    out = onnx.ModelProto()
-    out.CopyFrom(program)
-    for k, node in replaced.items():
-        out.graph.node[k].CopyFrom(node)
-    return out
-
-
 _SUB_BYTE = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "INT2", "UINT2", "FLOAT4E2M1")
                       if hasattr(onnx.TensorProto, n))
-
-
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-                          onnx.TensorProto.BFLOAT16})
-
-
-def _select_chain(op: str, a: str, b: str, dst: str, name: str, elem: int | None) -> list[onnx.NodeProto]:
-    """``dst = Max(a, b)`` (or Min) as ``Where(a >= b or isnan(a), a, b)`` (``<=`` for Min), with
-    broadcasting; a NaN in either input gives NaN, as ONNX Max/Min (numpy maximum) does."""
-    from onnx import helper
-
-    cmp = "GreaterOrEqual" if op == "Max" else "LessOrEqual"
-    nodes = [helper.make_node(cmp, [a, b], [f"{dst}__pick{name}"], name=f"{name}__cmp")]
-    pick = f"{dst}__pick{name}"
-    if elem in _FLOAT_TYPES:
-        nodes += [helper.make_node("IsNaN", [a], [f"{dst}__nan{name}"], name=f"{name}__isnan"),
-                  helper.make_node("Or", [pick, f"{dst}__nan{name}"], [f"{dst}__pickn{name}"], name=f"{name}__or")]
-        pick = f"{dst}__pickn{name}"
-    nodes.append(helper.make_node("Where", [pick, a, b], [dst], name=name))
-    return nodes
 
 
 def _tensor_type(info: onnx.ValueInfoProto, where: str):

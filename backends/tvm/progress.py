@@ -2,6 +2,8 @@
 
 On a TTY each rank is a ``tqdm`` bar (one position per rank, redrawn in place); elsewhere (logs,
 CI) each stage change is printed once as a plain line, so the output stays readable when captured.
+Both are drawn by ``tqdm`` from the same format (:data:`BAR_FORMAT`; the plain line through
+``tqdm.format_meter`` with an ASCII bar), nothing is drawn by hand.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from typing import TextIO
 
 STAGES = ("queued", "import", "build", "export", "done")
-_WIDTH = 20
+BAR_FORMAT = "rank{rank}: [{{bar:20}}] {{desc}} {{elapsed}}"
 
 
 class BuildProgress:
@@ -34,7 +36,7 @@ class BuildProgress:
 
         for pos, r in enumerate(self.ranks):
             self._bars[r] = tqdm(total=len(STAGES) - 1, desc=self.stage[r], position=pos, leave=True,
-                                 file=self.stream, bar_format=f"rank{r}: [{{bar:20}}] {{desc}} {{elapsed}}")
+                                 file=self.stream, bar_format=BAR_FORMAT.format(rank=r))
 
     def update(self, rank: int, stage: str, note: str = "") -> None:
         if rank not in self.stage or self.stage[rank] == stage:
@@ -58,9 +60,10 @@ class BuildProgress:
         self._bars = {}
 
     def _line(self, rank: int) -> str:
+        from tqdm import tqdm
+
         stage = self.stage[rank]
         k = STAGES.index(stage) if stage in STAGES else 0
-        filled = round(_WIDTH * k / (len(STAGES) - 1))
-        bar = "#" * filled + "." * (_WIDTH - filled)
-        note = f" {self.note[rank]}" if self.note[rank] else ""
-        return f"rank{rank}: [{bar}] {stage:<6} {time.monotonic() - self.started:6.1f}s{note}"
+        desc = f"{stage:<6}{' ' + self.note[rank] if self.note[rank] else ''}"
+        return tqdm.format_meter(k, len(STAGES) - 1, time.monotonic() - self.started, ascii=".#",
+                                 prefix=desc, bar_format=BAR_FORMAT.format(rank=rank))

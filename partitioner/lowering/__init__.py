@@ -1,1 +1,1 @@
-"""Lowering: plan + model -> per-rank programs with comm ops (partitioner.lowering.lower), and the one verifier of its output (partitioner.lowering.verify)."""
+"""Lowering: plan + model -> per-rank onnx-ir programs with comm ops (partitioner.lowering.lower); they are checked by the one verifier, passes.verify.verify_programs."""
