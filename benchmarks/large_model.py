@@ -12,8 +12,9 @@ Each step runs the CLI in a fresh process and records wall seconds, the process'
    grow with the model);
 2. ``compile -o DIR --cluster cpu:R --memory-limit L --backend B``: compile time, compile peak
    RSS and the artifact's bytes on disk;
-3. ``run DIR --check`` and ``bench DIR --json`` when compile succeeded: step time; per-rank
-   peak RSS is recorded when the runtime reports it, else ``null`` with the reason.
+3. ``run DIR --check --json`` (the ONNX Runtime reference runs in its own process) and
+   ``bench DIR --json`` when compile succeeded: step time and every rank's peak RSS (VmHWM, as
+   the MPI workers report it).
 
 A step that fails is recorded as failed, with its message: the row says what works today.
 Writes ``benchmarks/results/large_model.json`` (machine, versions, the rows). Timings are only
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,16 +125,19 @@ def run(args: argparse.Namespace) -> dict:
     if steps["compile"]["ok"]:
         row["artifact_bytes"] = dir_bytes(art)
         row["artifact_over_weights"] = row["artifact_bytes"] / weights
-        steps["run_check"] = cli("run", str(art), "--check", timeout=args.timeout)
-        steps["bench"] = cli("bench", str(art), "--json", timeout=args.timeout)
+        steps["run_check"] = cli("run", str(art), "--check", "--json", timeout=args.timeout)
+        if steps["run_check"]["ok"]:
+            check = json.loads(steps["run_check"]["stdout"]).get("check") or {}
+            row["check_ok"] = bool(check.get("ok")) and not check.get("skipped")
+            row["check_max_abs"] = max((o["max_abs"] for o in check.get("outputs", [])), default=None)
+            row["check_skipped"] = check.get("skipped")
+        steps["bench"] = cli("bench", str(art), "--json", "--repeat", str(args.repeat), timeout=args.timeout)
         if steps["bench"]["ok"]:
-            try:
-                bench = json.loads(steps["bench"]["stdout"])
-                row["step_time_s"] = bench["results"]["partitioned"]["median_s"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                row["step_time_s"] = None
-    row["per_rank_peak_rss_bytes"] = None
-    row["per_rank_peak_rss_note"] = "the MPI workers do not report their peak RSS yet"
+            part = json.loads(steps["bench"]["stdout"])["results"]["partitioned"]
+            row["step_time_s"] = part["median_s"]
+            row["per_rank_peak_rss_bytes"] = part.get("per_rank_peak_rss_bytes")
+    rss = row.get("per_rank_peak_rss_bytes") or []
+    row["max_rank_peak_rss_bytes"] = max(rss) if rss else None
     for name, step in steps.items():
         step.pop("stdout", None)
         row[f"{name}_s"] = step["seconds"]
@@ -160,10 +165,17 @@ def main() -> None:
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per step")
+    ap.add_argument("--repeat", type=int, default=5, help="timed steps of the bench step")
     ap.add_argument("--workdir", default=None, help="where the model and artifact go (default: a temp folder)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    row = run(args)
+    keep = args.workdir is not None
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="large_model-")
+    try:
+        row = run(args)
+    finally:
+        if not keep:  # the model and artifact are gigabytes
+            shutil.rmtree(args.workdir, ignore_errors=True)
     doc = {"benchmark": "large_model", "machine": {"cpu": platform.processor() or platform.machine(),
                                                    "cores": os.cpu_count()},
            "versions": versions(), "rows": [row]}

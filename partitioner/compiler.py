@@ -120,11 +120,11 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
         if constants:
             raise UsageError("constants= binds inputs while loading; pass a path or ModelProto, or load with "
                              "partitioner.load(..., constants=...) first")
-        from partitioner.lowering.lazy_weights import read_in_external
+        prepared = model  # lazy weights stay lazy: each rank's shard is streamed into rank<i>.data
+        if source is None:  # nothing to refer to: the source is serialised, its weights with it
+            from partitioner.lowering.lazy_weights import read_in_external
 
-        prepared = read_in_external(model)  # lazy weights are read in: the build holds them all today
-        if source is None:
-            source = ir.serde.serialize_model(model)
+            source = ir.serde.serialize_model(read_in_external(model))
     else:
         prepared, raw_source = prepare(model, batch=batch, shapes=shapes, passes=passes, keep_source=source is None,
                                        constants=constants)
