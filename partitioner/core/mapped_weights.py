@@ -30,8 +30,11 @@ def has_unloaded_weights(program: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in program.graph.initializer)
 
 
-def map_rank_weights(program: onnx.ModelProto, base_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Rule 1: name -> read-only memmap of every unloaded external initializer of ``program``."""
+def map_rank_weights(program: onnx.ModelProto, base_dir: str | os.PathLike[str], *,
+                     mode: str = "r") -> dict[str, np.ndarray]:
+    """Rule 1: name -> memmap of every unloaded external initializer of ``program``: read-only
+    (``mode="r"``), or copy-on-write (``"c"``: writeable for APIs that insist, e.g. DLPack, yet
+    the file is never changed and the pages stay shared until written)."""
     out: dict[str, np.ndarray] = {}
     for t in program.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data:
@@ -52,7 +55,7 @@ def map_rank_weights(program: onnx.ModelProto, base_dir: str | os.PathLike[str])
         if nbytes == 0:
             out[t.name] = np.zeros(dims, dtype)
             continue
-        out[t.name] = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=dims)
+        out[t.name] = np.memmap(path, dtype=dtype, mode=mode, offset=offset, shape=dims)
     return out
 
 
