@@ -157,6 +157,25 @@ def versions() -> dict:
             "onnxruntime": onnxruntime.__version__}
 
 
+def _gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f}"
+
+
+def markdown(doc: dict) -> str:
+    """The README table (benchmarks/readme_tables.py): one line per recorded row."""
+    lines = ["| model | ranks | backend | compile s | compile peak RSS GiB | max rank peak RSS GiB | "
+             "artifact / weights | check | step s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        check = "ok" if r.get("check_ok") else (r.get("check_skipped") or r.get("run_check_error") or "failed")
+        step = f"{r['step_time_s']:.3f}" if r.get("step_time_s") is not None else "—"
+        ratio = f"{r['artifact_over_weights']:.3f}" if r.get("artifact_over_weights") is not None else "—"
+        lines.append(f"| {r['layers']} x {r['hidden']}² fp32 ({r['weight_bytes'] / 1e9:.2f} GB) | {r['ranks']} | "
+                     f"{r['backend']} | {r['compile_s']:.1f} | {_gib(r.get('compile_peak_rss_bytes'))} | "
+                     f"{_gib(r.get('max_rank_peak_rss_bytes'))} | {ratio} | {check} | {step} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=8192)
@@ -168,7 +187,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timed steps of the bench step")
     ap.add_argument("--workdir", default=None, help="where the model and artifact go (default: a temp folder)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--markdown", action="store_true", help="print the README table of --out's JSON and exit")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.out).read_text(encoding="utf-8"))))
+        return
     keep = args.workdir is not None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="large_model-")
     try:
@@ -176,9 +199,9 @@ def main() -> None:
     finally:
         if not keep:  # the model and artifact are gigabytes
             shutil.rmtree(args.workdir, ignore_errors=True)
-    doc = {"benchmark": "large_model", "machine": {"cpu": platform.processor() or platform.machine(),
-                                                   "cores": os.cpu_count()},
-           "versions": versions(), "rows": [row]}
+    from partitioner.core.machine import machine_info
+
+    doc = {"benchmark": "large_model", "machine": machine_info(), "versions": versions(), "rows": [row]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(row, indent=1))

@@ -47,13 +47,17 @@ def available_bytes() -> int | None:
     return int(psutil.virtual_memory().available)
 
 
-def run_ort(path: Path, feeds: Mapping[str, np.ndarray], threads: int) -> dict[str, np.ndarray]:
-    """ONNX Runtime on ``path`` (loaded by path, so its external data is found beside it)."""
+def run_ort(path: Path, feeds: Mapping[str, np.ndarray], threads: int, *,
+            lean: bool = False) -> dict[str, np.ndarray]:
+    """ONNX Runtime on ``path`` (loaded by path, so its external data is found beside it);
+    ``lean`` (the separate process) turns off weight prepacking, a second copy of every GEMM weight."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = max(1, threads)
     opts.log_severity_level = 3
+    if lean:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     try:
         sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own classes
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from partitioner.runtime.worker import read_npz, write_npz
 
     try:
-        write_npz(args.outputs, run_ort(Path(args.model), read_npz(args.inputs), args.threads))
+        write_npz(args.outputs, run_ort(Path(args.model), read_npz(args.inputs), args.threads, lean=True))
     except Exception as exc:  # noqa: BLE001 - one line for the launcher
         sys.stderr.write(f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}\n")
         return 1
