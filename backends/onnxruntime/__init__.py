@@ -16,7 +16,6 @@ import onnx
 
 from partitioner.core import comm_ops
 from partitioner.core.errors import BackendError, RunFailed
-from partitioner.core.mapped_weights import has_unloaded_weights, map_rank_weights
 from partitioner.core.segments import CommStep, Segment, split_program
 
 NAME = "onnxruntime"
@@ -36,21 +35,15 @@ def build(program: onnx.ModelProto, out_path: pathlib.Path, *, target: Any = Non
 class RankExecutable:
     """One rank's program as ORT sessions (one per segment) and comm steps, run in order."""
 
-    def __init__(self, program: onnx.ModelProto, *, threads: int = 1,
-                 weights: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(self, program: onnx.ModelProto, *, threads: int = 1, weights_dir: pathlib.Path | None = None) -> None:
         import onnxruntime as ort
 
-        def options(names: Any = ()) -> Any:
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = max(1, int(threads))
-            opts.inter_op_num_threads = 1
-            opts.log_severity_level = 3
-            if names:  # memory-mapped weights (docs/large_models.md): ORT uses them in place, unpacked
-                opts.add_session_config_entry("session.disable_prepacking", "1")
-                opts.add_external_initializers(list(names), [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names])
-            return opts
-
-        weights = weights or {}
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = max(1, int(threads))
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        if weights_dir is not None:  # ORT memory-maps rank<i>.data itself (docs/large_models.md)
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
         self.outputs = [o.name for o in program.graph.output]
         inits = {t.name for t in program.graph.initializer}
         for kind, values in (("input", [v for v in program.graph.input if v.name not in inits]),
@@ -67,9 +60,7 @@ class RankExecutable:
                 if not step.outputs:
                     continue
                 try:
-                    mapped = [t.name for t in step.model.graph.initializer if t.name in weights]
-                    sess = ort.InferenceSession(step.model.SerializeToString(), options(mapped),
-                                                providers=["CPUExecutionProvider"])
+                    sess = ort.InferenceSession(step.model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
                 except Exception as exc:
                     raise BackendError(f"onnxruntime cannot load segment {step.index} of "
                                        f"{program.graph.name!r}: {str(exc).splitlines()[0]}") from None
@@ -97,10 +88,9 @@ class RankExecutable:
 def load(program: onnx.ModelProto, path: pathlib.Path | None = None, *, threads: int = 1) -> RankExecutable:
     """A :class:`RankExecutable` for ``program`` (``path`` is the built file; the proto suffices).
     Weights that ``program`` leaves in external data (loaded with ``load_external_data=False``)
-    are memory-mapped from ``path``'s folder."""
+    are read by ONNX Runtime from ``path``'s folder, which memory-maps page-aligned ones."""
     if program is None and path is not None:
         program = onnx.load(str(path))
-    weights = None
-    if path is not None and has_unloaded_weights(program):
-        weights = map_rank_weights(program, pathlib.Path(path).parent)
-    return RankExecutable(program, threads=threads, weights=weights)
+    lazy = path is not None and any(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+                                    for t in program.graph.initializer)
+    return RankExecutable(program, threads=threads, weights_dir=pathlib.Path(path).parent if lazy else None)

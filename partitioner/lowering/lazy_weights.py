@@ -20,7 +20,7 @@ Rules:
 4. :func:`write_rank_program` writes one rank's program as ``rank<i>.onnx`` plus
    ``rank<i>.data`` holding only that rank's weights: each initializer of at least
    ``RANK_DATA_MIN_BYTES`` is appended to the data file, one tensor at a time (a lazy reference
-   is streamed from the source model's folder, a piece at a time), 64-byte aligned, and the
+   is streamed from the source model's folder, a piece at a time), page (4096-byte) aligned, and the
    protobuf keeps a reference to it. The artifact's manifest hashes the data file like every
    other file, so a changed byte is refused before anything loads.
 5. :func:`map_rank_weights` (:mod:`partitioner.core.mapped_weights`) memory-maps a rank program's weights from its ``rank<i>.data`` for
@@ -49,7 +49,7 @@ from partitioner.core.mapped_weights import map_rank_weights
 
 SLICE_KEY = "partitioner.slice"
 RANK_DATA_MIN_BYTES = 64 * 1024
-_DATA_ALIGN = 64
+_DATA_ALIGN = 4096  # a page: ONNX Runtime memory-maps external data only at page-aligned offsets
 MAX_INLINE_TOTAL = 2**31 - 1
 
 
