@@ -248,6 +248,7 @@ def verify_artifact(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if len(ranks) != world or bindings.world_size != world or world < 1:
         raise ArtifactError(f"{mpath}: rank count mismatch (world_size {world}, {len(ranks)} rank entries, "
                             f"bindings for {bindings.world_size})")
+    _check_source_entry(manifest["source_model"], mpath)
     required = [PLAN] + ([manifest["source_model"]["file"]] if manifest["source_model"]["file"] else [])
     for i, entry in enumerate(ranks):
         if entry.get("rank") != i:
@@ -267,6 +268,24 @@ def verify_artifact(directory: str | os.PathLike[str]) -> dict[str, Any]:
         if m and int(m.group(1)) >= world:
             raise ArtifactError(f"{path}: rank file beyond the artifact's world_size {world}; wrong rank count")
     return manifest
+
+
+def _check_source_entry(entry: Any, mpath: Path) -> None:
+    """``source_model`` names a file of the artifact, or holds a well-formed reference (rule 5)."""
+    if not isinstance(entry, dict):
+        raise ArtifactError(f"{mpath}: malformed source_model entry")
+    if entry.get("file") is not None:
+        _safe_name(entry["file"], mpath)
+        return
+    ref = entry.get("reference")
+    ok = isinstance(ref, dict) and isinstance(ref.get("path"), str) and Path(ref["path"]).is_absolute() \
+        and isinstance(ref.get("sha256"), str) and isinstance(ref.get("size"), int) \
+        and isinstance(ref.get("data"), list) and all(
+            isinstance(d, dict) and isinstance(d.get("sha256"), str) and isinstance(d.get("size"), int)
+            and isinstance(d.get("file"), str) and "/" not in d["file"] and "\\" not in d["file"]
+            and d["file"] not in ("", ".", "..") for d in ref["data"])
+    if not ok:
+        raise ArtifactError(f"{mpath}: source_model has neither a file nor a well-formed reference")
 
 
 def load_artifact(directory: str | os.PathLike[str]) -> Artifact:

@@ -313,6 +313,28 @@ def test_a_changed_referenced_source_is_refused_by_check(tensor_artifact, tmp_pa
         art.run({"x": x}, check=True, in_process=True)
 
 
+def test_a_malformed_source_reference_is_refused(tensor_artifact) -> None:
+    from partitioner.artifact import manifest_checksum, verify_artifact
+    from partitioner.core.errors import ArtifactError
+
+    art, _ = tensor_artifact
+    path = art.root / "manifest.json"
+    for edit in ({"file": "../outside.data"}, {"path": "relative/model.onnx"}):
+        m = json.loads(path.read_text())
+        ref = m["source_model"]["reference"]
+        if "file" in edit:
+            ref["data"][0]["file"] = edit["file"]
+        else:
+            ref["path"] = edit["path"]
+        m.pop("manifest_sha256")
+        m["manifest_sha256"] = manifest_checksum(m)  # a crafted manifest, consistent with itself
+        original = path.read_text()
+        path.write_text(json.dumps(m))
+        with pytest.raises(ArtifactError, match="source_model has neither a file nor a well-formed reference"):
+            verify_artifact(art.root)
+        path.write_text(original)
+
+
 def test_mpi_ranks_map_their_weights_and_report_peak_rss(tensor_artifact) -> None:
     art, proto = tensor_artifact
     x = np.random.default_rng(5).standard_normal((8, 256)).astype(np.float32)
