@@ -201,7 +201,12 @@ def main() -> None:
             shutil.rmtree(args.workdir, ignore_errors=True)
     from partitioner.core.machine import machine_info
 
-    doc = {"benchmark": "large_model", "machine": machine_info(), "versions": versions(), "rows": [row]}
+    key = ("backend", "hidden", "layers", "ranks", "memory_limit")
+    rows = [row]
+    if Path(args.out).is_file():  # keep the rows of other configurations (e.g. the other backend)
+        old = json.loads(Path(args.out).read_text(encoding="utf-8")).get("rows", [])
+        rows = [r for r in old if tuple(r.get(k) for k in key) != tuple(row[k] for k in key)] + rows
+    doc = {"benchmark": "large_model", "machine": machine_info(), "versions": versions(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(row, indent=1))

@@ -89,9 +89,10 @@ def shard_reference(name: str, tensor: ir.ExternalTensor, axis: int | None = Non
     return proto
 
 
-def read_shard(proto: onnx.TensorProto, base_dir: str | os.PathLike[str]) -> np.ndarray:
+def read_shard(proto: onnx.TensorProto, base_dir: str | os.PathLike[str], *, copy: bool = True) -> np.ndarray:
     """Rule 2: the values of a reference made by :func:`shard_reference` (or any plain external
-    tensor), read from ``base_dir``; only the piece's pages are touched."""
+    tensor), read from ``base_dir``; only the piece's pages are touched. ``copy=False`` returns
+    a contiguous piece as the read-only map itself (a slice is always copied)."""
     info = {e.key: e.value for e in proto.external_data}
     loc = info.get("location", "")
     if not loc or Path(loc).is_absolute() or ".." in Path(loc.replace("\\", "/")).parts:
@@ -102,7 +103,8 @@ def read_shard(proto: onnx.TensorProto, base_dir: str | os.PathLike[str]) -> np.
     meta = {e.key: e.value for e in proto.metadata_props}
     path = Path(base_dir) / loc
     if SLICE_KEY not in meta:
-        return np.array(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(dims)))
+        mapped = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(dims))
+        return np.array(mapped) if copy else mapped
     axis_s, start_s, stop_s, full_s = meta[SLICE_KEY].split(",")
     full = tuple(int(d) for d in full_s.split("x"))
     source = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=full)
@@ -145,7 +147,8 @@ def write_rank_program(program: onnx.ModelProto, folder: str | os.PathLike[str],
                 if base_dir is None:
                     raise ModelLoadError(f"rank {rank}: weight {t.name!r} is a reference to the source model's data "
                                          "but no source folder was given")
-                payload = read_shard(t, base_dir).tobytes()
+                # a contiguous piece is written straight from the map; a slice is copied once
+                payload = memoryview(np.ascontiguousarray(read_shard(t, base_dir, copy=False))).cast("B")
             else:
                 payload = t.raw_data
             if fh is None:
