@@ -12,8 +12,9 @@ Each step runs the CLI in a fresh process and records wall seconds, the process'
    grow with the model);
 2. ``compile -o DIR --cluster cpu:R --memory-limit L --backend B``: compile time, compile peak
    RSS and the artifact's bytes on disk;
-3. ``run DIR --check`` and ``bench DIR --json`` when compile succeeded: step time; per-rank
-   peak RSS is recorded when the runtime reports it, else ``null`` with the reason.
+3. ``run DIR --check --json`` (the ONNX Runtime reference runs in its own process) and
+   ``bench DIR --json`` when compile succeeded: step time and every rank's peak RSS (VmHWM, as
+   the MPI workers report it).
 
 A step that fails is recorded as failed, with its message: the row says what works today.
 Writes ``benchmarks/results/large_model.json`` (machine, versions, the rows). Timings are only
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,16 +125,19 @@ def run(args: argparse.Namespace) -> dict:
     if steps["compile"]["ok"]:
         row["artifact_bytes"] = dir_bytes(art)
         row["artifact_over_weights"] = row["artifact_bytes"] / weights
-        steps["run_check"] = cli("run", str(art), "--check", timeout=args.timeout)
-        steps["bench"] = cli("bench", str(art), "--json", timeout=args.timeout)
+        steps["run_check"] = cli("run", str(art), "--check", "--json", timeout=args.timeout)
+        if steps["run_check"]["ok"]:
+            check = json.loads(steps["run_check"]["stdout"]).get("check") or {}
+            row["check_ok"] = bool(check.get("ok")) and not check.get("skipped")
+            row["check_max_abs"] = max((o["max_abs"] for o in check.get("outputs", [])), default=None)
+            row["check_skipped"] = check.get("skipped")
+        steps["bench"] = cli("bench", str(art), "--json", "--repeat", str(args.repeat), timeout=args.timeout)
         if steps["bench"]["ok"]:
-            try:
-                bench = json.loads(steps["bench"]["stdout"])
-                row["step_time_s"] = bench["results"]["partitioned"]["median_s"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                row["step_time_s"] = None
-    row["per_rank_peak_rss_bytes"] = None
-    row["per_rank_peak_rss_note"] = "the MPI workers do not report their peak RSS yet"
+            part = json.loads(steps["bench"]["stdout"])["results"]["partitioned"]
+            row["step_time_s"] = part["median_s"]
+            row["per_rank_peak_rss_bytes"] = part.get("per_rank_peak_rss_bytes")
+    rss = row.get("per_rank_peak_rss_bytes") or []
+    row["max_rank_peak_rss_bytes"] = max(rss) if rss else None
     for name, step in steps.items():
         step.pop("stdout", None)
         row[f"{name}_s"] = step["seconds"]
@@ -152,6 +157,25 @@ def versions() -> dict:
             "onnxruntime": onnxruntime.__version__}
 
 
+def _gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f}"
+
+
+def markdown(doc: dict) -> str:
+    """The README table (benchmarks/readme_tables.py): one line per recorded row."""
+    lines = ["| model | ranks | backend | compile s | compile peak RSS GiB | max rank peak RSS GiB | "
+             "artifact / weights | check | step s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        check = "ok" if r.get("check_ok") else (r.get("check_skipped") or r.get("run_check_error") or "failed")
+        step = f"{r['step_time_s']:.3f}" if r.get("step_time_s") is not None else "—"
+        ratio = f"{r['artifact_over_weights']:.3f}" if r.get("artifact_over_weights") is not None else "—"
+        lines.append(f"| {r['layers']} x {r['hidden']}² fp32 ({r['weight_bytes'] / 1e9:.2f} GB) | {r['ranks']} | "
+                     f"{r['backend']} | {r['compile_s']:.1f} | {_gib(r.get('compile_peak_rss_bytes'))} | "
+                     f"{_gib(r.get('max_rank_peak_rss_bytes'))} | {ratio} | {check} | {step} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=8192)
@@ -160,13 +184,29 @@ def main() -> None:
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per step")
+    ap.add_argument("--repeat", type=int, default=5, help="timed steps of the bench step")
     ap.add_argument("--workdir", default=None, help="where the model and artifact go (default: a temp folder)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--markdown", action="store_true", help="print the README table of --out's JSON and exit")
     args = ap.parse_args()
-    row = run(args)
-    doc = {"benchmark": "large_model", "machine": {"cpu": platform.processor() or platform.machine(),
-                                                   "cores": os.cpu_count()},
-           "versions": versions(), "rows": [row]}
+    if args.markdown:
+        print(markdown(json.loads(Path(args.out).read_text(encoding="utf-8"))))
+        return
+    keep = args.workdir is not None
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="large_model-")
+    try:
+        row = run(args)
+    finally:
+        if not keep:  # the model and artifact are gigabytes
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    from partitioner.core.machine import machine_info
+
+    key = ("backend", "hidden", "layers", "ranks", "memory_limit")
+    rows = [row]
+    if Path(args.out).is_file():  # keep the rows of other configurations (e.g. the other backend)
+        old = json.loads(Path(args.out).read_text(encoding="utf-8")).get("rows", [])
+        rows = [r for r in old if tuple(r.get(k) for k in key) != tuple(row[k] for k in key)] + rows
+    doc = {"benchmark": "large_model", "machine": machine_info(), "versions": versions(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(row, indent=1))

@@ -7,7 +7,8 @@ Layout (see docs/artifact_format.md for the full format)::
 
     DIR/manifest.json   format name + integer version, hashes of every other file, bindings, ...
     DIR/plan.json       the partition plan (Plan.to_json())
-    DIR/source.onnx     the model before partitioning (``run --check`` compares against it)
+    DIR/source.onnx     the model before partitioning (``run --check`` compares against it); for a
+                        model with external data it is a reference instead (rule 5)
     DIR/rank<i>.onnx    the per-rank program of rank i (comm ops in domain partitioner.comm)
     DIR/rank<i>.so      the backend's per-rank executable (tvm); onnxruntime runs rank<i>.onnx
     DIR/report.html     the plan report, when the renderer is available
@@ -23,6 +24,12 @@ Invariants:
    same bytes, except the files listed in ``manifest["nondeterministic_files"]`` (with the reason).
 4. No pickle: programs are ONNX protobuf, metadata is JSON, run-time data is ``.npz`` read with
    ``allow_pickle=False``.
+5. A source model whose weights are external data (:class:`SourceReference`) is not copied: the
+   manifest's ``source_model`` has ``"file": null`` and a ``reference`` (the model's absolute path,
+   the sha256 and size of its .onnx and of every external data file it names). Copying it would
+   double the artifact of a model that is partitioned because it is large (docs/large_models.md).
+   :func:`source_model_path` checks the reference before ``run --check`` uses it. The path is the
+   one absolute path an artifact may hold (it names where the model was, on the compiling host).
 """
 
 from __future__ import annotations
@@ -87,6 +94,47 @@ def program_file(rank: int) -> str:
 
 
 @dataclass(frozen=True)
+class SourceReference:
+    """Rule 5: the source model by path (an .onnx whose weights are external data beside it)."""
+
+    path: Path
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``reference``: the path, and sha256 + size of the .onnx and its data files."""
+        path = Path(self.path).resolve()
+        proto = onnx.load(str(path), load_external_data=False)
+        names = sorted({e.value for t in _all_tensors(proto) for e in t.external_data if e.key == "location"})
+        return {"path": str(path), "sha256": sha256_file(path), "size": path.stat().st_size,
+                "data": [{"file": n, "sha256": sha256_file(path.parent / n), "size": (path.parent / n).stat().st_size}
+                         for n in names]}
+
+
+def _all_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    from onnx.external_data_helper import _get_all_tensors
+
+    return list(_get_all_tensors(proto))
+
+
+def source_model_path(root: Path, manifest: Mapping[str, Any]) -> Path:
+    """The source model's .onnx: the artifact's own ``source.onnx``, or the referenced model
+    (rule 5) after checking that it and its data files still have the recorded sha256; raises
+    :class:`ArtifactError` naming the file otherwise."""
+    entry = manifest["source_model"]
+    if entry.get("file"):
+        return Path(root) / entry["file"]
+    ref = entry["reference"]
+    path = Path(ref["path"])
+    for file, info in [(path, ref), *((path.parent / d["file"], d) for d in ref.get("data", []))]:
+        if not file.is_file():
+            raise ArtifactError(f"{file}: the source model this artifact refers to is missing (it is kept by "
+                                "reference, not copied: docs/large_models.md)")
+        if file.stat().st_size != info["size"] or sha256_file(file) != info["sha256"]:
+            raise ArtifactError(f"{file}: the source model this artifact refers to has changed since compile "
+                                "(sha256 differs)")
+    return path
+
+
+@dataclass(frozen=True)
 class Artifact:
     """A verified artifact directory. ``programs`` and ``source`` are read on first use."""
 
@@ -116,7 +164,12 @@ class Artifact:
 
     @cached_property
     def source(self) -> onnx.ModelProto:
-        return onnx.load(str(self.root / self.manifest["source_model"]["file"]))
+        return onnx.load(str(source_model_path(self.root, self.manifest)))
+
+    def program(self, rank: int, *, load_data: bool = True) -> onnx.ModelProto:
+        """Rank ``rank``'s program; ``load_data=False`` leaves its weights in ``rank<i>.data``
+        (external references that the backend memory-maps), so one rank reads only its own."""
+        return onnx.load(str(self.root / self.manifest["ranks"][rank]["program"]), load_external_data=load_data)
 
     @property
     def files(self) -> dict[str, Path]:
@@ -195,7 +248,8 @@ def verify_artifact(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if len(ranks) != world or bindings.world_size != world or world < 1:
         raise ArtifactError(f"{mpath}: rank count mismatch (world_size {world}, {len(ranks)} rank entries, "
                             f"bindings for {bindings.world_size})")
-    required = [PLAN, manifest["source_model"]["file"]]
+    _check_source_entry(manifest["source_model"], mpath)
+    required = [PLAN] + ([manifest["source_model"]["file"]] if manifest["source_model"]["file"] else [])
     for i, entry in enumerate(ranks):
         if entry.get("rank") != i:
             raise ArtifactError(f"{mpath}: rank entry {i} is for rank {entry.get('rank')}")
@@ -214,6 +268,24 @@ def verify_artifact(directory: str | os.PathLike[str]) -> dict[str, Any]:
         if m and int(m.group(1)) >= world:
             raise ArtifactError(f"{path}: rank file beyond the artifact's world_size {world}; wrong rank count")
     return manifest
+
+
+def _check_source_entry(entry: Any, mpath: Path) -> None:
+    """``source_model`` names a file of the artifact, or holds a well-formed reference (rule 5)."""
+    if not isinstance(entry, dict):
+        raise ArtifactError(f"{mpath}: malformed source_model entry")
+    if entry.get("file") is not None:
+        _safe_name(entry["file"], mpath)
+        return
+    ref = entry.get("reference")
+    ok = isinstance(ref, dict) and isinstance(ref.get("path"), str) and Path(ref["path"]).is_absolute() \
+        and isinstance(ref.get("sha256"), str) and isinstance(ref.get("size"), int) \
+        and isinstance(ref.get("data"), list) and all(
+            isinstance(d, dict) and isinstance(d.get("sha256"), str) and isinstance(d.get("size"), int)
+            and isinstance(d.get("file"), str) and "/" not in d["file"] and "\\" not in d["file"]
+            and d["file"] not in ("", ".", "..") for d in ref["data"])
+    if not ok:
+        raise ArtifactError(f"{mpath}: source_model has neither a file nor a well-formed reference")
 
 
 def load_artifact(directory: str | os.PathLike[str]) -> Artifact:
@@ -273,12 +345,32 @@ def _clean_facts(facts: Any, drop_timing: bool = True) -> Any:
     return str(facts)
 
 
+def _write_source(tmp: Path, source: Any) -> dict[str, Any]:
+    """Write ``source.onnx`` (or, rule 5, only record a :class:`SourceReference`); returns the
+    manifest's ``source_model`` entry without ``original_sha256``."""
+    if isinstance(source, SourceReference):
+        ref = source.to_json()
+        return {"file": None, "sha256": ref["sha256"], "reference": ref}
+    (tmp / SOURCE).write_bytes(_source_bytes(source))
+    return {"file": SOURCE, "sha256": sha256_file(tmp / SOURCE)}
+
+
 def _source_bytes(source: onnx.ModelProto | bytes | str | os.PathLike[str]) -> bytes:
     if isinstance(source, bytes):
         return source
     if isinstance(source, onnx.ModelProto):
         return source.SerializeToString()
     return Path(source).read_bytes()
+
+
+def _as_written(tmp: Path, programs: Sequence[onnx.ModelProto]) -> list[onnx.ModelProto]:
+    """What the build sees: ``programs`` themselves, unless one holds lazy references into the
+    source model's data; then every rank's program as written, its weights references into
+    ``rank<i>.data`` in ``tmp`` (no weight is read here: the backend reads or maps its own)."""
+    lazy = any(t.data_location == onnx.TensorProto.EXTERNAL for p in programs for t in p.graph.initializer)
+    if not lazy:
+        return list(programs)
+    return [onnx.load(str(tmp / program_file(i)), load_external_data=False) for i in range(len(programs))]
 
 
 @dataclass(frozen=True)
@@ -303,26 +395,28 @@ def check_layout(programs: Sequence[onnx.ModelProto], bindings: Bindings) -> Non
 
 
 def write_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.ModelProto], bindings: Bindings, *,
-                   source: onnx.ModelProto | bytes | str | os.PathLike[str],
+                   source: onnx.ModelProto | bytes | str | os.PathLike[str] | SourceReference,
                    build: Callable[[Path, Sequence[onnx.ModelProto]], BuildOutcome],
                    plan: Mapping[str, Any] | None = None, cluster: Mapping[str, Any] | None = None,
                    prediction: Mapping[str, Any] | None = None, explanation: str | None = None,
-                   report_html: str | None = None, source_sha256: str | None = None) -> Path:
+                   report_html: str | None = None, source_sha256: str | None = None,
+                   weights_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write an artifact directory atomically: source, plan and programs, then ``build(staging,
     programs)`` adds the backend's per-rank files, then the report and the manifest (invariants
     1-4). The directory replaces an earlier artifact at ``out_dir``. Returns its path (verify or
-    load it with :func:`load_artifact`)."""
+    load it with :func:`load_artifact`). ``weights_dir``: the source model's folder, from which
+    the programs' lazy weight references are streamed into ``rank<i>.data``."""
     check_layout(programs, bindings)
     dest = Path(out_dir)
     tmp = _staging_dir(dest)
     try:
         files: dict[str, dict[str, Any]] = {}
-        (tmp / SOURCE).write_bytes(_source_bytes(source))
+        source_entry = _write_source(tmp, source)
         plan_json = dict(plan) if plan is not None else {"strategy": "given", "world_size": bindings.world_size}
         (tmp / PLAN).write_text(json.dumps(plan_json, indent=2, sort_keys=True, default=json_default) + "\n")
         for i, p in enumerate(programs):  # rank<i>.onnx + rank<i>.data with only that rank's weights
-            write_rank_program(p, tmp, i)
-        built = build(tmp, programs)
+            write_rank_program(p, tmp, i, base_dir=weights_dir)
+        built = build(tmp, _as_written(tmp, programs))
         suffix, facts = built.suffix, built.facts
         segments_per_rank = built.segments_per_rank or [[] for _ in programs]
         if report_html is not None:
@@ -346,8 +440,7 @@ def write_artifact(out_dir: str | os.PathLike[str], programs: Sequence[onnx.Mode
             "backend": built.backend,
             "target": _clean_facts(built.target, False),
             "fallback": built.fallback,
-            "source_model": {"file": SOURCE, "sha256": files[SOURCE]["sha256"],
-                             "original_sha256": source_sha256 or files[SOURCE]["sha256"]},
+            "source_model": {**source_entry, "original_sha256": source_sha256 or source_entry["sha256"]},
             "toolchain": toolchain_versions(),
             "cluster": _clean_facts(dict(cluster), False) if cluster is not None else None,
             "plan_summary": _plan_summary(plan_json, bindings),
@@ -376,5 +469,5 @@ def _plan_summary(plan: Mapping[str, Any], bindings: Bindings) -> dict[str, Any]
     return summary
 
 
-__all__ = ["Artifact", "BuildOutcome", "FORMAT", "FORMAT_VERSION", "load_artifact", "verify_artifact",
-           "write_artifact"]
+__all__ = ["Artifact", "BuildOutcome", "FORMAT", "FORMAT_VERSION", "SourceReference", "load_artifact",
+           "source_model_path", "verify_artifact", "write_artifact"]

@@ -126,17 +126,22 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     threads = int(timings.get("threads_per_rank", 1)) * art.world_size
     rows: dict[str, dict[str, Any]] = {
         "partitioned": {"ranks": art.world_size, "threads": threads, "median_s": part_s,
-                        "throughput_per_s": batch / part_s, "times_s": timings.get("times_s")},
+                        "throughput_per_s": batch / part_s, "times_s": timings.get("times_s"),
+                        "per_rank_peak_rss_bytes": [r.get("peak_rss_bytes") for r in timings.get("ranks") or []]},
     }
+    from partitioner.artifact import source_model_path
+
+    if not art.manifest["source_model"].get("file"):  # a large model kept by reference: one process
+        ort = False  # would hold every weight (docs/large_models.md), so no in-process ORT baseline
     if ort:
-        ort_s = _median_ort(art.root / art.manifest["source_model"]["file"], feeds, threads, warmup, repeat)
+        ort_s = _median_ort(source_model_path(art.root, art.manifest), feeds, threads, warmup, repeat)
         rows["onnxruntime"] = {"ranks": 1, "threads": threads, "median_s": ort_s, "throughput_per_s": batch / ort_s}
     if baseline == "single":
         with tempfile.TemporaryDirectory(prefix="partitioner-bench-") as tmp:
             if single_dir is not None:
                 single = load_artifact(single_dir)
             else:
-                single = compile_artifact(str(art.root / art.manifest["source_model"]["file"]), "cpu:1",
+                single = compile_artifact(str(source_model_path(art.root, art.manifest)), "cpu:1",
                                           strategy="single", backend=art.backend, target=art.manifest.get("target"),
                                           out_dir=Path(tmp) / "single", progress=False)
             env_threads = ["--ranks-per-host", str(max(1, threads // single_threads))] if single_threads else []

@@ -59,10 +59,12 @@ def load_artifact(directory: str | os.PathLike[str]) -> Artifact:
 def prepare(model: Any, *, batch: int | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
             passes: Sequence[str] | None = None, keep_source: bool = False,
             shapes_only: bool = False,
-            constants: Mapping[str, Any] | None = None) -> tuple[Any, onnx.ModelProto | None]:
+            constants: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
     """Rule 1: load and validate ``model``, bind shapes, run ``passes`` (None: the default
     clean-up pipeline). Returns the prepared ``onnx_ir.Model`` and, with ``keep_source``, the
-    model as loaded, before the passes (what ``run --check`` compares against). ``shapes_only``
+    model as loaded, before the passes (what ``run --check`` compares against): a serialised
+    model, or for a model path with lazy external weights a :class:`partitioner.artifact.SourceReference`
+    (docs/large_models.md: those weights are never gathered into one protobuf). ``shapes_only``
     accepts a model whose external data file is absent (docs/large_models.md); ``constants``
     binds inputs to values (``--const``; :mod:`partitioner.bind_inputs`)."""
     from partitioner.load import load
@@ -73,11 +75,16 @@ def prepare(model: Any, *, batch: int | None = None, shapes: Mapping[str, Sequen
 
     from passes import run_pipeline
 
-    source = None
-    if keep_source:  # compile: the build holds every weight in one process today (docs/large_models.md),
-        from partitioner.lowering.lazy_weights import read_in_external
+    source: Any = None
+    if keep_source:  # the passes edit raw in place: keep the source first
+        from partitioner.lowering.lazy_weights import external_bytes
 
-        source = ir.serde.serialize_model(read_in_external(raw))  # and the passes edit raw in place
+        if external_bytes(raw) and isinstance(model, (str, os.PathLike)) and not constants:
+            source = _artifact.SourceReference(Path(model))  # large: by reference, never re-serialised
+        else:
+            from partitioner.lowering.lazy_weights import read_in_external
+
+            source = ir.serde.serialize_model(read_in_external(raw))
     return run_pipeline(raw, None if passes is None else list(passes)), source
 
 
@@ -115,11 +122,11 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
         if constants:
             raise UsageError("constants= binds inputs while loading; pass a path or ModelProto, or load with "
                              "partitioner.load(..., constants=...) first")
-        from partitioner.lowering.lazy_weights import read_in_external
+        prepared = model  # lazy weights stay lazy: each rank's shard is streamed into rank<i>.data
+        if source is None:  # nothing to refer to: the source is serialised, its weights with it
+            from partitioner.lowering.lazy_weights import read_in_external
 
-        prepared = read_in_external(model)  # lazy weights are read in: the build holds them all today
-        if source is None:
-            source = ir.serde.serialize_model(model)
+            source = ir.serde.serialize_model(read_in_external(model))
     else:
         prepared, raw_source = prepare(model, batch=batch, shapes=shapes, passes=passes, keep_source=source is None,
                                        constants=constants)
@@ -128,6 +135,9 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
         from backends.tvm.target import gpu_cluster_spec  # a GPU target plans for N of that GPU
 
         cluster = gpu_cluster_spec(target, cluster or 1) or cluster
+    from partitioner.lowering.lazy_weights import lazy_weights_dir
+
+    weights_dir = lazy_weights_dir(prepared)  # lazy shard references are streamed from there
     cluster_obj = resolve_cluster(cluster)
     result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
                        memory_limit=memory_limit)
@@ -145,7 +155,8 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
                           plan=result.plan.to_json(), cluster=cluster_obj.to_json(),
                           prediction=prediction, explanation=result.explanation,
                           report_html=html, jobs=jobs, fallback=fallback,
-                          source_sha256=original_sha, progress=progress, build_options=build_options)
+                          source_sha256=original_sha, progress=progress, build_options=build_options,
+                          weights_dir=weights_dir)
 
 
 def _simulate_and_render(model: Any, result: Any, cluster: Any) -> tuple[str | None, dict[str, Any] | None]:
@@ -173,11 +184,14 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[ir.Model 
                    cluster: Mapping[str, Any] | None = None, prediction: Mapping[str, Any] | None = None,
                    explanation: str | None = None, report_html: str | None = None, jobs: int | None = None,
                    fallback: str | None = None, source_sha256: str | None = None,
-                   progress: bool | None = None, build_options: Mapping[str, Any] | None = None) -> Artifact:
+                   progress: bool | None = None, build_options: Mapping[str, Any] | None = None,
+                   weights_dir: str | os.PathLike[str] | None = None) -> Artifact:
     """Build per-rank programs with ``backend`` and write them as an artifact directory (the
     mechanism under :func:`compile`; tests use it with hand-built programs). Returns the verified
     artifact. ``programs`` from the lowering are onnx-ir: this is where they are serialised, once
-    (``core.programs.to_proto``)."""
+    (``core.programs.to_proto``). ``weights_dir``: the folder the programs' lazy weight references
+    point into; each rank's weights are streamed from it into ``rank<i>.data`` and the build then
+    sees programs whose weights are references into those files (never every weight in one process)."""
     programs = [to_proto(p) for p in programs]
     _artifact.check_layout(programs, bindings)
     ort_marked = False
@@ -191,7 +205,8 @@ def build_artifact(out_dir: str | os.PathLike[str], programs: Sequence[ir.Model 
 
     root = _artifact.write_artifact(out_dir, list(programs), bindings, source=source, build=build, plan=plan,
                                     cluster=cluster, prediction=prediction, explanation=explanation,
-                                    report_html=report_html, source_sha256=source_sha256)
+                                    report_html=report_html, source_sha256=source_sha256,
+                                    weights_dir=weights_dir)
     return load_artifact(root)
 
 

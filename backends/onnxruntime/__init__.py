@@ -35,13 +35,15 @@ def build(program: onnx.ModelProto, out_path: pathlib.Path, *, target: Any = Non
 class RankExecutable:
     """One rank's program as ORT sessions (one per segment) and comm steps, run in order."""
 
-    def __init__(self, program: onnx.ModelProto, *, threads: int = 1) -> None:
+    def __init__(self, program: onnx.ModelProto, *, threads: int = 1, weights_dir: pathlib.Path | None = None) -> None:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = max(1, int(threads))
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
+        if weights_dir is not None:  # ORT memory-maps rank<i>.data itself (docs/large_models.md)
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
         self.outputs = [o.name for o in program.graph.output]
         inits = {t.name for t in program.graph.initializer}
         for kind, values in (("input", [v for v in program.graph.input if v.name not in inits]),
@@ -84,7 +86,11 @@ class RankExecutable:
 
 
 def load(program: onnx.ModelProto, path: pathlib.Path | None = None, *, threads: int = 1) -> RankExecutable:
-    """A :class:`RankExecutable` for ``program`` (``path`` is the built file; the proto suffices)."""
+    """A :class:`RankExecutable` for ``program`` (``path`` is the built file; the proto suffices).
+    Weights that ``program`` leaves in external data (loaded with ``load_external_data=False``)
+    are read by ONNX Runtime from ``path``'s folder, which memory-maps page-aligned ones."""
     if program is None and path is not None:
         program = onnx.load(str(path))
-    return RankExecutable(program, threads=threads)
+    lazy = path is not None and any(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+                                    for t in program.graph.initializer)
+    return RankExecutable(program, threads=threads, weights_dir=pathlib.Path(path).parent if lazy else None)

@@ -54,10 +54,15 @@ REPRODUCIBLE = {"reproducible": True, "why": "same program + target + TVM/LLVM/l
 
 
 def program_key(program: onnx.ModelProto) -> str:
-    """sha256 of the program with its graph name cleared: equal keys build equal libraries."""
+    """sha256 of the program with its graph name cleared, and the file, offset and length of every
+    weight that is built as a parameter (only its name, type and shape reach the library):
+    equal keys build equal libraries."""
     p = onnx.ModelProto()
     p.CopyFrom(program)
     p.graph.name = ""
+    for t in p.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
+            del t.external_data[:]
     return hashlib.sha256(p.SerializeToString(deterministic=True)).hexdigest()
 
 

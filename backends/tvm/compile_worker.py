@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         print(f"stage {stage}", flush=True)
 
     try:
-        program = onnx.load(program_path)
+        program = onnx.load(program_path, load_external_data=False)  # external weights: parameters
         facts = build_one(program, Path(out_path), json.loads(target_json), json.loads(options_json), report)
     except PartitionerError as e:
         print(f"error {str(e).splitlines()[0] if str(e) else type(e).__name__}", flush=True)

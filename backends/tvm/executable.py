@@ -57,6 +57,7 @@ from partitioner.core.errors import BackendError, InputError, PartitionerError, 
 
 from . import device_comm, fallback
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
+from .weight_params import bind_weights, main_weight_params
 
 _local = threading.local()
 _register_lock = threading.Lock()
@@ -176,6 +177,8 @@ class TvmRankExecutable:
         self.device = tvm.cuda(cuda_device_index()) if _has_cuda_code(lib) else tvm.cpu(0)
         self._vm = relax.VirtualMachine(lib, self.device)
         self._main = self._vm["main"]
+        # weights built as parameters (backends/tvm/weight_params.py): mapped from rank<i>.data
+        self._weights = bind_weights(program, self.path.parent, main_weight_params(self._vm), self.device)
         init_names = {t.name for t in program.graph.initializer}
         self.inputs = tuple(v.name for v in program.graph.input if v.name not in init_names)
         self.outputs = tuple(v.name for v in program.graph.output)
@@ -226,7 +229,7 @@ class TvmRankExecutable:
         fallback.bind(self._ort_sessions)  # rule 6
         t0 = time.perf_counter()
         try:
-            res = self._main(*args)
+            res = self._main(*args, *self._weights)
         except Exception as e:
             err = getattr(_local, "error", None) or fallback.last_error()
             if isinstance(err, PartitionerError):

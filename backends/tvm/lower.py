@@ -4,7 +4,9 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
 
 1. ``split_program`` cuts the program at its comm nodes into pure ONNX segments;
 2. each segment is imported with ``from_onnx(seg, opset=..., keep_params_in_input=False)``
-   (weights become constants inside the module: a rank's library holds only its own weights)
+   (weights become constants inside the module: a rank's library holds only its own weights;
+   weights left in external data become parameters of ``main`` instead, after its inputs:
+   :mod:`backends.tvm.weight_params`)
    and added as the private Relax function ``seg<k>``; helper functions the importer creates
    (e.g. the ``maximum``/``minimum`` PrimFuncs of Clip) become ``seg<k>_<name>`` so segments
    never clash; a segment whose values nobody reads later is dropped;
@@ -44,6 +46,7 @@ from partitioner.core.errors import BackendError, UnsupportedByBackendError
 from partitioner.core.segments import CommStep, Segment, all_nodes, split_program, value_infos
 
 from .import_fixes import rewrite_for_import
+from .weight_params import PREFIX, weights_as_inputs
 
 PACKED_PREFIX = "partitioner.comm."
 KEEP_FUNC = PACKED_PREFIX + "keep"
@@ -59,6 +62,7 @@ class LoweredProgram:
     comm_ops: tuple[CommOp, ...]
     segments: int
     fallback_segments: tuple[dict, ...] = ()  # ORT segments (backends.tvm.fallback), described
+    weights: tuple[str, ...] = ()  # weights ``main`` takes as parameters (backends.tvm.weight_params)
 
 
 def comm_table(program: onnx.ModelProto) -> tuple[CommOp, ...]:
@@ -199,6 +203,7 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
     from . import fallback
 
     where = f"graph {program.graph.name!r}"
+    program, weights = weights_as_inputs(program)  # external-data weights: parameters, not constants
     use_fallback = fallback.wants_fallback(program)
     program = expand_for_import(program)
     if not use_fallback:
@@ -227,7 +232,8 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
         if isinstance(step, Segment) and step.outputs:
             seg_funcs[step.index] = _add_segment(bb, _import_segment(step, opset, where), step.index)
 
-    params = [relax.Var(_var_name(n, i), _tensor_type(infos[n], where)) for i, n in enumerate(graph_inputs)]
+    params = [relax.Var(PREFIX + n if n in weights else _var_name(n, i), _tensor_type(infos[n], where))
+              for i, n in enumerate(graph_inputs)]
     for n in graph_outputs:  # outputs TVM's runtime cannot hand back: refuse before building
         if n in infos:
             _tensor_type(infos[n], where)
@@ -264,7 +270,8 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
             assert isinstance(step, CommStep)
             _emit_comm(bb, step, env, infos, op_ids, read_later, where)
         bb.emit_func_output(relax.Tuple([_lookup(env, n, where) for n in graph_outputs]))
-    return LoweredProgram(bb.get(), graph_inputs, graph_outputs, comm_ops, n_segments, tuple(ort_described))
+    real_inputs = tuple(n for n in graph_inputs if n not in weights)
+    return LoweredProgram(bb.get(), real_inputs, graph_outputs, comm_ops, n_segments, tuple(ort_described), weights)
 
 
 def _emit_comm(bb: Any, step: CommStep, env: dict[str, object], infos: dict, op_ids: dict, read_later: set[str],

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         for name, v in result.outputs.items():
             print(f"{name}: {v.dtype}{list(v.shape)}")
         if result.check is not None:
+            if result.check.skipped:
+                print(result.check.skipped, file=sys.stderr)
             for o in result.check.outputs:
                 status = "ok" if o.ok else "MISMATCH"
                 print(f"check {o.name}: max abs {o.max_abs:.3g}, max rel {o.max_rel:.3g} {status}"

@@ -20,12 +20,14 @@ Rules:
 4. :func:`write_rank_program` writes one rank's program as ``rank<i>.onnx`` plus
    ``rank<i>.data`` holding only that rank's weights: each initializer of at least
    ``RANK_DATA_MIN_BYTES`` is appended to the data file, one tensor at a time (a lazy reference
-   is streamed from the source model's folder, a piece at a time), 64-byte aligned, and the
+   is streamed from the source model's folder, a piece at a time), page (4096-byte) aligned, and the
    protobuf keeps a reference to it. The artifact's manifest hashes the data file like every
    other file, so a changed byte is refused before anything loads.
+5. :func:`map_rank_weights` (:mod:`partitioner.core.mapped_weights`) memory-maps a rank program's weights from its ``rank<i>.data`` for
+   the worker: a rank's resident memory is the pages its kernels touch, never a second copy.
 3. :func:`read_in_external` turns every lazy initializer of a model into an in-memory tensor,
-   for the paths that still need every weight inside one process (a compile into one artifact
-   today). It refuses, with one line, a model whose external weights exceed ``max_bytes``
+   for the paths that still need every weight inside one process (a compile of an in-memory
+   ``ir.Model``, whose source must be serialised; a compile from a path streams instead). It refuses, with one line, a model whose external weights exceed ``max_bytes``
    (default: protobuf's 2 GB, the limit of the per-rank programs the build serialises) before
    reading anything.
 """
@@ -43,10 +45,11 @@ import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from partitioner.core.errors import ModelLoadError
+from partitioner.core.mapped_weights import map_rank_weights
 
 SLICE_KEY = "partitioner.slice"
 RANK_DATA_MIN_BYTES = 64 * 1024
-_DATA_ALIGN = 64
+_DATA_ALIGN = 4096  # a page: ONNX Runtime memory-maps external data only at page-aligned offsets
 MAX_INLINE_TOTAL = 2**31 - 1
 
 
@@ -86,9 +89,10 @@ def shard_reference(name: str, tensor: ir.ExternalTensor, axis: int | None = Non
     return proto
 
 
-def read_shard(proto: onnx.TensorProto, base_dir: str | os.PathLike[str]) -> np.ndarray:
+def read_shard(proto: onnx.TensorProto, base_dir: str | os.PathLike[str], *, copy: bool = True) -> np.ndarray:
     """Rule 2: the values of a reference made by :func:`shard_reference` (or any plain external
-    tensor), read from ``base_dir``; only the piece's pages are touched."""
+    tensor), read from ``base_dir``; only the piece's pages are touched. ``copy=False`` returns
+    a contiguous piece as the read-only map itself (a slice is always copied)."""
     info = {e.key: e.value for e in proto.external_data}
     loc = info.get("location", "")
     if not loc or Path(loc).is_absolute() or ".." in Path(loc.replace("\\", "/")).parts:
@@ -99,7 +103,8 @@ def read_shard(proto: onnx.TensorProto, base_dir: str | os.PathLike[str]) -> np.
     meta = {e.key: e.value for e in proto.metadata_props}
     path = Path(base_dir) / loc
     if SLICE_KEY not in meta:
-        return np.array(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(dims)))
+        mapped = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(dims))
+        return np.array(mapped) if copy else mapped
     axis_s, start_s, stop_s, full_s = meta[SLICE_KEY].split(",")
     full = tuple(int(d) for d in full_s.split("x"))
     source = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=full)
@@ -142,7 +147,8 @@ def write_rank_program(program: onnx.ModelProto, folder: str | os.PathLike[str],
                 if base_dir is None:
                     raise ModelLoadError(f"rank {rank}: weight {t.name!r} is a reference to the source model's data "
                                          "but no source folder was given")
-                payload = read_shard(t, base_dir).tobytes()
+                # a contiguous piece is written straight from the map; a slice is copied once
+                payload = memoryview(np.ascontiguousarray(read_shard(t, base_dir, copy=False))).cast("B")
             else:
                 payload = t.raw_data
             if fh is None:
@@ -173,6 +179,16 @@ def external_bytes(model: ir.Model) -> int:
                if is_lazy(v.const_value))
 
 
+def lazy_weights_dir(model: ir.Model) -> str | None:
+    """The folder the model's lazy initializers live in (what :func:`write_rank_program` streams
+    shards from), or None when it has none. A model loaded from one path has one folder."""
+    dirs = {str(v.const_value.base_dir) for g in model.graphs() for v in g.initializers.values()
+            if is_lazy(v.const_value)}
+    if len(dirs) > 1:
+        raise ModelLoadError(f"{model.graph.name or '<model>'}: lazy weights in more than one folder ({sorted(dirs)})")
+    return dirs.pop() if dirs else None
+
+
 def read_in_external(model: ir.Model, *, max_bytes: int = MAX_INLINE_TOTAL, purpose: str = "compile") -> ir.Model:
     """Rule 2: read every lazy initializer into memory (in place); returns ``model``."""
     total = external_bytes(model)
@@ -180,12 +196,14 @@ def read_in_external(model: ir.Model, *, max_bytes: int = MAX_INLINE_TOTAL, purp
         return model
     if total > max_bytes:
         raise ModelLoadError(
-            f"{model.graph.name or '<model>'}: {total / 2**30:.2f} GiB of external weights; {purpose} still holds "
-            f"every weight in one process and is limited to {max_bytes / 2**30:.2f} GiB (per-rank data files are "
-            "not written yet: docs/large_models.md); inspect and plan work at any size"
+            f"{model.graph.name or '<model>'}: {total / 2**30:.2f} GiB of external weights; {purpose} of an "
+            f"in-memory model holds every weight in one process and is limited to {max_bytes / 2**30:.2f} GiB; "
+            "pass the model's path instead, whose weights are streamed (docs/large_models.md)"
         )
     return ir.external_data.load_to_model(model)
 
 
-__all__ = ["RANK_DATA_MIN_BYTES", "SLICE_KEY", "external_bytes", "is_lazy", "read_in_external", "read_shard",
+__all__ = ["RANK_DATA_MIN_BYTES", "SLICE_KEY", "external_bytes", "is_lazy", "lazy_weights_dir", "map_rank_weights",
+           "read_in_external",
+           "read_shard",
            "shard_reference", "with_shards_read", "write_rank_program"]

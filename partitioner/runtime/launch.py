@@ -9,8 +9,10 @@ Rules:
    when it ends, kills that whole group and every process it saw descend from it: no orphans.
 4. A failed run raises :class:`RunFailed` naming the rank, taken from the worker's one-line
    report ``rank R: <op>: <message>`` or from mpiexec's report of a rank that died.
-5. ``--check`` runs ONNX Runtime on the artifact's ``source.onnx`` with the same inputs and
-   compares every output (``|got - want| <= atol + rtol * |want|``).
+5. ``--check`` runs ONNX Runtime on the artifact's source model (``source.onnx``, or the model it
+   refers to) with the same inputs and compares every output (``|got - want| <= atol + rtol *
+   |want|``); a large source runs in its own process, or the check is skipped with a reason when
+   it cannot fit (:mod:`partitioner.runtime.reference`).
 """
 
 from __future__ import annotations
@@ -64,13 +66,15 @@ class CheckReport:
     rtol: float
     atol: float
     outputs: tuple[OutputCheck, ...]
+    skipped: str = ""  # why no reference was computed (the model cannot fit this machine)
 
     @property
     def ok(self) -> bool:
         return all(o.ok for o in self.outputs)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "rtol": self.rtol, "atol": self.atol, "outputs": [o.to_json() for o in self.outputs]}
+        return {"ok": self.ok, "rtol": self.rtol, "atol": self.atol, "outputs": [o.to_json() for o in self.outputs],
+                **({"skipped": self.skipped} if self.skipped else {})}
 
 
 @dataclass(frozen=True)
@@ -348,28 +352,21 @@ def run_in_process(art: Any, feeds: Mapping[str, np.ndarray], *,
                      "times_s": [time.perf_counter() - t0], "median_s": time.perf_counter() - t0}
 
 
-def reference_outputs(art: Any, feeds: Mapping[str, np.ndarray], *, threads: int | None = None) -> dict[str, np.ndarray]:
-    """ONNX Runtime on the artifact's source model."""
-    import onnxruntime as ort
+def reference_outputs(art: Any, feeds: Mapping[str, np.ndarray], *,
+                      threads: int | None = None) -> tuple[dict[str, np.ndarray] | None, str]:
+    """Rule 5: ONNX Runtime on the artifact's source model (:mod:`partitioner.runtime.reference`:
+    a large one in its own process, or skipped when it cannot fit); (outputs, skip reason)."""
+    from partitioner.artifact import source_model_path
+    from partitioner.runtime.reference import reference_outputs as run_reference
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads or os.cpu_count() or 1
-    opts.log_severity_level = 3
-    path = art.root / art.manifest["source_model"]["file"]
-    try:
-        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # noqa: BLE001 - ORT raises its own classes
-        raise RunFailed(f"{path}: ONNX Runtime cannot load the source model for the check "
-                        f"({str(exc).splitlines()[0]})") from None
-    names = [o.name for o in sess.get_outputs()]
-    wanted = {i.name for i in sess.get_inputs()}
-    values = sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
-    return dict(zip(names, values))
+    return run_reference(source_model_path(art.root, art.manifest), feeds, threads=threads)
 
 
 def check_outputs(art: Any, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], *,
                   rtol: float = 1e-4, atol: float = 1e-5) -> CheckReport:
-    want = reference_outputs(art, feeds)
+    want, skipped = reference_outputs(art, feeds)
+    if want is None:
+        return CheckReport(rtol, atol, (), skipped)
     checks = []
     for b in art.bindings.outputs:
         got, ref = outputs.get(b.name), want.get(b.name)

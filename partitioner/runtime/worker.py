@@ -12,13 +12,16 @@ What each rank does, in order:
    ``COMM_TYPE_SHARED`` or ``--ranks-per-host``) and sets ``TVM_NUM_THREADS`` /
    ``OMP_NUM_THREADS`` before the backend (and so TVM) is imported.
 3. Creates every collective group's communicator, in the manifest's global order.
-4. Loads its executable with ``backends.get_backend(manifest backend).load``; a GPU rank then
+4. Loads its executable with ``backends.get_backend(manifest backend).load`` from its own program
+   only, read without its weights: the backend memory-maps ``rank<i>.data``
+   (:mod:`partitioner.core.mapped_weights`), so no rank reads another's weights; a GPU rank then
    wraps its communicator with NCCL when that is selected (:mod:`partitioner.runtime.comm_nccl`).
 5. Reads the inputs (every rank reads the .npz itself) and keeps its own slices
    (:func:`scatter_inputs`), runs its micro-batches (:mod:`partitioner.runtime.schedule`).
 6. Sends its output slices to rank 0, which assembles them (:func:`gather_outputs`) and writes
    the .npz (and, with ``--timings``, a JSON of step times plus every rank's report: its core
-   affinity and thread variables as the worker saw them after pinning, which heavy modules were
+   affinity and thread variables as the worker saw them after pinning, its peak RSS
+   (``peak_rss_bytes``, VmHWM), which heavy modules were
    already imported at that point, and with ``--profile`` its per-step compute/comm/idle times).
 
 On any error a rank prints one line ``rank R: <op>: <message>`` to stderr and calls
@@ -36,6 +39,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from partitioner.core.machine import peak_rss_bytes
 
 #: tag base of the runtime's own output traffic (on a private duplicate communicator)
 _OUTPUT_TAG = 1000
@@ -124,7 +129,9 @@ def rank_report(rank: int, threads: int, imported_before_pin: Sequence[str]) -> 
 
 
 def gather_reports(comm: Any, report: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Every rank's JSON report, in rank order, on rank 0 (None elsewhere)."""
+    """Every rank's JSON report, in rank order, on rank 0 (None elsewhere); each with the rank's
+    peak RSS so far (``peak_rss_bytes``, VmHWM: its whole life, loading and steps)."""
+    report = {**report, "peak_rss_bytes": peak_rss_bytes()}
     data = np.frombuffer(json.dumps(report).encode(), dtype=np.uint8)
     if comm.rank != 0:
         comm.send_array(data, 0, _REPORT_TAG)
@@ -204,7 +211,8 @@ def run_worker(args: argparse.Namespace) -> int:
         from backends import get_backend
 
         os.environ["PARTITIONER_LOCAL_RANK"] = str(local.Get_rank() % local_size)  # picks this rank's GPU
-        exe = get_backend(art.backend).load(art.programs[rank], art.backend_file(rank), threads=threads)
+        exe = get_backend(art.backend).load(art.program(rank, load_data=False), art.backend_file(rank),
+                                            threads=threads)  # its weights stay in rank<i>.data: mapped
         if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
             phase = "gpu comm"
             from partitioner.runtime.comm_nccl import gpu_communicator
