@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import onnx_ir as ir
 
 from partitioner.core.errors import PartitionerError, PassError
+from passes.data_dependent import data_dependent_refusal
 from passes.registry import get_pass, pass_name
 from passes.verify import verify as verify_model
 
@@ -77,6 +78,9 @@ class PassManager(ir.passes.PassBase):
             try:
                 result = pass_(model)
             except Exception as e:  # every pass failure becomes one PassError naming the pass
+                refusal = data_dependent_refusal(model) if "non-static shape" in str(e) else None
+                if refusal is not None:  # a shape that depends on values: refuse it by name
+                    raise refusal from e
                 raise PassError(f"pass '{name}' failed (after: {after}): {_one_line(e)}") from e
             model = result.model
             modified = modified or result.modified
@@ -86,6 +90,9 @@ class PassManager(ir.passes.PassBase):
                 try:
                     verify_model(model, require_shapes=require)
                 except PartitionerError as e:
+                    refusal = data_dependent_refusal(model)  # a shape that depends on values: refuse it by name
+                    if refusal is not None:
+                        raise refusal from e
                     raise PassError(
                         f"pass '{name}' failed (after: {after}): graph does not verify: {e}"
                     ) from e

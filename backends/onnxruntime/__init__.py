@@ -20,12 +20,54 @@ from partitioner.core.segments import CommStep, Segment, split_program
 
 NAME = "onnxruntime"
 FILE_SUFFIX = ".onnx"
+# Element types ONNX Runtime's Python API exchanges as raw bytes: it takes them as an OrtValue made
+# from a uint8 view and returns them as uint8 arrays. :func:`to_ort`/:func:`from_ort` convert, so
+# callers see the ml_dtypes arrays onnx's own reference uses (rule: one numpy dtype per ONNX type).
+BYTE_VIEW_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2",
+                            "FLOAT8E5M2FNUZ") if hasattr(onnx.TensorProto, n))
+# Element types ONNX Runtime's Python API cannot exchange at all (1.32): refused before building.
+NO_PYTHON_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("FLOAT8E8M0",) if hasattr(onnx.TensorProto, n))
+
+
+def elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of each graph input and output of ``model`` (0 when not a tensor)."""
+    return {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+
+
+def to_ort(value: np.ndarray, elem: int) -> Any:
+    """``value`` as ORT takes it: an OrtValue of the right ONNX type for a byte-view type."""
+    if elem in BYTE_VIEW_TYPES:
+        import onnxruntime as ort
+
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(value).view(np.uint8), elem)
+    return value
+
+
+def from_ort(value: np.ndarray, elem: int) -> np.ndarray:
+    """``value`` as ORT returned it, viewed as its ONNX type's numpy dtype for a byte-view type."""
+    if elem in BYTE_VIEW_TYPES and isinstance(value, np.ndarray) and value.dtype == np.uint8:
+        return value.view(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    return value
+
+
+def check_types(program: onnx.ModelProto) -> None:
+    """Raise :class:`UnsupportedByBackendError` naming the values ORT's Python API cannot pass."""
+    from partitioner.core.errors import UnsupportedByBackendError
+
+    g = program.graph
+    infos = [*g.input, *g.output, *g.value_info]
+    bad = sorted({f"{v.name} ({onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type)})" for v in infos
+                  if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in NO_PYTHON_TYPES})
+    if bad:
+        raise UnsupportedByBackendError(f"graph {g.name!r}: ONNX Runtime's Python API cannot pass the value(s) "
+                                        f"{', '.join(bad[:8])}")
 
 
 def build(program: onnx.ModelProto, out_path: pathlib.Path, *, target: Any = None, options: Any = None) -> dict:
     """Write the per-rank program (ONNX Runtime runs the .onnx itself)."""
     import onnxruntime
 
+    check_types(onnx.shape_inference.infer_shapes(program))
     out_path = pathlib.Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(program.SerializeToString())
@@ -62,19 +104,21 @@ class RankExecutable:
                 except Exception as exc:
                     raise BackendError(f"onnxruntime cannot load segment {step.index} of "
                                        f"{program.graph.name!r}: {str(exc).splitlines()[0]}") from None
-                self.steps.append((step, sess))
+                self.steps.append((step, (sess, elem_types(step.model))))
             else:
                 self.steps.append((step, None))
 
     def run(self, feeds: Mapping[str, np.ndarray], comm: comm_ops.Communicator) -> dict[str, np.ndarray]:
         env: dict[str, np.ndarray] = dict(feeds)
-        for step, sess in self.steps:
+        for step, run in self.steps:
             if isinstance(step, CommStep):
                 outs = comm_ops.execute(step.op, [env.get(i) for i in step.op.inputs], comm)
                 env.update(zip(step.outputs, outs))
             else:
+                sess, elems = run
                 try:
-                    res = sess.run(list(step.outputs), {n: env[n] for n in step.inputs})
+                    res = sess.run(list(step.outputs), {n: to_ort(env[n], elems.get(n, 0)) for n in step.inputs})
+                    res = [from_ort(r, elems.get(n, 0)) for n, r in zip(step.outputs, res)]
                 except Exception as exc:  # noqa: BLE001 - ORT raises its own classes; one line names it
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     raise RunFailed(f"onnxruntime failed on segment {step.index} of {self.name!r}: "

@@ -90,6 +90,8 @@ def check_supported(program: onnx.ModelProto) -> None:
     function-body expansion :func:`lower_program` applies (:func:`expand_for_import`)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
+    from . import op_support
+
     program = expand_for_import(program)
     known = set(_get_convert_map()) | {"Constant", "If"}
     bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
@@ -103,6 +105,7 @@ def check_supported(program: onnx.ModelProto) -> None:
             f"{listing}; use --fallback onnxruntime (runs just these nodes under ONNX Runtime inside the rank), "
             "--backend onnxruntime, or rewrite these ops"
         )
+    op_support.check(program)  # forms of known ops TVM fails on or computes differently (the support table)
 
 
 def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
@@ -111,9 +114,10 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     node of a chain writes the original output; intermediates are ``<output>__sum<k>``."""
     from onnx import helper, numpy_helper
 
+    from .form_rewrites import rewrite_forms
     from .import_fixes import rewrite_one_hot
 
-    program = _clip_as_selects(_fold_empty_reductions(rewrite_one_hot(program)))
+    program = _clip_as_selects(_fold_empty_reductions(rewrite_one_hot(rewrite_forms(program))))
     g = program.graph
     if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program
@@ -313,6 +317,8 @@ _SUB_BYTE = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "I
                       if hasattr(onnx.TensorProto, n))
 
 
+_NO_RUNTIME_DTYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("STRING", "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ",
+                                "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0") if hasattr(onnx.TensorProto, n))
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16})
 
@@ -346,6 +352,9 @@ def _tensor_type(info: onnx.ValueInfoProto, where: str):
         raise UnsupportedByBackendError(f"{where}: value {info.name!r} has the sub-byte type "
                            f"{onnx.TensorProto.DataType.Name(t.elem_type)}; TVM's runtime cannot pass tensors of fewer "
                            "than 8 bits per element (use --backend onnxruntime)")
+    if t.elem_type in _NO_RUNTIME_DTYPES:  # float8, strings (backends.tvm.op_support)
+        raise UnsupportedByBackendError(f"{where}: value {info.name!r} has the element type "
+                           f"{onnx.TensorProto.DataType.Name(t.elem_type)}, which TVM's runtime cannot pass (use --backend onnxruntime)")
     dims = []
     for d in t.shape.dim:
         if not d.HasField("dim_value"):
