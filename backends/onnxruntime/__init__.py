@@ -50,6 +50,17 @@ def from_ort(value: np.ndarray, elem: int) -> np.ndarray:
     return value
 
 
+def lacks_kernel(exc: BaseException, where: str) -> None:
+    """Raise :class:`UnsupportedByBackendError` when ``exc`` is ORT saying it has no kernel for an op
+    (``NOT_IMPLEMENTED``): ORT lists the op itself, so this is a refusal naming it, not a failure."""
+    from partitioner.core.errors import UnsupportedByBackendError
+
+    text = str(exc).strip()
+    if "NOT_IMPLEMENTED" in text:
+        first = text.splitlines()[0]
+        raise UnsupportedByBackendError(f"{where}: ONNX Runtime has no kernel for it ({first[:300]})") from None
+
+
 def check_types(program: onnx.ModelProto) -> None:
     """Raise :class:`UnsupportedByBackendError` naming the values ORT's Python API cannot pass."""
     from partitioner.core.errors import UnsupportedByBackendError
@@ -102,6 +113,7 @@ class RankExecutable:
                 try:
                     sess = ort.InferenceSession(step.model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
                 except Exception as exc:
+                    lacks_kernel(exc, f"segment {step.index} of {program.graph.name!r}")
                     raise BackendError(f"onnxruntime cannot load segment {step.index} of "
                                        f"{program.graph.name!r}: {str(exc).splitlines()[0]}") from None
                 self.steps.append((step, (sess, elem_types(step.model))))

@@ -244,6 +244,9 @@ def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) 
             model = onnx.load(str(path), load_external_data=False)
             sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - onnx and ORT raise their own classes
+            from backends.onnxruntime import lacks_kernel
+
+            lacks_kernel(exc, str(path))  # ORT has no kernel for an op: a clean refusal naming it
             raise BackendError(f"{path}: ONNX Runtime cannot load this fallback segment "
                                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
         inits = {t.name for t in model.graph.initializer}

@@ -217,6 +217,8 @@ RULES: tuple[Rule, ...] = (
          lambda n, c: _attr(n, "dtype") is not None and int(_attr(n, "dtype")) != c.elem(n.input[0])),
     Rule("Upsample", "a scales input (opset 9; TVM's converter reads only the opset 7 attribute)",
          lambda n, c: bool(_in(n, 1))),
+    Rule("ScatterElements", "a rank >= 2 input (TVM 0.27's build fails: 'There should be a compute block if there "
+         "is only one subtree under the root')", lambda n, c: len(c.dims(n.input[0]) or []) >= 2),
     Rule("RoiAlign", "mode=max (TVM's max pooling differs from ONNX's)", lambda n, c: _s(_attr(n, "mode", "avg")) == "max"),
     Rule("SpaceToDepth", "mode=CRD (TVM's converter ignores mode)", lambda n, c: _s(_attr(n, "mode", "DCR")) == "CRD"),
 )
