@@ -25,8 +25,13 @@ FILE_SUFFIX = ".onnx"
 # callers see the ml_dtypes arrays onnx's own reference uses (rule: one numpy dtype per ONNX type).
 BYTE_VIEW_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2",
                             "FLOAT8E5M2FNUZ") if hasattr(onnx.TensorProto, n))
-# Element types ONNX Runtime's Python API cannot exchange at all (1.32): refused before building.
-NO_PYTHON_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("FLOAT8E8M0",) if hasattr(onnx.TensorProto, n))
+# Element types ONNX Runtime 1.32's Python API cannot exchange (it has no numpy type for them:
+# "No corresponding Numpy type for Tensor Type"): a graph input or output of these types is refused
+# before building. Inputs of the byte-view types go in as OrtValues; only float8e4m3fn comes back.
+NO_PYTHON_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("FLOAT8E8M0", "INT4", "UINT4", "INT2", "UINT2",
+                            "FLOAT4E2M1") if hasattr(onnx.TensorProto, n))
+NO_PYTHON_OUTPUT_TYPES = NO_PYTHON_TYPES | frozenset(getattr(onnx.TensorProto, n) for n in (
+    "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ") if hasattr(onnx.TensorProto, n))
 
 
 def elem_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -66,9 +71,9 @@ def check_types(program: onnx.ModelProto) -> None:
     from partitioner.core.errors import UnsupportedByBackendError
 
     g = program.graph
-    infos = [*g.input, *g.output, *g.value_info]
-    bad = sorted({f"{v.name} ({onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type)})" for v in infos
-                  if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in NO_PYTHON_TYPES})
+    pairs = [(v, NO_PYTHON_TYPES) for v in g.input] + [(v, NO_PYTHON_OUTPUT_TYPES) for v in g.output]
+    bad = sorted({f"{v.name} ({onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type)})" for v, types in pairs
+                  if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in types})
     if bad:
         raise UnsupportedByBackendError(f"graph {g.name!r}: ONNX Runtime's Python API cannot pass the value(s) "
                                         f"{', '.join(bad[:8])}")
@@ -78,7 +83,7 @@ def build(program: onnx.ModelProto, out_path: pathlib.Path, *, target: Any = Non
     """Write the per-rank program (ONNX Runtime runs the .onnx itself)."""
     import onnxruntime
 
-    check_types(onnx.shape_inference.infer_shapes(program))
+    check_types(program)
     out_path = pathlib.Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(program.SerializeToString())
@@ -95,6 +100,7 @@ class RankExecutable:
         opts.intra_op_num_threads = max(1, int(threads))
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
+        check_types(program)  # types ORT's Python API cannot pass: refused before any session is made
         self.outputs = [o.name for o in program.graph.output]
         inits = {t.name for t in program.graph.initializer}
         for kind, values in (("input", [v for v in program.graph.input if v.name not in inits]),

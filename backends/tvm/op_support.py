@@ -219,6 +219,11 @@ RULES: tuple[Rule, ...] = (
          lambda n, c: bool(_in(n, 1))),
     Rule("ScatterElements", "a rank >= 2 input (TVM 0.27's build fails: 'There should be a compute block if there "
          "is only one subtree under the root')", lambda n, c: len(c.dims(n.input[0]) or []) >= 2),
+    Rule("Dropout", "its mask output read (TVM's dropout returns a tuple its layout pass rejects)",
+         lambda n, c: c.used(n, 1)),
+    Rule("MaxUnpool", "any input (TVM 0.27's build fails: 'There should be a compute block')", lambda n, c: True),
+    Rule("OptionalHasElement", "an absent input (TVM's converter expects one)", lambda n, c: not _in(n, 0)),
+    Rule("Unique", "a bfloat16 input (TVM's layout pass fails)", lambda n, c: c.elem(n.input[0]) == TensorProto.BFLOAT16),
     Rule("RoiAlign", "mode=max (TVM's max pooling differs from ONNX's)", lambda n, c: _s(_attr(n, "mode", "avg")) == "max"),
     Rule("SpaceToDepth", "mode=CRD (TVM's converter ignores mode)", lambda n, c: _s(_attr(n, "mode", "DCR")) == "CRD"),
 )
