@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import onnx_ir as ir
 
 from partitioner.core.errors import PartitionerError, PassError
+from passes.data_dependent import data_dependent_refusal
 from passes.registry import get_pass, pass_name
 from passes.verify import verify as verify_model
 
@@ -77,7 +78,11 @@ class PassManager(ir.passes.PassBase):
             try:
                 result = pass_(model)
             except Exception as e:  # every pass failure becomes one PassError naming the pass
-                raise PassError(f"pass '{name}' failed (after: {after}): {_one_line(e)}") from e
+                message = f"pass '{name}' failed (after: {after}): {_one_line(e)}"
+                refusal = data_dependent_refusal(model, message) if "non-static shape" in str(e) else None
+                if refusal is not None:  # a shape that depends on values: refuse it by name
+                    raise refusal from e
+                raise PassError(message) from e
             model = result.model
             modified = modified or result.modified
             shapes_known = index >= last_provider
@@ -86,8 +91,10 @@ class PassManager(ir.passes.PassBase):
                 try:
                     verify_model(model, require_shapes=require)
                 except PartitionerError as e:
-                    raise PassError(
-                        f"pass '{name}' failed (after: {after}): graph does not verify: {e}"
-                    ) from e
+                    message = f"pass '{name}' failed (after: {after}): graph does not verify: {e}"
+                    refusal = data_dependent_refusal(model, message) if "non-static shape" in str(e) else None
+                    if refusal is not None:  # a shape that depends on values: refuse it by name
+                        raise refusal from e
+                    raise PassError(message) from e
             ran.append(name)
         return ir.passes.PassResult(model, modified)

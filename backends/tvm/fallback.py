@@ -73,11 +73,16 @@ def _subgraphs(node: onnx.NodeProto):
         yield from list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
 
 
-def unsupported_op(node: onnx.NodeProto, known: set[str] | None = None) -> str | None:
+def unsupported_op(node: onnx.NodeProto, known: set[str] | None = None,
+                   refused: frozenset[str] = frozenset()) -> str | None:
     """The op type (``domain::Op`` outside the default domain) that keeps TVM from importing
-    ``node``, looking into its subgraphs too; None when TVM can import it. Comm nodes are None."""
+    ``node``, looking into its subgraphs too; None when TVM can import it. Comm nodes are None.
+    A node whose first output is in ``refused`` (:func:`backends.tvm.op_support.refused_outputs`:
+    a form of the op the support table refuses) counts as unsupported too."""
     if is_comm(node):
         return None
+    if node.output and node.output[0] in refused:
+        return node.op_type
     known = _known_ops() if known is None else known
     if node.domain not in ("", "ai.onnx"):
         return f"{node.domain}::{node.op_type}"
@@ -99,9 +104,12 @@ def needs_fallback(program: onnx.ModelProto) -> bool:
     """Whether any top-level node of ``program`` cannot be imported by TVM."""
     from .expand_functions import expand_nodes
 
+    from .op_support import refused_outputs
+
     known = _known_ops()
     program = expand_nodes(program)[0]
-    return any(unsupported_op(n, known) is not None for n in program.graph.node)
+    refused = refused_outputs(program)
+    return any(unsupported_op(n, known, refused) is not None for n in program.graph.node)
 
 
 def mark_program(program: onnx.ModelProto) -> onnx.ModelProto:
@@ -121,10 +129,13 @@ def segment_file(library: str | Path, key: int) -> str:
 
 def split_with_fallback(program: onnx.ModelProto) -> list[Segment | CommStep | OrtSegment]:
     """Rule 2. ``program`` must be shape-inferred (boundaries need types and shapes)."""
+    from .op_support import refused_outputs
+
     known = _known_ops()
+    refused = refused_outputs(program)
     steps: list[Segment | CommStep | OrtSegment] = []
     n_ort = 0
-    for step in split_program(program, kind_of=lambda n: "ort" if unsupported_op(n, known) else "tvm"):
+    for step in split_program(program, kind_of=lambda n: "ort" if unsupported_op(n, known, refused) else "tvm"):
         if not (isinstance(step, Segment) and step.kind == "ort"):
             steps.append(step)
             continue
@@ -132,7 +143,7 @@ def split_with_fallback(program: onnx.ModelProto) -> list[Segment | CommStep | O
         step.model.graph.name = f"{program.graph.name}_ort{n_ort}"
         steps.append(OrtSegment(step.index, n_ort, step.model, step.inputs, step.outputs,
                                 tuple(n.name or "<unnamed>" for n in nodes),
-                                tuple(unsupported_op(n, known) or n.op_type for n in nodes)))
+                                tuple(unsupported_op(n, known, refused) or n.op_type for n in nodes)))
         n_ort += 1
     return steps
 
@@ -233,6 +244,9 @@ def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) 
             model = onnx.load(str(path), load_external_data=False)
             sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - onnx and ORT raise their own classes
+            from backends.onnxruntime import lacks_kernel
+
+            lacks_kernel(exc, str(path))  # ORT has no kernel for an op: a clean refusal naming it
             raise BackendError(f"{path}: ONNX Runtime cannot load this fallback segment "
                                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
         inits = {t.name for t in model.graph.initializer}

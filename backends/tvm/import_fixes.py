@@ -304,8 +304,11 @@ def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -
 
 
 def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
-    """Every rewrite of :data:`IMPORT_REWRITES` (rules 1-5), in order."""
-    return run_rewrites(program, IMPORT_REWRITES)
+    """The op-form rewrites of :mod:`.form_rewrites` (Sinh/Cosh, IsInf, negative Squeeze axes,
+    ConvTranspose ``output_shape``), then every rewrite of :data:`IMPORT_REWRITES` (rules 1-5), in order."""
+    from .form_rewrites import rewrite_forms
+
+    return run_rewrites(rewrite_forms(program), IMPORT_REWRITES)
 
 
 def rewrite_one_hot(program: onnx.ModelProto) -> onnx.ModelProto:

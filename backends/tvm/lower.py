@@ -90,6 +90,8 @@ def check_supported(program: onnx.ModelProto) -> None:
     function-body expansion :func:`lower_program` applies (:func:`expand_for_import`)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
+    from . import op_support
+
     program = expand_for_import(program)
     known = set(_get_convert_map()) | {"Constant", "If"}
     bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
@@ -103,10 +105,13 @@ def check_supported(program: onnx.ModelProto) -> None:
             f"{listing}; use --fallback onnxruntime (runs just these nodes under ONNX Runtime inside the rank), "
             "--backend onnxruntime, or rewrite these ops"
         )
+    op_support.check(program)  # forms of known ops TVM fails on or computes differently (the support table)
 
 
 _SUB_BYTE = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "INT2", "UINT2", "FLOAT4E2M1")
                       if hasattr(onnx.TensorProto, n))
+_NO_RUNTIME_DTYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("STRING", "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ",
+                                "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0") if hasattr(onnx.TensorProto, n))
 
 
 def _tensor_type(info: onnx.ValueInfoProto, where: str):
@@ -122,6 +127,9 @@ def _tensor_type(info: onnx.ValueInfoProto, where: str):
         raise UnsupportedByBackendError(f"{where}: value {info.name!r} has the sub-byte type "
                            f"{onnx.TensorProto.DataType.Name(t.elem_type)}; TVM's runtime cannot pass tensors of fewer "
                            "than 8 bits per element (use --backend onnxruntime)")
+    if t.elem_type in _NO_RUNTIME_DTYPES:  # float8, strings (backends.tvm.op_support)
+        raise UnsupportedByBackendError(f"{where}: value {info.name!r} has the element type "
+                           f"{onnx.TensorProto.DataType.Name(t.elem_type)}, which TVM's runtime cannot pass (use --backend onnxruntime)")
     dims = []
     for d in t.shape.dim:
         if not d.HasField("dim_value"):

@@ -38,6 +38,12 @@ class PassError(PartitionerError):
     """A graph pass failed or left a graph that does not verify."""
 
 
+class DataDependentShapeError(UnsupportedOpError, PassError):
+    """A graph cannot get static shapes because some nodes make shapes from input *values*
+    (Unique, a Range with run-time bounds, an If whose branches differ, ...). A refusal that names
+    those nodes (an :class:`UnsupportedOpError`), raised where a pass found it (a :class:`PassError`)."""
+
+
 class VerifyError(PartitionerError):
     """A graph, plan or per-rank program breaks an invariant."""
 

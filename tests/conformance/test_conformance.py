@@ -30,8 +30,8 @@ from .run_conformance import SAMPLE  # noqa: E402
 # Known failures inside the sample, each with its cause; expectedFailure makes a fix visible
 # (an unexpected success fails the run, so the entry is then removed).
 KNOWN_FAILURES = {
-    "test_layer_normalization_2d_axis1": "TVM's importer returns only Y; the Mean/InvStdDev outputs come back empty",
-    "test_layer_normalization_4d_axis_negative_1": "TVM's importer returns only Y; the Mean/InvStdDev outputs come back empty",
+    "test_layer_normalization_2d_axis1": "refused (backends/tvm/op_support.py): TVM's importer returns only Y, not Mean/InvStdDev",
+    "test_layer_normalization_4d_axis_negative_1": "refused (backends/tvm/op_support.py): TVM's importer returns only Y, not Mean/InvStdDev",
 }
 
 
