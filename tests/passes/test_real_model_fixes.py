@@ -184,6 +184,31 @@ def test_cli_const_binds_an_input_and_json_reports_it(tmp_path):
     assert refused.returncode == 2 and "branch_on_sr" in refused.stderr and "--const sr=VALUE" in refused.stderr
 
 
+
+def test_inspect_lists_every_dimension_and_the_value_input_in_one_message(tmp_path):
+    """Unbound dims of two inputs plus the scalar an If reads (silero-vad's shape): one line,
+    exit 2, every ``--shape`` and the ``--const`` the next run would otherwise ask for. A float
+    data input feeding the same condition is not named (its value is data, not a setting)."""
+    m = _if_model()
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    m.graph.input.append(h.make_tensor_value_info("gain", T.FLOAT, ["G"]))
+    m.graph.node[0].input[1] = "k16g"
+    m.graph.node.insert(0, h.make_node("Cast", ["gain"], ["gi"], to=T.INT64))
+    m.graph.node.insert(1, h.make_node("ReduceSum", ["gi"], ["gs"], keepdims=0))
+    m.graph.node.insert(2, h.make_node("Add", ["k16", "gs"], ["k16g"]))
+    path = tmp_path / "if_dims.onnx"
+    onnx.save(m, path)
+    r = subprocess.run([sys.executable, "-m", "partitioner.cli", "inspect", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if "error" in ln]
+    assert len(lines) == 1, r.stderr
+    for part in ("2 input dimension(s)", "'x'", "'gain'", "--shape x=N,4", "--shape gain=G", "--const sr=VALUE"):
+        assert part in lines[0], (part, lines[0])
+    assert "--const gain" not in lines[0] and "--const x" not in lines[0]
+    ok = subprocess.run([sys.executable, "-m", "partitioner.cli", "inspect", str(path), "--shape", "x=2,4",
+                         "--const", "sr=8000", "--const", "gain=0"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+
 # 5. symbolic intermediate dims -----------------------------------------------------------------
 
 def test_exporter_named_intermediate_dims_are_propagated_from_the_bound_inputs():
