@@ -26,6 +26,13 @@ checker and shape inference):
    stays dynamic and, when its branches disagree on shapes, the next run stops there instead.
    Only integer or bool inputs of at most one element are named (a data tensor feeding a
    computed condition, as in openwakeword's verifier head, is not something to bind).
+6. **The reference model of a build with constants** (``run --check``, ``bench --baseline
+   onnxruntime``) is the model as given, its inputs unbound, with each bound input kept as an
+   input and given its value as an initializer of the same name (ONNX's overridable default), so
+   ONNX Runtime runs the model's own branch selection at run time. Why: with the inputs' shapes
+   bound and the value baked in, ONNX Runtime 1.32 constant-folds the ``If`` and infers shapes
+   in the branch not taken, which are inconsistent there (silero-vad's 8 kHz branch with a
+   512-sample window): it segfaults while creating the session.
 """
 
 from __future__ import annotations
@@ -260,3 +267,23 @@ def _missing_message(missing: list[tuple[onnx.ValueInfoProto, list[tuple[int, st
     batch_only = all(axes == [(0, axes[0][1])] and axes[0][0] == 0 for _, axes in missing)
     hint = " (or --batch N)" if batch_only else ""
     return (f"{count} input dimension(s) to bind: {'; '.join(parts)}; bind them with {' '.join(options)}{hint}")
+
+
+def reference_with_constant_defaults(model: Any, constants: Mapping[str, Any], label: str = "model") -> onnx.ModelProto:
+    """Rule 6: ``model`` (a path or ``ModelProto``, not modified) with every bound input kept as an
+    input whose initializer holds the value ``bind_constants`` gives it."""
+    import os
+
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    else:
+        proto = onnx.load(os.fspath(model))
+    clear_legacy_dims(proto)
+    bound = onnx.ModelProto()
+    bound.CopyFrom(proto)
+    bind_constants(bound, label, constants)
+    values = {t.name: t for t in bound.graph.initializer if t.name in constants}
+    proto.graph.initializer.extend(values[name] for name in constants)
+    return proto
+

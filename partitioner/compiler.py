@@ -75,7 +75,12 @@ def prepare(model: Any, *, batch: int | None = None, shapes: Mapping[str, Sequen
     if keep_source:  # compile: the build holds every weight in one process today (docs/large_models.md),
         from partitioner.lowering.lazy_weights import read_in_external
 
-        source = ir.serde.serialize_model(read_in_external(raw))  # and the passes edit raw in place
+        if constants:  # ORT checks the model as given, bound inputs as overridable defaults (bind_inputs rule 6)
+            from partitioner.bind_inputs import reference_with_constant_defaults
+
+            source = reference_with_constant_defaults(model, constants)
+        else:
+            source = ir.serde.serialize_model(read_in_external(raw))  # and the passes edit raw in place
     return run_pipeline(raw, None if passes is None else list(passes)), source
 
 
