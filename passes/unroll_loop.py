@@ -262,6 +262,17 @@ def unroll_loops_proto(proto: onnx.ModelProto, max_steps: int = MAX_STEPS) -> tu
     return proto, done
 
 
+def _candidate(node: ir.Node) -> bool:
+    """Rule 1 on the IR: a default-domain ``Loop`` with constant (or absent) ``M`` and ``cond``."""
+    if node.op_type != "Loop" or node.domain not in ("", "ai.onnx"):
+        return False
+    def constant(v: ir.Value | None) -> bool:
+        producer = None if v is None else v.producer()
+        return v is None or v.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+    return all(constant(v) for v in list(node.inputs)[:2])
+
+
 @register("unroll_loop")
 class UnrollLoop(ir.passes.InPlacePass):
     """Unroll every main-graph ``Loop`` whose trip count is fixed by constants (rules 1-4)."""
@@ -271,7 +282,7 @@ class UnrollLoop(ir.passes.InPlacePass):
         self.max_steps = max_steps
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if not any(n.op_type == "Loop" for n in model.graph):
+        if not any(_candidate(n) for n in model.graph):  # rule 1 first: serializing is not free
             return ir.passes.PassResult(model, False)
         proto, done = unroll_loops_proto(ir.serde.serialize_model(model), self.max_steps)
         if not done:
