@@ -112,8 +112,9 @@ def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     from onnx import helper, numpy_helper
 
     from .import_fixes import rewrite_one_hot
+    from .resize_inputs import drop_empty_resize_inputs
 
-    program = _clip_as_selects(_fold_empty_reductions(rewrite_one_hot(program)))
+    program = _clip_as_selects(_fold_empty_reductions(rewrite_one_hot(drop_empty_resize_inputs(program))))
     g = program.graph
     if not any(n.op_type in ("Sum", "Mean", "Max", "Min", "Dropout") and n.domain in ("", "ai.onnx") for n in g.node):
         return program
