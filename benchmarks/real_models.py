@@ -202,30 +202,41 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= 100 else reason[:99] + "…"
 
 
+def _medians(bench: dict[str, Any]) -> str:
+    """``TVM ms / ORT ms`` from a model's bench record, or a dash when it was not benched."""
+    tvm, ort = bench.get("tvm_median_s"), bench.get("ort_median_s")
+    if not tvm or not ort:
+        return "–"
+    return f"{tvm * 1e3:.3g} / {ort * 1e3:.3g} ms"
+
+
 def markdown(path: Path) -> str:
-    """The README table: model, package, exporter, ops, nodes, 1- and 2-device results, speed."""
+    """The README table: model, package, exporter, ops, nodes, 1- and 2-device results, the two
+    1-device medians side by side (``bench --baseline onnxruntime``) and their ratio."""
     if not path.is_file():
         return ("_No results yet: run `make real-models` (writes benchmarks/results/real_models.json), then "
                 "`benchmarks/readme_tables.py`._")
     doc = json.loads(path.read_text(encoding="utf-8"))
-    rows = ["| model | package | exporter | ops | nodes | 1 device | 2 devices (auto / pipeline) | TVM/ORT speed |",
-            "|---|---|---|---:|---:|---|---|---:|"]
+    rows = ["| model | package | exporter | ops | nodes | 1 device | 2 devices (auto / pipeline) | TVM / ORT median "
+            "| TVM/ORT speed |",
+            "|---|---|---|---:|---:|---|---|---:|---:|"]
     have = {r["id"]: r for r in doc.get("models", [])}
     for m in corpus():
         r = have.get(m["id"])
         if r is None:
-            rows.append(f"| {m['id']} | {m['package']} {m['version']} | {m['exporter']} | – | – | not run yet | – | – |")
+            rows.append(f"| {m['id']} | {m['package']} {m['version']} | {m['exporter']} | – | – | not run yet | – | – | – |")
             continue
         if r.get("error"):
             why = _short_error(r["error"]).replace("|", "\\|")
-            rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | – | – | fails: {why} | – | – |")
+            rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | – | – | fails: {why} | – | – | – |")
             continue
         b = r.get("builds", {})
         auto, pipe = _cell(b.get("2dev_auto")), _cell(b.get("2dev_pipeline"))
         two = auto if auto == pipe else f"{auto} / {pipe}"
-        speed = (r.get("bench") or {}).get("tvm_over_ort_speed")  # absent: not benched (--repeat 0)
+        bench = r.get("bench") or {}  # absent: not benched (--repeat 0)
+        speed = bench.get("tvm_over_ort_speed")
         rows.append(f"| {r['id']} | {r['package']} {r['version']} | {r['exporter']} | {len(r.get('ops', []))} | "
-                    f"{r.get('nodes', '–')} | {_cell(b.get('1dev_auto'))} | {two} | "
+                    f"{r.get('nodes', '–')} | {_cell(b.get('1dev_auto'))} | {two} | {_medians(bench)} | "
                     f"{f'{speed:.2f}x' if speed else '–'} |")
     m = doc.get("machine", {})
     rows.append("")

@@ -20,6 +20,19 @@ checker and shape inference):
    bind).
 4. Every input axis still unbound is listed in **one** message, with a ready ``--shape`` option
    per input, so a user fixes them all in one go instead of one per run.
+5. The same message names the scalar inputs whose **value** decides a branch or a loop (an
+   ``If`` condition, a ``Loop`` trip count or condition, reached backwards through the graph
+   without crossing a ``Shape``/``Size``), with a ready ``--const`` option: without it the branch
+   stays dynamic and, when its branches disagree on shapes, the next run stops there instead.
+   Only integer or bool inputs of at most one element are named (a data tensor feeding a
+   computed condition, as in openwakeword's verifier head, is not something to bind).
+6. **The reference model of a build with constants** (``run --check``, ``bench --baseline
+   onnxruntime``) is the model as given, its inputs unbound, with each bound input kept as an
+   input and given its value as an initializer of the same name (ONNX's overridable default), so
+   ONNX Runtime runs the model's own branch selection at run time. Why: with the inputs' shapes
+   bound and the value baked in, ONNX Runtime 1.32 constant-folds the ``If`` and infers shapes
+   in the branch not taken, which are inconsistent there (silero-vad's 8 kHz branch with a
+   512-sample window): it segfaults while creating the session.
 """
 
 from __future__ import annotations
@@ -181,7 +194,7 @@ def bind_dims(proto: onnx.ModelProto, label: str, batch: int | None, shapes: Map
         if axes:
             missing.append((vi, axes))
     if missing:
-        raise ModelLoadError(f"{label}: {_missing_message(missing)}")
+        raise ModelLoadError(f"{label}: {_missing_message(missing)}{_const_hint(proto, inits)}")
     bound = {id(vi) for vi in real_inputs}
     for vi in _typed_values(proto):
         if id(vi) in bound:
@@ -192,6 +205,48 @@ def bind_dims(proto: onnx.ModelProto, label: str, batch: int | None, shapes: Map
                     d.dim_value = params[d.dim_param]
                 else:
                     d.Clear()
+
+
+_SHAPE_ONLY = frozenset({"Shape", "Size"})  # their output reads an input's shape, not its value
+_INT_OR_BOOL = frozenset({onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16,
+                          onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT8,
+                          onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64})
+
+
+def branch_value_inputs(proto: onnx.ModelProto, inits: set[str] | None = None) -> list[str]:
+    """Rule 5: graph inputs (integer/bool, at most one element) whose value an ``If`` condition
+    or a ``Loop``'s trip count/condition reads, in graph-input order."""
+    g = proto.graph
+    inits = inits if inits is not None else {t.name for t in g.initializer}
+    producer = {o: n for sub in _graphs(g) for n in sub.node for o in n.output if o}
+    todo = [n.input[k] for sub in _graphs(g) for n in sub.node if n.domain in ("", "ai.onnx")
+            for k in ({"If": (0,), "Loop": (0, 1)}.get(n.op_type, ())) if k < len(n.input) and n.input[k]]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is not None and node.op_type not in _SHAPE_ONLY:
+            todo.extend(i for i in node.input if i)
+    found = []
+    for vi in g.input:
+        tt = vi.type.tensor_type
+        if vi.name not in seen or vi.name in inits or tt.elem_type not in _INT_OR_BOOL:
+            continue
+        dims = tt.shape.dim if tt.HasField("shape") else None
+        if dims is None or all(d.HasField("dim_value") and d.dim_value == 1 for d in dims):
+            found.append(vi.name)
+    return found
+
+
+def _const_hint(proto: onnx.ModelProto, inits: set[str]) -> str:
+    names = branch_value_inputs(proto, inits)
+    if not names:
+        return ""
+    return (f"; and input(s) {', '.join(repr(n) for n in names)} decide an If or Loop by their value: "
+            f"{' '.join(f'--const {n}=VALUE' for n in names)}")
 
 
 def _missing_message(missing: list[tuple[onnx.ValueInfoProto, list[tuple[int, str]]]]) -> str:
@@ -212,3 +267,23 @@ def _missing_message(missing: list[tuple[onnx.ValueInfoProto, list[tuple[int, st
     batch_only = all(axes == [(0, axes[0][1])] and axes[0][0] == 0 for _, axes in missing)
     hint = " (or --batch N)" if batch_only else ""
     return (f"{count} input dimension(s) to bind: {'; '.join(parts)}; bind them with {' '.join(options)}{hint}")
+
+
+def reference_with_constant_defaults(model: Any, constants: Mapping[str, Any], label: str = "model") -> onnx.ModelProto:
+    """Rule 6: ``model`` (a path or ``ModelProto``, not modified) with every bound input kept as an
+    input whose initializer holds the value ``bind_constants`` gives it."""
+    import os
+
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    else:
+        proto = onnx.load(os.fspath(model))
+    clear_legacy_dims(proto)
+    bound = onnx.ModelProto()
+    bound.CopyFrom(proto)
+    bind_constants(bound, label, constants)
+    values = {t.name: t for t in bound.graph.initializer if t.name in constants}
+    proto.graph.initializer.extend(values[name] for name in constants)
+    return proto
+

@@ -81,6 +81,10 @@ def prepare(model: Any, *, batch: int | None = None, shapes: Mapping[str, Sequen
 
         if external_bytes(raw) and isinstance(model, (str, os.PathLike)) and not constants:
             source = _artifact.SourceReference(Path(model))  # large: by reference, never re-serialised
+        elif constants:  # ORT checks the model as given, bound inputs as overridable defaults (bind_inputs rule 6)
+            from partitioner.bind_inputs import reference_with_constant_defaults
+
+            source = reference_with_constant_defaults(model, constants)
         else:
             from partitioner.lowering.lazy_weights import read_in_external
 

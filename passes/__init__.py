@@ -29,6 +29,7 @@ from passes import (  # noqa: F401
     recognize_layernorm,
     shape_inference,
     topological_sort,
+    unroll_loop,
 )
 from passes.manager import PassManager
 from passes.registry import REGISTRY, get_pass, register

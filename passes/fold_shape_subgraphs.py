@@ -14,7 +14,8 @@ Rules:
    (``passes/constant_folding.py``: ``Shape``/``Size`` of a static value, and every node whose
    inputs are constants -- ``Gather``, ``Slice``, ``Concat``, ``Unsqueeze``, ``Squeeze``, ``Cast``
    and integer arithmetic among them), then folding ``If`` nodes whose condition became constant
-   (``passes/fold_constant_if.py``).
+   (``passes/fold_constant_if.py``), then unrolling ``Loop`` nodes whose trip count constants
+   fix (``passes/unroll_loop.py``; a loop that stops on data stays, and rule 3 names it).
 2. Rounds repeat until one folds nothing (at most ``max_rounds``).
 3. Then every live value of the main graph (one a graph output depends on) must have a static
    shape. If some do not, one :class:`PassError` lists them (up to 8) and, for each, what would
@@ -35,6 +36,7 @@ import onnx_ir as ir
 from partitioner.core.errors import PassError
 from passes.constant_folding import ConstantFolding
 from passes.fold_constant_if import FoldConstantIf
+from passes.unroll_loop import UnrollLoop
 from passes.registry import register
 from passes.shape_inference import ShapeInference
 from passes.verify import describe_node
@@ -188,8 +190,9 @@ class FoldShapeSubgraphs(ir.passes.InPlacePass):
             inferred = ShapeInference()(model).modified
             folded = ConstantFolding()(model).modified
             inlined = FoldConstantIf()(model).modified
-            modified = modified or inferred or folded or inlined
-            if not (folded or inlined):
+            unrolled = UnrollLoop()(model).modified
+            modified = modified or inferred or folded or inlined or unrolled
+            if not (folded or inlined or unrolled):
                 break
         if self.require_static:
             problems = diagnose(model)

@@ -305,10 +305,11 @@ def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -
 
 def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     """The op-form rewrites of :mod:`.form_rewrites` (Sinh/Cosh, IsInf, negative Squeeze axes,
-    ConvTranspose ``output_shape``), then every rewrite of :data:`IMPORT_REWRITES` (rules 1-5), in order."""
+    ConvTranspose ``output_shape``) and Paddle's empty Resize inputs (:mod:`.resize_inputs`), then every rewrite of :data:`IMPORT_REWRITES` (rules 1-5), in order."""
     from .form_rewrites import rewrite_forms
+    from .resize_inputs import drop_empty_resize_inputs
 
-    return run_rewrites(rewrite_forms(program), IMPORT_REWRITES)
+    return run_rewrites(rewrite_forms(drop_empty_resize_inputs(program)), IMPORT_REWRITES)
 
 
 def rewrite_one_hot(program: onnx.ModelProto) -> onnx.ModelProto:

@@ -48,9 +48,12 @@ def simplify_passes(target: Any) -> list[Any]:
 def layout_passes(target: Any) -> list[Any]:
     from tvm import relax
 
+    from .normalize_axes import normalize_axes_pass
+
     if not _is_cpu(target):
         return []
-    return [relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()]
+    # negative squeeze axes crash ConvertLayout with std::bad_alloc (backends/tvm/normalize_axes.py)
+    return [normalize_axes_pass(), relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()]
 
 
 def _fast_math_map() -> dict[str, Any]:

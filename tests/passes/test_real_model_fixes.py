@@ -184,6 +184,52 @@ def test_cli_const_binds_an_input_and_json_reports_it(tmp_path):
     assert refused.returncode == 2 and "branch_on_sr" in refused.stderr and "--const sr=VALUE" in refused.stderr
 
 
+
+def test_inspect_lists_every_dimension_and_the_value_input_in_one_message(tmp_path):
+    """Unbound dims of two inputs plus the scalar an If reads (silero-vad's shape): one line,
+    exit 2, every ``--shape`` and the ``--const`` the next run would otherwise ask for. A float
+    data input feeding the same condition is not named (its value is data, not a setting)."""
+    m = _if_model()
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    m.graph.input.append(h.make_tensor_value_info("gain", T.FLOAT, ["G"]))
+    m.graph.node[0].input[1] = "k16g"
+    m.graph.node.insert(0, h.make_node("Cast", ["gain"], ["gi"], to=T.INT64))
+    m.graph.node.insert(1, h.make_node("ReduceSum", ["gi"], ["gs"], keepdims=0))
+    m.graph.node.insert(2, h.make_node("Add", ["k16", "gs"], ["k16g"]))
+    path = tmp_path / "if_dims.onnx"
+    onnx.save(m, path)
+    r = subprocess.run([sys.executable, "-m", "partitioner.cli", "inspect", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if "error" in ln]
+    assert len(lines) == 1, r.stderr
+    for part in ("2 input dimension(s)", "'x'", "'gain'", "--shape x=N,4", "--shape gain=G", "--const sr=VALUE"):
+        assert part in lines[0], (part, lines[0])
+    assert "--const gain" not in lines[0] and "--const x" not in lines[0]
+    ok = subprocess.run([sys.executable, "-m", "partitioner.cli", "inspect", str(path), "--shape", "x=2,4",
+                         "--const", "sr=8000", "--const", "gain=0"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_reference_of_a_build_with_constants_keeps_the_input_with_its_value_as_default(tmp_path):
+    """bind_inputs rule 6: ``run --check`` compares against ONNX Runtime on the model as given,
+    with ``sr`` still an input defaulting to the bound value (ORT 1.32 segfaulted on silero-vad
+    once the value was baked in and the input shapes bound)."""
+    from partitioner.bind_inputs import reference_with_constant_defaults
+    from partitioner.compiler import compile as compile_artifact, load_artifact
+
+    m = _if_model()
+    ref = reference_with_constant_defaults(m, {"sr": 8000})
+    assert [i.name for i in ref.graph.input] == ["x", "sr"]
+    assert nh.to_array(next(t for t in ref.graph.initializer if t.name == "sr")).tolist() == 8000
+    art = compile_artifact(m, "cpu:1", backend="onnxruntime", out_dir=tmp_path / "art", progress=False,
+                           constants={"sr": 8000})
+    x = np.random.default_rng(4).standard_normal((2, 4)).astype(np.float32)
+    res = load_artifact(art.root).run({"x": x}, check=True, in_process=True, timeout=300)
+    assert res.check.ok, res.check
+    want = _ort(m, {"x": x, "sr": np.array(8000, np.int64)})[0]
+    np.testing.assert_allclose(res.outputs["y"], want, rtol=1e-6, atol=1e-6)
+    assert want.shape == (4, 2)
+
 # 5. symbolic intermediate dims -----------------------------------------------------------------
 
 def test_exporter_named_intermediate_dims_are_propagated_from_the_bound_inputs():
