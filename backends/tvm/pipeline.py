@@ -50,7 +50,10 @@ def layout_passes(target: Any) -> list[Any]:
 
     if not _is_cpu(target):
         return []
-    return [relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()]
+    from .clip_as_max_min import clamp_passes
+
+    # Clip's selects become maximum/minimum around ConvertLayout, which sees through those
+    return clamp_passes([relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()])
 
 
 def _fast_math_map() -> dict[str, Any]:
