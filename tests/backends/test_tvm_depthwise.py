@@ -6,7 +6,8 @@ Each case is a depthwise ``Conv`` (groups = channels) -> ``BatchNormalization`` 
 for the host and for an AVX2 target, compared with ONNX Runtime on seeded inputs (rtol 1e-4,
 atol 1e-5). The structure checks: the depthwise conv, its batch norm and the clamp are one
 kernel (``fused_conv2d_..._maximum_minimum``: no NCHW round trip around ReLU6), and that kernel
-was scheduled by the depthwise rule (its padded rows live inside the parallel row loop). A NaN
+was scheduled by the depthwise rule (its (n, h) row loop; the padded rows inside it exactly
+when the rule's recopy bound says so). A NaN
 input stays NaN through the fused clamp, as in ONNX Runtime.
 """
 
@@ -22,7 +23,7 @@ from tvm import relax
 
 from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
-from backends.tvm.schedules.depthwise import Depthwise, row_tile
+from backends.tvm.schedules.depthwise import MAX_PAD_RECOPY, Depthwise, row_tile
 from backends.tvm.target import detect_host_target
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -67,9 +68,10 @@ def _run(m: onnx.ModelProto, target_name: str, x: np.ndarray) -> tuple[np.ndarra
     "n,c,hw,k,s,dil",
     [(1, 32, 16, 3, 1, 1),    # MobileNet 3x3 stride 1
      (2, 48, 15, 5, 2, 1),    # 5x5 stride 2, odd size, batch 2
+     (1, 32, 14, 3, 2, 1),    # 3x3 stride 2: padded rows per output row
      (1, 24, 7, 3, 1, 1),     # channels a multiple of 8 only, prime width (row tile 7)
      (1, 16, 12, 3, 1, 2)],   # dilation 2
-    ids=["3x3s1", "5x5s2-b2", "c24-w7", "dil2"],
+    ids=["3x3s1", "5x5s2-b2", "3x3s2", "c24-w7", "dil2"],
 )
 def test_depthwise_bn_relu6_matches_ort(n: int, c: int, hw: int, k: int, s: int, dil: int, target_name: str) -> None:
     m = _model(n, c, hw, k, s, dil)
@@ -79,10 +81,11 @@ def test_depthwise_bn_relu6_matches_ort(n: int, c: int, hw: int, k: int, s: int,
     fused = [name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name]
     assert fused, f"depthwise conv, BN and ReLU6 are not one kernel: {sorted(funcs)}"
     assert not any("transpose" in name and "maximum" in name for name in funcs), sorted(funcs)
-    # the depthwise rule's mark: the pad block is computed inside the parallel/serial row loop
+    # the depthwise rule's mark: the (n, h) row loop; stride 2: the padded rows computed inside it
     body = funcs[fused[0]]
-    loop = body.index("nn_yy_fused in ")  # the (n, h) row loop of the depthwise rule
-    assert body.index("T.sblock(\"pad_temp\")") > loop, "padded rows not computed per output row"
+    loop = body.index("for nn_yy_fused")  # the (n, h) row loop of the depthwise rule
+    per_row = body.index('T.sblock("pad_temp")') > loop
+    assert per_row == (k / s <= MAX_PAD_RECOPY), f"padding per row: {per_row} for k={k}, stride={s}"
 
 
 def test_nan_stays_nan_through_the_fused_clamp() -> None:
