@@ -62,6 +62,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "light_resnet50": ("light_resnet50", {"weights": "random", "seed": 0}, False, False),
 }
 QUICK = ["resnet18", "mobilenet", "bert", "gpt"]
+# benchmarks/heldout_models.py's HELDOUT keys (named here so --help does not import onnx builders)
+HELDOUT_KEYS = ["heldout_vit", "heldout_mbv2", "heldout_inception", "heldout_unet"]
 CONV_MODELS = {"resnet18", "resnet50", "mobilenet", "light_resnet50"}  # where --conv-algorithm applies
 
 
@@ -266,7 +268,8 @@ def render_markdown(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join([*MODELS, *HELDOUT_KEYS]),
+                    help="zoo keys, heldout_* keys or .onnx files (default: all zoo and held-out models)")
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, batch 1")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", default="1,2")

@@ -50,3 +50,10 @@ def test_heldout_model_matches_ort(key: str, tmp_path: Path) -> None:
     got = load(m, tmp_path / "m.so").run(feeds, LocalWorld(1).communicator(0))
     for out, r in zip(m.graph.output, ref):
         np.testing.assert_allclose(got[out.name], r, rtol=RTOL, atol=ATOL, err_msg=f"{key}: {out.name}")
+
+
+def test_per_device_lists_every_heldout_model() -> None:
+    spec = importlib.util.spec_from_file_location("per_device", ROOT / "benchmarks" / "per_device.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.HELDOUT_KEYS == list(H.HELDOUT)
