@@ -19,6 +19,11 @@ measured by :mod:`backends.tvm.peak` in the same process, before and after the r
 median is used; the peak is timed by the thread's CPU clock). On 1 thread the calling thread's
 CPU time is recorded too (``thread_cpu_s``, ``pct_of_peak_cpu``): every implementation runs on
 that thread, so on a shared machine it is the better estimate of the quiet-machine figure.
+"2-thread scaling" (2-thread rows): the 1-thread time / (2 x the 2-thread time) of the same
+implementation and shape, i.e. the per-core efficiency on 2 threads against 1 (target: >= 80%
+for ours). Our kernel splits the fused (N panel, M tile) loop - or (M tile, N panel) when B fits
+L2 - into one contiguous chunk per thread: on panels-outer GEMMs each core reads half of B,
+on rows-outer ones half of A and all of B (from its own L2).
 Every TVM output is checked against numpy (rtol 1e-4, atol 1e-5 scaled by sqrt(K)).
 Results: ``benchmarks/results/gemm.json``; ``loaded`` there records whether the machine was
 known to be shared (then the figures are ratios only).
@@ -169,7 +174,10 @@ def run(threads_list: list[int], repeats: int, quick: bool) -> dict[str, Any]:
     configure_threads(1)
     peak_after = measure_peak(target, quick=quick)
     peak = max(peak_before.fma_flops, peak_after.fma_flops)
+    one = {r["shape"]: r["times_s"] for r in rows if r["threads"] == 1}
     for r in rows:
+        if r["threads"] > 1 and r["shape"] in one:
+            r["scaling"] = {k_: 100.0 * one[r["shape"]][k_] / (r["threads"] * t) for k_, t in r["times_s"].items()}
         r["pct_of_peak"] = {k_: 100.0 * r["flops"] / t / (r["threads"] * peak) for k_, t in r["times_s"].items()}
         if "thread_cpu_s" in r:
             r["pct_of_peak_cpu"] = {k_: 100.0 * r["flops"] / t / peak for k_, t in r["thread_cpu_s"].items()}
@@ -192,9 +200,15 @@ def markdown(data: dict[str, Any]) -> str:
            "",
            "| GEMM | threads | ours | TVM previous | ONNX Runtime | numpy |",
            "|---|---:|---:|---:|---:|---:|"]
+    scaling = any("scaling" in r for r in data["rows"])  # results before the column existed have none
+    if scaling:
+        out[-2] += " ours, 2-thread scaling | ORT, 2-thread scaling |"
+        out[-1] += "---:|---:|"
     for r in data["rows"]:
         pct = r["pct_of_peak_cpu"] if loaded and "pct_of_peak_cpu" in r else r["pct_of_peak"]
         cells = [f"{r['times_s'][k] * 1e3:.3f} ({pct[k]:.0f}%)" for k in ("ours", "previous", "ort", "numpy")]
+        if scaling:
+            cells += [f"{r['scaling'][k]:.0f}%" if "scaling" in r else "-" for k in ("ours", "ort")]
         out.append(f"| {r['shape']} | {r['threads']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -1,7 +1,19 @@
 """Per-device speed of the TVM backend against ONNX Runtime on this machine's CPU.
 
     python benchmarks/per_device.py [--quick] [--batches 1,8] [--threads 1,2] [--tune-trials N]
+    python benchmarks/per_device.py --models heldout_vit,heldout_mbv2,heldout_inception,heldout_unet
+    python benchmarks/per_device.py --models path/to/model.onnx [--shape input=1,3,224,224]
     python benchmarks/per_device.py --markdown [--json FILE]      # render the saved table
+
+``--models`` takes zoo keys (:data:`MODELS`), held-out architectures (``heldout_*``, generated
+with seeded random weights by ``benchmarks/heldout_models.py``: not what the schedules were
+tuned on) and ``.onnx`` files (symbolic dims bound by ``--shape`` / the batch on axis 0; a file
+whose batch axis is fixed runs only at that batch).
+
+"% of peak" (``tvm_*_pct_peak``): the model's FLOPs (``partitioner.cost.ops``, one multiply-add
+= 2) / time / (the one-core FMA peak measured by ``backends/tvm/peak.py`` in the same run x
+threads). ``flops_by_class`` gives the share of each kernel class (gemm, conv, depthwise_conv,
+...), so a memory-bound model's low figure is visibly its depthwise/elementwise share.
 
 Columns (one row per model x batch x threads): TVM untuned (``"zero"`` pipeline: TVM's
 legalize+fuse, no schedules), TVM default schedules (``"scheduled"`` pipeline), TVM tuned
@@ -10,7 +22,7 @@ the conv models TVM default schedules with ``--conv-algorithm`` (im2col / Winogr
 the fastest per conv by measurement; skipped when ``direct``) and ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). Each time is the
 median of ``--runs`` runs after one warm-up (the untuned column: ``--zero-runs``, since it is
 up to 100x slower); ratios are computed from times of the same invocation. Every TVM output is
-checked against ONNX Runtime (rtol 1e-3, atol 1e-4) and the max error is saved.
+checked against ONNX Runtime (``--rtol`` 1e-4, ``--atol`` 1e-5 by default) and the max error is saved.
 
 Sizes are chosen so that a full run stays under ~15 minutes on a 2-core machine (see
 ``MODELS``); ``light_resnet50`` (224x224, batch 1 only) skips the untuned column (~7 s a run).
@@ -50,7 +62,65 @@ MODELS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "light_resnet50": ("light_resnet50", {"weights": "random", "seed": 0}, False, False),
 }
 QUICK = ["resnet18", "mobilenet", "bert", "gpt"]
+# benchmarks/heldout_models.py's HELDOUT keys (named here so --help does not import onnx builders)
+HELDOUT_KEYS = ["heldout_vit", "heldout_mbv2", "heldout_inception", "heldout_unet"]
 CONV_MODELS = {"resnet18", "resnet50", "mobilenet", "light_resnet50"}  # where --conv-algorithm applies
+
+
+def _heldout() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("heldout_models", ROOT / "benchmarks" / "heldout_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def model_for(key: str, batch: int, shapes: dict[str, list[int]]) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
+    """The shape-inferred model for ``key`` at ``batch`` and what the row records about it
+    (source, args, whether the conv-algorithm / untuned columns apply); None when the model
+    cannot run at that batch (a zoo builder without a batch argument, a file with a fixed batch)."""
+    import models_zoo
+
+    if key in MODELS:
+        zoo, kwargs, batched, run_zero = MODELS[key]
+        if batch > 1 and not batched:
+            return None, {}
+        m = models_zoo.build(zoo, **({**kwargs, "batch": batch} if batched else kwargs))
+        info = {"source": "zoo", "zoo": zoo, "args": kwargs, "run_zero": run_zero, "conv": key in CONV_MODELS}
+    elif key.endswith(".onnx"):
+        from partitioner.bind_inputs import bind_dims
+
+        m = onnx.load(key)
+        fixed = [d.dim_value for i in m.graph.input[:1] for d in i.type.tensor_type.shape.dim[:1] if d.HasField("dim_value")]
+        if not shapes and fixed and fixed[0] != batch:
+            return None, {}
+        bind_dims(m, key, None if shapes else batch, shapes)
+        info = {"source": "file", "args": {"shape": shapes}, "run_zero": False,
+                "conv": any(n.op_type == "Conv" for n in m.graph.node)}
+    else:
+        heldout = _heldout()
+        if key not in heldout.HELDOUT:
+            raise SystemExit(f"per_device.py: unknown model {key!r}: a zoo key ({', '.join(MODELS)}), "
+                             f"{', '.join(heldout.HELDOUT)} or an .onnx file")
+        m = heldout.HELDOUT[key](batch, 0)
+        info = {"source": "heldout", "args": {"seed": 0}, "run_zero": False,
+                "conv": any(n.op_type == "Conv" for n in m.graph.node)}
+    return onnx.shape_inference.infer_shapes(m), info
+
+
+def flops_by_class(m: onnx.ModelProto) -> dict[str, float]:
+    """FLOPs of one inference per kernel class (``partitioner.cost.ops`` rules and classes)."""
+    import onnx_ir as ir
+
+    from partitioner.cost.ops import op_class, op_cost
+
+    out: dict[str, float] = {}
+    for node in ir.from_proto(m).graph:
+        c = op_cost(node)
+        if c.flops:
+            out[op_class(node)] = out.get(op_class(node), 0.0) + float(c.flops)
+    return out
 
 
 def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -89,19 +159,20 @@ def _tvm_build(m: onnx.ModelProto, out: Path, options: dict[str, Any]) -> tuple[
 
 
 def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    import models_zoo
     from backends.tvm.executable import configure_threads
     from partitioner.runtime.comm_local import LocalWorld
 
-    zoo, kwargs, batched, run_zero = MODELS[key]
-    m = models_zoo.build(zoo, **({**kwargs, "batch": batch} if batched else kwargs))
-    m = onnx.shape_inference.infer_shapes(m)
+    m, info = model_for(key, batch, args.shapes)
+    if m is None:
+        return []
     feeds = _feeds(m)
+    by_class = flops_by_class(m)
+    flops = sum(by_class.values())
     comm = LocalWorld(1).communicator(0)
     variants: dict[str, dict[str, Any]] = {"scheduled": {"pipeline": "scheduled"}}
-    if run_zero and not args.no_zero:
+    if info["run_zero"] and not args.no_zero:
         variants["zero"] = {"pipeline": "zero"}
-    if args.conv_algorithm != "direct" and key in CONV_MODELS:
+    if args.conv_algorithm != "direct" and info["conv"]:
         variants["conv"] = {"pipeline": "scheduled", "conv_algorithm": args.conv_algorithm}
     if args.tune_trials > 0:
         variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db,
@@ -117,22 +188,33 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
         configure_threads(threads)
         sess = _ort(m, threads)
         ref = sess.run(None, feeds)
-        row: dict[str, Any] = {"model": key, "zoo": zoo, "args": kwargs, "batch": batch, "threads": threads,
+        row: dict[str, Any] = {"model": Path(key).name, "source": info["source"], "zoo": info.get("zoo"),
+                               "args": info["args"], "batch": batch, "threads": threads, "flops": flops,
+                               "flops_by_class": by_class,
                                "ort_ms": 1e3 * _median_s(lambda: sess.run(None, feeds), args.runs)}
         for name, ex in exes.items():
             got = ex.run(feeds, comm)
             err = max(float(np.max(np.abs(got[o.name] - r))) for o, r in zip(m.graph.output, ref))
-            ok = all(np.allclose(got[o.name], r, rtol=1e-3, atol=1e-4) for o, r in zip(m.graph.output, ref))
+            ok = all(np.allclose(got[o.name], r, rtol=args.rtol, atol=args.atol) for o, r in zip(m.graph.output, ref))
             runs = args.zero_runs if name == "zero" else args.runs
             row[f"tvm_{name}_ms"] = 1e3 * _median_s(lambda ex=ex: ex.run(feeds, comm), runs)
             row[f"tvm_{name}_compile_s"] = round(compile_s[name], 2)
             row[f"tvm_{name}_max_abs_err"] = err
             row[f"tvm_{name}_matches_ort"] = ok
             row[f"tvm_{name}_vs_ort"] = row[f"tvm_{name}_ms"] / row["ort_ms"]
+            if args.peak_flops:
+                row[f"tvm_{name}_pct_peak"] = pct_peak(flops, row[f"tvm_{name}_ms"], args.peak_flops, threads)
+        if args.peak_flops:
+            row["ort_pct_peak"] = pct_peak(flops, row["ort_ms"], args.peak_flops, threads)
         rows.append(row)
         print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "args"}),
               file=sys.stderr, flush=True)
     return rows
+
+
+def pct_peak(flops: float, ms: float, peak_per_core: float, threads: int) -> float:
+    """100 x achieved FLOP/s over the measured peak of ``threads`` cores."""
+    return 100.0 * flops / (ms * 1e-3) / (peak_per_core * threads)
 
 
 def machine() -> dict[str, Any]:
@@ -155,8 +237,10 @@ def render_markdown(data: dict[str, Any]) -> str:
             (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms")]
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
     tuned = any("tvm_tuned_ms" in r for r in data["rows"])
+    peak = any("tvm_scheduled_pct_peak" in r for r in data["rows"])  # runs before the column existed have none
     head = "| model | batch | threads | " + " | ".join(f"TVM {label} (ms)" for label, _ in present) + \
-        " | ONNX Runtime (ms) | default / ORT |" + (" tuned / ORT |" if tuned else "")
+        " | ONNX Runtime (ms) | default / ORT |" + (" tuned / ORT |" if tuned else "") + \
+        (" default % of peak | ORT % of peak |" if peak else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in data["rows"]:
         cells = [f"{r[k]:.2f}" if k in r else "-" for _, k in present]
@@ -166,6 +250,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         if tuned:
             t = r.get("tvm_tuned_vs_ort")
             tuned_s = f" {t:.2f}x |" if t is not None else " - |"
+        if peak:
+            tuned_s += "".join(f" {r[k]:.1f}% |" if k in r else " - |" for k in ("tvm_scheduled_pct_peak", "ort_pct_peak"))
         lines.append(f"| {r['model']} | {r['batch']} | {r['threads']} | " + " | ".join(cells) +
                      f" | {r['ort_ms']:.2f} | {ratio_s} |" + tuned_s)
     m = data.get("machine", {})
@@ -174,13 +260,16 @@ def render_markdown(data: dict[str, Any]) -> str:
                  f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; median of {data['settings']['runs']} runs "
                  f"after warm-up (untuned: {data['settings']['zero_runs']})" +
                  (f"; tuned: MetaSchedule, {data['settings']['tune_trials']} trials per contraction kernel"
-                  + (f", conv models built with conv {conv}" if conv != "direct" else "") + "." if tuned else "."))
+                  + (f", conv models built with conv {conv}" if conv != "direct" else "") + "." if tuned else ".") +
+                 (f" % of peak: model FLOPs / time / ({data['peak']['fma_flops'] / 1e9:.0f} GFLOP/s measured one-core FMA "
+                  "peak x threads)." if peak and data.get("peak") else ""))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join([*MODELS, *HELDOUT_KEYS]),
+                    help="zoo keys, heldout_* keys or .onnx files (default: all zoo and held-out models)")
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, batch 1")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", default="1,2")
@@ -191,13 +280,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conv-algorithm", default="direct", choices=("direct", "im2col", "winograd", "auto"),
                     help="also build the conv models with this convolution algorithm (its own column)")
     ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))
+    ap.add_argument("--shape", action="append", metavar="NAME=DIMS", default=[],
+                    help="bind an .onnx model's input shape, e.g. --shape input=1,3,224,224 (repeatable)")
+    ap.add_argument("--rtol", type=float, default=1e-4)
+    ap.add_argument("--atol", type=float, default=1e-5)
+    ap.add_argument("--no-peak", action="store_true", help="skip the FMA-peak measurement (no %% of peak column)")
     ap.add_argument("--json", default=str(RESULTS))
     ap.add_argument("--markdown", action="store_true", help="print the saved results as a markdown table and exit")
     args = ap.parse_args(argv)
     if args.markdown:
         print(render_markdown(json.loads(Path(args.json).read_text())))
         return 0
+    from partitioner.commands._options import parse_shape_option
+
+    args.shapes = parse_shape_option(args.shape)
     models = QUICK if args.quick else [m for m in args.models.split(",") if m]
+    peak = None
+    if not args.no_peak:
+        from backends.tvm.peak import measure_peak
+
+        peak = measure_peak(quick=True).to_json()
+    args.peak_flops = peak["fma_flops"] if peak else None
     batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     rows: list[dict[str, Any]] = []
@@ -209,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    "runs": args.runs, "zero_runs": args.zero_runs,
                                                    "tune_trials": args.tune_trials,
                                                    "conv_algorithm": args.conv_algorithm,
-                                                   "model_args": {k: MODELS[k][1] for k in models}},
+                                                   "rtol": args.rtol, "atol": args.atol,
+                                                   "model_args": {k: MODELS[k][1] for k in models if k in MODELS}},
+                "peak": peak,
                 "complete": complete, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
@@ -218,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="per-device-") as tmp:
         for key in models:
             for batch in batches:
-                if batch > 1 and not MODELS[key][2]:
-                    continue
                 rows.extend(bench_model(key, batch, threads, args, Path(tmp)))
                 save(complete=False)
     data = save(complete=True)

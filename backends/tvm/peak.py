@@ -14,7 +14,13 @@ machine's limit, not the rate of some library:
    ``c = a + s * b`` over arrays each 2x the last-level cache (6x together), one thread; bytes counted
    = 3 x 4 x n (two reads and one write; the write-allocate read is not counted, as STREAM does).
 
-Both run on the calling thread only (TVM's thread pool is not used: the loops are not
+3. **Fork/join cost** (:func:`measure_fork_join`): a TVM-built parallel loop with one trivial
+   iteration per thread, timed on ``threads`` threads (wall clock, the calling thread waits for
+   the others) minus the same loop serial; the lowest batch median (load only adds). It gives
+   the threshold below which a kernel runs on one thread
+   (:func:`backends.tvm.schedules.threads.threshold_from`: ``Peak.parallel_min_flops``).
+
+The first two run on the calling thread only (TVM's thread pool is not used: the loops are not
 parallel), so the figures are per core; they are timed with the thread's CPU clock (equal to
 wall time on a quiet machine; on a shared one, other processes' time slices do not count).
 Sanity check against the CPU: peak ~= FMA units x lanes x 2 x clock (e.g. Zen 4: 2 x 256-bit
@@ -46,6 +52,8 @@ class Peak:
     target: str
     fma_by_accumulators: dict[int, float]
     fma_flops_best: float = 0.0
+    fork_join_s: float = 0.0
+    parallel_min_flops: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -196,9 +204,59 @@ def measure_bandwidth(target: Any = None, repeats: int = 7, n: int | None = None
     return _median_rate(lambda: fn(a, b, c, 0.5), 3.0 * 4 * n, repeats)
 
 
-def measure_peak(target: Any = None, quick: bool = False) -> Peak:
-    """FMA peak and bandwidth of one core for ``target`` (default: the host)."""
+def _fork_join_func(parallel: bool) -> Any:
+    from tvm.script import tirx as T
+
+    if parallel:
+        @T.prim_func
+        def probe(a: T.Buffer((64, 16), "float32")):
+            T.func_attr({"global_symbol": "probe", "tirx.noalias": True})
+            for t in T.parallel(64):
+                a[t, 0] = a[t, 0] + T.float32(1)
+        return probe
+
+    @T.prim_func
+    def probe(a: T.Buffer((64, 16), "float32")):
+        T.func_attr({"global_symbol": "probe", "tirx.noalias": True})
+        for t in range(64):
+            a[t, 0] = a[t, 0] + T.float32(1)
+    return probe
+
+
+def measure_fork_join(target: Any = None, threads: int = 2, batches: int = 15, calls: int = 200) -> float:
+    """Seconds one fork/join of TVM's pool costs on ``threads`` threads (module docstring, 3).
+
+    0.0 when the machine has fewer than 2 usable cores. Leaves the pool at ``threads``."""
+    import numpy as np
+    import tvm
+
+    from .executable import _usable_cores, configure_threads
+
+    if threads < 2 or _usable_cores() < 2:
+        return 0.0
+    tgt = _target(target)
+    configure_threads(threads)
+    fns = {par: tvm.compile(tvm.IRModule({"probe": _fork_join_func(par)}), target=tgt)["probe"] for par in (True, False)}
+    a = tvm.runtime.tensor(np.zeros((64, 16), "float32"))
+    per_call: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(batches):
+        for par, fn in fns.items():
+            fn(a)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(a)
+            per_call[par].append((time.perf_counter() - t0) / calls)
+    return max(0.0, min(per_call[True]) - min(per_call[False]))
+
+
+def measure_peak(target: Any = None, quick: bool = False, threads: int = 2) -> Peak:
+    """FMA peak and bandwidth of one core for ``target`` (default: the host), and the fork/join
+    cost of ``threads`` threads with the parallel threshold it implies."""
+    from .schedules.threads import DEFAULT_PARALLEL_MIN_FLOPS, threshold_from
+
     tgt = _target(target)
     flops, lanes, acc, rates, best = measure_fma_peak(tgt, seconds=0.02 if quick else 0.05, repeats=5 if quick else 9)
     bw = measure_bandwidth(tgt, repeats=3 if quick else 7)
-    return Peak(flops, bw, lanes, acc, str(tgt), rates, best)
+    fj = measure_fork_join(tgt, threads, batches=5 if quick else 15)
+    par_min = threshold_from(fj, best) if fj > 0 else DEFAULT_PARALLEL_MIN_FLOPS
+    return Peak(flops, bw, lanes, acc, str(tgt), rates, best, fj, par_min)

@@ -10,7 +10,8 @@ Phases, in order (:func:`passes`):
    a 1x1 conv is a plain GEMM; weights are transposed once, at compile time, by FoldConstant.
    Then, when the build asks for it (option ``conv_algorithm``), convolutions are rewritten to
    im2col+GEMM or Winograd (:mod:`backends.tvm.conv_algorithms`).
-3. ``legalize``: on the CPU, float32 ``erf``/``tanh``/``sigmoid``/``softmax`` first become TOPI's fast
+3. ``legalize``: on the CPU, inference batch norms become an add after the conv whose weights
+   absorb their scale (:mod:`backends.tvm.fold_batchnorm`); float32 ``erf``/``tanh``/``sigmoid``/``softmax`` first become TOPI's fast
    polynomial versions (:func:`_fast_math_map`); then TVM's zero pipeline (LegalizeOps,
    AnnotateTIROpPattern, FoldConstant, FuseOps, FuseTIR), plus MetaScheduleApplyDatabase when a
    tuning database is current.
@@ -52,8 +53,11 @@ def layout_passes(target: Any) -> list[Any]:
 
     if not _is_cpu(target):
         return []
-    # negative squeeze axes crash ConvertLayout with std::bad_alloc (backends/tvm/normalize_axes.py)
-    return [normalize_axes_pass(), relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()]
+    from .clip_as_max_min import clamp_passes
+
+    # negative squeeze axes crash ConvertLayout with std::bad_alloc (backends/tvm/normalize_axes.py);
+    # Clip's selects become maximum/minimum around ConvertLayout, which sees through those
+    return [normalize_axes_pass(), *clamp_passes([relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()])]
 
 
 def _fast_math_map() -> dict[str, Any]:
@@ -101,7 +105,11 @@ def legalize_passes(target: Any) -> list[Any]:
 
     if not _is_cpu(target):
         return [relax.get_pipeline("zero")]
-    return [relax.transform.LegalizeOps(customize_legalize_map=_fast_math_map()), relax.get_pipeline("zero")]
+    from .fold_batchnorm import fold_batchnorm_pass
+
+    # batch norm's (x - mean) / sd * gamma + beta: folded into the conv weights + one add
+    return [relax.transform.FoldConstant(), fold_batchnorm_pass(),
+            relax.transform.LegalizeOps(customize_legalize_map=_fast_math_map()), relax.get_pipeline("zero")]
 
 
 def schedule_passes(target: Any) -> list[Any]:

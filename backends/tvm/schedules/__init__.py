@@ -7,11 +7,13 @@ runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
 0. :class:`GemmPacked` - matrix products (MatMul, Gemm, batched MatMul) with N a multiple of
    the vector width: packed B (constant weights packed at build time), register-blocked
    micro-kernel sized to the target's vector registers.
-1. :class:`Contraction` - one reduction block (conv2d incl. depthwise/grouped, matmul, batch
+1. :class:`Depthwise` - NHWC depthwise convolutions (groups = channels): output rows in
+   parallel, channels in vectors, padded rows computed next to their use, BN/clamp fused.
+2. :class:`Contraction` - one reduction block (conv2d incl. depthwise/grouped, matmul, batch
    matmul, pooling, global pooling) with injective producers/consumers: register tiling,
    vectorised over the output's innermost axis, parallel over outer tiles, fused epilogue.
-2. dlight's CPU ``Reduction`` - softmax / layer norm style functions.
-3. :class:`Injective` - elementwise chains, transposes, padding: parallel + vectorised.
+3. dlight's CPU ``Reduction`` - softmax / layer norm style functions.
+4. :class:`Injective` - elementwise chains, transposes, padding: parallel + vectorised.
 
 Invariant: schedules only reorder/split/annotate loops (TVM checks each primitive), so a
 scheduled function computes the same values as the unscheduled one up to float rounding
@@ -23,18 +25,19 @@ from __future__ import annotations
 from typing import Any
 
 from .contraction import Contraction
+from .depthwise import Depthwise
 from .gemm_packed import GemmPacked
 from .injective import Injective
 from .vector import vector_lanes
 
-__all__ = ["Contraction", "GemmPacked", "Injective", "apply_default_schedules", "default_rules", "vector_lanes"]
+__all__ = ["Contraction", "Depthwise", "GemmPacked", "Injective", "apply_default_schedules", "default_rules", "vector_lanes"]
 
 
 def default_rules(target: Any) -> list[Any]:
     """The CPU rules, most specific first."""
     from tvm.s_tir import dlight as dl
 
-    return [GemmPacked(), Contraction(), dl.cpu.Reduction(), Injective()]
+    return [GemmPacked(), Depthwise(), Contraction(), dl.cpu.Reduction(), Injective()]
 
 
 def apply_default_schedules(mod: Any, target: Any) -> Any:

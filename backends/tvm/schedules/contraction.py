@@ -30,6 +30,7 @@ from typing import Any
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .injective import schedule_spatial_block
+from .threads import worth_parallel
 from .vector import const_extent, largest_divisor, vector_lanes
 
 MAX_ACCUMULATORS = 24  # of the 32 AVX-512 vector registers, leave some for operands
@@ -86,7 +87,8 @@ class Contraction(CPUScheduleRule):
         order = [v_outer, *spatial_outer, *red_loops, *inner]
         sch.reorder(*order)
         outer = sch.fuse(v_outer, *spatial_outer) if spatial_outer else v_outer
-        sch.parallel(outer)
+        if worth_parallel(_flops(exts)):  # small kernels: the fork/join costs more (threads.py)
+            sch.parallel(outer)
 
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
         consumers = [b for b in sch.get_child_blocks(root)]
@@ -174,6 +176,14 @@ class Contraction(CPUScheduleRule):
                 sch.vectorize(v)
             else:
                 sch.vectorize(loops[-1])
+
+
+def _flops(exts: list) -> float:
+    """2 x the iteration count of the reduction block (one multiply-add per iteration)."""
+    total = 2.0
+    for e in exts:
+        total *= e
+    return total
 
 
 def _tile_sizes(exts: list, s_idx: list[int], lanes: int) -> tuple[int, int, int | None, int]:

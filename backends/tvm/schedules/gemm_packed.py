@@ -35,7 +35,8 @@ is computed once at build time and the kernel reads ``Bp`` directly. When B is a
 (batched attention products), packing runs per call (K x N copies against M x N x K FMAs).
 
 Threads: the outer loop is parallel only when the product has at least
-:data:`PARALLEL_MIN_FLOPS` (below that the fork/join of TVM's pool costs more than it saves).
+:func:`~backends.tvm.schedules.threads.parallel_min_flops` (below that the fork/join of TVM's
+pool costs more than it saves; :mod:`backends.tvm.schedules.threads`).
 """
 
 from __future__ import annotations
@@ -46,12 +47,9 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .contraction import Contraction, _uses
 from .injective import schedule_spatial_block
+from .threads import worth_parallel
 from .vector import const_extent, vector_lanes
 
-# 2*M*N*K below which the kernel runs on one thread: ~2e6 FLOPs is ~20 us on one core at
-# 100 GFLOP/s, a few times TVM's fork/join cost (~3-10 us on 2 cores, measured by calibrate's
-# launch probe); smaller GEMMs lose more to the pool than they gain.
-PARALLEL_MIN_FLOPS = 2e6
 LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # Loop order: when all of the packed B fits this many bytes (the L2 of current server cores:
 # Zen 4 1 MiB, Ice Lake-SP 1.25 MiB), row tiles go outermost: B stays in L2, one A tile in L1, and
@@ -169,7 +167,7 @@ class GemmPacked(CPUScheduleRule):
         tiles = (io, jo) if rows_outer else (jo, io)
         sch.reorder(*b_loops, *tiles, *unit_r, lk, ii, jj, jv)
         outer = sch.fuse(*b_loops, *tiles)
-        if flops >= PARALLEL_MIN_FLOPS:
+        if worth_parallel(flops):
             sch.parallel(outer)
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
         names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}

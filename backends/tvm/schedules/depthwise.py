@@ -1,0 +1,196 @@
+"""CPU rule for depthwise convolutions in NHWC: rows outer, channels in vectors, memory-bound.
+
+Shapes it is for: one reduction block computing
+``out[n, h, w, c] += pad[n, h*s + ry*d, w*s + rx*d, c + rc] * W[ry, rx, rc, c]`` with the
+channel-group reduction ``rc`` of extent 1 (TVM's ``group_conv2d_nhwc`` with groups = channels,
+which is what a depthwise ``Conv`` becomes after the pipeline's NHWC layout pass), any kernel
+size, stride or dilation, channels a multiple of the vector width (or of half of it), and its
+fused producers (the padding) and epilogue (bias, batch-norm affine, ReLU / ReLU6 clamp,
+residual add). MobileNet/EfficientNet-style ``k x k`` depthwise layers are the target.
+
+Why a rule of its own: a depthwise conv does ``k*k`` FMAs per output element and reads one input
+element per FMA, i.e. it is bound by memory/L1 bandwidth, not by the FMA units. The
+GEMM-style :class:`~backends.tvm.schedules.contraction.Contraction` schedule put channel tiles
+outermost, so it streamed the whole input once per 32-channel tile with a stride of C floats,
+and it wrote the padded input to memory in a separate pass. Here (the structure of MLAS's NHWC
+depthwise kernel, written as TVM schedule primitives)::
+
+    for (n, h) in parallel_if_worth(N x H_out):          # one output row per task
+        padrow[kh rows, W_in + pads, C] = pad(x)          # only the rows this output row reads
+        for wo in W_out / WR:                              # (materialised per row: stays in L1/L2)
+            for co in C / V:
+                acc[WR, V] = 0                             # WR vector accumulators
+                for ry, rx in kh x kw:
+                    for wi in unroll(WR):                   # WR independent FMA chains
+                        acc[wi, :] += padrow[ry, (wo*WR + wi)*s + rx, co*V:(co+1)*V] * W[ry, rx, co*V:..]
+                out[n, h, wo*WR.., co*V..] = epilogue(acc)  # BN, clamp, residual fused
+
+Every load is a contiguous vector over channels, every input row is read from memory once per
+output row that needs it (``kh / s`` times, from cache after the first), and the output is
+written once with its epilogue applied. The padded rows are computed per output row when that
+copies each input row at most :data:`MAX_PAD_RECOPY` times (``kh / stride``: stride-2 layers);
+for stride 1 (3 copies of each row) the padded input is written once before the loop, as a
+parallel vectorised copy (measured on Zen 4, thread CPU time, MobileNetV2's layers: per row
+0.67x the time of pad-once at stride 2, 1.1-1.3x at stride 1). ``WR`` (:func:`row_tile`) is the largest divisor of
+the output width up to 8: 8 independent accumulators hide the FMA latency.
+
+Threads: the ``(n, h)`` loop is parallel only when the layer has at least
+:func:`~backends.tvm.schedules.threads.parallel_min_flops` FLOPs (below, the fork/join costs
+more than it saves: :mod:`backends.tvm.schedules.threads`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+
+from .contraction import Contraction, _uses
+from .injective import schedule_spatial_block
+from .threads import worth_parallel
+from .vector import const_extent, largest_divisor, vector_lanes
+
+#: (n, h) tasks below which the padded rows are not computed per row (too few rows to matter)
+MAX_ROW_TILE = 8
+#: pad per output row when that copies each input row at most this many times (kh / stride)
+MAX_PAD_RECOPY = 1.5
+#: None: by :data:`MAX_PAD_RECOPY`; True/False forces it (benchmarks/depthwise.py compares)
+PAD_PER_ROW: bool | None = None
+
+
+def row_tile(width: int) -> int:
+    """Output pixels per register tile: the largest divisor of ``width`` up to 8 (8 independent
+    FMA chains cover 4-cycle latency x 2 pipes); 1 for prime widths (correct, slower)."""
+    return largest_divisor(width, tuple(range(MAX_ROW_TILE, 0, -1)))
+
+
+class Depthwise(CPUScheduleRule):
+    """NHWC depthwise convolution (module docstring: which shapes, which schedule)."""
+
+    def apply(self, func: Any, target: Any, _tunable: bool) -> Any:
+        from tvm import s_tir, tirx
+
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        try:
+            return self._apply(s_tir.Schedule(func), target)
+        except Exception:  # a pattern this rule does not handle: leave it to the next rule
+            return None
+
+    def _apply(self, sch: Any, target: Any) -> Any:
+        found = _match_depthwise(sch)
+        if found is None:
+            return None
+        root, red, loops, exts, stride = found
+        per_row = PAD_PER_ROW if PAD_PER_ROW is not None else exts[4] / stride <= MAX_PAD_RECOPY
+        lanes = vector_lanes(target, 32)
+        c = exts[3]
+        if c % lanes:
+            lanes //= 2
+        if lanes < 4 or c % lanes:
+            return None
+        wr = row_tile(exts[2])
+        flops = 2.0 * exts[0] * exts[1] * exts[2] * c * exts[4] * exts[5]
+
+        wb = sch.cache_write(red, 0, "local")
+        ln, lh, lw, lc, ry, rx, rc = sch.get_loops(red)
+        wo, wi = sch.split(lw, factors=[None, wr])
+        co, cv = sch.split(lc, factors=[None, lanes])
+        sch.reorder(ln, lh, wo, co, ry, rx, rc, wi, cv)
+        row = sch.fuse(ln, lh)
+        if worth_parallel(flops):
+            sch.parallel(row)
+        sch.reverse_compute_at(wb, co, preserve_unit_loops=True)
+        names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}
+        Contraction._inline_epilogue(sch, wb)
+        sch.unroll(wi)
+        sch.vectorize(cv)
+        init = sch.decompose_reduction(red, ry)
+        Contraction._vectorize_tail(sch, init, lanes)
+        Contraction._vectorize_tail(sch, wb, lanes)
+
+        red_name, wb_name = str(sch.get(red).name_hint), str(sch.get(wb).name_hint)
+        for blk in sch.get_producers(red):
+            if per_row and _is_pad(sch, blk):  # the rows this output row reads, next to it in cache
+                sch.compute_at(blk, row, preserve_unit_loops=True)
+                _vectorize_innermost(sch, blk, lanes)
+        for blk in sch.get_child_blocks(root):
+            name = str(sch.get(blk).name_hint)
+            if name in (red_name, wb_name, str(sch.get(init).name_hint)) or name not in names_before:
+                continue
+            if len(sch.get_loops(blk)) > 0 and not (per_row and _is_pad(sch, blk)):
+                schedule_spatial_block(sch, blk, lanes)
+        return sch
+
+
+def _match_depthwise(sch: Any) -> tuple[Any, Any, list[Any], list[int], int] | None:
+    """(root, reduction block, its 7 loops, their extents, the vertical stride) for an NHWC depthwise conv block, or
+    None. Checks: loops (n, h, w, c, ry, rx, rc) with rc of extent 1; the output indexed by
+    (n, h, w, c); two reads, one using (h, ry) in dim 1, (w, rx) in dim 2, c in dim 3 only, the
+    other (the weight) using c only in its last dim and neither h nor w."""
+    from tvm import tirx
+
+    root = sch.get_sblock("root")
+    reds = [b for b in sch.get_child_blocks(root)
+            if any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(b).iter_vars)]
+    if len(reds) != 1:
+        return None
+    red = reds[0]
+    stmt = sch.get(red)
+    ivs = list(stmt.iter_vars)
+    kinds = "".join("S" if iv.iter_type == tirx.IterVar.DataPar else "R" for iv in ivs)
+    loops = sch.get_loops(red)
+    if kinds != "SSSSRRR" or len(loops) != 7 or stmt.init is None or len(stmt.writes) != 1:
+        return None
+    if str(stmt.writes[0].source.dtype) != "float32":
+        return None
+    exts = [const_extent(sch, lp) for lp in loops]
+    if any(e is None for e in exts) or exts[6] != 1:
+        return None
+    n, h, w, c, ry, rx = (iv.var for iv in ivs[:6])
+    out = stmt.writes[0].region
+    if not all(_uses(out[i].min, v) for i, v in enumerate((n, h, w, c))):
+        return None
+    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
+    if len(reads) != 2:
+        return None
+    data = [r for r in reads if len(r.region) == 4 and _uses(r.region[1].min, h) and _uses(r.region[2].min, w)]
+    weight = [r for r in reads if r not in data]
+    if len(data) != 1 or len(weight) != 1:
+        return None
+    d, wt = data[0].region, weight[0].region
+    if not (_uses(d[1].min, ry) and _uses(d[2].min, rx) and _uses(d[3].min, c)):
+        return None
+    if _uses(d[1].min, c) or _uses(d[2].min, c) or any(_uses(r.min, c) for r in wt[:-1]):
+        return None
+    if not _uses(wt[-1].min, c) or any(_uses(r.min, v) for r in wt for v in (h, w)):
+        return None
+    from tvm.sym.pattern import detect_linear_equation
+
+    coef = detect_linear_equation(d[1].min, [h])
+    if len(coef) != 2:
+        return None
+    return root, red, loops, exts, int(coef[0])
+
+
+def _is_pad(sch: Any, blk: Any) -> bool:
+    """A spatial block that writes an intermediate buffer with a conditional (padding) value."""
+    from tvm import tirx
+
+    stmt = sch.get(blk)
+    if any(iv.iter_type != tirx.IterVar.DataPar for iv in stmt.iter_vars):
+        return False
+    body = stmt.body
+    return isinstance(body, tirx.BufferStore) and "if_then_else" in str(body.value)
+
+
+def _vectorize_innermost(sch: Any, blk: Any, lanes: int) -> None:
+    loops = sch.get_loops(blk)
+    ext = const_extent(sch, loops[-1]) if loops else None
+    if ext is None or ext % lanes:
+        return
+    if ext > lanes:
+        _, v = sch.split(loops[-1], factors=[None, lanes])
+        sch.vectorize(v)
+    else:
+        sch.vectorize(loops[-1])

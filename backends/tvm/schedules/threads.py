@@ -1,0 +1,60 @@
+"""Threads that pay: which kernels run on TVM's thread pool and which stay on one thread.
+
+Rule: a kernel's outer loop is parallel only when its work covers the pool's fork/join cost,
+``flops >= parallel_min_flops()``. With ``T`` threads a kernel of ``W`` FLOPs at a per-core
+rate ``R`` takes ``W/R`` on one thread and ``W/(T*R) + F`` on ``T`` (``F`` = fork/join); it pays
+only when ``W > F * R * T/(T-1)`` (``2FR`` on 2 threads). The threshold is
+``FORK_JOIN_MARGIN x 2 x F x R`` with ``R`` the measured FMA peak: a margin for imperfect
+scaling (shared L2/L3 bandwidth, uneven tiles) and for kernels that reach their rate only on
+long runs. On the development machine (Zen 4 under KVM, 2 cores) ``F`` ~ 3-10 us and ``R`` ~
+118 GFLOP/s give 1.4-5 MFLOP; the default, :data:`DEFAULT_PARALLEL_MIN_FLOPS` = 2e6, is that
+range's low end (measured earlier on GEMMs: below ~2 MFLOP the 2-thread run was slower).
+
+Where the number comes from, first match wins:
+
+1. ``PARTITIONER_PARALLEL_MIN_FLOPS`` in the environment (a float): for experiments;
+2. :func:`set_parallel_min_flops` (``backends.tvm.peak.measure_fork_join`` +
+   :func:`threshold_from` give the machine's own value);
+3. :data:`DEFAULT_PARALLEL_MIN_FLOPS`.
+
+Memory-bound kernels (elementwise, pads, transposes) use :data:`PARALLEL_MIN_ELEMENTS` instead,
+in the same spirit: ~16K float32 elements is ~64 KiB, a few microseconds of copying.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_PARALLEL_MIN_FLOPS = 2e6
+FORK_JOIN_MARGIN = 2.0
+PARALLEL_MIN_ELEMENTS = 16384
+ENV = "PARTITIONER_PARALLEL_MIN_FLOPS"
+
+_configured: float | None = None
+
+
+def threshold_from(fork_join_s: float, flops_per_s: float) -> float:
+    """FLOPs a kernel needs before a 2-thread run beats one thread, with the module's margin."""
+    return FORK_JOIN_MARGIN * 2.0 * fork_join_s * flops_per_s
+
+
+def set_parallel_min_flops(value: float | None) -> None:
+    """Use ``value`` for the rest of the process (None: back to the default)."""
+    global _configured
+    _configured = None if value is None else float(value)
+
+
+def parallel_min_flops() -> float:
+    """The threshold in force (module docstring: environment, configured, default)."""
+    env = os.environ.get(ENV)
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            pass
+    return _configured if _configured is not None else DEFAULT_PARALLEL_MIN_FLOPS
+
+
+def worth_parallel(flops: float) -> bool:
+    """True when a kernel of ``flops`` FLOPs should use the thread pool."""
+    return flops >= parallel_min_flops()

@@ -1,0 +1,102 @@
+"""The depthwise rule (backends/tvm/schedules/depthwise.py) and the clamp rewrite
+(backends/tvm/clip_as_max_min.py) keep numerics and fuse the layer into one kernel.
+
+Each case is a depthwise ``Conv`` (groups = channels) -> ``BatchNormalization`` -> ReLU6
+(``Clip`` with constant bounds) -> a 1x1 ``Conv``, compiled through the ``scheduled`` pipeline
+for the host and for an AVX2 target, compared with ONNX Runtime on seeded inputs (rtol 1e-4,
+atol 1e-5). The structure checks: the depthwise conv, its batch norm and the clamp are one
+kernel (``fused_conv2d_..._maximum_minimum``: no NCHW round trip around ReLU6), and that kernel
+was scheduled by the depthwise rule (its (n, h) row loop; the padded rows inside it exactly
+when the rule's recopy bound says so). A NaN
+input stays NaN through the fused clamp, as in ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+from backends.tvm.lower import lower_program
+from backends.tvm.pipeline import run_pipeline
+from backends.tvm.schedules.depthwise import MAX_PAD_RECOPY, Depthwise, row_tile
+from backends.tvm.target import detect_host_target
+
+RTOL, ATOL = 1e-4, 1e-5
+TARGETS = {"host": None, "avx2": {"kind": "llvm", "mcpu": "haswell"}}
+
+
+def _model(n: int, c: int, hw: int, k: int, s: int, dil: int = 1) -> onnx.ModelProto:
+    rng = np.random.default_rng(c * 100 + hw * 10 + k + s)
+    p = (k - 1) // 2 * dil
+    f32 = np.float32
+    inits = [numpy_helper.from_array((rng.standard_normal((c, 1, k, k)) * 0.4).astype(f32), "w"),
+             numpy_helper.from_array(rng.uniform(0.5, 1.5, c).astype(f32), "scale"),
+             numpy_helper.from_array((rng.standard_normal(c) * 0.3).astype(f32), "shift"),
+             numpy_helper.from_array((rng.standard_normal(c) * 0.1).astype(f32), "mean"),
+             numpy_helper.from_array(rng.uniform(0.5, 1.5, c).astype(f32), "var"),
+             numpy_helper.from_array(np.array(0, f32), "lo"), numpy_helper.from_array(np.array(6, f32), "hi"),
+             numpy_helper.from_array((rng.standard_normal((16, c, 1, 1)) * 0.2).astype(f32), "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["dw"], group=c, kernel_shape=[k, k], strides=[s, s],
+                              pads=[p] * 4, dilations=[dil, dil]),
+             helper.make_node("BatchNormalization", ["dw", "scale", "shift", "mean", "var"], ["bn"]),
+             helper.make_node("Clip", ["bn", "lo", "hi"], ["r6"]),
+             helper.make_node("Conv", ["r6", "w2"], ["y"], kernel_shape=[1, 1])]
+    g = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, hw, hw])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def _run(m: onnx.ModelProto, target_name: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
+    spec = TARGETS[target_name]
+    target = tvm.target.Target(spec if spec is not None else detect_host_target())
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    res = vm["main"](tvm.runtime.tensor(x))
+    got = res.numpy() if isinstance(res, tvm.runtime.Tensor) else res[0].numpy()
+    return got, ref, funcs
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize(
+    "n,c,hw,k,s,dil",
+    [(1, 32, 16, 3, 1, 1),    # MobileNet 3x3 stride 1
+     (2, 48, 15, 5, 2, 1),    # 5x5 stride 2, odd size, batch 2
+     (1, 32, 14, 3, 2, 1),    # 3x3 stride 2: padded rows per output row
+     (1, 24, 7, 3, 1, 1),     # channels a multiple of 8 only, prime width (row tile 7)
+     (1, 16, 12, 3, 1, 2)],   # dilation 2
+    ids=["3x3s1", "5x5s2-b2", "3x3s2", "c24-w7", "dil2"],
+)
+def test_depthwise_bn_relu6_matches_ort(n: int, c: int, hw: int, k: int, s: int, dil: int, target_name: str) -> None:
+    m = _model(n, c, hw, k, s, dil)
+    x = np.random.default_rng(0).standard_normal((n, c, hw, hw)).astype(np.float32)
+    got, ref, funcs = _run(m, target_name, x)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+    fused = [name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name]
+    assert fused, f"depthwise conv, BN and ReLU6 are not one kernel: {sorted(funcs)}"
+    assert not any("transpose" in name and "maximum" in name for name in funcs), sorted(funcs)
+    # the depthwise rule's mark: the (n, h) row loop; stride 2: the padded rows computed inside it
+    body = funcs[fused[0]]
+    loop = body.index("for nn_yy_fused")  # the (n, h) row loop of the depthwise rule
+    per_row = body.index('T.sblock("pad_temp")') > loop
+    assert per_row == (k / s <= MAX_PAD_RECOPY), f"padding per row: {per_row} for k={k}, stride={s}"
+
+
+def test_nan_stays_nan_through_the_fused_clamp() -> None:
+    m = _model(1, 32, 8, 3, 1)
+    x = np.random.default_rng(1).standard_normal((1, 32, 8, 8)).astype(np.float32)
+    x[0, 3, 4, 4] = np.nan
+    got, ref, _ = _run(m, "host", x)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(ref).any()
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_row_tile() -> None:
+    assert [row_tile(w) for w in (112, 56, 28, 14, 7, 13, 1)] == [8, 8, 7, 7, 7, 1, 1]
+    assert Depthwise() is not None
