@@ -472,3 +472,14 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
              f"for the {cal.backend} backend"
              f"{'' if cal.mpi_ok else '; MPI probe failed, link is nominal'}")
     return Cluster("local", devs, (tuple(range(n)),), (link,), notes)
+
+
+def calibrate_and_cache(backend: str = DEFAULT_BACKEND, quick: bool = True) -> tuple[Calibration, Cluster]:
+    """Calibrate this machine for ``backend`` and store the result in the per-machine cache
+    (:mod:`partitioner.calibrate_cache`), which the ``cpu:N`` preset reads from then on."""
+    from partitioner.calibrate_cache import save_cached
+
+    cal = calibrate(quick=quick, backend=backend)
+    one = cluster_from_calibration(cal, 1)
+    save_cached(one.to_json(), cal.to_json(), backend)
+    return cal, one

@@ -262,14 +262,14 @@ class Cluster:
         p.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
 
     @classmethod
-    def resolve(cls, spec: str) -> Cluster:
+    def resolve(cls, spec: str, backend: str | None = None) -> Cluster:
         """A preset name (``cpu:N``, ``local``, ``h100x8``, ``h200x8``, ``h200:4x8``, ``a100:16x8``,
         ``edge``, or ``h100|h200|a100`` as ``NAMExG`` / ``NAME:NxG``) or a cluster JSON file path."""
         spec = str(spec).strip()
         if spec.endswith(".json") or os.sep in spec:
             return cls.load(spec)
         try:
-            return preset(spec)
+            return preset(spec, backend)
         except ClusterError:
             if os.path.isfile(spec):
                 return cls.load(spec)
@@ -423,13 +423,19 @@ CPU_CORE_BANDWIDTH = hardware.CPU_CORE_BANDWIDTH
 CPU_LAUNCH_OVERHEAD_S = hardware.CPU_LAUNCH_OVERHEAD_S
 
 
-def cpu_cluster(n: int) -> Cluster:
+def cpu_cluster(n: int, backend: str | None = None) -> Cluster:
     """``cpu:N``: N cores of this machine, each a device, sharing memory in one node.
 
-    Nominal peak per core = clock × FLOPs/cycle, where FLOPs/cycle is 2 FMA units × vector lanes
-    × 2 (64 with AVX-512, 32 with AVX2, 8 otherwise)."""
+    The figures are this machine's calibration for ``backend`` (default tvm) when the
+    per-machine cache holds one (:mod:`partitioner.calibrate_cache`; ``partitioner calibrate``
+    fills it), so the planner predicts with measured figures by default. Otherwise nominal: peak
+    per core = clock × FLOPs/cycle, where FLOPs/cycle is 2 FMA units × vector lanes × 2 (64 with
+    AVX-512, 32 with AVX2, 8 otherwise), and the nominal bandwidth, launch overhead and link."""
     if n < 1:
         raise ClusterError(f"cpu:{n}: the device count must be at least 1")
+    calibrated = _calibrated_cpu_cluster(n, backend)
+    if calibrated is not None:
+        return calibrated
     hz, flags = _cpu_info()
     per_cycle = 64 if "avx512f" in flags else 32 if "avx2" in flags else 8
     fp32 = hz * per_cycle
@@ -441,6 +447,23 @@ def cpu_cluster(n: int) -> Cluster:
                  for i in range(n))
     return Cluster(f"cpu:{n}", devs, (tuple(range(n)),), (CPU_LINK,),
                    f"nominal: {hz / 1e9:.2f} GHz x {per_cycle} FLOP/cycle per core")
+
+
+def _calibrated_cpu_cluster(n: int, backend: str | None) -> Cluster | None:
+    """``cpu:N`` from the calibration cache, or None when this machine has none for ``backend``."""
+    from partitioner.calibrate_cache import DEFAULT_BACKEND, cache_path, load_cached
+
+    doc = load_cached(backend or DEFAULT_BACKEND)
+    if doc is None:
+        return None
+    try:
+        one = Cluster.from_json(doc["cluster"], str(cache_path(backend or DEFAULT_BACKEND)))
+    except ClusterError as exc:
+        sys.stderr.write(f"partitioner: ignoring the calibration cache: {exc}\n")
+        return None
+    c = replicate(one, n)
+    return Cluster(f"cpu:{n}", c.devices, c.nodes, c.levels, f"calibrated ({cache_path(backend or DEFAULT_BACKEND)}): "
+                   f"{one.notes}")
 
 
 def edge_cluster() -> Cluster:
@@ -483,14 +506,15 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 
 
-def preset(spec: str) -> Cluster:
-    """Build a preset cluster by name (see :data:`PRESETS`)."""
+def preset(spec: str, backend: str | None = None) -> Cluster:
+    """Build a preset cluster by name (see :data:`PRESETS`); ``backend`` picks whose calibration
+    ``cpu:N`` reads (:func:`cpu_cluster`)."""
     s = spec.strip().lower()
     m = re.fullmatch(r"cpu:(\d+)", s)
     if m:
-        return cpu_cluster(int(m.group(1)))
+        return cpu_cluster(int(m.group(1)), backend)
     if s == "cpu":
-        return cpu_cluster(1)
+        return cpu_cluster(1, backend)
     m = re.fullmatch(r"local(?::(\d+))?", s)
     if m:
         return local_cluster(int(m.group(1)) if m.group(1) else None)
@@ -507,13 +531,14 @@ def preset(spec: str) -> Cluster:
                        f"(or h100/h200/a100/l4 as NAMExG or NAME:NxG), or a cluster .json file")
 
 
-def resolve_cluster(cluster: Cluster | str | int | None) -> Cluster:
+def resolve_cluster(cluster: Cluster | str | int | None, backend: str | None = None) -> Cluster:
     """The one cluster resolver of the API, the CLI and the compile driver: a :class:`Cluster` as
-    is, ``None`` as ``cpu:1``, an int N as ``cpu:N``, a string as :meth:`Cluster.resolve` reads it."""
+    is, ``None`` as ``cpu:1``, an int N as ``cpu:N``, a string as :meth:`Cluster.resolve` reads it
+    (``backend``: whose calibration ``cpu:N`` uses, default tvm)."""
     if cluster is None:
-        return Cluster.resolve("cpu:1")
+        return Cluster.resolve("cpu:1", backend)
     if isinstance(cluster, int):
-        return Cluster.resolve(f"cpu:{cluster}")
+        return Cluster.resolve(f"cpu:{cluster}", backend)
     if isinstance(cluster, str):
-        return Cluster.resolve(cluster)
+        return Cluster.resolve(cluster, backend)
     return cluster

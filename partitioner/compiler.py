@@ -126,7 +126,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
         from backends.tvm.target import gpu_cluster_spec  # a GPU target plans for N of that GPU
 
         cluster = gpu_cluster_spec(target, cluster or 1) or cluster
-    cluster_obj = resolve_cluster(cluster)
+    cluster_obj = resolve_cluster(cluster, backend)  # cpu:N: this backend's calibrated figures
     result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
                        memory_limit=memory_limit)
     if backend == "tvm" and target is not None:
