@@ -76,6 +76,9 @@ class Device:
     efficiency: float = 1.0
     launch_overhead_s: float = 0.0
     efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
+    #: seconds per run of a compiled program (one call per micro-batch: argument and result
+    #: handling, VM entry), beside the per-kernel launch overhead; measured by calibration
+    call_overhead_s: float = 0.0
 
     def class_efficiency(self, op_class: str | None) -> float:
         """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
@@ -94,7 +97,8 @@ class Device:
         return {"name": self.name, "kind": self.kind, "peak_flops": dict(self.peak_flops),
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
                 "efficiency": self.efficiency, "launch_overhead_s": self.launch_overhead_s,
-                **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {})}
+                **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {}),
+                **({"call_overhead_s": self.call_overhead_s} if self.call_overhead_s else {})}
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,9 @@ class Cluster:
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be a positive number")
             if not (0 < d.efficiency <= 1):
                 raise ClusterError(f"{where}: device {d.name!r}: efficiency must be in (0, 1]")
-            if not (d.launch_overhead_s >= 0 and math.isfinite(d.launch_overhead_s)):
-                raise ClusterError(f"{where}: device {d.name!r}: launch_overhead_s must be >= 0")
+            for fname in ("launch_overhead_s", "call_overhead_s"):
+                if not (getattr(d, fname) >= 0 and math.isfinite(getattr(d, fname))):
+                    raise ClusterError(f"{where}: device {d.name!r}: {fname} must be >= 0")
             for cls_name, v in d.efficiency_by_class.items():
                 if cls_name not in OP_CLASSES:
                     raise ClusterError(f"{where}: device {d.name!r}: efficiency_by_class has unknown class "
@@ -329,6 +334,7 @@ def _parse(data: Any, source: str) -> Cluster:
                 efficiency=_num(d, "efficiency", where, 1.0),
                 launch_overhead_s=_num(d, "launch_overhead_s", where, 0.0),
                 efficiency_by_class=dict(by_class),
+                call_overhead_s=_num(d, "call_overhead_s", where, 0.0),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -502,7 +508,8 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     """n copies of the first device, one node, the first link level (for ``local:N``)."""
     d0 = cluster.devices[0]
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
-                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class)) for i in range(n))
+                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s)
+                 for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 
 

@@ -214,6 +214,8 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                     for r in g:
                         held[r] += local * m
     mem, parts = _memory(view, plan, weights, act, held)
+    for r in range(w):  # one run of the rank's program per micro-batch (what the simulator charges)
+        compute[r] += m * getattr(cluster.devices[r], "call_overhead_s", 0.0)
     busy = compute + comm
     latency = _step_latency(plan, busy)
     batch = view.batch_size()
