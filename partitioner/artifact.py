@@ -114,6 +114,11 @@ class Artifact:
     def programs(self) -> tuple[onnx.ModelProto, ...]:
         return tuple(onnx.load(str(self.root / r["program"])) for r in self.manifest["ranks"])
 
+    def program(self, rank: int) -> onnx.ModelProto:
+        """Rank ``rank``'s program alone (a worker needs only its own: ``programs`` reads every
+        rank's, weights included, and held them all in each worker's memory)."""
+        return onnx.load(str(self.root / self.manifest["ranks"][rank]["program"]))
+
     @cached_property
     def source(self) -> onnx.ModelProto:
         return onnx.load(str(self.root / self.manifest["source_model"]["file"]))

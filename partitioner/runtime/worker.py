@@ -228,7 +228,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         os.environ["PARTITIONER_LOCAL_RANK"] = str(local.Get_rank() % local_size)  # picks this rank's GPU
         memory = _memory_baseline(art.backend)
-        exe = get_backend(art.backend).load(art.programs[rank], art.backend_file(rank), threads=threads)
+        exe = get_backend(art.backend).load(art.program(rank), art.backend_file(rank), threads=threads)
         if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
             phase = "gpu comm"
             from partitioner.runtime.comm_nccl import gpu_communicator
