@@ -18,6 +18,8 @@ Rules:
 4. ``PARTITIONER_CACHE_DIR`` moves the whole cache (tests point it at a temporary folder so no
    test depends on what the machine has cached); ``PARTITIONER_AUTO_CALIBRATE=0`` turns off the
    quick calibration that ``plan`` and ``compile`` run on first use (:func:`ensure_calibrated`).
+   A first-use calibration that fails leaves ``<key>.failed`` beside the cache file and is not
+   tried again on first use (``partitioner calibrate`` tries again and removes it).
 
 This module imports only the ground floor; :mod:`partitioner.cluster` builds the cluster from
 the JSON it returns, and :mod:`partitioner.calibrate` fills it.
@@ -81,6 +83,7 @@ def save_cached(cluster_json: dict[str, Any], calibration_json: dict[str, Any], 
     path = cache_path(backend, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"key": machine_key(backend, threads), "cluster": cluster_json, "calibration": calibration_json}
+    path.with_suffix(".failed").unlink(missing_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)  # readers never see a half-written file
@@ -97,7 +100,8 @@ def ensure_calibrated(backend: str = DEFAULT_BACKEND,
     fills the cache) first when there is none and :func:`auto_calibrate_enabled`. A failed
     calibration is reported on stderr in one line and the nominal figures stay in use."""
     doc = load_cached(backend)
-    if doc is not None or run is None or not auto_calibrate_enabled():
+    failed = cache_path(backend).with_suffix(".failed")
+    if doc is not None or run is None or not auto_calibrate_enabled() or failed.is_file():
         return doc
     sys.stderr.write(f"partitioner: calibrating this machine for the {backend} backend once "
                      f"(about 20 s; cached in {cache_path(backend).parent}) ...\n")
@@ -105,6 +109,12 @@ def ensure_calibrated(backend: str = DEFAULT_BACKEND,
     try:
         run(backend)
     except Exception as exc:  # noqa: BLE001 - calibration is an improvement, never a reason to fail
-        sys.stderr.write(f"partitioner: calibration failed ({exc}); using nominal figures\n")
+        sys.stderr.write(f"partitioner: calibration failed ({exc}); using nominal figures (not retried on "
+                         f"first use; `partitioner calibrate` tries again)\n")
+        try:  # a machine where calibration fails must not pay for it on every command
+            failed.parent.mkdir(parents=True, exist_ok=True)
+            failed.write_text(f"{exc}\n", encoding="utf-8")
+        except OSError:
+            pass
         return None
     return load_cached(backend)

@@ -102,3 +102,20 @@ def test_plan_predicts_with_the_cached_figures(tmp_path: Path, capsys: pytest.Ca
     _cache(_calibration(1e9))  # a much slower calibrated core than any nominal one
     slow = latency()
     assert slow > 2 * nominal
+
+
+def test_failed_first_use_calibration_is_not_retried(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[str] = []
+
+    def broken(backend: str) -> None:
+        calls.append(backend)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setenv(calibrate_cache.AUTO_ENV, "1")
+    assert calibrate_cache.ensure_calibrated("tvm", broken) is None
+    assert calibrate_cache.ensure_calibrated("tvm", broken) is None
+    assert calls == ["tvm"]
+    assert "calibration failed (no compiler)" in capsys.readouterr().err
+    _cache(_calibration(5e10))  # `partitioner calibrate` succeeds: the marker goes
+    assert not calibrate_cache.cache_path("tvm").with_suffix(".failed").exists()
