@@ -84,6 +84,19 @@ def _error(pred: float | None, meas: float | None) -> str:
     return f"{e * 100:+.0f}%" + ("" if abs(e) <= TARGET_ERROR else " ✗")
 
 
+def _split(doc: dict[str, Any]) -> str:
+    """Measured compute / comm / idle ms per step, per rank (worker ``--profile``, last round)."""
+    return " ; ".join(f"{_ms(r.get('compute_s'))} / {_ms(r.get('comm_s'))} / {_ms(r.get('idle_s'))}"
+                      for r in doc.get("breakdown") or [] if r.get("compute_s") is not None) or "-"
+
+
+def _overhead(doc: dict[str, Any]) -> str:
+    mb = doc.get("per_microbatch") or {}
+    if not mb:
+        return "-"
+    return f"{mb['overhead_s'] * 1e6:.0f}" + (f" (best {mb['best_overhead_s'] * 1e6:.0f})" if "best_overhead_s" in mb else "")
+
+
 def _row(path: Path, doc: dict[str, Any]) -> str:
     case, res, st = doc.get("case", {}), doc["results"], doc["settings"]
     part = res["partitioned"]
@@ -101,7 +114,7 @@ def _row(path: Path, doc: dict[str, Any]) -> str:
              _cell_spread(next((v for k, v in rounds["speedup"].items() if k.startswith("single_")), None), 1,
                           "{:.2f}", "x"),
              _cell_spread(rounds["speedup"].get("onnxruntime"), 1, "{:.2f}", "x"),
-             mib(mem_pred), mib(mem_meas), _error(mem_pred, mem_meas),
+             mib(mem_pred), mib(mem_meas), _error(mem_pred, mem_meas), _split(doc), _overhead(doc),
              str((doc.get("machine") or {}).get("load_average_1_5_15min") or "-")]
     return "| " + " | ".join(cells) + " |"
 
@@ -112,8 +125,9 @@ def markdown(results_dir: Path) -> str:
     split is faster; errors are predicted / measured - 1, marked ✗ beyond 25%."""
     rows = ["| model | strategy | backend | ranks x threads | rounds | step ms | predicted ms | time error "
             "| vs 1 rank, same cores | vs 1 rank, 1 thread | vs ORT, same cores | predicted peak MiB/rank "
-            "| measured peak MiB/rank | memory error | load avg |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| measured peak MiB/rank | memory error | compute / comm / idle ms per rank | overhead us/micro-batch "
+            "| load avg |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(results_dir.glob("runtime_*.json")):
         doc = json.loads(path.read_text())
         if "results" in doc:
