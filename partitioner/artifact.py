@@ -114,10 +114,13 @@ class Artifact:
     def programs(self) -> tuple[onnx.ModelProto, ...]:
         return tuple(onnx.load(str(self.root / r["program"])) for r in self.manifest["ranks"])
 
-    def program(self, rank: int) -> onnx.ModelProto:
-        """Rank ``rank``'s program alone (a worker needs only its own: ``programs`` reads every
-        rank's, weights included, and held them all in each worker's memory)."""
-        return onnx.load(str(self.root / self.manifest["ranks"][rank]["program"]))
+    def program(self, rank: int, weights: bool | None = None) -> onnx.ModelProto:
+        """Rank ``rank``'s program alone, for its worker (``programs`` reads every rank's, weights
+        included, and held them all in each worker's memory). ``weights=False`` leaves external
+        weight data unread; None reads it unless the backend is TVM, whose executable holds its
+        own weights (its ONNX Runtime fallback segments are files of their own)."""
+        load = self.backend != "tvm" if weights is None else weights
+        return onnx.load(str(self.root / self.manifest["ranks"][rank]["program"]), load_external_data=load)
 
     @cached_property
     def source(self) -> onnx.ModelProto:
