@@ -12,6 +12,14 @@ that the explanation says why (nothing to time: it is the 1-rank plan itself).
 
 NOISE = 10%: the spread of round medians measured on the shared 2-core development machine.
 Slow (minutes of TVM builds per model).
+
+Last results (2026-12-01, shared 2-core machine, load average 30–74, so not a verdict): resnet,
+bert, mobilenet and light_shufflenet passed once each (resnet failed a second run at load 74:
+data x2 24.3 ms against 20.6 ms). light_squeezenet fails: auto picks tensor x2 (simulated 9.3 ms
+against 13.4 ms for single), which measured 44–97 ms against 13.8 ms: 15 AllReduces of
+row-split convolutions, 45 ms of comm per step and 50 ms of kernels per rank. Rerun on a quiet
+machine; if it still fails, the model misses the cost of the split convolutions' kernels and
+collectives (see docs/calibration.md).
 """
 
 from __future__ import annotations
