@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables gpu-check real-models clean train-demo
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables runtime-table gpu-check real-models clean train-demo
 
 all: test
 
@@ -82,6 +82,10 @@ real-models: $(STAMP)
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)
 	$(PY) benchmarks/readme_tables.py
+
+## The runtime table (predicted vs measured time and memory, 3 interleaved rounds): on a quiet machine.
+runtime-table: $(STAMP)
+	$(PY) benchmarks/bench_runtime.py --recalibrate --overhead && $(PY) benchmarks/readme_tables.py
 
 clean:
 	rm -rf $(OUT) .pytest_cache build dist *.egg-info

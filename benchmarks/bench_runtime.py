@@ -1,10 +1,15 @@
-"""Runtime benchmark: zoo ResNet-18 and BERT (batch 8) on 2 ranks, data and pipeline (8 micro-batches).
+"""Runtime benchmark: zoo ResNet-18 and BERT (batch 8) on 2 ranks, data and pipeline (8 micro-batches),
+each row with the cost model's predicted step time and per-rank peak memory beside the measured ones.
 
-For each (model, strategy) it compiles an artifact, runs ``partitioner bench`` (warm-up + median of
-N; every rank one thread; the partitioned run profiled per rank) against ONNX Runtime on the source
-model with the same total thread count and, with ``--baseline single``, against the same model
-compiled for 1 rank with the same backend (built once per model, run with all the threads), and
-writes ``benchmarks/results/runtime_<model>_<strategy>.json``.
+For each (model, strategy) it compiles an artifact for ``cpu:2`` (this machine's calibrated figures:
+the script calibrates the backend once if the per-machine cache has none, ``--recalibrate`` forces
+it), then runs ``--rounds`` (default 3) rounds of ``partitioner bench``; each round runs, one after
+the other, the partitioned artifact (every rank one thread, profiled per rank), ONNX Runtime on the
+source model with the same total threads and, with ``--baseline single``, the same model compiled
+for 1 rank with the same backend on the same total cores (2 threads) and on 1 thread. Rounds are
+interleaved, so a burst of other load on the machine hits every variant alike; the JSON keeps each
+round and ``rounds`` gives min/median/max over them of every median step and speed-up.
+It writes ``benchmarks/results/runtime_<model>_<strategy>.json``.
 
 ``--overhead`` also measures the per-micro-batch runtime overhead on a tiny model (a 2-stage
 pipeline of a 2-layer MLP, 64 micro-batches of 1 sample): the slot per micro-batch minus the
@@ -12,14 +17,21 @@ slowest stage's kernel time, into ``runtime_overhead.json``.
 
 ``--markdown`` prints the README table from the JSON files already in the results folder.
 
+The final table needs a quiet machine (nothing else running; the load average is recorded in
+each row). One command, then regenerate the README:
+
+    .venv/bin/python benchmarks/bench_runtime.py --recalibrate --overhead && .venv/bin/python benchmarks/readme_tables.py
+
     .venv/bin/python benchmarks/bench_runtime.py [--backend tvm|onnxruntime] [--baseline single]
-        [--repeat N] [--models resnet,bert] [--strategies data,pipeline] [--overhead] [--markdown]
+        [--repeat N] [--rounds R] [--models resnet,bert] [--strategies data,pipeline] [--overhead]
+        [--recalibrate] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,45 +44,94 @@ CASES = {"resnet": {"batch": 8}, "bert": {"batch": 8}}
 STRATEGIES = {"data": {}, "pipeline": {"microbatches": 8}}
 OVERHEAD_MODEL = {"batch": 64, "layers": 2, "hidden": 16, "in_features": 16, "out_features": 8}
 OVERHEAD_MICROBATCHES = 64
+TARGET_ERROR = 0.25  # issue 13: predicted within 25% of measured, time and memory, every row
 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
+def _spread(values: list[float]) -> dict[str, float] | None:
+    return ({"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+            if values else None)
+
+
+def rounds_summary(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """min/median/max over the rounds of each variant's median step, of the speed-ups against the
+    partitioned run, and of the measured peak memory of the fullest rank."""
+    out: dict[str, Any] = {"rounds": len(docs), "median_s": {}, "speedup": {}}
+    for name in docs[0]["results"]:
+        out["median_s"][name] = _spread([d["results"][name]["median_s"] for d in docs if name in d["results"]])
+        if name != "partitioned":
+            out["speedup"][name] = _spread([d["results"][name]["median_s"] / d["results"]["partitioned"]["median_s"]
+                                            for d in docs if name in d["results"]])
+    out["measured_peak_memory_bytes"] = _spread([d["prediction"]["measured_peak_memory_bytes"] for d in docs
+                                                 if d["prediction"].get("measured_peak_memory_bytes")])
+    return out
+
+
+def _cell_spread(sp: dict[str, float] | None, scale: float = 1e3, fmt: str = "{:.1f}", unit: str = "") -> str:
+    if not sp:
+        return "-"
+    f = lambda v: fmt.format(v * scale) + unit  # noqa: E731
+    return f"{f(sp['median'])} ({f(sp['min'])}–{f(sp['max'])})" if sp["n"] > 1 else f(sp["median"])
+
+
+def _error(pred: float | None, meas: float | None) -> str:
+    if not pred or not meas:
+        return "-"
+    e = pred / meas - 1
+    return f"{e * 100:+.0f}%" + ("" if abs(e) <= TARGET_ERROR else " ✗")
+
+
+def _split(doc: dict[str, Any]) -> str:
+    """Measured compute / comm / idle ms per step, per rank (worker ``--profile``, last round)."""
+    return " ; ".join(f"{_ms(r.get('compute_s'))} / {_ms(r.get('comm_s'))} / {_ms(r.get('idle_s'))}"
+                      for r in doc.get("breakdown") or [] if r.get("compute_s") is not None) or "-"
+
+
+def _overhead(doc: dict[str, Any]) -> str:
+    mb = doc.get("per_microbatch") or {}
+    if not mb:
+        return "-"
+    return f"{mb['overhead_s'] * 1e6:.0f}" + (f" (best {mb['best_overhead_s'] * 1e6:.0f})" if "best_overhead_s" in mb else "")
+
+
+def _row(path: Path, doc: dict[str, Any]) -> str:
+    case, res, st = doc.get("case", {}), doc["results"], doc["settings"]
+    part = res["partitioned"]
+    rounds = doc.get("rounds") or rounds_summary([doc])
+    pred = doc["prediction"]
+    step = rounds["median_s"]["partitioned"]
+    mem_meas = (rounds.get("measured_peak_memory_bytes") or {}).get("median") or pred.get("measured_peak_memory_bytes")
+    mem_pred = pred.get("predicted_peak_memory_bytes")
+    strategy = st["strategy"] + (f" x{st['microbatches']}" if st["microbatches"] > 1 else "")
+    mib = lambda b: "-" if not b else f"{b / 2**20:.1f}"  # noqa: E731
+    cells = [f"{case.get('model', path.stem)} (batch {st['batch']})", strategy, st["backend"],
+             f"{part['ranks']} x {part['threads'] // max(1, part['ranks'])}", str(rounds["rounds"]),
+             _cell_spread(step), _ms(pred["predicted_step_s"]), _error(pred["predicted_step_s"], step["median"]),
+             _cell_spread(rounds["speedup"].get("single"), 1, "{:.2f}", "x"),
+             _cell_spread(next((v for k, v in rounds["speedup"].items() if k.startswith("single_")), None), 1,
+                          "{:.2f}", "x"),
+             _cell_spread(rounds["speedup"].get("onnxruntime"), 1, "{:.2f}", "x"),
+             mib(mem_pred), mib(mem_meas), _error(mem_pred, mem_meas), _split(doc), _overhead(doc),
+             str((doc.get("machine") or {}).get("load_average_1_5_15min") or "-")]
+    return "| " + " | ".join(cells) + " |"
+
+
 def markdown(results_dir: Path) -> str:
-    """The README table, from ``runtime_*.json`` (one row per case)."""
-    rows = ["| model | strategy | backend | ranks x threads | step ms | samples/s | 1-rank ms (threads) "
-            "| vs 1 rank | 1-rank ms, 1 thread | vs 1 rank, 1 thread | ORT ms (threads) | predicted ms | compute / comm / idle ms per rank "
-            "| overhead us/micro-batch | load avg |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The README table, from ``runtime_*.json`` (one row per case): median (min–max) over the
+    interleaved rounds; speed-ups are 1-rank (or ORT) step / partitioned step, so > 1 means the
+    split is faster; errors are predicted / measured - 1, marked ✗ beyond 25%."""
+    rows = ["| model | strategy | backend | ranks x threads | rounds | step ms | predicted ms | time error "
+            "| vs 1 rank, same cores | vs 1 rank, 1 thread | vs ORT, same cores | predicted peak MiB/rank "
+            "| measured peak MiB/rank | memory error | compute / comm / idle ms per rank | overhead us/micro-batch "
+            "| load avg |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(results_dir.glob("runtime_*.json")):
         doc = json.loads(path.read_text())
-        if "results" not in doc:
-            continue
-        case, res, st = doc.get("case", {}), doc["results"], doc["settings"]
-        part, single, ort = res["partitioned"], res.get("single"), res.get("onnxruntime")
-        single1 = res.get("single_1thread")
-        split = " ; ".join(f"{_ms(r.get('compute_s'))} / {_ms(r.get('comm_s'))} / {_ms(r.get('idle_s'))}"
-                           for r in doc.get("breakdown") or [] if r.get("compute_s") is not None) or "-"
-        mb = doc.get("per_microbatch") or {}
-        overhead = "-"
-        if mb:
-            overhead = f"{mb['overhead_s'] * 1e6:.0f}"
-            if "best_overhead_s" in mb:
-                overhead += f" (best {mb['best_overhead_s'] * 1e6:.0f})"
-        strategy = st["strategy"] + (f" x{st['microbatches']}" if st["microbatches"] > 1 else "")
-        cells = [f"{case.get('model', path.stem)} (batch {st['batch']})", strategy, st["backend"],
-                 f"{part['ranks']} x {part['threads'] // max(1, part['ranks'])}", _ms(part["median_s"]),
-                 f"{part['throughput_per_s']:.1f}",
-                 f"{_ms(single['median_s'])} ({single['threads']})" if single else "-",
-                 f"{single['median_s'] / part['median_s']:.2f}x" if single else "-",
-                 _ms(single1["median_s"]) if single1 else "-",
-                 f"{single1['median_s'] / part['median_s']:.2f}x" if single1 else "-",
-                 f"{_ms(ort['median_s'])} ({ort['threads']})" if ort else "-",
-                 _ms(doc["prediction"]["predicted_step_s"]), split, overhead,
-                 str((doc.get("machine") or {}).get("load_average_1_5_15min") or "-")]
-        rows.append("| " + " | ".join(cells) + " |")
+        if "results" in doc:
+            rows.append(_row(path, doc))
     return "\n".join(rows)
 
 
@@ -79,6 +140,18 @@ def _compile(model_path: Path, cluster: str, strategy: str, backend: str, out: P
 
     return compile_artifact(str(model_path), cluster, strategy=strategy, backend=backend, fallback="onnxruntime",
                             out_dir=out, progress=False, **kw)
+
+
+def ensure_calibration(backend: str, force: bool) -> str:
+    """This machine's calibration for ``backend`` (run once, or again with ``force``); returns the
+    cache file's path, which ``cpu:N`` then reads."""
+    from partitioner.calibrate import calibrate_and_cache
+    from partitioner.calibrate_cache import cache_path, load_cached
+
+    if force or load_cached(backend) is None:
+        print(f"calibrating the {backend} backend on this machine ...", flush=True)
+        calibrate_and_cache(backend, quick=False)
+    return str(cache_path(backend))
 
 
 def overhead(backend: str, repeat: int, warmup: int, tmp: Path, out_dir: Path) -> None:
@@ -99,19 +172,41 @@ def overhead(backend: str, repeat: int, warmup: int, tmp: Path, out_dir: Path) -
     print(format_table(doc))
 
 
-def main() -> int:
+def bench_case(art: Any, single_dir: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    """``--rounds`` interleaved rounds of ``bench_artifact``; the last round's document, with
+    every round's results and their min/median/max (``rounds``)."""
+    from partitioner.bench import bench_artifact
+
+    docs = [bench_artifact(art.root, repeat=args.repeat, warmup=args.warmup,
+                           baseline="single" if single_dir else "onnxruntime", single_dir=single_dir)
+            for _ in range(args.rounds)]
+    doc = docs[-1]
+    doc["rounds"] = rounds_summary(docs)
+    doc["per_round"] = [{"results": {k: {"median_s": v["median_s"]} for k, v in d["results"].items()},
+                         "memory": d["memory"], "load_average": d["machine"].get("load_average_1_5_15min")}
+                        for d in docs]
+    return doc
+
+
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("tvm", "onnxruntime"), default="tvm")
     ap.add_argument("--baseline", choices=("onnxruntime", "single"), default="single")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (min/median/max; >= 3)")
     ap.add_argument("--models", default="resnet,bert")
     ap.add_argument("--strategies", default="data,pipeline")
+    ap.add_argument("--recalibrate", action="store_true", help="calibrate the backend again before compiling")
     ap.add_argument("--overhead", action="store_true", help="also measure the per-micro-batch runtime overhead")
     ap.add_argument("--only-overhead", action="store_true", help="measure only the overhead")
     ap.add_argument("--markdown", action="store_true", help="print the README table from the JSON files and exit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = _args()
     out_dir = Path(args.out)
     if args.markdown:
         print(markdown(out_dir))
@@ -120,10 +215,11 @@ def main() -> int:
     import onnx
 
     from models_zoo import build
-    from partitioner.bench import bench_artifact, format_table
+    from partitioner.bench import format_table
     from partitioner.core.errors import PartitionerError
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    calibration = ensure_calibration(args.backend, args.recalibrate)
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp_name:
         tmp = Path(tmp_name)
         if args.overhead or args.only_overhead:
@@ -144,13 +240,13 @@ def main() -> int:
                 try:
                     art = _compile(model_path, "cpu:2", strategy, args.backend, tmp / f"{name}_{strategy}",
                                    **STRATEGIES[strategy])
-                    doc = bench_artifact(art.root, repeat=args.repeat, warmup=args.warmup,
-                                         baseline="single" if single_dir else "onnxruntime", single_dir=single_dir)
+                    doc = bench_case(art, single_dir, args)
                 except PartitionerError as exc:
                     print(f"{label}: skipped: {exc}")
                     continue
                 doc["case"] = {"model": name, **CASES[name], "strategy": strategy, **STRATEGIES[strategy],
-                               "requested_backend": args.backend, "fallback": art.manifest.get("fallback")}
+                               "requested_backend": args.backend, "fallback": art.manifest.get("fallback"),
+                               "calibration": calibration, "cluster_notes": art.manifest.get("cluster", {}).get("notes")}
                 path = out_dir / f"runtime_{name}_{strategy}.json"
                 path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
                 print(f"== {label} -> {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")

@@ -167,8 +167,9 @@ class Artifact:
         return onnx.load(str(source_model_path(self.root, self.manifest)))
 
     def program(self, rank: int, *, load_data: bool = True) -> onnx.ModelProto:
-        """Rank ``rank``'s program; ``load_data=False`` leaves its weights in ``rank<i>.data``
-        (external references that the backend memory-maps), so one rank reads only its own."""
+        """Rank ``rank``'s program alone, for its worker (``programs`` reads every rank's);
+        ``load_data=False`` leaves its weights in ``rank<i>.data`` (external references that the
+        backend memory-maps), so one rank reads only its own."""
         return onnx.load(str(self.root / self.manifest["ranks"][rank]["program"]), load_external_data=load_data)
 
     @property

@@ -21,6 +21,9 @@ Rules:
 7. ``per_microbatch``: with p pipeline stages and m micro-batches a step is about (m + p - 1)
    slots, so slot = step / (m + p - 1); the runtime overhead per micro-batch is the slot minus the
    slowest rank's kernel compute per micro-batch (launch, copies, comm bookkeeping and waiting).
+8. ``memory``: per rank, the predicted peak memory (the manifest's simulated per-rank peak) beside
+   the measured one: the rank's RSS high-water mark (``VmHWM``) minus its baseline, the RSS once the
+   backend's runtime is imported and just before its program loads (the worker resets the mark there).
 """
 
 from __future__ import annotations
@@ -64,6 +67,33 @@ def _predicted_step(prediction: Mapping[str, Any] | None) -> float | None:
         if isinstance(v, (int, float)) and v > 0:
             return float(v)
     return None
+
+
+def predicted_memory(prediction: Mapping[str, Any] | None) -> dict[int, float]:
+    """Per rank, the cost model's peak memory in bytes: the simulation of the lowered programs
+    when the manifest has it (the prediction ``plan`` shows), else the analytical estimate."""
+    if not prediction:
+        return {}
+    sim = prediction.get("simulated") or {}
+    rows = sim.get("ranks") or prediction.get("per_device") or []
+    return {int(d.get("rank", i)): float(d["peak_memory_bytes"]) for i, d in enumerate(rows)
+            if d.get("peak_memory_bytes") is not None}
+
+
+def memory_rows(timings: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Rule 8: per rank, predicted peak bytes beside the measured one (VmHWM minus the process
+    baseline the worker took just before loading its program, ``runtime/worker.py``)."""
+    predicted = predicted_memory(prediction)
+    rows = []
+    for rep in timings.get("ranks") or []:
+        mem = rep.get("memory") or {}
+        measured = mem.get("peak_over_baseline_bytes")
+        pred = predicted.get(int(rep["rank"]))
+        rows.append({"rank": rep["rank"], "predicted_bytes": pred, "measured_bytes": measured,
+                     "baseline_rss_bytes": mem.get("baseline_rss_bytes"), "peak_rss_bytes": mem.get("peak_rss_bytes"),
+                     "peak_reset": mem.get("peak_reset"),
+                     "predicted_over_measured": pred / measured if pred and measured else None})
+    return rows
 
 
 def _median(values: list[float]) -> float:
@@ -162,6 +192,7 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     predicted = _predicted_step(art.manifest.get("prediction"))
     m = art.manifest
     ranks = breakdown(timings, m.get("prediction"))
+    memory = memory_rows(timings, m.get("prediction"))
     stages = int(m["plan_summary"].get("num_stages") or m["plan_summary"].get("stages") or 1) \
         if not isinstance(m["plan_summary"].get("stages"), list) else len(m["plan_summary"]["stages"])
     return {
@@ -177,10 +208,20 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
         "breakdown": ranks,
         "per_microbatch": per_microbatch(part_s, int(m["microbatches"]), stages, ranks,
                                          min(timings["times_s"]) if timings.get("times_s") else None),
+        "memory": memory,
         "prediction": {"predicted_step_s": predicted, "measured_step_s": part_s,
                        "predicted_over_measured": predicted / part_s if predicted else None,
-                       "manifest": m.get("prediction")},
+                       **_memory_summary(memory), "manifest": m.get("prediction")},
     }
+
+
+def _memory_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fullest rank's predicted and measured peak (the figure a memory limit is about)."""
+    pred = [r["predicted_bytes"] for r in rows if r["predicted_bytes"] is not None]
+    meas = [r["measured_bytes"] for r in rows if r["measured_bytes"] is not None]
+    p, q = (max(pred) if pred else None), (max(meas) if meas else None)
+    return {"predicted_peak_memory_bytes": p, "measured_peak_memory_bytes": q,
+            "memory_predicted_over_measured": p / q if p and q else None}
 
 
 def format_table(doc: Mapping[str, Any]) -> str:
@@ -201,6 +242,12 @@ def format_table(doc: Mapping[str, Any]) -> str:
                      + (f" (fastest step: {mb['best_overhead_s'] * 1e6:.1f} us)" if "best_overhead_s" in mb else ""))
     p = doc["prediction"]
     if p["predicted_step_s"]:
-        lines.append(f"cost model predicted {p['predicted_step_s'] * 1e3:.2f} ms per step, measured "
-                     f"{p['measured_step_s'] * 1e3:.2f} ms ({p['predicted_over_measured']:.2f}x)")
+        lines.append(f"step time: predicted {p['predicted_step_s'] * 1e3:.2f} ms, measured "
+                     f"{p['measured_step_s'] * 1e3:.2f} ms (predicted/measured {p['predicted_over_measured']:.2f})")
+    for r in doc.get("memory") or []:
+        pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / 2**20:.1f} MiB"
+        meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / 2**20:.1f} MiB"
+        ratio = f" (predicted/measured {r['predicted_over_measured']:.2f})" if r["predicted_over_measured"] else ""
+        lines.append(f"rank {r['rank']} peak memory: predicted {pred}, measured {meas} above the process "
+                     f"baseline{ratio}")
     return "\n".join(lines)

@@ -12,6 +12,8 @@ What is measured, and how:
 3. Launch overhead of the backend being calibrated (``backend``: ``tvm`` by default, or
    ``onnxruntime``), one thread: TVM runs a chain of 32 tiny MatMuls (each its own kernel);
    ONNX Runtime a chain of tiny Relu/Neg nodes with graph optimisations off; time per node.
+   3b. Call overhead (:func:`call_overhead`): a one-kernel program's run time minus one launch,
+   paid once per run (per micro-batch) by every rank.
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
    micro-kernels (:func:`micro_kernels`: a dense GEMM, a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat) at one
@@ -79,12 +81,14 @@ class Calibration:
     # the physical limits (backends/tvm/peak.py): FMA-loop peak and triad bandwidth, one core
     fma_peak_flops: float | None = None
     stream_bandwidth: float | None = None
+    call_overhead_s: float = 0.0  # per run of a compiled program (probe 3b)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
             "gemm_flops_per_core": self.gemm_flops, "gemm_n": self.gemm_n,
             "memory_bandwidth_per_core": self.memory_bandwidth, "launch_overhead_s": self.launch_overhead_s,
+            "call_overhead_s": self.call_overhead_s,
             "efficiency_by_class": dict(self.efficiency_by_class),
             "kernels": [dict(k) for k in self.kernels],
             "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
@@ -250,6 +254,17 @@ def _ort_launch_overhead(chain: int) -> float:
     return _median_time(lambda: sess.run(None, x), quick=False) / chain
 
 
+def call_overhead(backend: str, work: Path, launch: float, quick: bool) -> float:
+    """Probe 3b: seconds per run of a compiled program beyond its kernels: the median time of a
+    one-kernel program (a Relu on 8 values) minus one launch. The runtime pays it once per
+    micro-batch on every rank (argument and result handling, VM entry); a tiny model's pipeline
+    step is mostly this."""
+    k = _k("call_1relu", "other", {"x": (1, 8)}, {}, [("Relu", ["x"], ["y"], {})], ["y"])
+    run = _runner(backend, kernel_model(k), work)
+    feeds = _feeds(k)
+    return max(_median_time(lambda: run(feeds), quick) - launch, 0.0)
+
+
 def kernel_roof(model: Any, device: Device) -> tuple[float, int]:
     """(Σ roofline seconds at efficiency 1 without launch overheads, kernels launched) of a
     micro-model under the roofline rules (fusion included), so that calibrating on it and
@@ -293,6 +308,7 @@ def measure_backend(backend: str, quick: bool, gemm_flops: float, bandwidth: flo
             run = _runner(backend, kernel_model(chain), work)
             feeds = _feeds(chain)
             launch = _median_time(lambda: run(feeds), quick) / 32
+        call = call_overhead(backend, work, launch, quick)
         for k in micro_kernels(quick):
             model = kernel_model(k)
             t0 = time.perf_counter()
@@ -312,7 +328,8 @@ def measure_backend(backend: str, quick: bool, gemm_flops: float, bandwidth: flo
         by_class[cls] = min(math.exp(sum(math.log(e) for e in effs) / len(effs)), MAX_CLASS_EFFICIENCY)
     if "norm" in by_class:
         by_class["reduction"] = by_class["norm"]
-    return {"launch_overhead_s": launch, "efficiency_by_class": by_class, "kernels": rows, "backend": backend}
+    return {"launch_overhead_s": launch, "call_overhead_s": call, "efficiency_by_class": by_class, "kernels": rows,
+            "backend": backend}
 
 
 # ---- single-core probe (runs in a subprocess with one BLAS thread) ----------------------------
@@ -449,7 +466,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
     return Calibration(
         gemm_flops=float(single["gemm_flops"]), gemm_n=int(single["gemm_n"]),
         memory_bandwidth=float(single["memory_bandwidth"]),
-        launch_overhead_s=float(single["launch_overhead_s"]),
+        launch_overhead_s=float(single["launch_overhead_s"]), call_overhead_s=float(single.get("call_overhead_s", 0.0)),
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
         mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
@@ -465,10 +482,21 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     peak = {"float32": f32, "float16": f32, "bfloat16": f32, "int8": 2 * f32}
     mem = total_memory_bytes() / n
     devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s,
-                        dict(cal.efficiency_by_class))
+                        dict(cal.efficiency_by_class), cal.call_overhead_s)
                  for i in range(n))
     link = LinkLevel("shm-mpi" if cal.mpi_ok else "shm", cal.alpha_s, cal.beta_s_per_byte)
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')} "
              f"for the {cal.backend} backend"
              f"{'' if cal.mpi_ok else '; MPI probe failed, link is nominal'}")
     return Cluster("local", devs, (tuple(range(n)),), (link,), notes)
+
+
+def calibrate_and_cache(backend: str = DEFAULT_BACKEND, quick: bool = True) -> tuple[Calibration, Cluster]:
+    """Calibrate this machine for ``backend`` and store the result in the per-machine cache
+    (:mod:`partitioner.calibrate_cache`), which the ``cpu:N`` preset reads from then on."""
+    from partitioner.calibrate_cache import save_cached
+
+    cal = calibrate(quick=quick, backend=backend)
+    one = cluster_from_calibration(cal, 1)
+    save_cached(one.to_json(), cal.to_json(), backend)
+    return cal, one

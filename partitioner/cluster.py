@@ -76,6 +76,9 @@ class Device:
     efficiency: float = 1.0
     launch_overhead_s: float = 0.0
     efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
+    #: seconds per run of a compiled program (one call per micro-batch: argument and result
+    #: handling, VM entry), beside the per-kernel launch overhead; measured by calibration
+    call_overhead_s: float = 0.0
 
     def class_efficiency(self, op_class: str | None) -> float:
         """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
@@ -94,7 +97,8 @@ class Device:
         return {"name": self.name, "kind": self.kind, "peak_flops": dict(self.peak_flops),
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
                 "efficiency": self.efficiency, "launch_overhead_s": self.launch_overhead_s,
-                **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {})}
+                **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {}),
+                **({"call_overhead_s": self.call_overhead_s} if self.call_overhead_s else {})}
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,9 @@ class Cluster:
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be a positive number")
             if not (0 < d.efficiency <= 1):
                 raise ClusterError(f"{where}: device {d.name!r}: efficiency must be in (0, 1]")
-            if not (d.launch_overhead_s >= 0 and math.isfinite(d.launch_overhead_s)):
-                raise ClusterError(f"{where}: device {d.name!r}: launch_overhead_s must be >= 0")
+            for fname in ("launch_overhead_s", "call_overhead_s"):
+                if not (getattr(d, fname) >= 0 and math.isfinite(getattr(d, fname))):
+                    raise ClusterError(f"{where}: device {d.name!r}: {fname} must be >= 0")
             for cls_name, v in d.efficiency_by_class.items():
                 if cls_name not in OP_CLASSES:
                     raise ClusterError(f"{where}: device {d.name!r}: efficiency_by_class has unknown class "
@@ -262,14 +267,14 @@ class Cluster:
         p.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
 
     @classmethod
-    def resolve(cls, spec: str) -> Cluster:
+    def resolve(cls, spec: str, backend: str | None = None) -> Cluster:
         """A preset name (``cpu:N``, ``local``, ``h100x8``, ``h200x8``, ``h200:4x8``, ``a100:16x8``,
         ``edge``, or ``h100|h200|a100`` as ``NAMExG`` / ``NAME:NxG``) or a cluster JSON file path."""
         spec = str(spec).strip()
         if spec.endswith(".json") or os.sep in spec:
             return cls.load(spec)
         try:
-            return preset(spec)
+            return preset(spec, backend)
         except ClusterError:
             if os.path.isfile(spec):
                 return cls.load(spec)
@@ -329,6 +334,7 @@ def _parse(data: Any, source: str) -> Cluster:
                 efficiency=_num(d, "efficiency", where, 1.0),
                 launch_overhead_s=_num(d, "launch_overhead_s", where, 0.0),
                 efficiency_by_class=dict(by_class),
+                call_overhead_s=_num(d, "call_overhead_s", where, 0.0),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -423,13 +429,19 @@ CPU_CORE_BANDWIDTH = hardware.CPU_CORE_BANDWIDTH
 CPU_LAUNCH_OVERHEAD_S = hardware.CPU_LAUNCH_OVERHEAD_S
 
 
-def cpu_cluster(n: int) -> Cluster:
+def cpu_cluster(n: int, backend: str | None = None) -> Cluster:
     """``cpu:N``: N cores of this machine, each a device, sharing memory in one node.
 
-    Nominal peak per core = clock × FLOPs/cycle, where FLOPs/cycle is 2 FMA units × vector lanes
-    × 2 (64 with AVX-512, 32 with AVX2, 8 otherwise)."""
+    The figures are this machine's calibration for ``backend`` (default tvm) when the
+    per-machine cache holds one (:mod:`partitioner.calibrate_cache`; ``partitioner calibrate``
+    fills it), so the planner predicts with measured figures by default. Otherwise nominal: peak
+    per core = clock × FLOPs/cycle, where FLOPs/cycle is 2 FMA units × vector lanes × 2 (64 with
+    AVX-512, 32 with AVX2, 8 otherwise), and the nominal bandwidth, launch overhead and link."""
     if n < 1:
         raise ClusterError(f"cpu:{n}: the device count must be at least 1")
+    calibrated = _calibrated_cpu_cluster(n, backend)
+    if calibrated is not None:
+        return calibrated
     hz, flags = _cpu_info()
     per_cycle = 64 if "avx512f" in flags else 32 if "avx2" in flags else 8
     fp32 = hz * per_cycle
@@ -441,6 +453,23 @@ def cpu_cluster(n: int) -> Cluster:
                  for i in range(n))
     return Cluster(f"cpu:{n}", devs, (tuple(range(n)),), (CPU_LINK,),
                    f"nominal: {hz / 1e9:.2f} GHz x {per_cycle} FLOP/cycle per core")
+
+
+def _calibrated_cpu_cluster(n: int, backend: str | None) -> Cluster | None:
+    """``cpu:N`` from the calibration cache, or None when this machine has none for ``backend``."""
+    from partitioner.calibrate_cache import DEFAULT_BACKEND, cache_path, load_cached
+
+    doc = load_cached(backend or DEFAULT_BACKEND)
+    if doc is None:
+        return None
+    try:
+        one = Cluster.from_json(doc["cluster"], str(cache_path(backend or DEFAULT_BACKEND)))
+    except ClusterError as exc:
+        sys.stderr.write(f"partitioner: ignoring the calibration cache: {exc}\n")
+        return None
+    c = replicate(one, n)
+    return Cluster(f"cpu:{n}", c.devices, c.nodes, c.levels, f"calibrated ({cache_path(backend or DEFAULT_BACKEND)}): "
+                   f"{one.notes}")
 
 
 def edge_cluster() -> Cluster:
@@ -479,18 +508,20 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     """n copies of the first device, one node, the first link level (for ``local:N``)."""
     d0 = cluster.devices[0]
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
-                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class)) for i in range(n))
+                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s)
+                 for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 
 
-def preset(spec: str) -> Cluster:
-    """Build a preset cluster by name (see :data:`PRESETS`)."""
+def preset(spec: str, backend: str | None = None) -> Cluster:
+    """Build a preset cluster by name (see :data:`PRESETS`); ``backend`` picks whose calibration
+    ``cpu:N`` reads (:func:`cpu_cluster`)."""
     s = spec.strip().lower()
     m = re.fullmatch(r"cpu:(\d+)", s)
     if m:
-        return cpu_cluster(int(m.group(1)))
+        return cpu_cluster(int(m.group(1)), backend)
     if s == "cpu":
-        return cpu_cluster(1)
+        return cpu_cluster(1, backend)
     m = re.fullmatch(r"local(?::(\d+))?", s)
     if m:
         return local_cluster(int(m.group(1)) if m.group(1) else None)
@@ -507,13 +538,14 @@ def preset(spec: str) -> Cluster:
                        f"(or h100/h200/a100/l4 as NAMExG or NAME:NxG), or a cluster .json file")
 
 
-def resolve_cluster(cluster: Cluster | str | int | None) -> Cluster:
+def resolve_cluster(cluster: Cluster | str | int | None, backend: str | None = None) -> Cluster:
     """The one cluster resolver of the API, the CLI and the compile driver: a :class:`Cluster` as
-    is, ``None`` as ``cpu:1``, an int N as ``cpu:N``, a string as :meth:`Cluster.resolve` reads it."""
+    is, ``None`` as ``cpu:1``, an int N as ``cpu:N``, a string as :meth:`Cluster.resolve` reads it
+    (``backend``: whose calibration ``cpu:N`` uses, default tvm)."""
     if cluster is None:
-        return Cluster.resolve("cpu:1")
+        return Cluster.resolve("cpu:1", backend)
     if isinstance(cluster, int):
-        return Cluster.resolve(f"cpu:{cluster}")
+        return Cluster.resolve(f"cpu:{cluster}", backend)
     if isinstance(cluster, str):
-        return Cluster.resolve(cluster)
+        return Cluster.resolve(cluster, backend)
     return cluster

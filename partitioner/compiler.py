@@ -142,7 +142,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     from partitioner.lowering.lazy_weights import lazy_weights_dir
 
     weights_dir = lazy_weights_dir(prepared)  # lazy shard references are streamed from there
-    cluster_obj = resolve_cluster(cluster)
+    cluster_obj = resolve_cluster(cluster, backend)  # cpu:N: this backend's calibrated figures
     result = partition(prepared, cluster_obj, strategy=strategy, microbatches=microbatches, objective=objective,
                        memory_limit=memory_limit)
     if backend == "tvm" and target is not None:

@@ -107,10 +107,17 @@ def load_model_from_args(args: argparse.Namespace, keep_source: bool = False) ->
 
 
 def cluster_from_args(args: argparse.Namespace) -> Any:
+    import re
+
     from partitioner.cluster import resolve_cluster
 
-    if getattr(args, "cluster", None):
-        return resolve_cluster(args.cluster)
+    backend = getattr(args, "backend", None) or "tvm"
+    spec = getattr(args, "cluster", None)
+    if spec and not re.fullmatch(r"\s*cpu(:\d+)?\s*", str(spec).lower()):
+        return resolve_cluster(spec)
+    if spec:
+        _calibrate_on_first_use(backend)
+        return resolve_cluster(spec, backend)
     devices = getattr(args, "devices", None)
     if devices is not None and devices < 1:
         raise UsageError("--devices must be at least 1")
@@ -120,7 +127,21 @@ def cluster_from_args(args: argparse.Namespace) -> Any:
         gpu = gpu_cluster_spec(args.target, devices or 1)  # --target h200: plan for H200s, not CPU cores
         if gpu is not None:
             return resolve_cluster(gpu)
-    return resolve_cluster(devices or 1)
+    _calibrate_on_first_use(backend)
+    return resolve_cluster(devices or 1, backend)
+
+
+def _calibrate_on_first_use(backend: str) -> None:
+    """``cpu:N`` plans with this machine's calibrated figures: run the quick calibration once
+    when the cache has none (partitioner/calibrate_cache.py; off with PARTITIONER_AUTO_CALIBRATE=0)."""
+    from partitioner.calibrate_cache import ensure_calibrated
+
+    def run(b: str) -> None:
+        from partitioner.calibrate import calibrate_and_cache
+
+        calibrate_and_cache(b, quick=True)
+
+    ensure_calibrated(backend, run)
 
 
 def print_json(obj: Any) -> None:

@@ -6,7 +6,10 @@ backend builds), and MPI α/β, and write a cluster file (see partitioner/calibr
 schedules; ``--backend onnxruntime`` calibrates ONNX Runtime's kernels (for predicting ORT).
 
 Without ``-o`` the file goes to the ``local`` preset's path (``~/.cache/partitioner/local.json``
-or ``$PARTITIONER_CALIBRATION``); with ``-o FILE`` it goes to FILE only.
+or ``$PARTITIONER_CALIBRATION``) and to this machine's calibration cache
+(``~/.cache/partitioner/calibration/<cpu>-<cores>c-1t-<backend>.json``, or under
+``$PARTITIONER_CACHE_DIR``), which ``cpu:N`` and ``--devices N`` read from then on; run it again
+to refresh the figures. With ``-o FILE`` it goes to FILE only.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ def run(args: argparse.Namespace) -> int:
     cal = calibrate(quick=args.quick, backend=args.backend)
     cluster = cluster_from_calibration(cal, args.devices)
     written = []
+    if not args.output:  # this machine's cache, which cpu:N reads (partitioner/calibrate_cache.py)
+        from partitioner.calibrate_cache import save_cached
+
+        try:
+            written.append(str(save_cached(cluster_from_calibration(cal, 1).to_json(), cal.to_json(), cal.backend)))
+        except OSError as exc:
+            raise UsageError(f"cannot write the calibration cache: {exc.strerror or exc}") from None
     for path in [args.output] if args.output else [str(calibration_path())]:
         try:
             cluster.save(path)

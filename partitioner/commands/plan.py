@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{d['rank']:>4} {d['device'][:14]:<14} {d['compute_s'] * 1e3:>11.3f} {d['comm_s'] * 1e3:>9.3f} "
               f"{d['idle_s'] * 1e3:>9.3f} {d['peak_memory_bytes'] / 2**20:>11.2f}")
     print(f"latency {sim['step_latency_s'] * 1e3:.3f} ms   throughput {sim['throughput_samples_per_s']:.1f} samples/s   "
-          f"fits memory: {sim['fits']}   (search estimate {res.prediction['latency_s'] * 1e3:.3f} ms)")
+          f"fits memory: {sim['fits']}   (simulated on the lowered programs)")
     levels = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sim["bytes_per_level"].items())
     if levels:
         print(f"bytes moved per step: {levels}")

@@ -58,3 +58,25 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now: ``VmRSS`` from ``/proc/self/status`` (0 where unreadable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux ≥ 4.0), so a
+    later :func:`peak_rss_bytes` measures only what ran after this point. False where the kernel
+    does not allow it (the peak then includes the earlier high-water mark)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False

@@ -15,7 +15,9 @@ compute nodes and nodes in the ``partitioner.comm`` domain (opset 1):
 
 Each rank runs its program ``microbatches`` times in a row. Compute nodes take their roofline
 time (:func:`~partitioner.cost.roofline.op_time`) on the rank's device; consecutive compute nodes
-are merged into one segment, and per-node costs are computed once per (program, device).
+are merged into one segment, and per-node costs are computed once per (program, device). Each run
+of the program first pays the device's ``call_overhead_s`` (the runtime's per-call argument and
+result handling, measured by calibration; 0 for nominal devices).
 
 Accounting per rank: compute = Σ compute segments; comm = time inside collectives plus the part
 of a Recv wait during which the message was in flight; idle = step latency − compute − comm
@@ -211,6 +213,9 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
             seg_ops.append(node.op_type)
     if seg_ops:
         steps.append(_Step("compute", seconds=seg_time, label=_segment_label(seg_ops)))
+    call = getattr(device, "call_overhead_s", 0.0)
+    if call > 0:  # one run of the compiled program per micro-batch: argument handling, VM entry
+        steps.insert(0, _Step("compute", seconds=call, label="call"))
     params = parameter_values(graph, const)
     param_bytes = float(sum(numel(v) * itemsize(v) for v in params))
     return _Program(tuple(steps), param_bytes, peak_activation_bytes(graph, const))
@@ -233,7 +238,8 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
     for r, model in enumerate(programs):
         dev = cluster.devices[r]
         key = (id(model), tuple(sorted(dev.peak_flops.items())), dev.memory_bandwidth, dev.efficiency,
-               dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())))
+               dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())),
+               getattr(dev, "call_overhead_s", 0.0))
         if key not in cache:  # data-parallel ranks share one program object: cost it once
             cache[key] = compile_program(model, dev, r)
         progs.append(cache[key])

@@ -170,6 +170,29 @@ def gather_to_root(comm: Any, bindings: Any, mine: Sequence[dict[str, np.ndarray
     return gather_outputs(bindings, per_rank)
 
 
+def _memory_baseline(backend: str) -> dict[str, Any]:
+    """The process baseline for the measured peak memory (``bench``): the RSS once the backend's
+    runtime library is imported, just before this rank's program and weights load; the high-water
+    mark is reset there, so peak - baseline is what the program, its weights and its activations
+    add (what the cost model predicts per rank)."""
+    import importlib
+
+    from partitioner.core.machine import reset_peak_rss, rss_bytes
+
+    try:
+        importlib.import_module({"tvm": "tvm", "onnxruntime": "onnxruntime"}.get(backend, "numpy"))
+    except ImportError:
+        pass
+    return {"baseline_rss_bytes": rss_bytes(), "peak_reset": reset_peak_rss()}
+
+
+def _memory_peak(memory: dict[str, Any]) -> dict[str, Any]:
+    from partitioner.core.machine import peak_rss_bytes
+
+    peak = peak_rss_bytes()
+    return {**memory, "peak_rss_bytes": peak, "peak_over_baseline_bytes": max(0, peak - memory["baseline_rss_bytes"])}
+
+
 def run_worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
@@ -211,6 +234,7 @@ def run_worker(args: argparse.Namespace) -> int:
         from backends import get_backend
 
         os.environ["PARTITIONER_LOCAL_RANK"] = str(local.Get_rank() % local_size)  # picks this rank's GPU
+        memory = _memory_baseline(art.backend)
         exe = get_backend(art.backend).load(art.program(rank, load_data=False), art.backend_file(rank),
                                             threads=threads)  # its weights stay in rank<i>.data: mapped
         if getattr(exe, "device", None) is not None and exe.device.dlpack_device_type() != 1:
@@ -234,7 +258,7 @@ def run_worker(args: argparse.Namespace) -> int:
         result = gather_to_root(comm, art.bindings, outs)
         if args.profile:
             report["profile"] = [p.to_json() for p in times.profile]
-        reports = gather_reports(comm, report)
+        reports = gather_reports(comm, {**report, "memory": _memory_peak(memory)})
         if result is not None:
             _write_results(args, art, threads, result, times, reports)
         comm.flush()
