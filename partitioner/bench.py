@@ -142,7 +142,6 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     from partitioner.core.bindings import seeded_inputs
     from partitioner.runtime.launch import load_inputs, run_artifact
     from partitioner.runtime.worker import read_npz
-
     if repeat < 1 or warmup < 0:
         raise UsageError("--repeat must be at least 1 and --warmup at least 0")
     art = load_artifact(directory)

@@ -195,7 +195,6 @@ def _memory_peak(memory: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
-
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     phase = "verify"

@@ -64,17 +64,21 @@ def test_sample_covers_common_ops() -> None:
 
 
 def test_unsupported_op_is_a_clean_refusal() -> None:
-    """A Loop is valid ONNX but TVM's importer has no converter: one BackendError listing it."""
+    """A Loop is valid ONNX but TVM's importer has no converter: one BackendError listing it. Its
+    condition is computed from the data (sum(acc) < 1e9), so ``passes/unroll_loop.py`` (fixed trip
+    counts only) leaves it a Loop."""
     body = helper.make_graph(
         [helper.make_node("Add", ["acc_in", "one"], ["acc_out"]),
-         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+         helper.make_node("ReduceSum", ["acc_out"], ["total"], keepdims=0),
+         helper.make_node("Less", ["total", "limit"], ["cond_out"])],
         "body",
         [helper.make_tensor_value_info("i", TensorProto.INT64, []),
          helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
          helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2])],
-        initializer=[helper.make_tensor("one", TensorProto.FLOAT, [2], [1.0, 1.0])],
+        initializer=[helper.make_tensor("one", TensorProto.FLOAT, [2], [1.0, 1.0]),
+                     helper.make_tensor("limit", TensorProto.FLOAT, [], [1e9])],
     )
     graph = helper.make_graph(
         [helper.make_node("Loop", ["n", "cond", "x"], ["y"], body=body)],
