@@ -398,24 +398,110 @@ def test_the_check_reference_runs_in_its_own_process_or_is_skipped(tensor_artifa
     assert res.check.outputs == () and res.check.skipped.startswith("check skipped: the source model")
 
 
+# TVM accuracy at depth: the sums are right, only their order differs ------------------------------
+
+def _large_model_script():  # noqa: ANN202 - a module loaded from its file
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("large_model", ROOT / "benchmarks" / "large_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _in_order(a: np.ndarray, w: np.ndarray, fused: bool) -> np.ndarray:
+    """``a @ w`` in float32 with each element summed in order k = 0..K-1: one fused multiply-add
+    per term (the float32 product is exact in float64; the one rounding to float32 is the FMA's,
+    bar double-rounding ties, none of which occur for this seed), or, ``fused=False``, a rounded
+    product then a rounded add (a target without FMA)."""
+    acc = np.zeros((a.shape[0], w.shape[1]), np.float32)
+    for k in range(w.shape[0]):
+        if fused:
+            acc = (a[:, k:k + 1].astype(np.float64) * w[k].astype(np.float64) + acc).astype(np.float32)
+        else:
+            acc = acc + a[:, k:k + 1] * w[k]
+    return acc
+
+
+def _in_order_model(x: np.ndarray, weights: np.ndarray, axes: list[int], ranks: int, fused: bool) -> np.ndarray:
+    """The tensor-split model summed the way the TVM ranks sum it: a column-split weight (axis 1)
+    gives each rank whole in-order sums; a row-split one (axis 0) gives each rank an in-order sum
+    over its contiguous rows, then the AllReduce adds the ranks' partial sums in float32."""
+    a = x
+    for w, axis in zip(weights, axes):
+        if axis == 0:
+            parts = [_in_order(a[:, rows], w[rows], fused) for rows in np.array_split(np.arange(w.shape[0]), ranks)]
+            s = parts[0]
+            for part in parts[1:]:
+                s = s + part
+        else:
+            s = _in_order(a, w, fused)
+        a = np.maximum(s, np.float32(0))
+    return a
+
+
+def test_tvm_tensor_split_matmuls_are_the_in_order_float32_sums(tmp_path: Path) -> None:
+    """Why the 2.7 GB TVM row missed ``run --check``'s default atol by 1.75e-5 (docs/large_models.md):
+    the benchmark's model at hidden 1024 (same form: MatMul+ReLU, He-initialised external weights),
+    split over 2 ranks column/row/column and run under mpiexec on memory-mapped weight parameters,
+    equals bit for bit the in-order float32 sums (so no shard, offset, dtype or transposition is
+    wrong: any of those changes the result by O(1)). Its error against float64 is then rounding
+    only, within the benchmark's stated bound ``6 u sqrt(K layers)``, and at K = 1024 it also
+    meets ONNX Runtime at the default tolerance (the reference runs on the source model)."""
+    from partitioner.compiler import compile as compile_artifact
+
+    bench = _large_model_script()
+    hidden, layers, ranks = 1024, 3, 2
+    path = bench.make_model(tmp_path / "m", hidden, layers)
+    art = compile_artifact(str(path), f"cpu:{ranks}", strategy="tensor", backend="tvm", out_dir=tmp_path / "art")
+    plan = json.loads((art.root / "plan.json").read_text())
+    axes = [plan["nodes"][f"mm{i}"]["inputs"][1]["axis"] for i in range(layers)]
+    assert sorted(set(axes)) == [0, 1], axes  # both kinds of shard are exercised
+    for r in range(ranks):  # the weights are parameters read from rank<i>.data, not constants in the library
+        assert art.backend_file(r).stat().st_size < (art.root / f"rank{r}.data").stat().st_size / 4
+    x = bench.seeded_input(hidden)
+    res = art.run({"x": x}, check=True, timeout=300)
+    got = res.outputs[f"r{layers - 1}"]
+    weights = np.fromfile(path.parent / "big.data", dtype=np.float32).reshape(layers, hidden, hidden)
+    exact = [_in_order_model(x, weights, axes, ranks, fused) for fused in (True, False)]
+    assert any(np.array_equal(got, e) for e in exact), [float(np.abs(got - e).max()) for e in exact]
+    truth = bench.float64_outputs(path.parent, x, hidden, layers)
+    assert np.abs(got - truth).max() <= bench.stated_atol(hidden, layers)
+    assert res.check is not None and res.check.ok and res.check.atol == 1e-5, res.check
+
+
 @pytest.mark.slow
-def test_a_2_7_gb_model_compiles_runs_and_matches_in_bounded_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["tvm", "onnxruntime"])
+def test_a_2_7_gb_model_compiles_runs_and_matches_in_bounded_memory(tmp_path: Path, backend: str) -> None:
     """Issue 14's "Done when" row, through benchmarks/large_model.py (the same code as the README
-    row): ten 8192x8192 float32 weights (2.68 GB of external data) compile for 4 ranks under
-    ``--memory-limit 1GiB``, run under mpiexec with every rank under 1.5 GiB peak RSS, match ONNX
-    Runtime run in a separate process, and the artifact is at most 1.2x the weights plus code.
+    rows): ten 8192x8192 float32 weights (2.68 GB of external data) compile for 4 ranks under
+    ``--memory-limit 1GiB`` with compile peak RSS at most 3 GB, run under mpiexec (``run`` starts
+    ``mpiexec -n 4 python -m partitioner.runtime.worker``, the program ``partitioner worker`` is)
+    with every rank under 1.5 GiB peak RSS, and match ONNX Runtime run on the whole model in a
+    separate process, at the default rtol and the benchmark's stated atol ``6 u sqrt(K layers)``
+    (1.0e-4: the in-order float32 sums of K = 8192 terms over ten layers have an error of about
+    1.7e-5 where an output cancels to near zero; ``test_tvm_tensor_split_matmuls_are_the_in_order_
+    float32_sums`` proves the order is the only difference). The run is also within that bound of a
+    float64 evaluation. The artifact is at most 1.2x the weights plus code.
     Needs about 8 GB of free memory (4 ranks plus the reference) and 6 GB of disk."""
+    from partitioner.runtime.reference import IN_PROCESS_MAX_BYTES
+
     out = tmp_path / "row.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "large_model.py"), "--hidden", "8192",
                            "--layers", "10", "--ranks", "4", "--memory-limit", "1GiB", "--repeat", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=3600, cwd=ROOT,
+                           "--backend", backend, "--out", str(out)],  # its temporary model is deleted
+                          capture_output=True, text=True, timeout=3600, cwd=ROOT,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(out.read_text())["rows"][0]
-    assert row["weight_bytes"] >= 2.5e9
+    assert row["backend"] == backend and row["weight_bytes"] >= 2.5e9
+    assert row["weight_bytes"] > IN_PROCESS_MAX_BYTES  # so the check's reference ran in its own process
     for step in ("inspect", "plan", "compile", "run_check", "bench"):
         assert row[f"{step}_ok"], (step, row.get(f"{step}_error"))
-    assert row["check_ok"] and row["check_max_abs"] is not None
+    bound = 6 * 2.0**-24 * np.sqrt(8192 * 10)
+    assert row["check_rtol"] == 1e-4 and row["check_atol"] == pytest.approx(bound) and bound < 1.1e-4
+    assert row["check_ok"] and row["check_max_abs"] <= bound
+    assert row["run_vs_float64_max_abs"] <= bound and row["onnxruntime_vs_float64_max_abs"] <= bound
     assert row["compile_peak_rss_bytes"] <= 3e9
     assert len(row["per_rank_peak_rss_bytes"]) == 4 and row["max_rank_peak_rss_bytes"] < 1.5 * 2**30
     code = 64 * 2**20  # programs, manifest, plan, report (and libraries for tvm)
