@@ -122,6 +122,12 @@ def test_llm_plans_within_budget(tmp_path: Path, size: str, cluster: str, limit:
     subprocess.run(models_zoo_export, check=True, capture_output=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                    cwd=ROOT, timeout=600)
     assert time.perf_counter() - t < 60
+    data = path.with_suffix(".data")
+    assert data.stat().st_size > 13e9 and data.stat().st_blocks * 512 < 2**20  # sparse: no weight bytes exist
+    report, wall, cpu, rss = _plan_in_subprocess("inspect", str(path), "--json")
+    assert report["param_bytes"] >= data.stat().st_size  # every weight counted, from the dims alone
+    assert rss < 2 * 2**30, f"inspect peaked at {rss / 2**30:.2f} GiB"
+    assert cpu < seconds, f"inspect took {cpu:.1f} s of CPU ({wall:.1f} s wall; budget {seconds} s)"
     report, wall, cpu, rss = _plan_in_subprocess("plan", str(path), "--cluster", cluster, "--strategy", "auto",
                                             "--memory-limit", limit, "--json")
     assert report["prediction"]["fits_memory"] is True
