@@ -21,7 +21,7 @@ import numpy as np
 from partitioner.core.model_view import ModelView
 from partitioner.core.plan import Plan, Sharding
 from partitioner.cost.comm import collective_time, p2p_time
-from partitioner.cost.memory import activation_copies
+from partitioner.cost.memory import activation_copies, rank_peak, runtime_memory
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
 from partitioner.cost.resharding import communicates, conversion
@@ -126,16 +126,23 @@ def _parts_json(parts: tuple[tuple[float, float, float], ...], r: int) -> dict[s
     return {"weight_bytes": w, "activation_bytes": a, "resident_output_bytes": o}
 
 
-def _memory(view: ModelView, plan: Plan, weights: dict[int, set[tuple[str, Sharding]]], act: np.ndarray,
-            held: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
-    """Per rank: (weights, activations x copies in flight, resident graph outputs) and their sum."""
+def _memory(view: ModelView, plan: Plan, cluster: Any, weights: dict[int, set[tuple[str, Sharding]]],
+            act: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
+    """Per rank: (weights, activations x copies in flight + the rest of the runtime's terms,
+    resident graph outputs) and the peak, by the one rule :func:`partitioner.cost.memory.rank_peak`
+    of the device's runtime (twice the largest local activation stands for the peak live bytes)."""
     mem = np.zeros(plan.world_size)
     parts = []
     inflight = activation_copies(plan.microbatches, plan.num_stages)
+    inputs = float(sum(view.nbytes(n) for n in view.inputs))
     for r in range(plan.world_size):
         wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
-        parts.append((float(wb), float(2 * act[r] * inflight), float(held[r])))
-        mem[r] = sum(parts[-1])
+        rule = runtime_memory(getattr(cluster.devices[r], "runtime", ""))
+        t = rank_peak(rule, embedded_weight_bytes=float(wb), activation_bytes=float(2 * act[r] * inflight),
+                      global_input_bytes=inputs, output_bytes=float(held[r]))
+        out = t.outputs if rule.worker_buffers else float(held[r])  # the plain sum keeps them too
+        parts.append((t.weights, t.total - t.weights - t.outputs, out))
+        mem[r] = max(t.load_peak, t.steady - t.outputs + out)
     return mem, parts
 
 
@@ -213,7 +220,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                 if name in graph_outputs:
                     for r in g:
                         held[r] += local * m
-    mem, parts = _memory(view, plan, weights, act, held)
+    mem, parts = _memory(view, plan, cluster, weights, act, held)
     for r in range(w):  # one run of the rank's program per micro-batch (what the simulator charges)
         compute[r] += m * getattr(cluster.devices[r], "call_overhead_s", 0.0)
     busy = compute + comm
