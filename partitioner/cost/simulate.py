@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the rever
 from partitioner.core.errors import PlanError, VerifyError
 from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.memory import RankMemory, rank_peak, runtime_memory
+from partitioner.cost.threads import rank_threads, thread_speedup
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
@@ -200,8 +201,9 @@ def _segment_label(ops: list[str]) -> str:
     return f"{ops[0]}…{ops[-1]} ({len(ops)} ops)"
 
 
-def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
-    """Turn one rank's program into compute segments and comm steps (costs computed once)."""
+def compile_program(model: ir.Model, device: Device, rank: int = 0, speedup: float = 1.0) -> _Program:
+    """Turn one rank's program into compute segments and comm steps (costs computed once).
+    ``speedup``: the rank's kernels run that much faster (its threads, :mod:`cost.threads`)."""
     graph = model.graph
     where = f"rank {rank}"
     const = constant_values(graph)
@@ -216,7 +218,7 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
                 seg_time, seg_ops = 0.0, []
             steps.append(_comm_step(node, rank, where))
             continue
-        t = op_time(cost, device, _dtype_name(node), op_class(node), node in fused)
+        t = op_time(cost, device, _dtype_name(node), op_class(node), node in fused) / speedup
         if t > 0:
             seg_time += t
             seg_ops.append(node.op_type)
@@ -248,13 +250,14 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
         raise PlanError(f"micro-batch count must be at least 1, got {microbatches}")
     cache: dict[tuple[Any, ...], _Program] = {}
     progs: list[_Program] = []
+    speedup = thread_speedup(rank_threads(cluster, R))  # fewer ranks than cores: threads per rank
     for r, model in enumerate(programs):
         dev = cluster.devices[r]
         key = (id(model), tuple(sorted(dev.peak_flops.items())), dev.memory_bandwidth, dev.efficiency,
                dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())),
                getattr(dev, "call_overhead_s", 0.0), getattr(dev, "runtime", ""))
         if key not in cache:  # data-parallel ranks share one program object: cost it once
-            cache[key] = compile_program(model, dev, r)
+            cache[key] = compile_program(model, dev, r, speedup)
         progs.append(cache[key])
     for r, prog in enumerate(progs):
         for s in prog.steps:

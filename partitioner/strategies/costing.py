@@ -24,6 +24,7 @@ from partitioner.cost.comm import collective_time, p2p_time
 from partitioner.cost.memory import activation_copies, rank_peak, runtime_memory
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
+from partitioner.cost.threads import rank_threads, thread_speedup
 from partitioner.cost.resharding import communicates, conversion
 from partitioner.cost.roofline import graph_op_times
 
@@ -221,6 +222,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                     for r in g:
                         held[r] += local * m
     mem, parts = _memory(view, plan, cluster, weights, act, held)
+    compute /= thread_speedup(rank_threads(cluster, w))  # fewer ranks than cores: threads per rank
     for r in range(w):  # one run of the rank's program per micro-batch (what the simulator charges)
         compute[r] += m * getattr(cluster.devices[r], "call_overhead_s", 0.0)
     busy = compute + comm
