@@ -4,7 +4,8 @@ must be able to say").
 Input: one ``ir.Model`` per rank (rank i runs on ``cluster.devices[i]``), holding ordinary
 compute nodes and nodes in the ``partitioner.comm`` domain (opset 1):
 
-- ``Send(x)`` attrs peer, tag — non-blocking: the sender goes on at once; the message arrives at
+- ``Send(x)`` attrs peer, tag — non-blocking: the sender goes on after posting it
+  (:func:`~partitioner.cost.comm.send_overhead`, counted as its comm); the message arrives at
   send start + :func:`~partitioner.cost.comm.p2p_time`.
 - ``Recv() -> y`` attrs peer, tag, shape, dtype — blocks until the matching message has arrived.
   Send/Recv match on (src, dst, tag), first-in first-out.
@@ -41,7 +42,7 @@ import onnx_ir as ir
 if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
     from partitioner.cluster import Cluster, Device
 from partitioner.core.errors import PlanError, VerifyError
-from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.comm import collective_time, p2p_time, send_overhead
 from partitioner.cost.memory import RankMemory, rank_peak, runtime_memory
 from partitioner.cost.threads import rank_threads, thread_speedup
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
@@ -337,6 +338,11 @@ class _Simulation:
         key = (r, s.peer, s.tag)
         dt = p2p_time(s.nbytes, r, s.peer, self.cluster)
         self.mail.setdefault(key, deque()).append((self.now[r], self.now[r] + dt, s.nbytes))
+        post = send_overhead(s.nbytes, r, s.peer, self.cluster)  # the sender posts and copies it
+        if post > 0:
+            self.add_event(r, self.now[r], self.now[r] + post, "comm", s.label)
+            self.now[r] += post
+            self.commt[r] += post
         if r != s.peer:
             name = self.cluster.link(r, s.peer).name
             self.level_bytes[name] = self.level_bytes.get(name, 0.0) + s.nbytes

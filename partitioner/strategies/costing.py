@@ -20,7 +20,7 @@ import numpy as np
 
 from partitioner.core.model_view import ModelView
 from partitioner.core.plan import Plan, Sharding
-from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.comm import collective_time, p2p_time, send_overhead
 from partitioner.cost.memory import activation_copies, rank_peak, runtime_memory
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
@@ -202,8 +202,10 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                 s0 = src.ranks[0]
                 for t in req.ranks:
                     if t not in src.ranks:
-                        sec = p2p_time(nbytes / (len(req.ranks) if req.axis is not None else 1), s0, t, cluster)
+                        part = nbytes / (len(req.ranks) if req.axis is not None else 1)
+                        sec = p2p_time(part, s0, t, cluster)
                         comm[t] += sec * m
+                        comm[s0] += send_overhead(part, s0, t, cluster) * m  # the sender posts it
                         lv = cluster.link(s0, t).name
                         levels[lv] = levels.get(lv, 0.0) + nbytes * m
             else:
