@@ -244,7 +244,9 @@ def p2p_time(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
 #: the share of a link's α that the sender's CPU spends posting a message (LogP's o: the
 #: ping-pong α is sender overhead + wire latency + receiver overhead; over shared memory MPI's
 #: software at the two ends is most of it). Measured: the 64-micro-batch MLP pipeline's rank 0
-#: spent 1.9 us per Send inside comm ops (runtime_overhead.json) on a link of α = 2.9 us.
+#: spent 1.9 us per Send and its rank 1 1.9 us per Recv inside comm ops (runtime_overhead.json)
+#: on a link of α = 2.9 us. The simulator charges the receiver the same for taking out a message
+#: that had already arrived.
 SEND_OVERHEAD_ALPHA = 0.5
 
 

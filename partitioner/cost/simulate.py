@@ -7,7 +7,8 @@ compute nodes and nodes in the ``partitioner.comm`` domain (opset 1):
 - ``Send(x)`` attrs peer, tag — non-blocking: the sender goes on after posting it
   (:func:`~partitioner.cost.comm.send_overhead`, counted as its comm); the message arrives at
   send start + :func:`~partitioner.cost.comm.p2p_time`.
-- ``Recv() -> y`` attrs peer, tag, shape, dtype — blocks until the matching message has arrived.
+- ``Recv() -> y`` attrs peer, tag, shape, dtype — blocks until the matching message has arrived;
+  one that arrived earlier still costs the receiver :func:`~partitioner.cost.comm.send_overhead`.
   Send/Recv match on (src, dst, tag), first-in first-out.
 - ``AllReduce``, ``AllGather``, ``ReduceScatter``, ``AllToAll``, ``Broadcast`` attrs group (global
   ranks), tag, ... — start when every member has reached it (the k-th occurrence of
@@ -360,14 +361,17 @@ class _Simulation:
             return False
         sent, arrival, size = box.popleft()
         t = self.now[r]
+        # a message that arrived earlier still costs the receiver its end of the transfer (the
+        # same endpoint cost as posting a send); one in flight ends at its arrival
+        done = max(arrival, t + send_overhead(size, s.peer, r, self.cluster))
         if sent > t:
             self.add_event(r, t, sent, "idle", f"mb{mb}: wait for {s.label}")
-        if arrival > t:
-            begin = max(t, sent)
-            self.add_event(r, begin, arrival, "comm", f"mb{mb}: {s.label}")
-            self.commt[r] += arrival - begin
-            self.now[r] = arrival
-        else:
+        begin = max(t, sent)
+        if done > begin:
+            self.add_event(r, begin, done, "comm", f"mb{mb}: {s.label}")
+            self.commt[r] += done - begin
+            self.now[r] = done
+        if arrival <= t:
             self.buffered[r].append((arrival, t, size))
         self.pc[r] += 1
         return True

@@ -66,13 +66,14 @@ def test_gpipe_bubble_4_stages_8_microbatches():
     p, m = 4, 8
     res = simulate([stage(r, p) for r in range(p)], cluster(p), microbatches=m, batch_size=m * 64)
     send = ALPHA + ACT * BETA
-    post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA  # a sending stage posts each message
-    # fill-drain: (m+p−1)·t + (p−1) sends, the sending stages paced at t + post
-    assert res.step_latency == pytest.approx((m + p - 1) * T_MM + (p - 1) * send + (m - 1) * post, rel=1e-9)
+    post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA  # each end of a message: post it, take it out
+    # fill-drain: (m+p−1)·t + (p−1) sends; the middle stages receive and send, so they set the
+    # pace at t + 2·post
+    assert res.step_latency == pytest.approx((m + p - 1) * T_MM + (p - 1) * send + (m - 1) * 2 * post, rel=1e-9)
     for r in range(p):
         assert res.compute_time[r] == pytest.approx(m * T_MM, rel=1e-9)
         # idle + in-flight waits make up the bubble: (p−1)/(m+p−1) = 3/11 of the step
-        posting = m * post if r < p - 1 else 0.0
+        posting = (m * post if r < p - 1 else 0.0) + ((m - 1) * post if r > 0 else 0.0)
         frac = (res.idle_time[r] + res.comm_time[r] - posting) / res.step_latency
         assert frac == pytest.approx(bubble_fraction(p, m), abs=0.02)
     assert res.throughput == pytest.approx(m * 64 / res.step_latency)
@@ -91,8 +92,9 @@ def test_slow_stage_sets_the_pace():
     res = simulate(progs, cluster(p), microbatches=m)
     send = ALPHA + ACT * BETA
     post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA
-    # Σ t_i + Σ s_i + (m−1)·max cycle = (1 + 2 + 1)·t + 2 sends + 5·(2t + post): the slow stage sends too
-    assert res.step_latency == pytest.approx(4 * T_MM + 2 * send + (m - 1) * (2 * T_MM + post), rel=1e-9)
+    # Σ t_i + Σ s_i + (m−1)·max cycle = (1 + 2 + 1)·t + 2 sends + 5·(2t + 2·post): the slow
+    # stage receives and sends
+    assert res.step_latency == pytest.approx(4 * T_MM + 2 * send + (m - 1) * (2 * T_MM + 2 * post), rel=1e-9)
 
 
 def _allreduce_rank(n_matmuls: int) -> ir.Model:
