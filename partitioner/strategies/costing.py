@@ -127,6 +127,13 @@ def _parts_json(parts: tuple[tuple[float, float, float], ...], r: int) -> dict[s
     return {"weight_bytes": w, "activation_bytes": a, "resident_output_bytes": o}
 
 
+def _is_external(view: ModelView, name: str) -> bool:
+    import onnx_ir as ir
+
+    v = view.initializers.get(name)
+    return v is not None and isinstance(v.const_value, ir.ExternalTensor)
+
+
 def _memory(view: ModelView, plan: Plan, cluster: Any, weights: dict[int, set[tuple[str, Sharding]]],
             act: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
     """Per rank: (weights, activations x copies in flight + the rest of the runtime's terms,
@@ -137,10 +144,17 @@ def _memory(view: ModelView, plan: Plan, cluster: Any, weights: dict[int, set[tu
     inflight = activation_copies(plan.microbatches, plan.num_stages)
     inputs = float(sum(view.nbytes(n) for n in view.inputs))
     for r in range(plan.world_size):
-        wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
+        wb = mapped = 0.0
+        for n, s in weights[r]:
+            b = view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1)
+            if _is_external(view, n):  # kept as external data: mapped from rank<i>.data at run time
+                mapped += b
+            else:
+                wb += b
         rule = runtime_memory(getattr(cluster.devices[r], "runtime", ""))
-        t = rank_peak(rule, embedded_weight_bytes=float(wb), activation_bytes=float(2 * act[r] * inflight),
-                      global_input_bytes=inputs, output_bytes=float(held[r]))
+        t = rank_peak(rule, embedded_weight_bytes=float(wb), mapped_weight_bytes=float(mapped),
+                      activation_bytes=float(2 * act[r] * inflight), global_input_bytes=inputs,
+                      output_bytes=float(held[r]))
         out = t.outputs if rule.worker_buffers else float(held[r])  # the plain sum keeps them too
         parts.append((t.weights, t.total - t.weights - t.outputs, out))
         mem[r] = max(t.load_peak, t.steady - t.outputs + out)
