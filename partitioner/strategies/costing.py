@@ -156,8 +156,12 @@ def _memory(view: ModelView, plan: Plan, cluster: Any, weights: dict[int, set[tu
                       activation_bytes=float(2 * act[r] * inflight), global_input_bytes=inputs,
                       output_bytes=float(held[r]))
         out = t.outputs if rule.worker_buffers else float(held[r])  # the plain sum keeps them too
-        parts.append((t.weights, t.total - t.weights - t.outputs, out))
-        mem[r] = max(t.load_peak, t.steady - t.outputs + out)
+        steady = t.steady - t.outputs + out
+        if t.load_peak > steady:  # the peak is the load: the library's copies of the weights
+            parts.append((t.load_peak - t.runtime, t.runtime, 0.0))
+        else:
+            parts.append((t.weights, steady - t.weights - out, out))
+        mem[r] = max(t.load_peak, steady)
     return mem, parts
 
 

@@ -144,7 +144,8 @@ def _memory_note(best: Candidate, ok: list[Candidate], memory_limit: float | Non
         return ""
     r = max(range(len(p.memory_bytes)), key=lambda i: p.memory_bytes[i])
     w, a, o = p.memory_parts[r]
-    note = (f" Its fullest device holds {w / 2**30:.2f} GiB of weights, {a / 2**30:.2f} GiB of activations and "
+    note = (f" Its fullest device holds {w / 2**30:.2f} GiB of weights (as its runtime holds them: copies made "
+            f"while the library loads count), {a / 2**30:.2f} GiB of activations and runtime buffers and "
             f"{o / 2**30:.2f} GiB of outputs kept to the end (logits, KV cache).")
     over = [c for c in ok if not c.prediction.fits]
     if over:
