@@ -80,10 +80,20 @@ def predicted_memory(prediction: Mapping[str, Any] | None) -> dict[int, float]:
             if d.get("peak_memory_bytes") is not None}
 
 
+def predicted_memory_terms(prediction: Mapping[str, Any] | None) -> dict[int, dict[str, float]]:
+    """Per rank, the terms of the simulated peak (``cost/memory.py``, ``rank_peak``), when the
+    manifest has them."""
+    sim = (prediction or {}).get("simulated") or {}
+    return {int(d.get("rank", i)): d["memory_terms"] for i, d in enumerate(sim.get("ranks") or [])
+            if d.get("memory_terms")}
+
+
 def memory_rows(timings: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """Rule 8: per rank, predicted peak bytes beside the measured one (VmHWM minus the process
-    baseline the worker took just before loading its program, ``runtime/worker.py``)."""
+    baseline the worker took just before loading its program, ``runtime/worker.py``), with the
+    predicted terms."""
     predicted = predicted_memory(prediction)
+    terms = predicted_memory_terms(prediction)
     rows = []
     for rep in timings.get("ranks") or []:
         mem = rep.get("memory") or {}
@@ -92,7 +102,8 @@ def memory_rows(timings: Mapping[str, Any], prediction: Mapping[str, Any] | None
         rows.append({"rank": rep["rank"], "predicted_bytes": pred, "measured_bytes": measured,
                      "baseline_rss_bytes": mem.get("baseline_rss_bytes"), "peak_rss_bytes": mem.get("peak_rss_bytes"),
                      "peak_reset": mem.get("peak_reset"),
-                     "predicted_over_measured": pred / measured if pred and measured else None})
+                     "predicted_over_measured": pred / measured if pred and measured else None,
+                     "predicted_terms": terms.get(int(rep["rank"]))})
     return rows
 
 
@@ -248,5 +259,16 @@ def format_table(doc: Mapping[str, Any]) -> str:
         meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / 2**20:.1f} MiB"
         ratio = f" (predicted/measured {r['predicted_over_measured']:.2f})" if r["predicted_over_measured"] else ""
         lines.append(f"rank {r['rank']} peak memory: predicted {pred}, measured {meas} above the process "
-                     f"baseline{ratio}")
+                     f"baseline{ratio}{_terms_text(r.get('predicted_terms'))}")
     return "\n".join(lines)
+
+
+def _terms_text(terms: Mapping[str, float] | None) -> str:
+    """The predicted peak's terms in MiB, the non-zero ones (``cost/memory.py``)."""
+    if not terms:
+        return ""
+    names = (("runtime_bytes", "runtime"), ("weight_bytes", "weights"), ("activation_bytes", "activations"),
+             ("input_bytes", "inputs"), ("output_bytes", "outputs"), ("send_bytes", "sends"),
+             ("receive_bytes", "receives"))
+    parts = [f"{label} {terms[k] / 2**20:.1f}" for k, label in names if terms.get(k)]
+    return f"; predicted: {', '.join(parts)} MiB, load peak {terms.get('load_peak_bytes', 0) / 2**20:.1f} MiB"

@@ -482,7 +482,7 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     peak = {"float32": f32, "float16": f32, "bfloat16": f32, "int8": 2 * f32}
     mem = total_memory_bytes() / n
     devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s,
-                        dict(cal.efficiency_by_class), cal.call_overhead_s)
+                        dict(cal.efficiency_by_class), cal.call_overhead_s, cal.backend)
                  for i in range(n))
     link = LinkLevel("shm-mpi" if cal.mpi_ok else "shm", cal.alpha_s, cal.beta_s_per_byte)
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')} "

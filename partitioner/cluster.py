@@ -79,6 +79,9 @@ class Device:
     #: seconds per run of a compiled program (one call per micro-batch: argument and result
     #: handling, VM entry), beside the per-kernel launch overhead; measured by calibration
     call_overhead_s: float = 0.0
+    #: the backend whose runtime runs the rank ("tvm", "onnxruntime"; "" nominal): which rule of
+    #: :data:`partitioner.cost.memory.RUNTIME_MEMORY` predicts its peak memory
+    runtime: str = ""
 
     def class_efficiency(self, op_class: str | None) -> float:
         """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
@@ -98,7 +101,8 @@ class Device:
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
                 "efficiency": self.efficiency, "launch_overhead_s": self.launch_overhead_s,
                 **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {}),
-                **({"call_overhead_s": self.call_overhead_s} if self.call_overhead_s else {})}
+                **({"call_overhead_s": self.call_overhead_s} if self.call_overhead_s else {}),
+                **({"runtime": self.runtime} if self.runtime else {})}
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,7 @@ def _parse(data: Any, source: str) -> Cluster:
                 launch_overhead_s=_num(d, "launch_overhead_s", where, 0.0),
                 efficiency_by_class=dict(by_class),
                 call_overhead_s=_num(d, "call_overhead_s", where, 0.0),
+                runtime=str(d.get("runtime", "")),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -449,7 +454,8 @@ def cpu_cluster(n: int, backend: str | None = None) -> Cluster:
             "bfloat16": 2 * fp32 if "avx512_bf16" in flags else fp32,
             "int8": 4 * fp32 if ("avx512_vnni" in flags or "avx_vnni" in flags) else 2 * fp32}
     mem = total_memory_bytes() / n
-    devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, CPU_CORE_BANDWIDTH, 1.0, CPU_LAUNCH_OVERHEAD_S)
+    devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, CPU_CORE_BANDWIDTH, 1.0, CPU_LAUNCH_OVERHEAD_S,
+                        runtime=backend or "")  # the named backend's memory rule (cost/memory.py)
                  for i in range(n))
     return Cluster(f"cpu:{n}", devs, (tuple(range(n)),), (CPU_LINK,),
                    f"nominal: {hz / 1e9:.2f} GHz x {per_cycle} FLOP/cycle per core")
@@ -468,6 +474,11 @@ def _calibrated_cpu_cluster(n: int, backend: str | None) -> Cluster | None:
         sys.stderr.write(f"partitioner: ignoring the calibration cache: {exc}\n")
         return None
     c = replicate(one, n)
+    if not c.devices[0].runtime:  # a cache written before devices named their runtime
+        from dataclasses import replace
+
+        c = Cluster(c.name, tuple(replace(d, runtime=backend or DEFAULT_BACKEND) for d in c.devices), c.nodes,
+                    c.levels, c.notes)
     return Cluster(f"cpu:{n}", c.devices, c.nodes, c.levels, f"calibrated ({cache_path(backend or DEFAULT_BACKEND)}): "
                    f"{one.notes}")
 
@@ -508,7 +519,8 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     """n copies of the first device, one node, the first link level (for ``local:N``)."""
     d0 = cluster.devices[0]
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
-                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s)
+                        d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s,
+                        d0.runtime)
                  for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 

@@ -90,7 +90,7 @@ def partition(model: ir.Model, cluster: Any, *, strategy: str = "auto", microbat
                         "analytical estimate; `plan --simulate` lowers and simulates every rank)")
         return PartitionResult(plan, (), None, prediction, explanation, alternatives, None)  # type: ignore[arg-type]
     lowered = lower_plan(view, plan)
-    sim = simulate_programs(lowered.models, cluster, plan.microbatches, view.batch_size())
+    sim = simulate_programs(lowered.models, cluster, plan.microbatches, view.batch_size(), _input_bytes(view))
     prediction, explanation = one_prediction(pred.to_json(), sim.to_json(), explanation)
     return PartitionResult(plan, lowered.models, lowered.bindings, prediction, explanation, alternatives, sim)
 
@@ -118,7 +118,15 @@ def auto_partition(model: ir.Model, cluster: Any, **kw: Any) -> PartitionResult:
     return partition(model, cluster, strategy="auto", **kw)
 
 
-def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size: int) -> Any:
+def _input_bytes(view: ModelView) -> float:
+    """The model's whole input per step (what every MPI rank reads, cost/memory.py)."""
+    from partitioner.cost.ops import nbytes
+
+    return float(sum(nbytes(v) for v in view.model.graph.inputs if v.const_value is None))
+
+
+def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size: int,
+                      input_bytes: float | None = None) -> Any:
     """Run the event simulator on the lowered per-rank programs (the faithful prediction: it sees
     every comm op the lowering inserted, in program order). ``programs`` are ``ir.Model`` (the
     lowering's output) or protobuf (read back from an artifact)."""
@@ -132,7 +140,7 @@ def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size
     for p in programs:
         m = to_ir(p)
         models.append(by_key.setdefault(_structure_key(m), m))
-    return simulate(models, cluster, microbatches, batch_size)
+    return simulate(models, cluster, microbatches, batch_size, input_bytes=input_bytes)
 
 
 def _structure_key(program: ir.Model) -> str:

@@ -7,7 +7,9 @@ Modules, one concept each:
 - :mod:`partitioner.cost.roofline` — time of one operator on one device.
 - :mod:`partitioner.cost.comm` — alpha-beta collective formulas and algorithm choice.
 - :mod:`partitioner.cost.pipeline` — GPipe bubble and fill-drain step time.
-- :mod:`partitioner.cost.memory` — per-device memory estimate.
+- :mod:`partitioner.cost.memory` — per-device memory estimate; the per-rank peak rule of each
+  runtime (``rank_peak``).
+- :mod:`partitioner.cost.threads` — threads per rank when a plan has fewer ranks than cores.
 - :mod:`partitioner.cost.simulate` — event simulator over per-rank programs with comm ops.
 """
 

@@ -241,6 +241,25 @@ def p2p_time(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     return p2p(nbytes, *_ab(cluster.link(src, dst))) if src != dst else 0.0
 
 
+#: the share of a link's α that the sender's CPU spends posting a message (LogP's o: the
+#: ping-pong α is sender overhead + wire latency + receiver overhead; over shared memory MPI's
+#: software at the two ends is most of it). Measured: the 64-micro-batch MLP pipeline's rank 0
+#: spent 1.9 us per Send and its rank 1 1.9 us per Recv inside comm ops (runtime_overhead.json)
+#: on a link of α = 2.9 us. The simulator charges the receiver the same for taking out a message
+#: that had already arrived.
+SEND_OVERHEAD_ALPHA = 0.5
+
+
+def send_overhead(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
+    """Seconds the sender is busy on one non-blocking send of ``nbytes``: SEND_OVERHEAD_ALPHA x α
+    to post it, plus copying the tensor (the runtime's Send copies its input before the send,
+    ``backends/tvm/executable.py``) at the link's β (0 when src == dst)."""
+    if src == dst:
+        return 0.0
+    alpha, beta = _ab(cluster.link(src, dst))
+    return SEND_OVERHEAD_ALPHA * alpha + nbytes * beta
+
+
 def _ab(level: LinkLevel) -> tuple[float, float]:
     return level.alpha_s, level.beta_s_per_byte
 

@@ -4,9 +4,11 @@ must be able to say").
 Input: one ``ir.Model`` per rank (rank i runs on ``cluster.devices[i]``), holding ordinary
 compute nodes and nodes in the ``partitioner.comm`` domain (opset 1):
 
-- ``Send(x)`` attrs peer, tag — non-blocking: the sender goes on at once; the message arrives at
+- ``Send(x)`` attrs peer, tag — non-blocking: the sender goes on after posting it
+  (:func:`~partitioner.cost.comm.send_overhead`, counted as its comm); the message arrives at
   send start + :func:`~partitioner.cost.comm.p2p_time`.
-- ``Recv() -> y`` attrs peer, tag, shape, dtype — blocks until the matching message has arrived.
+- ``Recv() -> y`` attrs peer, tag, shape, dtype — blocks until the matching message has arrived;
+  one that arrived earlier still costs the receiver :func:`~partitioner.cost.comm.send_overhead`.
   Send/Recv match on (src, dst, tag), first-in first-out.
 - ``AllReduce``, ``AllGather``, ``ReduceScatter``, ``AllToAll``, ``Broadcast`` attrs group (global
   ranks), tag, ... — start when every member has reached it (the k-th occurrence of
@@ -22,9 +24,11 @@ result handling, measured by calibration; 0 for nominal devices).
 Accounting per rank: compute = Σ compute segments; comm = time inside collectives plus the part
 of a Recv wait during which the message was in flight; idle = step latency − compute − comm
 (waiting for a peer to reach a collective or to start a send, and the pipeline drain).
-Step latency is the makespan. Peak memory = parameters + the program's peak live activations
-(:func:`~partitioner.cost.workdepth.peak_activation_bytes`) + the most received-but-not-yet-
-consumed message bytes buffered at once. A program whose ranks wait on each other forever raises
+Step latency is the makespan. Peak memory is :func:`partitioner.cost.memory.rank_peak` for the
+device's runtime (``Device.runtime``): its weights (embedded in the library or mapped), the
+program's peak live activations (:func:`~partitioner.cost.workdepth.peak_activation_bytes`), the
+input file, the step's outputs and send copies, and the most received-but-not-yet-consumed
+message bytes buffered at once; a nominal device counts weights + activations + receives. A program whose ranks wait on each other forever raises
 :class:`~partitioner.core.errors.VerifyError` naming the blocked ranks.
 """
 
@@ -39,7 +43,9 @@ import onnx_ir as ir
 if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the reverse
     from partitioner.cluster import Cluster, Device
 from partitioner.core.errors import PlanError, VerifyError
-from partitioner.cost.comm import collective_time, p2p_time
+from partitioner.cost.comm import collective_time, p2p_time, send_overhead
+from partitioner.cost.memory import RankMemory, rank_peak, runtime_memory
+from partitioner.cost.threads import rank_threads, thread_speedup
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
@@ -82,6 +88,7 @@ class SimResult:
     device_names: tuple[str, ...]
     bytes_per_level: dict[str, float] = field(hash=False)
     events: tuple[TimelineEvent, ...] = ()
+    memory_terms: tuple[RankMemory, ...] = field(default=(), compare=False)
 
     @property
     def fits(self) -> bool:
@@ -100,7 +107,8 @@ class SimResult:
             "ranks": [
                 {"rank": r, "device": self.device_names[r], "compute_s": self.compute_time[r],
                  "comm_s": self.comm_time[r], "idle_s": self.idle_time[r],
-                 "peak_memory_bytes": self.peak_memory[r], "memory_capacity_bytes": self.memory_capacity[r]}
+                 "peak_memory_bytes": self.peak_memory[r], "memory_capacity_bytes": self.memory_capacity[r],
+                 **({"memory_terms": self.memory_terms[r].to_json()} if r < len(self.memory_terms) else {})}
                 for r in range(self.num_ranks)
             ],
             "bytes_per_level": dict(self.bytes_per_level),
@@ -127,8 +135,12 @@ class _Step:
 @dataclass(frozen=True)
 class _Program:
     steps: tuple[_Step, ...]
-    param_bytes: float
+    param_bytes: float  # weights embedded in the program (constants)
     activation_bytes: float
+    mapped_bytes: float = 0.0  # weights kept as external data: mapped from rank<i>.data at run time
+    input_bytes: float = 0.0  # the program's non-constant graph inputs, one micro-batch
+    output_bytes: float = 0.0  # its graph outputs, one micro-batch
+    send_bytes: float = 0.0  # bytes it sends per micro-batch (each Send copies its tensor)
 
 
 def _dtype_name(node: ir.Node) -> str:
@@ -191,8 +203,9 @@ def _segment_label(ops: list[str]) -> str:
     return f"{ops[0]}…{ops[-1]} ({len(ops)} ops)"
 
 
-def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
-    """Turn one rank's program into compute segments and comm steps (costs computed once)."""
+def compile_program(model: ir.Model, device: Device, rank: int = 0, speedup: float = 1.0) -> _Program:
+    """Turn one rank's program into compute segments and comm steps (costs computed once).
+    ``speedup``: the rank's kernels run that much faster (its threads, :mod:`cost.threads`)."""
     graph = model.graph
     where = f"rank {rank}"
     const = constant_values(graph)
@@ -207,7 +220,7 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
                 seg_time, seg_ops = 0.0, []
             steps.append(_comm_step(node, rank, where))
             continue
-        t = op_time(cost, device, _dtype_name(node), op_class(node), node in fused)
+        t = op_time(cost, device, _dtype_name(node), op_class(node), node in fused) / speedup
         if t > 0:
             seg_time += t
             seg_ops.append(node.op_type)
@@ -217,8 +230,12 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0) -> _Program:
     if call > 0:  # one run of the compiled program per micro-batch: argument handling, VM entry
         steps.insert(0, _Step("compute", seconds=call, label="call"))
     params = parameter_values(graph, const)
-    param_bytes = float(sum(numel(v) * itemsize(v) for v in params))
-    return _Program(tuple(steps), param_bytes, peak_activation_bytes(graph, const))
+    mapped = float(sum(numel(v) * itemsize(v) for v in params if isinstance(v.const_value, ir.ExternalTensor)))
+    param_bytes = float(sum(numel(v) * itemsize(v) for v in params)) - mapped
+    return _Program(tuple(steps), param_bytes, peak_activation_bytes(graph, const), mapped,
+                    float(sum(nbytes(v) for v in graph.inputs if v not in const)),
+                    float(sum(nbytes(v) for v in graph.outputs)),
+                    float(sum(s.nbytes for s in steps if s.kind == "send")))
 
 
 # ---- the simulation ---------------------------------------------------------------------------
@@ -235,13 +252,14 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
         raise PlanError(f"micro-batch count must be at least 1, got {microbatches}")
     cache: dict[tuple[Any, ...], _Program] = {}
     progs: list[_Program] = []
+    speedup = thread_speedup(rank_threads(cluster, R))  # fewer ranks than cores: threads per rank
     for r, model in enumerate(programs):
         dev = cluster.devices[r]
         key = (id(model), tuple(sorted(dev.peak_flops.items())), dev.memory_bandwidth, dev.efficiency,
                dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())),
-               getattr(dev, "call_overhead_s", 0.0))
+               getattr(dev, "call_overhead_s", 0.0), getattr(dev, "runtime", ""))
         if key not in cache:  # data-parallel ranks share one program object: cost it once
-            cache[key] = compile_program(model, dev, r)
+            cache[key] = compile_program(model, dev, r, speedup)
         progs.append(cache[key])
     for r, prog in enumerate(progs):
         for s in prog.steps:
@@ -255,14 +273,15 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
 
 
 def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int = 1,
-             batch_size: int = 1, events: bool = True) -> SimResult:
+             batch_size: int = 1, events: bool = True, input_bytes: float | None = None) -> SimResult:
     """Simulate one step: every rank runs its program ``microbatches`` times (module docstring).
 
     ``batch_size`` is the number of samples one step processes (all micro-batches together);
-    throughput = batch_size / step latency."""
+    throughput = batch_size / step latency. ``input_bytes``: the model's whole input (every rank
+    of the MPI worker reads it); None counts each rank's own micro-batches of input."""
     sim = _Simulation(_compile_all(programs, cluster, microbatches), cluster, microbatches, events)
     sim.run()
-    return sim.result(batch_size)
+    return sim.result(batch_size, input_bytes)
 
 
 class _Simulation:
@@ -320,6 +339,11 @@ class _Simulation:
         key = (r, s.peer, s.tag)
         dt = p2p_time(s.nbytes, r, s.peer, self.cluster)
         self.mail.setdefault(key, deque()).append((self.now[r], self.now[r] + dt, s.nbytes))
+        post = send_overhead(s.nbytes, r, s.peer, self.cluster)  # the sender posts and copies it
+        if post > 0:
+            self.add_event(r, self.now[r], self.now[r] + post, "comm", s.label)
+            self.now[r] += post
+            self.commt[r] += post
         if r != s.peer:
             name = self.cluster.link(r, s.peer).name
             self.level_bytes[name] = self.level_bytes.get(name, 0.0) + s.nbytes
@@ -337,14 +361,17 @@ class _Simulation:
             return False
         sent, arrival, size = box.popleft()
         t = self.now[r]
+        # a message that arrived earlier still costs the receiver its end of the transfer (the
+        # same endpoint cost as posting a send); one in flight ends at its arrival
+        done = max(arrival, t + send_overhead(size, s.peer, r, self.cluster))
         if sent > t:
             self.add_event(r, t, sent, "idle", f"mb{mb}: wait for {s.label}")
-        if arrival > t:
-            begin = max(t, sent)
-            self.add_event(r, begin, arrival, "comm", f"mb{mb}: {s.label}")
-            self.commt[r] += arrival - begin
-            self.now[r] = arrival
-        else:
+        begin = max(t, sent)
+        if done > begin:
+            self.add_event(r, begin, done, "comm", f"mb{mb}: {s.label}")
+            self.commt[r] += done - begin
+            self.now[r] = done
+        if arrival <= t:
             self.buffered[r].append((arrival, t, size))
         self.pc[r] += 1
         return True
@@ -397,31 +424,38 @@ class _Simulation:
             raise VerifyError(f"deadlock: {'; '.join(desc)}{' ...' if len(stuck) > 6 else ''}: "
                               f"check that every Recv has a matching Send and collectives run in the same order")
 
-    def result(self, batch_size: int) -> SimResult:
+    def memory(self, r: int, input_bytes: float | None) -> RankMemory:
+        """Rank r's peak memory terms (:func:`partitioner.cost.memory.rank_peak`)."""
+        buffered = self.buffered[r]
+        deltas = sorted([(a, b) for a, _, b in buffered] + [(e, -b) for _, e, b in buffered],
+                        key=lambda t: (t[0], t[1]))
+        cur = peak_buf = 0.0
+        for _, d in deltas:
+            cur += d
+            peak_buf = max(peak_buf, cur)
+        p = self.progs[r]
+        rule = runtime_memory(getattr(self.cluster.devices[r], "runtime", ""))
+        return rank_peak(rule, embedded_weight_bytes=p.param_bytes, mapped_weight_bytes=p.mapped_bytes,
+                         activation_bytes=p.activation_bytes, microbatches=self.m, local_input_bytes=p.input_bytes,
+                         global_input_bytes=input_bytes or 0.0, output_bytes=p.output_bytes,
+                         send_bytes=p.send_bytes, receive_bytes=peak_buf)
+
+    def result(self, batch_size: int, input_bytes: float | None = None) -> SimResult:
         R, now, cluster = self.R, self.now, self.cluster
         makespan = max(now) if now else 0.0
         idle = []
         for r in range(R):
             self.add_event(r, now[r], makespan, "idle", "drain")
             idle.append(max(0.0, makespan - self.compute[r] - self.commt[r]))
-        peak_mem = []
-        for r in range(R):
-            buffered = self.buffered[r]
-            deltas = sorted([(a, b) for a, _, b in buffered] + [(e, -b) for _, e, b in buffered],
-                            key=lambda t: (t[0], t[1]))
-            cur = peak_buf = 0.0
-            for _, d in deltas:
-                cur += d
-                peak_buf = max(peak_buf, cur)
-            peak_mem.append(self.progs[r].param_bytes + self.progs[r].activation_bytes + peak_buf)
+        terms = tuple(self.memory(r, input_bytes) for r in range(R))
         all_events = tuple(e for r in range(R) for e in sorted(self.evs[r], key=lambda e: e.start))
         return SimResult(
             num_ranks=R, microbatches=self.m, batch_size=batch_size, step_latency=makespan,
             throughput=batch_size / makespan if makespan > 0 else float("inf"),
             compute_time=tuple(self.compute), comm_time=tuple(self.commt), idle_time=tuple(idle),
-            peak_memory=tuple(peak_mem),
+            peak_memory=tuple(t.total for t in terms),
             memory_capacity=tuple(cluster.devices[r].memory_bytes for r in range(R)),
             device_names=tuple(cluster.devices[r].name for r in range(R)),
-            bytes_per_level=self.level_bytes, events=all_events,
+            bytes_per_level=self.level_bytes, events=all_events, memory_terms=terms,
         )
 

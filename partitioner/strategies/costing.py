@@ -20,10 +20,11 @@ import numpy as np
 
 from partitioner.core.model_view import ModelView
 from partitioner.core.plan import Plan, Sharding
-from partitioner.cost.comm import collective_time, p2p_time
-from partitioner.cost.memory import activation_copies
+from partitioner.cost.comm import collective_time, p2p_time, send_overhead
+from partitioner.cost.memory import activation_copies, rank_peak, runtime_memory
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
+from partitioner.cost.threads import rank_threads, thread_speedup
 from partitioner.cost.resharding import communicates, conversion
 from partitioner.cost.roofline import graph_op_times
 
@@ -126,16 +127,41 @@ def _parts_json(parts: tuple[tuple[float, float, float], ...], r: int) -> dict[s
     return {"weight_bytes": w, "activation_bytes": a, "resident_output_bytes": o}
 
 
-def _memory(view: ModelView, plan: Plan, weights: dict[int, set[tuple[str, Sharding]]], act: np.ndarray,
-            held: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
-    """Per rank: (weights, activations x copies in flight, resident graph outputs) and their sum."""
+def _is_external(view: ModelView, name: str) -> bool:
+    import onnx_ir as ir
+
+    v = view.initializers.get(name)
+    return v is not None and isinstance(v.const_value, ir.ExternalTensor)
+
+
+def _memory(view: ModelView, plan: Plan, cluster: Any, weights: dict[int, set[tuple[str, Sharding]]],
+            act: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
+    """Per rank: (weights, activations x copies in flight + the rest of the runtime's terms,
+    resident graph outputs) and the peak, by the one rule :func:`partitioner.cost.memory.rank_peak`
+    of the device's runtime (twice the largest local activation stands for the peak live bytes)."""
     mem = np.zeros(plan.world_size)
     parts = []
     inflight = activation_copies(plan.microbatches, plan.num_stages)
+    inputs = float(sum(view.nbytes(n) for n in view.inputs))
     for r in range(plan.world_size):
-        wb = sum(view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1) for n, s in weights[r])
-        parts.append((float(wb), float(2 * act[r] * inflight), float(held[r])))
-        mem[r] = sum(parts[-1])
+        wb = mapped = 0.0
+        for n, s in weights[r]:
+            b = view.nbytes(n) / (len(s.ranks) if s.axis is not None else 1)
+            if _is_external(view, n):  # kept as external data: mapped from rank<i>.data at run time
+                mapped += b
+            else:
+                wb += b
+        rule = runtime_memory(getattr(cluster.devices[r], "runtime", ""))
+        t = rank_peak(rule, embedded_weight_bytes=float(wb), mapped_weight_bytes=float(mapped),
+                      activation_bytes=float(2 * act[r] * inflight), global_input_bytes=inputs,
+                      output_bytes=float(held[r]))
+        out = t.outputs if rule.worker_buffers else float(held[r])  # the plain sum keeps them too
+        steady = t.steady - t.outputs + out
+        if t.load_peak > steady:  # the peak is the load: the library's copies of the weights
+            parts.append((t.load_peak - t.runtime, t.runtime, 0.0))
+        else:
+            parts.append((t.weights, steady - t.weights - out, out))
+        mem[r] = max(t.load_peak, steady)
     return mem, parts
 
 
@@ -194,8 +220,10 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                 s0 = src.ranks[0]
                 for t in req.ranks:
                     if t not in src.ranks:
-                        sec = p2p_time(nbytes / (len(req.ranks) if req.axis is not None else 1), s0, t, cluster)
+                        part = nbytes / (len(req.ranks) if req.axis is not None else 1)
+                        sec = p2p_time(part, s0, t, cluster)
                         comm[t] += sec * m
+                        comm[s0] += send_overhead(part, s0, t, cluster) * m  # the sender posts it
                         lv = cluster.link(s0, t).name
                         levels[lv] = levels.get(lv, 0.0) + nbytes * m
             else:
@@ -213,7 +241,8 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                 if name in graph_outputs:
                     for r in g:
                         held[r] += local * m
-    mem, parts = _memory(view, plan, weights, act, held)
+    mem, parts = _memory(view, plan, cluster, weights, act, held)
+    compute /= thread_speedup(rank_threads(cluster, w))  # fewer ranks than cores: threads per rank
     for r in range(w):  # one run of the rank's program per micro-batch (what the simulator charges)
         compute[r] += m * getattr(cluster.devices[r], "call_overhead_s", 0.0)
     busy = compute + comm

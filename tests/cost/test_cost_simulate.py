@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from partitioner.cluster import Cluster, Device, LinkLevel
 from partitioner.core.errors import VerifyError
 from partitioner.cost.pipeline import bubble_fraction
+from partitioner.cost.comm import SEND_OVERHEAD_ALPHA
 from partitioner.cost.simulate import simulate
 
 COMM = "partitioner.comm"
@@ -65,12 +66,15 @@ def test_gpipe_bubble_4_stages_8_microbatches():
     p, m = 4, 8
     res = simulate([stage(r, p) for r in range(p)], cluster(p), microbatches=m, batch_size=m * 64)
     send = ALPHA + ACT * BETA
-    # fill-drain: (m+p−1)·t + (p−1) sends
-    assert res.step_latency == pytest.approx((m + p - 1) * T_MM + (p - 1) * send, rel=1e-9)
+    post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA  # each end of a message: post it, take it out
+    # fill-drain: (m+p−1)·t + (p−1) sends; the middle stages receive and send, so they set the
+    # pace at t + 2·post
+    assert res.step_latency == pytest.approx((m + p - 1) * T_MM + (p - 1) * send + (m - 1) * 2 * post, rel=1e-9)
     for r in range(p):
         assert res.compute_time[r] == pytest.approx(m * T_MM, rel=1e-9)
         # idle + in-flight waits make up the bubble: (p−1)/(m+p−1) = 3/11 of the step
-        frac = (res.idle_time[r] + res.comm_time[r]) / res.step_latency
+        posting = (m * post if r < p - 1 else 0.0) + ((m - 1) * post if r > 0 else 0.0)
+        frac = (res.idle_time[r] + res.comm_time[r] - posting) / res.step_latency
         assert frac == pytest.approx(bubble_fraction(p, m), abs=0.02)
     assert res.throughput == pytest.approx(m * 64 / res.step_latency)
     # m sends per boundary, 3 boundaries
@@ -87,8 +91,10 @@ def test_slow_stage_sets_the_pace():
     progs = [stage(0, p), stage(1, p, n_matmuls=2), stage(2, p)]
     res = simulate(progs, cluster(p), microbatches=m)
     send = ALPHA + ACT * BETA
-    # Σ t_i + Σ s_i + (m−1)·max t_i = (1 + 2 + 1)·t + 2 sends + 5·2t
-    assert res.step_latency == pytest.approx(4 * T_MM + 2 * send + (m - 1) * 2 * T_MM, rel=1e-9)
+    post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA
+    # Σ t_i + Σ s_i + (m−1)·max cycle = (1 + 2 + 1)·t + 2 sends + 5·(2t + 2·post): the slow
+    # stage receives and sends
+    assert res.step_latency == pytest.approx(4 * T_MM + 2 * send + (m - 1) * (2 * T_MM + 2 * post), rel=1e-9)
 
 
 def _allreduce_rank(n_matmuls: int) -> ir.Model:

@@ -37,3 +37,30 @@ def test_throughput_objective_uses_the_same_margin() -> None:
 def test_single_that_does_not_fit_is_not_kept() -> None:
     ranked = [_cand("tensor x2", 0.95), _cand("single x1", 1.0, fits=False)]
     assert prefer_single(ranked, "latency")[0].name == "tensor x2"
+
+
+def test_per_layer_sync_splits_need_the_larger_margin() -> None:
+    """tensor/spatial/hybrid synchronise inside every layer; their measured error was far beyond
+    25% (search.SYNC_SPLIT_MARGIN), so a 1.44x predicted gain (light SqueezeNet's tensor x2) is
+    not enough, while the same gain from a data split is."""
+    from partitioner.strategies.search import SYNC_SPLIT_MARGIN, split_margin
+
+    assert split_margin("tensor x2") == split_margin("spatial x4") == SYNC_SPLIT_MARGIN > SPLIT_MARGIN
+    assert split_margin("data x2") == split_margin("pipeline x2") == SPLIT_MARGIN
+    ranked = [_cand("tensor x2", 1 / 1.44), _cand("single x1", 1.0)]
+    best, note = prefer_single(ranked, "latency")
+    assert best.name == "single x1" and "tensor x2" in note
+    ranked = [_cand("data x2", 1 / 1.44), _cand("single x1", 1.0)]
+    assert prefer_single(ranked, "latency")[0].name == "data x2"
+
+
+def test_next_split_that_passes_its_margin_wins() -> None:
+    """The first candidate in rank order that beats single by its own margin is taken."""
+    ranked = [_cand("tensor x2", 0.6), _cand("data x2", 0.7), _cand("single x1", 1.0)]
+    best, note = prefer_single(ranked, "latency")
+    assert best.name == "data x2" and "tensor x2" in note and "chose data x2" in note
+
+
+def test_a_split_that_does_not_fit_is_never_taken_over_single() -> None:
+    ranked = [_cand("tensor x2", 0.9), _cand("data x2", 0.3, fits=False), _cand("single x1", 1.0)]
+    assert prefer_single(ranked, "latency")[0].name == "single x1"

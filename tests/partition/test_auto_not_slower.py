@@ -5,21 +5,30 @@ On 3 zoo models (ResNet-18, a BERT encoder, MobileNetV2; batch 8) and 2 architec
 outside the zoo (onnx's light SqueezeNet and ShuffleNet, seeded random weights, batch 1), with the
 TVM backend and this machine's calibrated figures (a quick calibration into the test's own cache
 folder): plan ``auto`` on ``cpu:2``; when it chose a split, compile it and the 1-rank build and
-time both with ``partitioner bench`` (the 1-rank build on the same 2 cores: 2 threads) in 3
-interleaved rounds. Pass: the split's median step over the rounds is at most (1 + NOISE) times
-the 1-rank median. When ``auto`` chose ``single x1`` the test checks that it was a candidate and
-that the explanation says why (nothing to time: it is the 1-rank plan itself).
+time both with ``partitioner bench`` (the 1-rank build on the same 2 cores: 2 threads) in
+ROUNDS interleaved rounds (each round times the split, then the 1-rank build, so a burst of
+other load hits both alike). Pass: the median over the rounds of the paired ratio (split's
+median step / 1-rank median step of the same round) is at most 1 + NOISE. When ``auto`` chose
+``single x1`` the test checks that it was a candidate and that the explanation says why
+(nothing to time: it is the 1-rank plan itself).
 
 NOISE = 10%: the spread of round medians measured on the shared 2-core development machine.
+The planner's own margin is larger (``strategies/search.py``: a split must be predicted 25%
+faster, 50% for tensor/spatial/hybrid), and since the cost model counts the 1-rank plan's threads
+(``cost/threads.py``), on a 2-core machine ``auto`` keeps ``single x1`` for all five models (the
+best 2-way split is predicted 1.1-1.15x faster at most), which is what the Nov 30 runs measured
+(ResNet-18 data x2 1.14x, BERT data x2 1.10x against 1 rank on both cores).
 Slow (minutes of TVM builds per model).
 
-Last results (2026-12-01, shared 2-core machine, load average 30–74, so not a verdict): resnet,
-bert, mobilenet and light_shufflenet passed once each (resnet failed a second run at load 74:
-data x2 24.3 ms against 20.6 ms). light_squeezenet fails: auto picks tensor x2 (simulated 9.3 ms
-against 13.4 ms for single), which measured 44–97 ms against 13.8 ms: 15 AllReduces of
-row-split convolutions, 45 ms of comm per step and 50 ms of kernels per rank. Rerun on a quiet
-machine; if it still fails, the model misses the cost of the split convolutions' kernels and
-collectives (see docs/calibration.md).
+Earlier results (2026-12-01, before the planner counted the 1-rank plan's threads and the
+per-kind margins; shared 2-core machine, load average 30–74, so not a verdict): resnet, bert,
+mobilenet and light_shufflenet passed once each (resnet failed a second run at load 74: data x2
+24.3 ms against 20.6 ms); light_squeezenet failed: auto picked tensor x2 (simulated 9.3 ms
+against 13.4 ms for single), which measured 44–97 ms against 13.8 ms (15 AllReduces of row-split
+convolutions, 45 ms of comm per step). With both changes, on the machine's calibration, auto
+keeps single x1 for all five on this 2-core machine (plans checked with the machine's
+calibration, 2026-12-01), and the test passed 5/5 in 78 s (load average 50–76). On a machine
+whose calibration makes a split win by its margin, the split is timed against the 1-rank build.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from partitioner.compiler import prepare
 from partitioner.partition import partition
 
 NOISE = 0.10
-ROUNDS = 3
+ROUNDS = 5
 CASES = {
     "resnet": {"batch": 8, "image": 64},
     "bert": {"batch": 8},
@@ -84,7 +93,8 @@ def test_auto_not_slower_than_single(name: str, calibrated: None, tmp_path: Path
                              single_threads=None)
         split_s.append(doc["results"]["partitioned"]["median_s"])
         single_s.append(doc["results"]["single"]["median_s"])
-    split, one = statistics.median(split_s), statistics.median(single_s)
-    assert split <= one * (1 + NOISE), (
-        f"{name}: auto chose {res.plan.strategy} x{res.plan.world_size} at {split * 1e3:.2f} ms per step, "
-        f"1 rank on the same cores {one * 1e3:.2f} ms ({res.explanation})")
+    ratio = statistics.median(a / b for a, b in zip(split_s, single_s))
+    assert ratio <= 1 + NOISE, (
+        f"{name}: auto chose {res.plan.strategy} x{res.plan.world_size}: split/1-rank per round "
+        f"{[round(a / b, 2) for a, b in zip(split_s, single_s)]} (split ms {[round(x * 1e3, 2) for x in split_s]}, "
+        f"1 rank on the same cores {[round(x * 1e3, 2) for x in single_s]}) ({res.explanation})")
