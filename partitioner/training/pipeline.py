@@ -128,6 +128,7 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
     """The contiguous split of least bottleneck (stage work + its send) whose every stage fits
     ``limit`` with its own in-flight count (a DP over (stage, last node))."""
     from partitioner.cost.ops import nbytes
+    from partitioner.cost.training import resident_bytes
     from partitioner.training.step import default_trainable
 
     nodes = list(graph)
@@ -139,7 +140,7 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
         for v in node.inputs:
             if v is not None and v.name in trainable and v.name not in seen:
                 seen.add(v.name)
-                wmem[i] += nbytes(v) * (2 + copies)
+                wmem[i] += resident_bytes(nbytes(v), copies, 0.0, 2)  # the cost model's rule 3
     pt, pw, pa = (np.concatenate([[0.0], np.cumsum(a)]) for a in (flops, wmem, amem))
     send = send.copy()
     send[-1] = 0.0

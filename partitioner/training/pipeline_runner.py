@@ -244,7 +244,10 @@ def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devic
                               backend=backend, threads=threads, state=state)
 
     if comm is not None:
-        return [comm.rank], [runner(comm.rank, comm, out / f"rank{comm.rank}" if out is not None else None)]
+        mine = runner(comm.rank, comm, out / f"rank{comm.rank}" if out is not None else None)
+        for st in plan.stages:  # this rank holds its own stage's state only; the rest: shapes for the gather
+            st.initial = {k: np.broadcast_to(np.zeros((), v.dtype), v.shape) for k, v in st.initial.items()}
+        return [comm.rank], [mine]
     from partitioner.runtime.comm_local import LocalWorld
 
     world = LocalWorld(devices)

@@ -130,11 +130,12 @@ def test_pipeline_train_cli_and_mpi_ranks_match_threads(tmp_path, capsys) -> Non
         for a, b in zip(run.model.graph.initializer, single.model.graph.initializer):
             np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
                                        atol=1e-5, err_msg=a.name)
-    for r in range(2):  # each MPI rank reports its peak RSS over its baseline (bench compares the prediction)
+    for r in range(2):  # each MPI rank reports its steps' peak RSS over its baselines (train --bench)
         import json
 
         mem = json.loads((tmp_path / "m" / f"memory_rank{r}.json").read_text())
-        assert mem["rank"] == r and mem["peak_rss_bytes"] >= mem["baseline_rss_bytes"] > 0
+        assert mem["rank"] == r and mem["training_peak_bytes"] >= mem["process_baseline_bytes"] > 0
+        assert mem["training_bytes"] >= mem["state_bytes"] > 0
     with np.load(tmp_path / "m" / "checkpoint_epoch1.state.npz") as z:
         assert "head.weight.m" in z.files and "fc0.weight.m" in z.files  # both stages' optimizer state
     rc = main(["train", str(model), "--data", str(tmp_path / "d.npz"), "--strategy", "pipeline", "--devices", "2",
