@@ -34,19 +34,11 @@ from pathlib import Path
 from typing import Any
 
 
-def _status(key: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def rss_bytes() -> int:
     """Resident memory now (``VmRSS``)."""
-    return _status("VmRSS")
+    from partitioner.core.machine import rss_bytes as now
+
+    return now()
 
 
 def peak_bytes() -> int:
@@ -67,11 +59,9 @@ def release() -> None:
 
 def reset_peak() -> bool:
     """Rule 2: reset ``VmHWM`` to the current RSS; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
+    from partitioner.core.machine import reset_peak_rss
+
+    return reset_peak_rss()
 
 
 def baseline(backend: str) -> int:
