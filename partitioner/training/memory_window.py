@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import gc
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 
