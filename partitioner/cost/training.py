@@ -21,11 +21,12 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``). ``data`` adds
    ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, AllReduced
    into a new array, scaled and split: 5 copies between the program's segments). ``pipeline``
-   adds 2 ``G`` (the backward program's gradient outputs and the accumulator over the
-   micro-batches). Measured on the zoo mlp (2048 wide, 48 MiB of weights): single SGD 4.0 W
-   against 4 W predicted, single Adam 10.9 W against 10 W, tensor Adam per rank 11.3 W against
-   10 W, data SGD per rank 11.3 W against 9 W; pipeline Adam 16.9 / 19.6 W per stage against
-   11 W: the pipeline runner holds more than this rule counts (docs/training.md).
+   adds 4 ``G`` (the backward program's arena: its gradient outputs and weight-sized
+   temporaries; the gradients it returns; the accumulator over the micro-batches). Measured
+   (``train --bench``, ONNX Runtime, the zoo mlp 2048 wide, 48 MiB of weights; weights W per
+   rank): single SGD 4.0 W against 4 W predicted, single Adam 10.9 W against 10 W, tensor Adam
+   11.3 W against 10 W, data SGD 11.3 W against 9 W, pipeline Adam 16.9 / 19.6 W per stage
+   against 14 W: within 25% except the last pipeline stage (0.72; docs/training.md).
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
@@ -189,7 +190,7 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     opt = [_optimizer_time(float(p.weight[s].sum()), copies, device) for s in spans]
     step = pipeline_step_time(stage_t, sends, m) + max(opt)
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
-    mem = [resident_bytes(float(p.weight[s].sum()), copies, float(p.activation[s].sum()) * inflight[i], 2)
+    mem = [resident_bytes(float(p.weight[s].sum()), copies, float(p.activation[s].sum()) * inflight[i], 4)
            for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t)}

@@ -140,7 +140,7 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
         for v in node.inputs:
             if v is not None and v.name in trainable and v.name not in seen:
                 seen.add(v.name)
-                wmem[i] += resident_bytes(nbytes(v), copies, 0.0, 2)  # the cost model's rule 3
+                wmem[i] += resident_bytes(nbytes(v), copies, 0.0, 4)  # the cost model's rule 3
     pt, pw, pa = (np.concatenate([[0.0], np.cumsum(a)]) for a in (flops, wmem, amem))
     send = send.copy()
     send[-1] = 0.0
