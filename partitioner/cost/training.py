@@ -46,6 +46,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    bucket's first-read node, on a link that carries one AllReduce at a time:
    ``start_b = max(ready_b, end_{b-1})``. The step with overlap is forward + max(backward end,
    last AllReduce end) + optimizer.
+6. Recompute (pipeline rule 8, chosen by the stage planner when no split fits the memory limit
+   otherwise): a stage but the last holds one micro-batch's activations plus its inputs x its
+   in-flight count, and runs its forward twice per micro-batch.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class TrainingPrediction:
     schedule: str | None = None
     micro_batches: int | None = None
     stage_weight_bytes: list[float] | None = None  # pipeline: the trainable bytes of each stage
+    recompute: bool = False  # pipeline: the stages but the last recompute their forward (rule 6)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,26 +180,31 @@ def overlapped_backward(p: _Profile, devices: int, cluster: Any) -> float:
 
 
 def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
-             device: Any) -> TrainingPrediction:
-    """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last node)."""
+             device: Any, recompute: bool = False) -> TrainingPrediction:
+    """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last
+    node); rule 6 with ``recompute``."""
     from partitioner.cost.comm import collective_time
+    from partitioner.cost.ops import nbytes
     from partitioner.cost.pipeline import pipeline_step_time
 
     stages = len(ends)
     starts = [0] + [e + 1 for e in ends[:-1]]
     spans = [slice(a, b + 1) for a, b in zip(starts, ends)]
-    stage_t = [float(p.forward[s].sum() + p.backward[s].sum()) for s in spans]
+    again = [recompute and i < stages - 1 for i in range(stages)]  # rule 6: one more forward
+    stage_t = [float(p.forward[s].sum() * (2 if again[i] else 1) + p.backward[s].sum()) for i, s in enumerate(spans)]
     sends = [2 * collective_time("send", cut_bytes(p.graph, ends[k]), [k, k + 1], cluster).seconds
              for k in range(stages - 1)]  # activations forward and their gradients back
     opt = [_optimizer_time(float(p.weight[s].sum()), copies, device) for s in spans]
     step = pipeline_step_time(stage_t, sends, m) + max(opt)
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
-    mem = [resident_bytes(float(p.weight[s].sum()), copies, float(p.activation[s].sum()) * inflight[i], 4)
-           for i, s in enumerate(spans)]
+    inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
+    held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
+            else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
+    mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], 4) for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t)}
     return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m,
-                              [float(p.weight[s].sum()) for s in spans])
+                              [float(p.weight[s].sum()) for s in spans], recompute)
 
 
 def cut_bytes(graph: Any, end: int) -> float:

@@ -83,6 +83,9 @@ class PipelineRunner:
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
         self.peak_stash = 0
         self.steps = 0
+        # rule 8: a recomputing B reruns the forward, BN statistics included
+        self._b_bn = sorted({a for a, _ in st.bn_state} & {i.name for i in st.backward.graph.input}
+                            if st.backward is not None else set())
 
     # one step ----------------------------------------------------------------------------------
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
@@ -134,6 +137,7 @@ class PipelineRunner:
         st, plan = self.stage, self.plan
         feeds = dict(stashed)
         feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update({a: self.state[a] for a in self._b_bn})
         for c, v in st.send:
             key = f"{v}.grad_out"
             if not self._is_float(v):

@@ -44,11 +44,11 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     graph = _load(model, local).graph
     prof = cost.profile(graph, device, set(default_trainable(graph)))
     if strategy == "pipeline" and devices > 1:
-        from partitioner.training.pipeline import in_flight, stage_ends
+        from partitioner.training.pipeline import in_flight, stage_cut
 
-        ends = stage_ends(graph, devices, memory_limit=memory_limit, state_copies=copies,
-                          in_flight=in_flight(schedule, devices, m))
-        return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device)
+        ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
+                                    in_flight=in_flight(schedule, devices, m))
+        return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
     return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device)
