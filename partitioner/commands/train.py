@@ -97,6 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
         print_json(p.to_json())
         return 0
     sched = f" {p.schedule}, {p.micro_batches} micro-batches" if p.schedule else ""
+    sched += ", recompute" if p.recompute else ""
     print(f"{strategy} on {p.devices} device(s){sched}, batch {p.batch}: predicted step {p.step_time_s * 1e3:.3f} ms, "
           f"{p.samples_per_s:.1f} samples/s")
     for r, m in enumerate(p.memory_per_rank):
