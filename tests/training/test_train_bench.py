@@ -30,6 +30,24 @@ def test_memory_window_counts_what_the_steps_allocate() -> None:
     assert abs(w.training_bytes - 80 * 2**20) < 8 * 2**20
 
 
+def test_train_bench_json_on_one_device(tmp_path, capsys) -> None:
+    """--bench --json: predicted beside measured step time and memory; the measured memory holds
+    at least the resident weights (SGD: the state is the weights), the ratio is predicted/measured."""
+    model = models_zoo.build("mlp", batch=16, layers=2, hidden=256, in_features=256)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((64, 256)).astype(np.float32), y=rng.integers(0, 10, 64))
+    rc = main(["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--batch", "16", "--bench",
+               "--json", "-o", str(tmp_path / "r")])
+    doc = json.loads(capsys.readouterr().out)
+    weights = sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    assert rc == 0 and doc["strategy"] == "single" and doc["steps_timed"] == 2
+    (mem,) = doc["memory_per_rank"]
+    assert mem["measured"] >= weights and mem["ratio"] == pytest.approx(mem["predicted"] / mem["measured"])
+    st = doc["step_time_s"]
+    assert st["measured"] > 0 and st["predicted"] > 0 and st["ratio"] == pytest.approx(st["predicted"] / st["measured"])
+
+
 @pytest.mark.slow
 def test_a_model_too_big_for_one_device_trains_on_two_ranks_as_predicted(tmp_path, capsys) -> None:
     model = models_zoo.build("mlp", batch=32, layers=2, hidden=1536, in_features=1536)
