@@ -49,7 +49,8 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
                             micro_batches=micro_batches, stages=stages, memory_limit=memory_limit)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-bench-"))
     backend = train_kw.get("backend", "onnxruntime")
-    memory_window.CURRENT = memory_window.MemoryWindow(process_baseline_bytes=memory_window.baseline(backend))
+    memory_window.CURRENT = memory_window.MemoryWindow(process_baseline_bytes=memory_window.baseline(backend),
+                                                       armed=True)
     res = train(model, data, devices=devices, strategy="data" if kind == "single" else strategy, batch=batch,
                 optimizer=optimizer, schedule=schedule, micro_batches=micro_batches, stages=stages,
                 memory_limit=memory_limit, out_dir=out, launcher="mpi" if devices > 1 else "threads", **train_kw)

@@ -21,7 +21,9 @@ is compared with):
 4. The peak is read after each epoch's last step, before the checkpoint (where rank 0 gathers
    every stage's state to write a 1-rank checkpoint), and reset after it; the maximum over
    epochs counts.
-5. Where the counter cannot be reset (no ``/proc``, an old kernel) ``window_reset`` is false and
+5. Only an armed window (``train --bench``, an MPI training rank) drops garbage and resets the
+   counter: a plain run in a user's process leaves its peak-RSS figures alone.
+6. Where the counter cannot be reset (no ``/proc``, an old kernel) ``window_reset`` is false and
    the peak includes the build: an upper bound.
 """
 
@@ -77,7 +79,7 @@ def baseline(backend: str) -> int:
 
 @dataclass
 class MemoryWindow:
-    """One rank's measured memory (rules 1-5); bytes."""
+    """One rank's measured memory (rules 1-6); bytes."""
 
     process_baseline_bytes: int = 0
     build_peak_bytes: int = 0
@@ -85,9 +87,12 @@ class MemoryWindow:
     state_bytes: int = 0
     training_peak_bytes: int = 0
     window_reset: bool = False
+    armed: bool = False  # only a measured run (train --bench, an MPI rank) resets the process's peak
 
     def start_steps(self, state_bytes: int) -> None:
         """Rules 2-3, called once the runners are built (``state_bytes``: what they hold)."""
+        if not self.armed:
+            return
         self.build_peak_bytes = max(self.build_peak_bytes, peak_bytes())
         release()
         self.window_reset = reset_peak()
@@ -95,9 +100,13 @@ class MemoryWindow:
 
     def end_steps(self) -> None:
         """Rule 4, after an epoch's last step (before its checkpoint)."""
+        if not self.armed:
+            return
         self.training_peak_bytes = max(self.training_peak_bytes, peak_bytes())
 
     def after_checkpoint(self) -> None:
+        if not self.armed:
+            return
         release()
         reset_peak()
 
@@ -114,5 +123,5 @@ class MemoryWindow:
         return doc
 
 
-#: the window of this process's run (the MPI worker sets ``baseline_bytes`` and writes it out)
+#: the window of this process's run (``train --bench`` and the MPI worker arm it and read it)
 CURRENT = MemoryWindow()

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         comm = MPICommunicator(comm_groups(world.Get_size(), cfg.get("strategy", "data"), cfg.get("stages")))
         from partitioner.training import memory_window
 
-        memory_window.CURRENT.process_baseline_bytes = memory_window.baseline(cfg.get("backend", "onnxruntime"))
+        memory_window.CURRENT = memory_window.MemoryWindow(
+            process_baseline_bytes=memory_window.baseline(cfg.get("backend", "onnxruntime")), armed=True)
         train(cfg["model"], cfg["data"], loss=cfg["loss"], optimizer=cfg["optimizer"], lr=cfg["lr"],
               weight_decay=cfg["weight_decay"], batch=cfg["batch"], epochs=cfg["epochs"], devices=cfg["devices"],
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],

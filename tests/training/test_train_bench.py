@@ -22,7 +22,7 @@ def test_memory_window_counts_what_the_steps_allocate() -> None:
     (+- 8), with 16 MiB of state counted as resident."""
     if not reset_peak():
         pytest.skip("this kernel does not allow resetting VmHWM")
-    w = MemoryWindow()
+    w = MemoryWindow(armed=True)
     w.start_steps(16 * 2**20)
     a = np.ones(16 * 2**20, dtype=np.float32)  # 64 MiB, touched
     del a
