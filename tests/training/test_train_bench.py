@@ -49,7 +49,8 @@ def test_train_bench_json_on_one_device(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_a_model_too_big_for_one_device_trains_on_two_ranks_as_predicted(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("backend", ["onnxruntime", "tvm"])
+def test_a_model_too_big_for_one_device_trains_on_two_ranks_as_predicted(tmp_path, capsys, backend) -> None:
     model = models_zoo.build("mlp", batch=32, layers=2, hidden=1536, in_features=1536)
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
@@ -59,7 +60,7 @@ def test_a_model_too_big_for_one_device_trains_on_two_ranks_as_predicted(tmp_pat
     two = max(predict_training(model, "tensor", 2, batch=32, optimizer="adam").memory_per_rank)
     limit = str(int((one + two) / 2))
     base = ["train", str(path), "--data", str(tmp_path / "d.npz"), "--optimizer", "adam", "--batch", "32",
-            "--memory-limit", limit, "--no-progress"]
+            "--memory-limit", limit, "--no-progress", "--backend", backend]
     rc = main([*base, "--devices", "1", "-o", str(tmp_path / "one")])
     err = capsys.readouterr().err
     assert rc == 2 and "exceeds --memory-limit" in err and len(err.strip().splitlines()) == 1
