@@ -30,17 +30,18 @@ Rules (``tests/training/test_training_cost.py`` checks them):
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
-     cluster's collective model). The runtime reduces the buckets after the whole backward pass
-     (each AllReduce is a blocking call between two segments of the step program; nothing runs
-     beside it), so the predicted step has no overlap. The breakdown also gives the step the
-     survey's layer-wise overlap would take (rule 5), ``step_with_overlap_s``;
+     cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
+     ranks run each bucket's AllReduce on a communication thread beside the rest of the
+     backward (:mod:`partitioner.training.overlap`). With ``overlap=False`` (the TVM backend,
+     whose comm ops are blocking calls inside one VM invocation) the AllReduce is added after
+     the backward. The breakdown gives both (``step_with_overlap_s``, ``step_without_overlap_s``);
    - ``pipeline``: fill-drain over ``M`` micro-batches of per-stage (forward + backward) times
      with the activation and gradient sends between stages
      (:func:`partitioner.cost.pipeline.pipeline_step_time`), plus the slowest stage's update.
      The stages are given (the runtime's cut, :func:`partitioner.training.pipeline.stage_ends`);
    - ``tensor``: the Megatron pairs' nodes run 1/R of their work; every pair adds one AllReduce
      of its output forward and one of its input's gradient backward.
-5. Overlap (simulated, not run): the gradients are cut into buckets of at most
+5. Overlap: the gradients are cut into buckets of at most
    ``BUCKET_BYTES`` in the order the backward pass finishes them (last layer first, as the step
    builder does); bucket ``b``'s AllReduce could start once the backward has passed the
    bucket's first-read node, on a link that carries one AllReduce at a time:
@@ -127,21 +128,23 @@ def _optimizer_time(weight_bytes: float, copies: int, device: Any) -> float:
 
 
 def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
-                   device: Any) -> TrainingPrediction:
+                   device: Any, overlap: bool = True) -> TrainingPrediction:
     """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch)."""
     from partitioner.cost.comm import collective_time
 
     w = float(p.weight.sum())
     comm = 0.0
-    overlap = None
+    overlapped = None
     if strategy == "data" and devices > 1:
         comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
-        overlap = overlapped_backward(p, devices, cluster)
+        overlapped = overlapped_backward(p, devices, cluster)
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
              "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
     step = sum(parts.values())
-    if overlap is not None:
-        parts["step_with_overlap_s"] = parts["forward_s"] + overlap + parts["optimizer_s"]
+    if overlapped is not None:
+        parts["step_without_overlap_s"] = step
+        parts["step_with_overlap_s"] = parts["forward_s"] + overlapped + parts["optimizer_s"]
+        step = parts["step_with_overlap_s"] if overlap else step
     mem = resident_bytes(w, copies, float(p.activation.sum()))
     if strategy == "data" and devices > 1:
         mem += BUCKET_COPIES * w

@@ -47,7 +47,11 @@ class StepRunner:
         self.comm = comm if comm is not None else _NoComm()
         self.backend = backend
         self.steps = 0
-        if backend == "onnxruntime":
+        if backend == "onnxruntime" and self.signature.world_size > 1:
+            from partitioner.training.overlap import OverlappedExecutable  # AllReduce beside the backward
+
+            self._exe = OverlappedExecutable(self.program, threads=threads)
+        elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 
             self._exe = RankExecutable(self.program, threads=threads)
