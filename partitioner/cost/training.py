@@ -32,7 +32,8 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
      cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
-     backward (:mod:`partitioner.training.overlap`). With ``overlap=False`` (the TVM backend,
+     backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
+     the blocking step, as the runtime then runs it). With ``overlap=False`` (the TVM backend,
      whose comm ops are blocking calls inside one VM invocation) the AllReduce is added after
      the backward. The breakdown gives both (``step_with_overlap_s``, ``step_without_overlap_s``);
    - ``pipeline``: fill-drain over ``M`` micro-batches of per-stage (forward + backward) times

@@ -11,10 +11,13 @@ Rules:
    segment waits only for the AllReduce outputs it reads. ONNX Runtime and the communicators'
    blocking calls (mpi4py, the in-process queues) release the GIL, so the reduction of bucket b
    runs while the backward computes the next buckets' gradients.
-3. The AllReduces run one at a time, in program order, on that one thread: every rank issues
+3. Used for programs with more than one bucket (:class:`~partitioner.training.runner.StepRunner`):
+   a single bucket's AllReduce follows the whole backward, so there is nothing to overlap and a
+   thread hand-off would only add latency.
+4. The AllReduces run one at a time, in program order, on that one thread: every rank issues
    them in the same order (MPI's collective ordering), and the communicator is used by one
    thread at a time (the step has no other comm op).
-4. ``timeline`` records, for the last step, each segment's and AllReduce's (kind, index,
+5. ``timeline`` records, for the last step, each segment's and AllReduce's (kind, index,
    start, end) on the ``time.perf_counter`` clock, and each AllReduce's hand-off (``submit``):
    the tests check that bucket 0 is handed off before the backward's last segment starts. How
    much of the reduction really runs beside the backward depends on the cores free for the comm
@@ -37,7 +40,8 @@ from partitioner.core.segments import CommStep
 
 
 class OverlappedExecutable(RankExecutable):
-    """:class:`~backends.onnxruntime.RankExecutable` with rule 2's asynchronous AllReduce."""
+    """:class:`~backends.onnxruntime.RankExecutable` with rule 2's asynchronous AllReduce (the
+    AllReduce ops of one program only: the steps' other comm ops run inline)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

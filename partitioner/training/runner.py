@@ -47,7 +47,8 @@ class StepRunner:
         self.comm = comm if comm is not None else _NoComm()
         self.backend = backend
         self.steps = 0
-        if backend == "onnxruntime" and self.signature.world_size > 1:
+        buckets = sum(1 for n in self.program.graph.node if n.op_type == "AllReduce")
+        if backend == "onnxruntime" and buckets > 1:  # one bucket: nothing left to overlap, no thread hop
             from partitioner.training.overlap import OverlappedExecutable  # AllReduce beside the backward
 
             self._exe = OverlappedExecutable(self.program, threads=threads)
