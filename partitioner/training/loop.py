@@ -210,7 +210,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     original = without_weights(original, sig.weights)
     del step, checked, start
     return _loop(runners, ranks, sig, original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
-                 seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
+                 seed=seed, out=out if writer else None, progress=progress and writer, devices=devices, run_dir=out)
 
 
 def _data_runners(step: Any, devices: int, *, backend: str, comm: Any, out: Path | None, start: Any,
@@ -302,7 +302,9 @@ def resume_state(path: str | os.PathLike[str], original: onnx.ModelProto, step: 
 
 def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.ModelProto, x: np.ndarray,
           y: np.ndarray, *, loss: str, batch: int, local: int, epochs: int, seed: int, out: Path | None,
-          progress: bool, devices: int) -> TrainResult:
+          progress: bool, devices: int, run_dir: Path | None = None) -> TrainResult:
+    """The epochs; ``out``: where this rank writes (rank 0's run folder, or None); ``run_dir``:
+    the run folder every rank names in a NaN error (rank 0 wrote those checkpoints)."""
     from tqdm import tqdm
 
     steps_per_epoch = len(x) // batch
@@ -346,6 +348,8 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
                 from partitioner.training.report import run_report_html
 
                 (out / "report.html").write_text(run_report_html(settings, history, checkpoints))
+            elif run_dir is not None:  # rank 0 has written it before any rank can run the next step
+                checkpoints.append(str(run_dir / f"checkpoint_epoch{epoch}.onnx"))
             del state
             window.after_checkpoint()
     finally:
