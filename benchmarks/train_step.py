@@ -1,18 +1,25 @@
 """Training throughput: samples/s of the zoo mlp, resnet and bert training step on 1 rank
 (1 and 2 threads) and on 2 ranks (MPI processes, 1 thread each) with data, pipeline (1F1B, 8
 micro-batches) and tensor (Megatron MLP pairs) parallelism, with the ONNX Runtime or TVM
-backend, and the training cost model's predicted step time beside each measured one.
+backend, the training cost model's predicted step time and peak memory per rank beside each
+measured one.
 
-Each configuration runs ``partitioner.train`` on seeded random data for ``--steps`` steps after
-one warm-up epoch is discarded, and the median step time gives samples/s. The prediction is
-:func:`partitioner.training.plan.predict_training` on ``cpu:<ranks>`` (the calibrated figures
-when ``partitioner calibrate`` has run). A plan the model does not admit (tensor on resnet: no
-MLP pair) is recorded with its reason. Writes ``benchmarks/results/train_step_<model>_<backend>.json``
-with the machine and versions. Measure on a quiet machine; figures from a shared one are not
-comparable. Targets (issue 16): data >= 1.7x and pipeline >= 1.5x the 1-rank 1-thread samples/s;
-predicted step time within 25% of measured.
+Each configuration is ``partitioner train --bench`` (:func:`partitioner.training.bench.bench_training`)
+on seeded random data: 2 epochs of ``--steps`` steps, epoch 1 discarded (warm-up), the median
+step of epoch 2; memory per rank = the training steps' peak RSS minus the RSS before the program
+loads (docs/training.md). The prediction is :func:`partitioner.training.plan.predict_training`
+on ``cpu:<ranks>`` (the calibrated figures when ``partitioner calibrate`` has run); the 2-thread
+run has no predicted time (the cost model has no intra-op thread model). A plan the model does
+not admit (tensor on resnet: no MLP pair) is recorded with its reason. Writes
+``benchmarks/results/train_step_<model>_<backend>.json`` with the machine, the versions and the
+load average before and after (``loaded`` when the 1-minute load exceeded 0.5 at either point:
+another process shared the cores, and the times are not comparable). ``--quick``: small models,
+4 steps, for a smoke run (marked ``quick``). Targets (issue 16): data >= 1.7x and pipeline >= 1.5x
+the 1-rank 1-thread samples/s; predicted step time and peak memory within 25% of measured.
 
     .venv/bin/python benchmarks/train_step.py [--models mlp,resnet,bert] [--backend onnxruntime|tvm] [--steps 20]
+    .venv/bin/python benchmarks/train_step.py --quick       # smoke run
+    .venv/bin/python benchmarks/train_step.py --markdown    # the README table from the JSON files
 """
 
 from __future__ import annotations
@@ -21,33 +28,24 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
 
 CASES = {
     "mlp": ({"batch": 64}, "cross_entropy"),
     "resnet": ({"batch": 16, "image": 64, "classes": 10}, "cross_entropy"),
     "bert": ({"batch": 16, "seq": 32}, "mse"),
 }
-
-
-def _data(model, loss: str, n: int, path: Path) -> None:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    vi = model.graph.input[0]
-    shape = [n] + [d.dim_value for d in vi.type.tensor_type.shape.dim][1:]
-    x = rng.integers(0, 100, shape) if vi.type.tensor_type.elem_type == 7 else rng.standard_normal(shape)
-    out = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
-    y = rng.integers(0, out[-1], [n] + out[1:-1]) if loss == "cross_entropy" else rng.standard_normal([n] + out[1:])
-    np.savez(path, x=x.astype(np.int64 if x.dtype.kind == "i" else np.float32),
-             y=y.astype(np.int64 if loss == "cross_entropy" else np.float32))
-
+QUICK = {
+    "mlp": ({"batch": 16, "hidden": 64, "in_features": 32}, "cross_entropy"),
+    "resnet": ({"batch": 16, "image": 32, "classes": 10}, "cross_entropy"),
+    "bert": ({"batch": 16, "seq": 8, "hidden": 32, "heads": 2, "layers": 2, "vocab": 50}, "mse"),
+}
 
 #: (label, ranks, strategy, threads per rank); 2-rank runs are MPI processes
 CONFIGS = (("1 rank, 1 thread", 1, "single", 1), ("1 rank, 2 threads", 1, "single", 2),
@@ -56,43 +54,53 @@ CONFIGS = (("1 rank, 1 thread", 1, "single", 1), ("1 rank, 2 threads", 1, "singl
 MICRO_BATCHES = 8
 
 
+def _data(model, loss: str, n: int, path: Path) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    vi = model.graph.input[0]
+    shape = [n] + [d.dim_value for d in vi.type.tensor_type.shape.dim][1:]
+    x = rng.integers(0, 50, shape) if vi.type.tensor_type.elem_type == 7 else rng.standard_normal(shape)
+    out = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
+    y = rng.integers(0, out[-1], [n] + out[1:-1]) if loss == "cross_entropy" else rng.standard_normal([n] + out[1:])
+    np.savez(path, x=x.astype(np.int64 if x.dtype.kind == "i" else np.float32),
+             y=y.astype(np.int64 if loss == "cross_entropy" else np.float32))
+
+
 def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, threads: int, backend: str, loss: str,
              batch: int, steps: int) -> dict:
     from partitioner.core.errors import UsageError
-    from partitioner.training import train
-    from partitioner.training.plan import predict_training
+    from partitioner.training.bench import bench_training
 
     extra = {"schedule": "1f1b", "micro_batches": MICRO_BATCHES} if strategy == "pipeline" else {}
     try:
-        predicted = predict_training(str(tmp / "m.onnx"), strategy, devices, batch=batch, optimizer="sgd", **extra)
+        doc = bench_training(str(tmp / "m.onnx"), str(tmp / "d.npz"), devices=devices, strategy=strategy,
+                             batch=batch, optimizer="sgd", warmup=steps, loss=loss, lr=1e-3, epochs=2,
+                             backend=backend, threads=threads, progress=False,
+                             out_dir=str(tmp / label.replace(" ", "_").replace(",", "")), **extra)
     except UsageError as exc:
         print(f"{name:<8} {backend:<12} {label:<32} not applicable: {exc}", flush=True)
         return {"not_applicable": str(exc)}
-    res = train(str(tmp / "m.onnx"), str(tmp / "d.npz"), loss=loss, optimizer="sgd", lr=1e-3, batch=batch,
-                epochs=2, devices=devices, backend=backend, launcher="mpi" if devices > 1 else "threads",
-                strategy="data" if strategy == "single" else strategy, progress=False, threads=threads,
-                out_dir=tmp / label.replace(" ", "_").replace(",", ""), **extra)
-    times = [batch / h["samples_per_s"] for h in res.history[steps:]]  # epoch 2 only (warm)
-    run_dir = tmp / label.replace(" ", "_").replace(",", "")
-    measured_mem = [json.loads((run_dir / f"memory_rank{r}.json").read_text())["training_bytes"]
-                    for r in range(devices) if (run_dir / f"memory_rank{r}.json").is_file()] or None
-    med = statistics.median(times)
-    # the cost model has no intra-op thread model: the 2-thread run has no prediction
-    pred_s = predicted.step_time_s if threads == 1 else None
-    print(f"{name:<8} {backend:<12} {label:<32} {batch / med:10.1f} samples/s  measured {med * 1e3:8.2f} ms"
-          + (f"  predicted {pred_s * 1e3:8.2f} ms" if pred_s else ""), flush=True)
-    return {"median_step_s": med, "samples_per_s": batch / med, "steps": len(times), "predicted_step_s": pred_s,
-            "predicted_memory_per_rank": predicted.memory_per_rank if threads == 1 else None,
-            "measured_memory_per_rank": measured_mem,  # MPI ranks: peak RSS - RSS with the backend loaded
-            "predicted_over_measured": pred_s / med if pred_s else None}
+    st = doc["step_time_s"]
+    if threads != 1:  # no intra-op thread model: no prediction
+        st = {"measured": st["measured"]}
+    mem = doc["memory_per_rank"]
+    print(f"{name:<8} {backend:<12} {label:<32} {batch / st['measured']:10.1f} samples/s  measured "
+          f"{st['measured'] * 1e3:8.2f} ms" + (f"  predicted {st['predicted'] * 1e3:8.2f} ms" if "predicted" in st
+                                               else "")
+          + f"  memory MiB/rank measured {max(m['measured'] for m in mem) / 2**20:.1f} predicted "
+          f"{max(m['predicted'] for m in mem) / 2**20:.1f}", flush=True)
+    return {"median_step_s": st["measured"], "samples_per_s": batch / st["measured"], "steps": doc["steps_timed"],
+            "predicted_step_s": st.get("predicted"), "predicted_memory_per_rank": [m["predicted"] for m in mem],
+            "measured_memory_per_rank": [m["measured"] for m in mem]}
 
 
-def run_case(name: str, backend: str, steps: int) -> dict:
+def run_case(name: str, backend: str, steps: int, quick: bool) -> dict:
     import onnx
 
     import models_zoo
 
-    kwargs, loss = CASES[name]
+    kwargs, loss = (QUICK if quick else CASES)[name]
     batch = kwargs["batch"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,26 +113,71 @@ def run_case(name: str, backend: str, steps: int) -> dict:
     return results
 
 
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def _row(doc: dict, label: str, r: dict, base: float | None, run: str) -> str:
+    """One table row (a configuration of one JSON file)."""
+    head = f"| {doc['model']} | {doc['backend']} | {label} |"
+    if "not_applicable" in r:
+        return head + " - | - | - | - | - | - | - | - | not applicable |"
+    pred, meas = r.get("predicted_step_s"), r["median_step_s"]
+    mm, pm = r.get("measured_memory_per_rank") or [], r.get("predicted_memory_per_rank") or []
+    cells = [f"{r['samples_per_s']:.1f}", f"{r['samples_per_s'] / base:.2f}x" if base else "-", f"{meas * 1e3:.2f}",
+             f"{pred * 1e3:.2f}" if pred else "-", f"{pred / meas - 1:+.0%}" if pred else "-",
+             " / ".join(f"{m / 2**20:.0f}" for m in mm) or "-", " / ".join(f"{m / 2**20:.0f}" for m in pm) or "-",
+             f"{max(pm) / max(mm) - 1:+.0%}" if mm and pm and max(mm) > 0 else "-", run]
+    return head + "".join(f" {c} |" for c in cells)
+
+
+def markdown(results_dir: Path = RESULTS) -> str:
+    """The README table: one row per (model, backend, configuration) of every JSON file."""
+    rows = ["| model | backend | configuration | samples/s | vs 1 rank, 1 thread | step ms | predicted ms | "
+            "time error | peak MiB/rank (measured) | predicted MiB/rank | memory error | run (load avg before, after) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(results_dir.glob("train_step_*.json")):
+        doc = json.loads(path.read_text())
+        loads = [x[0] for x in doc.get("load_average_before_after") or [] if x]
+        run = ("quick, " if doc.get("quick") else "") + ("loaded" if doc.get("loaded") else "quiet") + \
+            (f" ({', '.join(f'{x:.1f}' for x in loads)})" if loads else " (load not recorded)")
+        base = (doc["results"].get("1 rank, 1 thread") or {}).get("samples_per_s")
+        rows += [_row(doc, label, r, base, run) for label, r in doc["results"].items()]
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="mlp,resnet,bert")
     p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="small models, 4 steps: a smoke run")
+    p.add_argument("--markdown", action="store_true", help="print the README table from the JSON files and exit")
     args = p.parse_args()
+    if args.markdown:
+        print(markdown())
+        return 0
     import onnxruntime
     import tvm
 
-    out_dir = ROOT / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = 4 if args.quick else args.steps
+    RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
-        doc = {"model": name, "backend": args.backend, "config": CASES[name][0], "loss": CASES[name][1],
+        before = _load()
+        results = run_case(name, args.backend, steps, args.quick)
+        after = _load()
+        doc = {"model": name, "backend": args.backend, "config": (QUICK if args.quick else CASES)[name][0],
+               "loss": (QUICK if args.quick else CASES)[name][1], "quick": args.quick, "steps": steps,
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "python": platform.python_version()},
                "versions": {"onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
-               "results": run_case(name, args.backend, args.steps),
+               "load_average_before_after": [before[:1], after[:1]],
+               "loaded": any(x[0] > 0.5 for x in (before, after) if x),
+               "results": results,
                "note": ("threads = the backend's intra-op threads per rank; MPI ranks are pinned to half the cores "
-                        "each; pipeline = 1F1B with 8 micro-batches; predicted = training cost model on cpu:<ranks>")}
-        (out_dir / f"train_step_{name}_{args.backend}.json").write_text(json.dumps(doc, indent=2) + "\n")
+                        "each; pipeline = 1F1B with 8 micro-batches; predicted = training cost model on cpu:<ranks>; "
+                        "memory = training steps' peak RSS minus the RSS before the program loads")}
+        (RESULTS / f"train_step_{name}_{args.backend}.json").write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

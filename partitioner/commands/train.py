@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a given strategy that does not fit is refused")
     p.add_argument("--plan", action="store_true",
                    help="print the predicted step time, samples/s and peak memory per rank, and exit (no training)")
+    p.add_argument("--bench", action="store_true",
+                   help="train, then report predicted against measured step time and peak memory per rank "
+                        "(several devices run as MPI processes)")
     add_json_argument(p)
 
 
@@ -58,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plan:
         return _plan(args)
+    if args.bench:
+        return _bench(args)
     result = train(args.model, args.data, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
                    weight_decay=args.weight_decay, batch=args.batch, epochs=args.epochs, devices=args.devices,
                    strategy=args.strategy, backend=args.backend, out_dir=args.output, seed=args.seed,
@@ -92,11 +97,25 @@ def _plan(args: argparse.Namespace) -> int:
         print_json(p.to_json())
         return 0
     sched = f" {p.schedule}, {p.micro_batches} micro-batches" if p.schedule else ""
+    sched += ", recompute" if p.recompute else ""
     print(f"{strategy} on {p.devices} device(s){sched}, batch {p.batch}: predicted step {p.step_time_s * 1e3:.3f} ms, "
           f"{p.samples_per_s:.1f} samples/s")
     for r, m in enumerate(p.memory_per_rank):
         print(f"  rank {r}: peak memory {m / 2**20:.1f} MiB (weights, gradients, optimizer state, stashed activations)")
     print("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in p.breakdown.items()))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``--bench``: predicted against measured (partitioner/training/bench.py)."""
+    from partitioner.training.bench import bench_training, format_report
+
+    doc = bench_training(args.model, args.data, devices=args.devices, strategy=args.strategy, batch=args.batch,
+                         optimizer=args.optimizer, schedule=args.schedule, micro_batches=args.micro_batches,
+                         stages=args.stages, memory_limit=_limit(args), out_dir=args.output, loss=args.loss,
+                         lr=args.lr, weight_decay=args.weight_decay, epochs=args.epochs, backend=args.backend,
+                         seed=args.seed, threads=args.threads, progress=False)
+    print_json(doc) if args.json else print(format_report(doc))
     return 0
 
 

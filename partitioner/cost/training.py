@@ -12,19 +12,45 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    gradient; the rest 1).
 2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
    gradient and the optimizer's state copies (``OPTIMIZER_COPIES``: SGD 0, momentum 1, Adam 2).
-3. Memory per rank = weights + gradients + optimizer state (copies x weights) + stashed
-   activations: every forward value's bytes at the rank's batch, times the micro-batches in
-   flight (``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``).
+3. Memory per rank, as the runtime holds it at a step's peak (measured by ``train --bench``:
+   :mod:`partitioner.training.memory_window`). With the state ``S`` = weights x (1 + optimizer
+   copies) and the gradients ``G`` = the weights' bytes: ``3 S`` (the resident state, the step's
+   next state returned as new arrays while the old is alive, and the backend's own output
+   buffers: ONNX Runtime's arena keeps the last call's outputs) + ``G`` + stashed activations
+   (every forward value's bytes at the rank's batch, times the micro-batches in flight:
+   ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``). ``data`` adds
+   ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, AllReduced
+   into a new array, scaled and split: 5 copies between the program's segments). ``pipeline``
+   adds 4 ``G`` (the backward program's arena: its gradient outputs and weight-sized
+   temporaries; the gradients it returns; the accumulator over the micro-batches). Measured
+   (``train --bench``, ONNX Runtime, the zoo mlp 2048 wide, 48 MiB of weights; weights W per
+   rank): single SGD 4.0 W against 4 W predicted, single Adam 10.9 W against 10 W, tensor Adam
+   11.3 W against 10 W, data SGD 11.3 W against 9 W, pipeline Adam 16.9 / 19.6 W per stage
+   against 14 W: within 25% except the last pipeline stage (0.72; docs/training.md).
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
-     cluster's collective model; the buckets are reduced after the backward pass, no overlap);
+     cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
+     ranks run each bucket's AllReduce on a communication thread beside the rest of the
+     backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
+     the blocking step, as the runtime then runs it). With ``overlap=False`` (the TVM backend,
+     whose comm ops are blocking calls inside one VM invocation) the AllReduce is added after
+     the backward. The breakdown gives both (``step_with_overlap_s``, ``step_without_overlap_s``);
    - ``pipeline``: fill-drain over ``M`` micro-batches of per-stage (forward + backward) times
      with the activation and gradient sends between stages
      (:func:`partitioner.cost.pipeline.pipeline_step_time`), plus the slowest stage's update.
      The stages are given (the runtime's cut, :func:`partitioner.training.pipeline.stage_ends`);
    - ``tensor``: the Megatron pairs' nodes run 1/R of their work; every pair adds one AllReduce
      of its output forward and one of its input's gradient backward.
+5. Overlap: the gradients are cut into buckets of at most
+   ``BUCKET_BYTES`` in the order the backward pass finishes them (last layer first, as the step
+   builder does); bucket ``b``'s AllReduce could start once the backward has passed the
+   bucket's first-read node, on a link that carries one AllReduce at a time:
+   ``start_b = max(ready_b, end_{b-1})``. The step with overlap is forward + max(backward end,
+   last AllReduce end) + optimizer.
+6. Recompute (pipeline rule 8, chosen by the stage planner when no split fits the memory limit
+   otherwise): a stage but the last holds one micro-batch's activations plus its inputs x its
+   in-flight count, and runs its forward twice per micro-batch.
 """
 
 from __future__ import annotations
@@ -35,6 +61,10 @@ from typing import Any
 import numpy as np
 
 BACKWARD_FACTOR = {"gemm": 2.0, "conv": 2.0, "depthwise_conv": 2.0}
+#: the step builder's bucket size (partitioner/training/step.py rule 5)
+BUCKET_BYTES = 25 * 2**20
+#: data parallel: weight-sized copies between the step's segments (rule 3)
+BUCKET_COPIES = 5
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "Momentum": 1, "AdamW": 2}
 
 
@@ -52,6 +82,7 @@ class TrainingPrediction:
     schedule: str | None = None
     micro_batches: int | None = None
     stage_weight_bytes: list[float] | None = None  # pipeline: the trainable bytes of each stage
+    recompute: bool = False  # pipeline: the stages but the last recompute their forward (rule 6)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,48 +117,98 @@ def profile(graph: Any, device: Any, trainable: set[str]) -> _Profile:
     return _Profile(times, times * factor, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph)
 
 
+def resident_bytes(weight_bytes: float, copies: int, activations: float, extra_gradients: int = 0) -> float:
+    """Rule 3: ``3 S + G (1 + extra_gradients) + activations``."""
+    state = weight_bytes * (1 + copies)
+    return 3 * state + weight_bytes * (1 + extra_gradients) + activations
+
+
 def _optimizer_time(weight_bytes: float, copies: int, device: Any) -> float:
     """Rule 2: read W, g and the state, write W and the state."""
     return weight_bytes * (2 + 1 + 2 * copies) / device.memory_bandwidth
 
 
 def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
-                   device: Any) -> TrainingPrediction:
+                   device: Any, overlap: bool = True) -> TrainingPrediction:
     """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch)."""
     from partitioner.cost.comm import collective_time
 
     w = float(p.weight.sum())
     comm = 0.0
+    overlapped = None
     if strategy == "data" and devices > 1:
         comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
+        overlapped = overlapped_backward(p, devices, cluster)
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
              "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
     step = sum(parts.values())
-    mem = w * (2 + copies) + float(p.activation.sum())
+    if overlapped is not None:
+        parts["step_without_overlap_s"] = step
+        parts["step_with_overlap_s"] = parts["forward_s"] + overlapped + parts["optimizer_s"]
+        step = parts["step_with_overlap_s"] if overlap else step
+    mem = resident_bytes(w, copies, float(p.activation.sum()))
+    if strategy == "data" and devices > 1:
+        mem += BUCKET_COPIES * w
     return TrainingPrediction(strategy, devices, batch, step, batch / step, [mem] * devices, parts)
 
 
-def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
-             device: Any) -> TrainingPrediction:
-    """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last node)."""
+def gradient_buckets(p: _Profile) -> list[tuple[int, float]]:
+    """Rule 5's buckets: (index of the node whose backward completes the bucket, bytes), in
+    backward order."""
+    buckets: list[tuple[int, float]] = []
+    size, last = 0.0, -1
+    for i in range(len(p.weight) - 1, -1, -1):
+        b = float(p.weight[i])
+        if b <= 0:
+            continue
+        if size and size + b > BUCKET_BYTES:
+            buckets.append((last, size))
+            size = 0.0
+        size, last = size + b, i
+    if size:
+        buckets.append((last, size))
+    return buckets
+
+
+def overlapped_backward(p: _Profile, devices: int, cluster: Any) -> float:
+    """Rule 5: the time from the backward's start to the end of both the backward and the last
+    bucket's AllReduce, each AllReduce started once its bucket exists."""
     from partitioner.cost.comm import collective_time
+
+    done = np.cumsum(p.backward[::-1])[::-1]  # done[i]: backward time once node i's backward ran
+    end = 0.0
+    for node, size in gradient_buckets(p):
+        t = collective_time("allreduce", size, list(range(devices)), cluster).seconds
+        end = max(float(done[node]), end) + t
+    return max(float(p.backward.sum()), end)
+
+
+def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
+             device: Any, recompute: bool = False) -> TrainingPrediction:
+    """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last
+    node); rule 6 with ``recompute``."""
+    from partitioner.cost.comm import collective_time
+    from partitioner.cost.ops import nbytes
     from partitioner.cost.pipeline import pipeline_step_time
 
     stages = len(ends)
     starts = [0] + [e + 1 for e in ends[:-1]]
     spans = [slice(a, b + 1) for a, b in zip(starts, ends)]
-    stage_t = [float(p.forward[s].sum() + p.backward[s].sum()) for s in spans]
+    again = [recompute and i < stages - 1 for i in range(stages)]  # rule 6: one more forward
+    stage_t = [float(p.forward[s].sum() * (2 if again[i] else 1) + p.backward[s].sum()) for i, s in enumerate(spans)]
     sends = [2 * collective_time("send", cut_bytes(p.graph, ends[k]), [k, k + 1], cluster).seconds
              for k in range(stages - 1)]  # activations forward and their gradients back
     opt = [_optimizer_time(float(p.weight[s].sum()), copies, device) for s in spans]
     step = pipeline_step_time(stage_t, sends, m) + max(opt)
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
-    mem = [float(p.weight[s].sum()) * (2 + copies) + float(p.activation[s].sum()) * inflight[i]
-           for i, s in enumerate(spans)]
+    inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
+    held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
+            else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
+    mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], 4) for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t)}
     return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m,
-                              [float(p.weight[s].sum()) for s in spans])
+                              [float(p.weight[s].sum()) for s in spans], recompute)
 
 
 def cut_bytes(graph: Any, end: int) -> float:
@@ -153,5 +234,5 @@ def tensor(p: _Profile, world: int, batch: int, copies: int, split: set[str], al
     parts = {"forward_s": float((p.forward * share).sum()), "backward_s": float((p.backward * share).sum()),
              "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
     step = sum(parts.values())
-    mem = w * (2 + copies) + float((p.activation * share).sum())
+    mem = resident_bytes(w, copies, float((p.activation * share).sum()))
     return TrainingPrediction("tensor", world, batch, step, batch / step, [mem] * world, parts)

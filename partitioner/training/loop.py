@@ -119,8 +119,24 @@ def checkpoint_model(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) 
     out.CopyFrom(model)
     for i, t in enumerate(out.graph.initializer):
         if t.name in weights:
-            out.graph.initializer[i].CopyFrom(numpy_helper.from_array(
-                np.asarray(weights[t.name]).astype(numpy_helper.to_array(t).dtype), t.name))
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+            out.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.asarray(weights[t.name]).astype(dtype), t.name))
+    return out
+
+
+def without_weights(model: onnx.ModelProto, names: Any) -> onnx.ModelProto:
+    """``model`` with the data of the trained initializers ``names`` dropped (names, types and
+    shapes kept): :func:`checkpoint_model` fills every one of them from the state, so a rank
+    need not hold a second copy of the whole model's weights while it trains."""
+    names = set(names)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for t in out.graph.initializer:
+        if t.name in names:
+            name, dims, dtype = t.name, list(t.dims), t.data_type
+            t.Clear()
+            t.name, t.data_type = name, dtype
+            t.dims.extend(dims)
     return out
 
 
@@ -185,24 +201,31 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
                                           backend=backend, comm=comm, out=out, threads=threads, state=start,
                                           stages=(stages or 2) if strategy == "hybrid" else devices,
                                           memory_limit=memory_limit)
-    elif comm is not None:  # one MPI rank of ``devices``
-        ranks = [comm.rank]
-        runners = [StepRunner(step, backend=backend, comm=comm, workdir=out / f"rank{comm.rank}" if out else None,
-                              state=start, threads=threads)]
-    elif devices == 1:
-        ranks = [0]
-        runners = [StepRunner(step, backend=backend, workdir=out, state=start, threads=threads)]
     else:
-        from partitioner.runtime.comm_local import LocalWorld
-
-        world = LocalWorld(devices)
-        ranks = list(range(devices))
-        runners = [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out, state=start,
-                              threads=threads)
-                   for r in ranks]
+        ranks, runners = _data_runners(step, devices, backend=backend, comm=comm, out=out, start=start,
+                                       threads=threads)
     writer = ranks[0] == 0
-    return _loop(runners, ranks, signature(step), original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
-                 seed=seed, out=out if writer else None, progress=progress and writer, devices=devices)
+    sig = signature(step)
+    # the build's copies of the weights are dropped before the steps (memory_window rule 2)
+    original = without_weights(original, sig.weights)
+    del step, checked, start
+    return _loop(runners, ranks, sig, original, x, y, loss=loss, batch=batch, local=local, epochs=epochs,
+                 seed=seed, out=out if writer else None, progress=progress and writer, devices=devices, run_dir=out)
+
+
+def _data_runners(step: Any, devices: int, *, backend: str, comm: Any, out: Path | None, start: Any,
+                  threads: int) -> tuple[list[int], list[StepRunner]]:
+    """One MPI rank's runner (``comm``), or every data-parallel rank's in this process."""
+    if comm is not None:  # one MPI rank of ``devices``
+        return [comm.rank], [StepRunner(step, backend=backend, comm=comm, state=start, threads=threads,
+                                        workdir=out / f"rank{comm.rank}" if out else None)]
+    if devices == 1:
+        return [0], [StepRunner(step, backend=backend, workdir=out, state=start, threads=threads)]
+    from partitioner.runtime.comm_local import LocalWorld
+
+    world = LocalWorld(devices)
+    return list(range(devices)), [StepRunner(step, backend=backend, comm=world.communicator(r), workdir=out,
+                                             state=start, threads=threads) for r in range(devices)]
 
 
 def _auto(model: Any, strategy: str, devices: int, batch: int, optimizer: Any, micro_batches: int | None,
@@ -279,7 +302,9 @@ def resume_state(path: str | os.PathLike[str], original: onnx.ModelProto, step: 
 
 def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.ModelProto, x: np.ndarray,
           y: np.ndarray, *, loss: str, batch: int, local: int, epochs: int, seed: int, out: Path | None,
-          progress: bool, devices: int) -> TrainResult:
+          progress: bool, devices: int, run_dir: Path | None = None) -> TrainResult:
+    """The epochs; ``out``: where this rank writes (rank 0's run folder, or None); ``run_dir``:
+    the run folder every rank names in a NaN error (rank 0 wrote those checkpoints)."""
     from tqdm import tqdm
 
     steps_per_epoch = len(x) // batch
@@ -288,6 +313,9 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
     bar = tqdm(total=steps_per_epoch * epochs, disable=None if progress else True, unit="step", dynamic_ncols=True)
     y_dtype = np.int64 if loss == "cross_entropy" else np.float32
     x_dtype = np.int64 if x.dtype.kind in "iu" else np.float32  # token ids stay integers (bert, gpt)
+    from partitioner.training.memory_window import CURRENT as window
+
+    window.start_steps(sum(int(a.nbytes) for r in runners for a in r.state.values()))
     try:
         for epoch in range(1, epochs + 1):
             order = np.random.default_rng(seed + epoch).permutation(len(x))
@@ -305,6 +333,7 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
                 history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt})
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{batch / dt:.0f}")
                 bar.update(1)
+            window.end_steps()
             state = _full_state(runners)  # collective with pipeline stages on MPI ranks
             trained = checkpoint_model(original, state)
             if out is not None:
@@ -319,6 +348,10 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
                 from partitioner.training.report import run_report_html
 
                 (out / "report.html").write_text(run_report_html(settings, history, checkpoints))
+            elif run_dir is not None:  # rank 0 has written it before any rank can run the next step
+                checkpoints.append(str(run_dir / f"checkpoint_epoch{epoch}.onnx"))
+            del state
+            window.after_checkpoint()
     finally:
         bar.close()
     return TrainResult(trained, history, checkpoints)

@@ -7,7 +7,8 @@ its own state, takes its slice of every global batch and AllReduces its gradient
 ``MPI.COMM_WORLD`` through the project's MPI communicator; rank 0 writes the run folder. Each
 rank is pinned to its share of the host's cores as ``partitioner run``'s workers are. On any
 error a rank prints ``rank R: train: <message>`` and aborts the job. Each rank writes
-``memory_rank<r>.json`` (peak RSS minus the RSS once the backend is loaded) to the run folder.
+``memory_rank<r>.json`` (the training steps' peak RSS minus the RSS once the backend is loaded,
+:mod:`partitioner.training.memory_window`) to the run folder.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from partitioner.training.loop import train
 
         comm = MPICommunicator(comm_groups(world.Get_size(), cfg.get("strategy", "data"), cfg.get("stages")))
-        baseline = _baseline_rss(cfg.get("backend", "onnxruntime"))
+        from partitioner.training import memory_window
+
+        memory_window.CURRENT = memory_window.MemoryWindow(
+            process_baseline_bytes=memory_window.baseline(cfg.get("backend", "onnxruntime")), armed=True)
         train(cfg["model"], cfg["data"], loss=cfg["loss"], optimizer=cfg["optimizer"], lr=cfg["lr"],
               weight_decay=cfg["weight_decay"], batch=cfg["batch"], epochs=cfg["epochs"], devices=cfg["devices"],
               strategy=cfg["strategy"], backend=cfg["backend"], out_dir=cfg["out_dir"], seed=cfg["seed"],
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
               threads=int(cfg.get("threads", 1)), schedule=cfg.get("schedule", "1f1b"),
               micro_batches=cfg.get("micro_batches"), stages=cfg.get("stages"), memory_limit=cfg.get("memory_limit"))
         comm.flush()
-        _write_memory(cfg["out_dir"], rank, baseline)
+        _write_memory(cfg["out_dir"], rank)
         comm.barrier()
         return 0
     except BaseException as exc:  # noqa: BLE001 - any failure must end every rank, now
@@ -66,36 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status", encoding="utf-8") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _baseline_rss(backend: str) -> int:
-    """Resident memory once the backend's libraries are loaded, before the step is built: the
-    training's own memory is the peak minus this (what the cost model predicts)."""
-    try:
-        import onnxruntime  # noqa: F401
-
-        if backend == "tvm":
-            import tvm  # noqa: F401
-        return _rss_bytes()
-    except (OSError, ImportError):
-        return 0
-
-
-def _write_memory(out_dir: str, rank: int, baseline: int) -> None:
-    """``memory_rank<r>.json``: this rank's baseline, peak (VmHWM) and peak - baseline RSS."""
+def _write_memory(out_dir: str, rank: int) -> None:
+    """``memory_rank<r>.json``: this rank's measured memory (:mod:`partitioner.training.memory_window`:
+    baseline, the build's peak, the training steps' peak; ``training_bytes`` = that peak minus
+    the baseline)."""
     from pathlib import Path
 
-    from partitioner.core.machine import peak_rss_bytes
+    from partitioner.training.memory_window import CURRENT
 
-    peak = peak_rss_bytes()
-    Path(out_dir, f"memory_rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak, "training_bytes": peak - baseline}))
+    Path(out_dir, f"memory_rank{rank}.json").write_text(json.dumps(CURRENT.to_json(rank)))
 
 
 def comm_groups(size: int, strategy: str, stages: int | None) -> list[list[int]]:

@@ -29,6 +29,10 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
 7. BatchNormalization uses each micro-batch's statistics and updates its running statistics once
    per micro-batch (as GPipe does); pipeline equivalence with 1 rank holds for models without it.
+8. Recompute (activation checkpointing), chosen by the planner when no split fits
+   ``--memory-limit`` otherwise (:func:`stage_cut`): a stage but the last stashes only its inputs
+   (the received values and the data it reads) and its ``B`` recomputes the forward before the
+   backward: one micro-batch's activations live at a time, for one more forward per micro-batch.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class PipelinePlan:
     labels: str
     optimizer: Optimizer
     value_ids: dict[str, int]  # one id per exchanged value (message tags)
+    recompute: bool = False  # rule 8: stages but the last recompute their forward in B
 
     @property
     def num_stages(self) -> int:
@@ -93,11 +98,19 @@ class PipelinePlan:
 
 def stage_ends(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
                in_flight: Sequence[int] | None = None) -> list[int]:
-    """Rule 1: the last node index of each stage, by the pipeline strategy's DP. With
-    ``memory_limit`` every stage must fit it: stage s holds its trainable weights x (2 +
-    ``state_copies``) (weight, gradient, optimizer state) plus its nodes' outputs x
-    ``in_flight[s]`` (its stashed micro-batches: ``M`` for GPipe, ``min(S - s, M)`` for 1F1B);
-    the bottleneck is then minimised over the splits that fit (:func:`_memory_split`)."""
+    """Rule 1's cut: the last node index of each stage (:func:`stage_cut`, recompute aside)."""
+    return stage_cut(graph, stages, memory_limit=memory_limit, state_copies=state_copies, in_flight=in_flight)[0]
+
+
+def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
+              in_flight: Sequence[int] | None = None) -> tuple[list[int], bool]:
+    """Rule 1: the last node index of each stage, by the pipeline strategy's DP, and whether the
+    stages recompute (rule 8). With ``memory_limit`` every stage must fit it: stage s holds its
+    trainable weights as the training cost model counts them (``state_copies`` optimizer copies)
+    plus its nodes' outputs x ``in_flight[s]`` (its stashed micro-batches: ``M`` for GPipe,
+    ``min(S - s, M)`` for 1F1B); the bottleneck is then minimised over the splits that fit
+    (:func:`_memory_split`). When no split fits, the planner tries recompute: a stage but the last
+    then stashes only its inputs and holds one micro-batch's activations (rule 8)."""
     from partitioner.core.errors import StrategyNotApplicable
     from partitioner.cost.ops import nbytes, op_cost
     from partitioner.strategies.pipeline import best_split
@@ -112,22 +125,31 @@ def stage_ends(graph: ir.Graph, stages: int, *, memory_limit: float | None = Non
             if last > i:
                 diff[i] += nbytes(o)
                 diff[last] -= nbytes(o)
-    send = np.cumsum(diff)[:len(nodes)] * 1e-3  # a byte sent costs about a thousand FLOPs' time
+    cut = np.cumsum(diff)[:len(nodes)]  # bytes crossing the cut after each node
+    send = cut * 1e-3  # a byte sent costs about a thousand FLOPs' time
     if memory_limit is not None:
-        return _memory_split(graph, flops, send, stages, float(memory_limit), state_copies,
-                             list(in_flight) if in_flight is not None else [1] * stages)
+        flight = list(in_flight) if in_flight is not None else [1] * stages
+        try:
+            return _memory_split(graph, flops, send, stages, float(memory_limit), state_copies, flight), False
+        except UsageError:
+            data = float(sum(nbytes(v) for v in graph.inputs))
+            return _memory_split(graph, flops, send, stages, float(memory_limit), state_copies, flight,
+                                 np.concatenate([[data], cut[:-1]])), True
     try:
         ends, _ = best_split([flops] * stages, send)
     except StrategyNotApplicable as exc:
         raise UsageError(f"pipeline training on {stages} stages: {exc}") from None
-    return ends
+    return ends, False
 
 
 def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: int, limit: float, copies: int,
-                  in_flight: list[int]) -> list[int]:
+                  in_flight: list[int], recompute_inputs: np.ndarray | None = None) -> list[int]:
     """The contiguous split of least bottleneck (stage work + its send) whose every stage fits
-    ``limit`` with its own in-flight count (a DP over (stage, last node))."""
+    ``limit`` with its own in-flight count (a DP over (stage, last node)). With
+    ``recompute_inputs`` (bytes a stage starting at node i receives) a stage but the last holds
+    one micro-batch's activations plus its inputs x its in-flight count (rule 8)."""
     from partitioner.cost.ops import nbytes
+    from partitioner.cost.training import resident_bytes
     from partitioner.training.step import default_trainable
 
     nodes = list(graph)
@@ -139,7 +161,7 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
         for v in node.inputs:
             if v is not None and v.name in trainable and v.name not in seen:
                 seen.add(v.name)
-                wmem[i] += nbytes(v) * (2 + copies)
+                wmem[i] += resident_bytes(nbytes(v), copies, 0.0, 4)  # the cost model's rule 3
     pt, pw, pa = (np.concatenate([[0.0], np.cumsum(a)]) for a in (flops, wmem, amem))
     send = send.copy()
     send[-1] = 0.0
@@ -147,12 +169,18 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
     f = np.full((stages, n), inf)
     arg = np.zeros((stages, n), dtype=np.int64)
     ks = np.arange(n)
-    fits0 = pw[ks + 1] + pa[ks + 1] * in_flight[0] <= limit
+    def held(s: int, k: int, j: np.ndarray) -> np.ndarray:  # stage s = nodes j+1..k
+        act = pa[k + 1] - pa[j + 1]
+        if recompute_inputs is None or s == stages - 1:
+            return pw[k + 1] - pw[j + 1] + act * in_flight[s]
+        return pw[k + 1] - pw[j + 1] + act + recompute_inputs[j + 1] * in_flight[s]
+
+    fits0 = held(0, ks, np.full(n, -1)) <= limit
     f[0] = np.where(fits0, pt[ks + 1] + send, inf)
     for s in range(1, stages):
         for k in range(s, n):
             j = np.arange(s - 1, k)  # the previous stage ends at j
-            fits = (pw[k + 1] - pw[j + 1]) + (pa[k + 1] - pa[j + 1]) * in_flight[s] <= limit
+            fits = held(s, k, j) <= limit
             val = np.where(fits, np.maximum(f[s - 1][j], pt[k + 1] - pt[j + 1] + send[k]), inf)
             b = int(np.argmin(val))
             f[s][k], arg[s][k] = val[b], j[b]
@@ -182,8 +210,8 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
-    ends = stage_ends(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
-                      in_flight=in_flight(schedule, stages, micro_batches))
+    ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
+                                in_flight=in_flight(schedule, stages, micro_batches))
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
@@ -191,11 +219,12 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     value_ids: dict[str, int] = {}
     out_stages = []
     for s, (a, b) in enumerate(zip(starts, ends)):
-        stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name)
+        stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute)
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
-    return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids)
+    return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
+                        recompute)
 
 
 def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list[int], trainable: set[str]) -> None:
@@ -212,7 +241,7 @@ def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list
 
 
 def _stage(proto: onnx.ModelProto, s: int, a: int, b: int, owner: dict[str, int], stages: int, trainable: list[str],
-           loss: str, optimizer: Optimizer, label_name: str) -> Stage:
+           loss: str, optimizer: Optimizer, label_name: str, recompute: bool = False) -> Stage:
     """Cut stage ``s`` (nodes a..b) out of the forward model and build its programs."""
     g = proto.graph
     mine = list(g.node[a:b + 1])
@@ -237,12 +266,12 @@ def _stage(proto: onnx.ModelProto, s: int, a: int, b: int, owner: dict[str, int]
     sub_model = helper.make_model(sub, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     stage_model = ir.serde.deserialize_model(sub_model)
     weights = [w for w in trainable if w in stage_model.graph.initializers]
-    return _stage_programs(stage_model, s, recv, send, data, weights, last, loss, optimizer, label_name)
+    return _stage_programs(stage_model, s, recv, send, data, weights, last, loss, optimizer, label_name, recompute)
 
 
 def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: list[tuple[int, str]],
                     data: list[str], weights: list[str], last: bool, loss: str, optimizer: Optimizer,
-                    label_name: str) -> Stage:
+                    label_name: str, recompute: bool = False) -> Stage:
     graph = fwd.graph
     dtype = next((v.dtype for v in graph.outputs if is_float(v)), ir.DataType.FLOAT)
     em = Emitter(graph, dtype)
@@ -281,16 +310,15 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
     if last:
         stage.fused = full
     else:
-        _split_forward_backward(stage, full, [v.name for v in sent] + [b.name for b in bn_next])
+        _split_forward_backward(stage, full, [v.name for v in sent] + [b.name for b in bn_next], recompute)
     stage.update = _update_program(fwd.graph.name, optimizer, weights, initial, dtype, stage)
     return stage
 
 
-def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list[str]) -> None:
-    """Rule 2: F = ancestors of what the stage sends and its BN statistics; B = the rest."""
-    g = full.graph
+def _ancestors(g: onnx.GraphProto, outputs: list[str]) -> set[int]:
+    """Indices of the nodes ``outputs`` depend on."""
     producer = {o: i for i, n in enumerate(g.node) for o in n.output}
-    need, todo = set(), list(f_outputs)
+    need, todo = set(), list(outputs)
     while todo:
         v = todo.pop()
         i = producer.get(v)
@@ -298,12 +326,25 @@ def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list
             continue
         need.add(i)
         todo.extend(x for x in g.node[i].input if x)
+    return need
+
+
+def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list[str], recompute: bool = False) -> None:
+    """Rule 2: F = ancestors of what the stage sends and its BN statistics; B = the rest. Rule 8
+    (``recompute``): B = every ancestor of its outputs, the forward included, so the stash is
+    only the stage's inputs."""
+    g = full.graph
+    need = _ancestors(g, f_outputs)
     f_nodes = [n for i, n in enumerate(g.node) if i in need]
-    b_nodes = [n for i, n in enumerate(g.node) if i not in need]
+    if recompute:
+        keep = _ancestors(g, [o.name for o in g.output if o.name not in f_outputs])
+        b_nodes = [n for i, n in enumerate(g.node) if i in keep]
+    else:
+        b_nodes = [n for i, n in enumerate(g.node) if i not in need]
     state = set(stage.weights) | {a for a, _ in stage.bn_state}
     inputs = [i.name for i in g.input]
     f_have = {o for n in f_nodes for o in n.output} | {i for i in inputs if i not in state and not i.endswith(".grad_out")}
-    b_reads = {i for n in b_nodes for i in n.input if i}
+    b_reads = {i for n in b_nodes for i in n.input if i} - {o for n in b_nodes for o in n.output}
     stage.stash = sorted((v for v in f_have if v in b_reads), key=lambda v: (v not in inputs, v))
     b_outputs = [o.name for o in g.output if o.name not in f_outputs]
     stage.forward = _subprogram(full, f_nodes, [i for i in inputs if not i.endswith(".grad_out")

@@ -83,6 +83,9 @@ class PipelineRunner:
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
         self.peak_stash = 0
         self.steps = 0
+        # rule 8: a recomputing B reruns the forward, BN statistics included
+        self._b_bn = sorted({a for a, _ in st.bn_state} & {i.name for i in st.backward.graph.input}
+                            if st.backward is not None else set())
 
     # one step ----------------------------------------------------------------------------------
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
@@ -134,6 +137,7 @@ class PipelineRunner:
         st, plan = self.stage, self.plan
         feeds = dict(stashed)
         feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update({a: self.state[a] for a in self._b_bn})
         for c, v in st.send:
             key = f"{v}.grad_out"
             if not self._is_float(v):
@@ -244,7 +248,10 @@ def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devic
                               backend=backend, threads=threads, state=state)
 
     if comm is not None:
-        return [comm.rank], [runner(comm.rank, comm, out / f"rank{comm.rank}" if out is not None else None)]
+        mine = runner(comm.rank, comm, out / f"rank{comm.rank}" if out is not None else None)
+        for st in plan.stages:  # this rank holds its own stage's state only; the rest: shapes for the gather
+            st.initial = {k: np.broadcast_to(np.zeros((), v.dtype), v.shape) for k, v in st.initial.items()}
+        return [comm.rank], [mine]
     from partitioner.runtime.comm_local import LocalWorld
 
     world = LocalWorld(devices)

@@ -21,9 +21,11 @@ STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
 
 def predict_training(model: Any, strategy: str, devices: int, *, batch: int, optimizer: str = "sgd",
                      schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None,
-                     stages: int | None = None, memory_limit: float | None = None) -> TrainingPrediction:
+                     stages: int | None = None, memory_limit: float | None = None,
+                     overlap: bool = True) -> TrainingPrediction:
     """Predicted step time, samples/s and peak memory per rank of training ``model`` so
-    (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2)."""
+    (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2).
+    ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM)."""
     from partitioner.cluster import resolve_cluster
     from partitioner.training.step import _load, default_trainable
 
@@ -44,14 +46,14 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     graph = _load(model, local).graph
     prof = cost.profile(graph, device, set(default_trainable(graph)))
     if strategy == "pipeline" and devices > 1:
-        from partitioner.training.pipeline import in_flight, stage_ends
+        from partitioner.training.pipeline import in_flight, stage_cut
 
-        ends = stage_ends(graph, devices, memory_limit=memory_limit, state_copies=copies,
-                          in_flight=in_flight(schedule, devices, m))
-        return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device)
+        ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
+                                    in_flight=in_flight(schedule, devices, m))
+        return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
-    return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device)
+    return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap)
 
 
 def _hybrid(model: Any, devices: int, stages: int, **kw: Any) -> TrainingPrediction:

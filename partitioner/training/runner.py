@@ -24,6 +24,8 @@ from partitioner.core.errors import UsageError
 from partitioner.training.step import TrainingSignature, initial_state, signature, step_program
 
 BACKENDS = ("onnxruntime", "tvm")
+#: set to 0 to run data-parallel ONNX Runtime ranks with blocking AllReduce (docs/training.md)
+OVERLAP_ENV = "PARTITIONER_TRAIN_OVERLAP"
 
 
 class _NoComm:
@@ -47,7 +49,13 @@ class StepRunner:
         self.comm = comm if comm is not None else _NoComm()
         self.backend = backend
         self.steps = 0
-        if backend == "onnxruntime":
+        buckets = sum(1 for n in self.program.graph.node if n.op_type == "AllReduce")
+        overlap = os.environ.get(OVERLAP_ENV, "1") != "0"  # 0: blocking AllReduce (to measure the gain)
+        if backend == "onnxruntime" and buckets > 1 and overlap:  # one bucket: nothing to overlap, no thread hop
+            from partitioner.training.overlap import OverlappedExecutable  # AllReduce beside the backward
+
+            self._exe = OverlappedExecutable(self.program, threads=threads)
+        elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 
             self._exe = RankExecutable(self.program, threads=threads)

@@ -21,8 +21,10 @@ Rules of the builder (numbered; the tests check each):
    ``partitioner.comm.AllReduce`` (sum) over all ranks and a multiply by ``1/world_size``, and is
    split back before the optimizer: every rank applies the same mean gradient of the global
    batch and reports the global loss. One collective per bucket instead of one per weight (a
-   step of the zoo mlp on 2 MPI ranks went from 9 AllReduces to 1). BatchNormalization uses
-   each rank's local batch statistics (no SyncBN).
+   step of the zoo mlp on 2 MPI ranks went from 9 AllReduces to 1). Each bucket's flatten,
+   concat and AllReduce sit right after the node that finishes its last gradient, so the
+   AllReduce can overlap the rest of the backward pass (:mod:`partitioner.training.overlap`
+   runs it so). BatchNormalization uses each rank's local batch statistics (no SyncBN).
 6. ``metadata_props["training.signature"]`` records the roles of the inputs and outputs as JSON
    (:class:`TrainingSignature`).
 """
@@ -363,6 +365,7 @@ def _allreduce_buckets(em: Emitter, grads: dict[str, ir.Value], loss: ir.Value, 
         size += nbytes
     out: dict[str, ir.Value] = {}
     loss_out = loss
+    order = {id(n): i for i, n in enumerate(em.graph)}
     for b, members in enumerate(buckets):
         parts = [em.op("Reshape", grads[w.name], em.ints([-1])) for w in members]
         sizes = [int(np.prod(shape_of(w))) for w in members]
@@ -371,6 +374,9 @@ def _allreduce_buckets(em: Emitter, grads: dict[str, ir.Value], loss: ir.Value, 
             sizes.append(1)
         flat = em.op("Concat", *parts, axis=0) if len(parts) > 1 else parts[0]
         mean = _allreduce_mean(em, flat, world_size, f"bucket{b}", ir.Shape([sum(sizes)]), dtype)
+        _start_early(em.graph, [p.producer() for p in parts] + ([flat.producer()] if len(parts) > 1 else [])
+                     + [mean.producer().inputs[0].producer()],
+                     [grads[w.name] for w in members] + ([loss] if b == 0 else []), order)
         pieces = em.op("Split", mean, em.ints(sizes), axis=0, _outputs=len(sizes))
         pieces = pieces if isinstance(pieces, tuple) else (pieces,)
         for w, piece in zip(members, pieces):
@@ -378,6 +384,18 @@ def _allreduce_buckets(em: Emitter, grads: dict[str, ir.Value], loss: ir.Value, 
         if b == 0:
             loss_out = em.op("Reshape", pieces[-1], em.ints([]), _name="loss")
     return out, loss_out
+
+
+def _start_early(graph: ir.Graph, nodes: list[ir.Node], needs: list[ir.Value], order: dict[int, int]) -> None:
+    """Rule 5: move a bucket's flatten, concat and AllReduce ``nodes`` to right after the node
+    that produces the last of the gradients they read (``order``: the positions before the
+    buckets were emitted), so the AllReduce can run beside the rest of the backward pass."""
+    producers = [v.producer() for v in needs if v.producer() is not None and id(v.producer()) in order]
+    if not producers:
+        return
+    anchor = max(producers, key=lambda n: order[id(n)])
+    graph.remove(nodes)
+    graph.insert_after(anchor, nodes)
 
 
 def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, shape: ir.Shape, dtype: ir.DataType,

@@ -130,11 +130,12 @@ def test_pipeline_train_cli_and_mpi_ranks_match_threads(tmp_path, capsys) -> Non
         for a, b in zip(run.model.graph.initializer, single.model.graph.initializer):
             np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
                                        atol=1e-5, err_msg=a.name)
-    for r in range(2):  # each MPI rank reports its peak RSS over its baseline (bench compares the prediction)
+    for r in range(2):  # each MPI rank reports its steps' peak RSS over its baselines (train --bench)
         import json
 
         mem = json.loads((tmp_path / "m" / f"memory_rank{r}.json").read_text())
-        assert mem["rank"] == r and mem["peak_rss_bytes"] >= mem["baseline_rss_bytes"] > 0
+        assert mem["rank"] == r and mem["training_peak_bytes"] >= mem["process_baseline_bytes"] > 0
+        assert mem["training_bytes"] >= mem["state_bytes"] > 0
     with np.load(tmp_path / "m" / "checkpoint_epoch1.state.npz") as z:
         assert "head.weight.m" in z.files and "fc0.weight.m" in z.files  # both stages' optimizer state
     rc = main(["train", str(model), "--data", str(tmp_path / "d.npz"), "--strategy", "pipeline", "--devices", "2",
@@ -204,3 +205,43 @@ def test_batchnorm_model_pipelines_with_micro_batch_statistics() -> None:
     after = {t.name: onnx.numpy_helper.to_array(t) for t in runs["1f1b"].model.graph.initializer}
     means = [n for n in before if n.endswith(".mean")]
     assert means and all(not np.allclose(after[n], before[n]) for n in means)  # every BN's statistics, both stages
+
+
+def test_recompute_is_chosen_when_memory_is_short_and_trains_like_one_rank() -> None:
+    """Rule 8: under a limit no plain split fits (GPipe stashes 8 micro-batches of activations),
+    the planner recomputes: stage 0 stashes only its input, its predicted peak fits the limit,
+    and the pipeline still matches 1 rank after the steps (weights rtol 1e-4, atol 1e-5)."""
+    from partitioner.core.errors import UsageError
+    from partitioner.training import SGD, train
+    from partitioner.training.pipeline import build_pipeline
+    from partitioner.training.plan import predict_training
+
+    model = models_zoo.build("mlp", batch=64, layers=4, hidden=128, in_features=16)
+    kw = {"batch": 64, "optimizer": "sgd", "schedule": "gpipe", "micro_batches": 8}
+    free = max(predict_training(model, "pipeline", 2, **kw).memory_per_rank)
+    chosen = None
+    for frac in np.linspace(0.95, 0.2, 16):
+        try:
+            p = predict_training(model, "pipeline", 2, memory_limit=frac * free, **kw)
+        except UsageError:
+            break
+        if p.recompute:
+            chosen = (frac * free, p)
+            break
+    assert chosen is not None, "no limit made the planner recompute"
+    limit, pred = chosen
+    assert max(pred.memory_per_rank) <= limit
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=64, stages=2, micro_batches=8, schedule="gpipe",
+                          memory_limit=limit)
+    assert plan.recompute and plan.stages[0].stash == ["input"]
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((128, 16)).astype(np.float32), "y": rng.integers(0, 10, 128)}
+    common = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.1, "batch": 64, "epochs": 1, "progress": False}
+    piped = train(model, data, devices=2, strategy="pipeline", schedule="gpipe", micro_batches=8,
+                  memory_limit=limit, **common)
+    one = train(model, data, devices=1, **common)
+    np.testing.assert_allclose([h["loss"] for h in piped.history], [h["loss"] for h in one.history], rtol=1e-4,
+                               atol=1e-5)
+    for a, b in zip(piped.model.graph.initializer, one.model.graph.initializer):
+        np.testing.assert_allclose(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b), rtol=1e-4,
+                                   atol=1e-5, err_msg=a.name)

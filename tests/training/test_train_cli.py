@@ -103,6 +103,37 @@ def test_nan_loss_stops_names_the_step_and_keeps_the_last_checkpoint(mlp, capsys
     assert rc == 1 and "at step" in err and len(err.strip().splitlines()) == 1
     assert "checkpoint_epoch1.onnx" in err
     onnx.checker.check_model(onnx.load(str(tmp / "r" / "checkpoint_epoch1.onnx")))
+    _nan_kept_the_last_good_checkpoint(tmp / "r", err)
+
+
+def _nan_kept_the_last_good_checkpoint(run, err: str) -> None:
+    """One step per epoch: the step the error names is the first bad one, so the checkpoint of
+    the epoch before it is the last one written, named in the error, its weights finite and equal
+    to model.onnx (nothing lost, nothing half-written)."""
+    import re
+
+    step = int(re.search(r"at step (\d+)", err).group(1))
+    assert step >= 2
+    last = run / f"checkpoint_epoch{step - 1}.onnx"
+    assert f"checkpoint_epoch{step - 1}.onnx" in err and last.is_file()
+    assert not (run / f"checkpoint_epoch{step}.onnx").exists()
+    kept, latest = onnx.load(str(last)), onnx.load(str(run / "model.onnx"))
+    for a, b in zip(kept.graph.initializer, latest.graph.initializer):
+        arr = onnx.numpy_helper.to_array(a)
+        assert np.all(np.isfinite(arr)), a.name
+        np.testing.assert_array_equal(arr, onnx.numpy_helper.to_array(b))
+
+
+@pytest.mark.slow
+def test_nan_loss_under_mpi_ranks_is_exit_1_with_the_step_named(mlp, capsys) -> None:
+    path, tmp = mlp
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32) * 100
+    np.savez(tmp / "one.npz", x=x, y=np.arange(8) % 10)
+    rc, _, err = _run(["train", str(path), "--data", str(tmp / "one.npz"), "--batch", "8", "--epochs", "4",
+                       "--devices", "2", "--launcher", "mpi", "--lr", "1e30", "--no-progress", "-o",
+                       str(tmp / "rmpi")], capsys)
+    assert rc == 1 and "at step" in err and len(err.strip().splitlines()) == 1, err
+    _nan_kept_the_last_good_checkpoint(tmp / "rmpi", err)
 
 
 def test_missing_gradient_rule_lists_every_op_exit_2(tmp_path, capsys) -> None:

@@ -1,0 +1,74 @@
+"""``train --bench``: predicted against measured peak memory per rank and step time, and a model
+that does not fit one device's --memory-limit training on 2 ranks with the predicted peak per
+rank within 25% of the measured one (peak RSS of the steps minus the RSS before the program
+loads; partitioner/training/memory_window.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import models_zoo
+from partitioner.cli import main
+from partitioner.training.memory_window import MemoryWindow, reset_peak
+from partitioner.training.plan import predict_training
+
+
+def test_memory_window_counts_what_the_steps_allocate() -> None:
+    """A 64 MiB array allocated and freed inside the window moves the measured peak by 64 MiB
+    (+- 8), with 16 MiB of state counted as resident."""
+    if not reset_peak():
+        pytest.skip("this kernel does not allow resetting VmHWM")
+    w = MemoryWindow(armed=True)
+    w.start_steps(16 * 2**20)
+    a = np.ones(16 * 2**20, dtype=np.float32)  # 64 MiB, touched
+    del a
+    w.end_steps()
+    assert abs(w.training_bytes - 80 * 2**20) < 8 * 2**20
+
+
+def test_train_bench_json_on_one_device(tmp_path, capsys) -> None:
+    """--bench --json: predicted beside measured step time and memory; the measured memory holds
+    at least the resident weights (SGD: the state is the weights), the ratio is predicted/measured."""
+    model = models_zoo.build("mlp", batch=16, layers=2, hidden=256, in_features=256)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((64, 256)).astype(np.float32), y=rng.integers(0, 10, 64))
+    rc = main(["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--batch", "16", "--bench",
+               "--json", "-o", str(tmp_path / "r")])
+    doc = json.loads(capsys.readouterr().out)
+    weights = sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    assert rc == 0 and doc["strategy"] == "single" and doc["steps_timed"] == 2
+    (mem,) = doc["memory_per_rank"]
+    assert mem["measured"] >= weights and mem["ratio"] == pytest.approx(mem["predicted"] / mem["measured"])
+    st = doc["step_time_s"]
+    assert st["measured"] > 0 and st["predicted"] > 0 and st["ratio"] == pytest.approx(st["predicted"] / st["measured"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "tvm"])
+def test_a_model_too_big_for_one_device_trains_on_two_ranks_as_predicted(tmp_path, capsys, backend) -> None:
+    model = models_zoo.build("mlp", batch=32, layers=2, hidden=1536, in_features=1536)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((160, 1536)).astype(np.float32), y=rng.integers(0, 10, 160))
+    one = max(predict_training(model, "single", 1, batch=32, optimizer="adam").memory_per_rank)
+    two = max(predict_training(model, "tensor", 2, batch=32, optimizer="adam").memory_per_rank)
+    limit = str(int((one + two) / 2))
+    base = ["train", str(path), "--data", str(tmp_path / "d.npz"), "--optimizer", "adam", "--batch", "32",
+            "--memory-limit", limit, "--no-progress", "--backend", backend]
+    rc = main([*base, "--devices", "1", "-o", str(tmp_path / "one")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "exceeds --memory-limit" in err and len(err.strip().splitlines()) == 1
+    rc = main([*base, "--devices", "2", "--strategy", "tensor", "--bench", "--json", "-o", str(tmp_path / "two")])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["strategy"] == "tensor" and len(doc["memory_per_rank"]) == 2
+    for m in doc["memory_per_rank"]:
+        assert m["window_reset"], m
+        assert m["predicted"] <= float(limit)
+        assert 0.75 <= m["ratio"] <= 1.25, m
+    assert doc["step_time_s"]["measured"] > 0 and doc["step_time_s"]["predicted"] > 0
