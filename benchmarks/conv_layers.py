@@ -9,6 +9,9 @@ rules; ``im2col`` / ``winograd``: ``conv_algorithm``), every build checked again
 (rtol 1e-4, atol 1e-5). Times: the calling thread's CPU time (``time.thread_time``), median over
 interleaved rounds (each round calls every implementation for ~20 ms), so a loaded machine's
 time slicing matters less; ``pct_peak`` = FLOPs / time / the measured one-core FMA peak.
+The model's NCHW input and output are transposed to and from NHWC inside our build, so on layers
+with few FLOPs per output byte (1x1 convs with K <= 64, the 3-channel stem) the ratio to ORT
+includes those copies, which a whole model pays once.
 Results: ``benchmarks/results/conv_layers.json`` (not committed from a loaded machine).
 """
 
