@@ -33,7 +33,12 @@ itself, which stays ~2-3 us hot and ~5-10 us from sleep. :data:`POOL_SPIN_COUNT`
 (~5 ms of spinning here) still covers the gaps between the kernels of one model run (hot fork/join
 unchanged, 3 us) and leaves the core when the run is over;
 ``backends.tvm.executable.configure_threads`` sets it unless the user set
-``TVM_THREAD_POOL_SPIN_COUNT``.
+``TVM_THREAD_POOL_SPIN_COUNT``. The trade-off: on a heavily oversubscribed machine (load ~115 on
+2 cores) the main thread is preempted for longer than the bounded spin, the workers sleep, and
+the next fork waits for a wake-up slice (hot probe: ~2 ms in 2 of 3 runs, against 3 us with
+TVM's default, which instead burns the core meanwhile). Not measured yet on a quiet machine
+(the case the default is for): ``benchmarks/gemm.py --threads 1,2`` there, with and without
+``TVM_THREAD_POOL_SPIN_COUNT=300000``, decides the value.
 """
 
 from __future__ import annotations
