@@ -1,4 +1,5 @@
-"""Narrow-map convolutions (backends/tvm/schedules/contraction.py, ``_narrow_tile``): a direct
+"""Narrow-map convolutions (backends/tvm/schedules/contraction.py, ``_narrow_tile``) and RGB stems
+(injective.py, ``SHORT_INNER``): a direct
 conv whose output width is below ``NARROW_ROWS`` gets a register tile over two spatial axes and
 more channel vectors; every build matches ONNX Runtime (rtol 1e-4, atol 1e-5, random weights).
 
@@ -105,3 +106,23 @@ def test_outer_axis_only_when_weights_are_shared() -> None:
         row_pos = next(i for i in reversed(s_idx[:-1]) if exts[i] > 1)
         col = C._shared_outer_axis(stmt, C.ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
         assert (col is not None) == shared
+
+
+@pytest.mark.parametrize("batch,k,s", [(1, 3, 2), (2, 7, 2), (1, 3, 1)], ids=["3x3s2", "7x7s2-b2", "3x3s1"])
+def test_rgb_stem_matches_ort(batch: int, k: int, s: int) -> None:
+    """3 input channels: the pad's channel loop is unrolled outside the parallel loop
+    (injective.SHORT_INNER); the build still matches ORT."""
+    m = _conv(3, 40, 32, k, s, batch)
+    _check(m)
+    target = tvm.target.Target(detect_host_target())
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    conv = next(f.script() for gv, f in mod.functions_items()
+                if isinstance(f, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint)
+    assert "T.unroll(T.int64(3))" in conv
+
+
+def test_rgb_transpose_matches_ort() -> None:
+    g = helper.make_graph([helper.make_node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])], "t",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 24, 40])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    _check(onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
