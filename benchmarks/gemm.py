@@ -24,6 +24,13 @@ implementation and shape, i.e. the per-core efficiency on 2 threads against 1 (t
 for ours). Our kernel splits the fused (N panel, M tile) loop - or (M tile, N panel) when B fits
 L2 - into one contiguous chunk per thread: on panels-outer GEMMs each core reads half of B,
 on rows-outer ones half of A and all of B (from its own L2).
+Thread pools: the four implementations live in one process and each has its own pool, whose
+idle workers busy-wait after a call (TVM: bounded by ``configure_threads``, ORT ~20 ms, OpenBLAS
+~25 ms of CPU). A pool still spinning when the next implementation's timed block starts takes the
+second core from it: on 2 threads that made every library's small GEMMs ms-slow (256^3: ours 3.6
+ms on 2 threads against 0.3 ms on 1). So OpenBLAS runs with ``OPENBLAS_THREAD_TIMEOUT=4`` (its
+workers sleep at once; set before numpy loads) and every timed block starts after
+``SETTLE_S`` of sleep, in which the previous block's pool goes idle.
 Every TVM output is checked against numpy (rtol 1e-4, atol 1e-5 scaled by sqrt(K)).
 Results: ``benchmarks/results/gemm.json``; ``loaded`` there records whether the machine was
 known to be shared (then the figures are ratios only).
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,12 +50,14 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # before numpy loads OpenBLAS (docstring)
 
 import numpy as np  # noqa: E402
 
 from partitioner.core.machine import cpu_model  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gemm.json"
+SETTLE_S = 0.03  # idle time before each timed block: the previous pool stops spinning (docstring)
 SQUARE = [256, 512, 1024, 2048]
 # (label, batch dims, M, K, N, B constant): bert/gpt at batch 8, seq 64, hidden 128, 4 heads
 ZOO = [
@@ -114,6 +124,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, f in fns.items():
+            time.sleep(SETTLE_S)
             c0, t0 = time.thread_time(), time.perf_counter()
             for _ in range(reps[name]):
                 f()
@@ -181,7 +192,7 @@ def run(threads_list: list[int], repeats: int, quick: bool) -> dict[str, Any]:
         r["pct_of_peak"] = {k_: 100.0 * r["flops"] / t / (r["threads"] * peak) for k_, t in r["times_s"].items()}
         if "thread_cpu_s" in r:
             r["pct_of_peak_cpu"] = {k_: 100.0 * r["flops"] / t / peak for k_, t in r["thread_cpu_s"].items()}
-    return {"machine": {"cpu": cpu_model(), "cores": __import__("os").cpu_count(), "platform": platform.platform(),
+    return {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                         "target": str(target)},
             "versions": {"tvm": tvm.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__},
             "peak": {"fma_flops_per_core": peak, "before": peak_before.to_json(), "after": peak_after.to_json()},

@@ -44,11 +44,15 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # numpy's pool must not spin into a timed block
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "per_device.json"
+# Idle time before each timed block: ORT's and TVM's workers busy-wait after a call and would take
+# the second core from the next block (backends/tvm/schedules/threads.py, "the pool's idle spin").
+SETTLE_S = 0.05
 
 # name -> (zoo name, kwargs without batch, supports batch > 1, run the untuned column)
 MODELS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
@@ -130,6 +134,7 @@ def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def _median_s(fn: Callable[[], Any], runs: int) -> float:
+    time.sleep(SETTLE_S)  # the previous block's pool (ORT's, TVM's) stops spinning first
     fn()  # warm-up
     times = []
     for _ in range(max(1, runs)):

@@ -38,7 +38,8 @@ affinity decides;
 more: a pool created for 1 thread stayed at 1 after asking for 2) and then calls
 ``runtime.config_threadpool(1, n)`` (mode 1 = TVM's default "big cores" mode) to use ``n`` of
 them, so any later change takes effect. The pool is per process: ranks running as threads of
-one process share it.
+one process share it. It also bounds the workers' idle spin (``TVM_THREAD_POOL_SPIN_COUNT``,
+:data:`backends.tvm.schedules.threads.POOL_SPIN_COUNT`, unless the user set it).
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def configure_threads(threads: int) -> None:
             # created for 1 thread stayed at 1 thread after asking for 2)
             os.environ["TVM_NUM_THREADS"] = str(max(threads, _usable_cores()))
         os.environ.setdefault("TVM_BIND_THREADS", "0")  # keep the affinity the worker chose
+        from .schedules.threads import POOL_SPIN_COUNT, SPIN_ENV
+
+        os.environ.setdefault(SPIN_ENV, str(POOL_SPIN_COUNT))  # idle workers sleep soon (threads.py)
         import tvm
 
         config = tvm.get_global_func("runtime.config_threadpool", allow_missing=True)

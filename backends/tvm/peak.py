@@ -19,6 +19,11 @@ machine's limit, not the rate of some library:
    the others) minus the same loop serial; the lowest batch median (load only adds). It gives
    the threshold below which a kernel runs on one thread
    (:func:`backends.tvm.schedules.threads.threshold_from`: ``Peak.parallel_min_flops``).
+   With ``idle_s`` > 0 each call comes ``idle_s`` after the previous one and is timed alone
+   (median): the cost of the first parallel kernel of a model run, when the workers may have
+   gone to sleep or spun through their share of the core (``Peak.fork_join_idle_s``, 1 ms
+   idle; TVM's default idle spin made it ~4 ms on a shared machine: see
+   :mod:`backends.tvm.schedules.threads`, "the pool's idle spin").
 
 The first two run on the calling thread only (TVM's thread pool is not used: the loops are not
 parallel), so the figures are per core; they are timed with the thread's CPU clock (equal to
@@ -54,6 +59,7 @@ class Peak:
     fma_flops_best: float = 0.0
     fork_join_s: float = 0.0
     parallel_min_flops: float = 0.0
+    fork_join_idle_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -223,8 +229,10 @@ def _fork_join_func(parallel: bool) -> Any:
     return probe
 
 
-def measure_fork_join(target: Any = None, threads: int = 2, batches: int = 15, calls: int = 200) -> float:
-    """Seconds one fork/join of TVM's pool costs on ``threads`` threads (module docstring, 3).
+def measure_fork_join(target: Any = None, threads: int = 2, batches: int = 15, calls: int = 200,
+                      idle_s: float = 0.0) -> float:
+    """Seconds one fork/join of TVM's pool costs on ``threads`` threads (module docstring, 3;
+    ``idle_s`` > 0: after that long idle).
 
     0.0 when the machine has fewer than 2 usable cores. Leaves the pool at ``threads``."""
     import numpy as np
@@ -238,6 +246,8 @@ def measure_fork_join(target: Any = None, threads: int = 2, batches: int = 15, c
     configure_threads(threads)
     fns = {par: tvm.compile(tvm.IRModule({"probe": _fork_join_func(par)}), target=tgt)["probe"] for par in (True, False)}
     a = tvm.runtime.tensor(np.zeros((64, 16), "float32"))
+    if idle_s > 0:
+        return _idle_fork_join(fns, a, idle_s, batches * 4)
     per_call: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(batches):
         for par, fn in fns.items():
@@ -247,6 +257,18 @@ def measure_fork_join(target: Any = None, threads: int = 2, batches: int = 15, c
                 fn(a)
             per_call[par].append((time.perf_counter() - t0) / calls)
     return max(0.0, min(per_call[True]) - min(per_call[False]))
+
+
+def _idle_fork_join(fns: dict[bool, Any], a: Any, idle_s: float, calls: int) -> float:
+    """Median parallel-call time minus median serial-call time, each call ``idle_s`` after the last."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(calls):
+        for par, fn in fns.items():
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            fn(a)
+            times[par].append(time.perf_counter() - t0)
+    return max(0.0, statistics.median(times[True]) - statistics.median(times[False]))
 
 
 def measure_peak(target: Any = None, quick: bool = False, threads: int = 2) -> Peak:
@@ -259,4 +281,5 @@ def measure_peak(target: Any = None, quick: bool = False, threads: int = 2) -> P
     bw = measure_bandwidth(tgt, repeats=3 if quick else 7)
     fj = measure_fork_join(tgt, threads, batches=5 if quick else 15)
     par_min = threshold_from(fj, best) if fj > 0 else DEFAULT_PARALLEL_MIN_FLOPS
-    return Peak(flops, bw, lanes, acc, str(tgt), rates, best, fj, par_min)
+    fj_idle = measure_fork_join(tgt, threads, batches=5 if quick else 15, idle_s=1e-3)
+    return Peak(flops, bw, lanes, acc, str(tgt), rates, best, fj, par_min, fj_idle)

@@ -19,6 +19,26 @@ Where the number comes from, first match wins:
 
 Memory-bound kernels (elementwise, pads, transposes) use :data:`PARALLEL_MIN_ELEMENTS` instead,
 in the same spirit: ~16K float32 elements is ~64 KiB, a few microseconds of copying.
+
+The pool's idle spin (:data:`POOL_SPIN_COUNT`). After each parallel loop TVM's workers busy-wait
+for the next task, ``TVM_THREAD_POOL_SPIN_COUNT`` ``sched_yield`` calls (TVM's default: 300000),
+before they sleep. Measured on the development machine (2 cores, shared): with the default a
+worker burnt ~100 ms of CPU in the 0.3 s after one parallel call, and a parallel call made 1 ms
+after the previous one took ~4 ms instead of ~4 us: a worker that has spun through its CPU share
+waits a scheduler slice for the core when work arrives. Any other thread pool in the process
+(ONNX Runtime's, numpy's OpenBLAS) or another rank on the core pays for that spin too. This is
+what made the 2-thread GEMM rows of ``benchmarks/gemm.py`` ms-slow on small shapes for every
+library (TVM, ORT and OpenBLAS each spinning into the next one's timed block), not the fork/join
+itself, which stays ~2-3 us hot and ~5-10 us from sleep. :data:`POOL_SPIN_COUNT` = 10000 yields
+(~5 ms of spinning here) still covers the gaps between the kernels of one model run (hot fork/join
+unchanged, 3 us) and leaves the core when the run is over;
+``backends.tvm.executable.configure_threads`` sets it unless the user set
+``TVM_THREAD_POOL_SPIN_COUNT``. The trade-off: on a heavily oversubscribed machine (load ~115 on
+2 cores) the main thread is preempted for longer than the bounded spin, the workers sleep, and
+the next fork waits for a wake-up slice (hot probe: ~2 ms in 2 of 3 runs, against 3 us with
+TVM's default, which instead burns the core meanwhile). Not measured yet on a quiet machine
+(the case the default is for): ``benchmarks/gemm.py --threads 1,2`` there, with and without
+``TVM_THREAD_POOL_SPIN_COUNT=300000``, decides the value.
 """
 
 from __future__ import annotations
@@ -29,6 +49,8 @@ DEFAULT_PARALLEL_MIN_FLOPS = 2e6
 FORK_JOIN_MARGIN = 2.0
 PARALLEL_MIN_ELEMENTS = 16384
 ENV = "PARTITIONER_PARALLEL_MIN_FLOPS"
+POOL_SPIN_COUNT = 10000
+SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 
 _configured: float | None = None
 

@@ -1,0 +1,153 @@
+"""Conv + bias + ReLU layers of the zoo's resnet18 / resnet50 / mobilenet (the per_device sizes),
+one layer at a time: our builds against ONNX Runtime, in one process, 1 thread.
+
+    python benchmarks/conv_layers.py [--batches 1,8] [--variants direct,im2col] [--repeats 7] [--json FILE]
+
+Each layer is a one-node-chain ONNX model (Conv with bias, Relu; seeded random He-scaled
+weights) built through the ``scheduled`` pipeline once per variant (``direct``: the default
+rules; ``im2col`` / ``winograd``: ``conv_algorithm``), every build checked against ONNX Runtime
+(rtol 1e-4, atol 1e-5). Times: the calling thread's CPU time (``time.thread_time``), median over
+interleaved rounds (each round calls every implementation for ~20 ms), so a loaded machine's
+time slicing matters less; ``pct_peak`` = FLOPs / time / the measured one-core FMA peak.
+The model's NCHW input and output are transposed to and from NHWC inside our build, so on layers
+with few FLOPs per output byte (1x1 convs with K <= 64, the 3-channel stem) the ratio to ORT
+includes those copies, which a whole model pays once.
+Results: ``benchmarks/results/conv_layers.json`` (not committed from a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "conv_layers.json"
+#: (model, input channels, size, output channels, kernel, stride): the layers carrying most
+#: conv FLOPs in the per_device zoo sizes (resnet18 112x112, resnet50 64x64, mobilenet 112x112)
+LAYERS = [
+    ("resnet18", 64, 28, 64, 3, 1), ("resnet18", 128, 14, 128, 3, 1), ("resnet18", 256, 7, 256, 3, 1),
+    ("resnet18", 512, 4, 512, 3, 1), ("resnet18", 3, 112, 64, 7, 2),
+    ("resnet50", 256, 4, 256, 3, 1), ("resnet50", 64, 16, 64, 3, 1), ("resnet50", 256, 4, 1024, 1, 1),
+    ("resnet50", 1024, 4, 256, 1, 1), ("resnet50", 64, 16, 256, 1, 1), ("resnet50", 512, 2, 2048, 1, 1),
+    ("mobilenet", 96, 7, 576, 1, 1), ("mobilenet", 160, 4, 960, 1, 1), ("mobilenet", 24, 28, 144, 1, 1),
+    ("mobilenet", 576, 7, 96, 1, 1),
+]
+
+
+def layer_model(ci: int, hw: int, co: int, k: int, s: int, batch: int) -> Any:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(ci * 7 + hw * 5 + co * 3 + k + s)
+    w = (rng.standard_normal((co, ci, k, k)) * np.sqrt(2.0 / (ci * k * k))).astype(np.float32)
+    b = (rng.standard_normal(co) * 0.1).astype(np.float32)
+    p = (k - 1) // 2
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[k, k], strides=[s, s], pads=[p] * 4),
+             helper.make_node("Relu", ["c"], ["y"])]
+    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def tvm_build(model: Any, target: Any, algorithm: str) -> Callable[[Any], Any]:
+    import tvm
+    from tvm import relax
+
+    from backends.tvm.lower import lower_program
+    from backends.tvm.pipeline import run_pipeline
+
+    mod = run_pipeline(lower_program(model).mod, "scheduled", target, conv_algorithm=algorithm)
+    fn = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"]
+    return lambda x: fn(x)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median thread-CPU seconds per call of each function over interleaved rounds."""
+    reps = {}
+    for name, f in fns.items():
+        f()
+        t0 = time.thread_time()
+        f()
+        reps[name] = max(1, int(0.02 / max(time.thread_time() - t0, 1e-6)))
+    cpu: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            c0 = time.thread_time()
+            for _ in range(reps[name]):
+                f()
+            cpu[name].append((time.thread_time() - c0) / reps[name])
+    return {n: statistics.median(v) for n, v in cpu.items()}
+
+
+def run(batches: list[int], variants: list[str], repeats: int, only: str | None) -> dict[str, Any]:
+    import onnxruntime as ort
+    import tvm
+
+    from backends.tvm.executable import configure_threads
+    from backends.tvm.peak import measure_fma_peak
+    from backends.tvm.target import resolve_target
+
+    target = resolve_target(None)
+    configure_threads(1)
+    peak = measure_fma_peak(target, seconds=0.02, repeats=5)[0]
+    rows = []
+    for model_name, ci, hw, co, k, s in LAYERS:
+        if only and only not in model_name:
+            continue
+        for batch in batches:
+            m = layer_model(ci, hw, co, k, s, batch)
+            x = np.random.default_rng(1).standard_normal((batch, ci, hw, hw)).astype(np.float32)
+            so = ort.SessionOptions()
+            so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
+            sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            ref = sess.run(None, {"x": x})[0]
+            tx = tvm.runtime.tensor(x)
+            fns: dict[str, Callable[[], Any]] = {"ort": lambda: sess.run(None, {"x": x})}
+            for v in variants:
+                f = tvm_build(m, target, v)
+                res = f(tx)
+                got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
+                np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"{model_name} {v}")
+                fns[v] = lambda f=f: f(tx)
+            times = interleaved(fns, repeats)
+            oh = (hw + 2 * ((k - 1) // 2) - k) // s + 1
+            flops = 2.0 * batch * oh * oh * co * ci * k * k
+            row = {"model": model_name, "ci": ci, "size": hw, "co": co, "kernel": k, "stride": s, "batch": batch,
+                   "flops": flops, "thread_cpu_s": times,
+                   "pct_peak": {n: 100.0 * flops / t / peak for n, t in times.items()},
+                   "vs_ort": {n: t / times["ort"] for n, t in times.items()}}
+            rows.append(row)
+            print(f"{model_name:9s} {ci:4d}x{hw:3d}x{hw:<3d} -> {co:4d} k{k} s{s} b{batch}: " + "  ".join(
+                f"{n}={t * 1e6:8.1f}us ({row['pct_peak'][n]:3.0f}%, x{row['vs_ort'][n]:.2f})" for n, t in times.items()),
+                flush=True)
+    return {"target": str(target), "peak_flops_per_core": peak, "repeats": repeats, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--variants", default="direct,im2col")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", default=None, help="only layers of this model")
+    ap.add_argument("--json", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    data = run([int(b) for b in args.batches.split(",")], args.variants.split(","), args.repeats, args.only)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
