@@ -31,7 +31,8 @@ INT64_MAX = np.iinfo(np.int64).max
 def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     consts = {t.name: t for t in graph.initializer}
     for n in graph.node:
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1 and n.attribute[0].name == "value":
+        if (n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1
+                and n.attribute[0].name == "value"):
             consts[n.output[0]] = n.attribute[0].t
     return consts
 
@@ -92,7 +93,8 @@ def scatter_slices_to_concat(program: onnx.ModelProto) -> onnx.ModelProto:
     if opset < 11 or not any(n.op_type == "ScatterElements" for n in program.graph.node):
         return program
     consts = _constants(program.graph)
-    if not any(n.op_type == "ScatterElements" and len(n.input) > 1 and n.input[1] in consts for n in program.graph.node):
+    if not any(n.op_type == "ScatterElements" and len(n.input) > 1 and n.input[1] in consts
+               for n in program.graph.node):
         return program
     shapes = _static_shapes(program)
     plans = {i: p for i, n in enumerate(program.graph.node)
@@ -123,8 +125,8 @@ def scatter_slices_to_concat(program: onnx.ModelProto) -> onnx.ModelProto:
         pieces.append(node.input[2])
         if k + m < n:
             pieces.append(f"{base}.tail")
-            nodes.append(helper.make_node("Slice", [node.input[0], ints(f"{base}.km", k + m), ints(f"{base}.end", INT64_MAX), ax],
-                                          [pieces[-1]], name=f"{base}.tail"))
+            tail = [node.input[0], ints(f"{base}.km", k + m), ints(f"{base}.end", INT64_MAX), ax]
+            nodes.append(helper.make_node("Slice", tail, [pieces[-1]], name=f"{base}.tail"))
         if len(pieces) == 1:
             nodes.append(helper.make_node("Identity", pieces, [node.output[0]], name=base))
         else:

@@ -18,8 +18,9 @@ def _model(indices: np.ndarray, axis: int = 1, data_shape=(2, 6, 3)) -> onnx.Mod
     """``y = Relu(ScatterElements(x, indices, u, axis))``: the updates have the indices' shape."""
     nodes = [helper.make_node("ScatterElements", ["x", "idx", "u"], ["s"], axis=axis),
              helper.make_node("Relu", ["s"], ["y"])]
-    g = helper.make_graph(nodes, "scatter", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(data_shape)),
-                                             helper.make_tensor_value_info("u", TensorProto.FLOAT, list(indices.shape))],
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(data_shape)),
+              helper.make_tensor_value_info("u", TensorProto.FLOAT, list(indices.shape))]
+    g = helper.make_graph(nodes, "scatter", inputs,
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(data_shape))],
                           [numpy_helper.from_array(indices.astype(np.int64), "idx")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
