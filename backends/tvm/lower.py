@@ -79,10 +79,12 @@ def onnx_opset(model: onnx.ModelProto) -> int:
 
 def expand_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
     """``program`` with the nodes TVM cannot import expanded into their ONNX function bodies
-    (:mod:`backends.tvm.expand_functions`); the same object when nothing needs it."""
+    (:mod:`backends.tvm.expand_functions`) and block-writing ScatterElements as Slice/Concat
+    (:mod:`backends.tvm.scatter_slices`); the same object when nothing needs it."""
     from .expand_functions import expand_nodes
+    from .scatter_slices import scatter_slices_to_concat
 
-    return expand_nodes(program)[0]
+    return scatter_slices_to_concat(expand_nodes(program)[0])
 
 
 def check_supported(program: onnx.ModelProto) -> None:

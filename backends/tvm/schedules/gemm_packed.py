@@ -267,7 +267,13 @@ def _pack_map(rank: int, nr: int, transposed: bool) -> Any:
 
 
 def prepack_passes() -> list[Any]:
-    """Split the packing of constant weights into its own function and fold it at build time."""
+    """Split the packing of constant weights into its own function and fold it at build time.
+
+    The packing calls are merged by common-subexpression elimination before folding: each call
+    site gets its own packing call, so a weight used by many calls (an unrolled LSTM's ``R``, one
+    per time step) would otherwise be folded into one packed copy per call (128 copies for
+    sequence 128: a 128x larger library, and every step streaming a cold copy from memory)."""
     from tvm import relax
 
-    return [relax.transform.SplitLayoutRewritePreproc(), relax.transform.FoldConstant()]
+    return [relax.transform.SplitLayoutRewritePreproc(), relax.transform.EliminateCommonSubexpr(),
+            relax.transform.FoldConstant()]
