@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -571,12 +572,26 @@ def _check_and_infer_proto(proto: onnx.ModelProto, label: str) -> onnx.ModelProt
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise ModelLoadError(f"{label}: shape inference failed: {_one_line(exc)}") from None
+        raise _inference_refusal(label, exc) from None
     try:
         onnx.checker.check_model(inferred, full_check=True)
     except Exception as exc:
         raise ModelLoadError(f"{label}: invalid model: {_one_line(exc)}") from None
     return inferred
+
+
+def _inference_refusal(label: str, exc: BaseException) -> ModelLoadError:
+    """Rule: a model that passed onnx's checker but whose strict shape inference fails inside
+    one op's own inference (onnx names it, ``(op_type:X)``) is refused naming that op: the project
+    compiles with onnx's inferred shapes, so an op onnx cannot infer (onnx 1.23: STFT's onesided
+    bins, MeanVarianceNormalization's function body) cannot be compiled. Nothing of ours failed.
+    Any other inference failure stays a plain ModelLoadError."""
+    text = _one_line(exc)
+    op = re.search(r"\(op_type:([A-Za-z0-9_]+)\)", text)  # the outermost node (a function body's come after)
+    if op:
+        return UnsupportedOpError(f"{label}: onnx's shape inference fails on the op {op.group(1)}, whose static "
+                                  f"shapes the compiler needs; refused ({text})", [("", op.group(1))])
+    return ModelLoadError(f"{label}: shape inference failed: {text}")
 
 
 def _count(n: float) -> str:
