@@ -140,18 +140,42 @@ def _init_or_const(model: onnx.ModelProto, name: str) -> list[int] | None:
     return None
 
 
+def _align_corners_fractional(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    mode = next((a.s for a in node.attribute if a.name == "coordinate_transformation_mode"), b"half_pixel")
+    if mode != b"align_corners" or len(node.input) < 3 or not node.input[2] or (len(node.input) > 3 and node.input[3]):
+        return False
+    scales = next((onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[2]), None)
+    dims = _init_or_const(model, node.input[0])
+    if scales is None or dims is None:
+        return True  # run-time scales: the output length may be fractional
+    lengths = np.asarray(dims, dtype=np.float64) * scales.astype(np.float64)
+    return bool(np.any(np.abs(lengths - np.round(lengths)) > 1e-6))
+
+
 def check_forms(model: onnx.ModelProto, where: str) -> None:
     """Raise :class:`UnsupportedByBackendError` naming the node forms ONNX Runtime 1.32 has a kernel
     for but fails on at run time (so they are refused when the session is made, not mid-run):
-    ConvInteger with a per-channel ``w_zero_point`` ("Non per-tensor quantization is not supported")."""
+    ConvInteger with a per-channel ``w_zero_point`` ("Non per-tensor quantization is not supported"),
+    and the forms whose numbers differ from ONNX's definition: MaxUnpool with ``output_shape``,
+    Resize ``align_corners`` with scales that give a fractional output length."""
     from partitioner.core.errors import UnsupportedByBackendError
 
     bad = []
     for n in model.graph.node:
-        if n.op_type == "ConvInteger" and n.domain in ("", "ai.onnx") and len(n.input) > 3 and n.input[3]:
+        if n.domain not in ("", "ai.onnx"):
+            continue
+        why = ""
+        if n.op_type == "ConvInteger" and len(n.input) > 3 and n.input[3]:
             dims = _init_or_const(model, n.input[3])
             if dims is None or int(np.prod(dims, dtype=np.int64)) != 1:
-                bad.append(f"{n.name or '<unnamed>'} (ConvInteger with a per-channel w_zero_point)")
+                why = "ConvInteger with a per-channel w_zero_point"
+        elif n.op_type == "MaxUnpool" and len(n.input) > 2 and n.input[2]:
+            why = "MaxUnpool with an output_shape input (ORT places the values differently from ONNX's definition)"
+        elif n.op_type == "Resize" and _align_corners_fractional(model, n):
+            why = ("Resize align_corners with scales that give a fractional output length (ORT uses the rounded "
+                   "length where ONNX's definition uses scale * input length)")
+        if why:
+            bad.append(f"{n.name or '<unnamed>'} ({why})")
     if bad:
         raise UnsupportedByBackendError(f"{where}: ONNX Runtime's kernels do not compute {', '.join(bad[:8])}")
 
