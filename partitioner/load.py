@@ -581,16 +581,18 @@ def _check_and_infer_proto(proto: onnx.ModelProto, label: str) -> onnx.ModelProt
 
 
 def _inference_refusal(label: str, exc: BaseException) -> ModelLoadError:
-    """Rule: a model that passed onnx's checker but whose strict shape inference fails inside
-    one op's own inference (onnx names it, ``(op_type:X)``) is refused naming that op: the project
-    compiles with onnx's inferred shapes, so an op onnx cannot infer (onnx 1.23: STFT's onesided
-    bins, MeanVarianceNormalization's function body) cannot be compiled. Nothing of ours failed.
-    Any other inference failure stays a plain ModelLoadError."""
+    """Rule: strict shape inference failing is a plain ModelLoadError (an invalid model), except in
+    two forms where onnx's own inference of one op is what fails, which are refused naming that op
+    (the project compiles with onnx's inferred shapes, so it cannot compile such an op):
+    the failure is inside the op's function body (``(op_type:X): ... (op_type:Y)``; onnx 1.23:
+    MeanVarianceNormalization's body), or onnx infers a shape that differs from the one the model
+    declares (onnx 1.23: STFT's onesided bin count)."""
     text = _one_line(exc)
-    op = re.search(r"\(op_type:([A-Za-z0-9_]+)\)", text)  # the outermost node (a function body's come after)
-    if op:
-        return UnsupportedOpError(f"{label}: onnx's shape inference fails on the op {op.group(1)}, whose static "
-                                  f"shapes the compiler needs; refused ({text})", [("", op.group(1))])
+    ops = re.findall(r"\(op_type:([A-Za-z0-9_]+)", text)
+    nested = len(ops) >= 2 and text.count("Inference error(s)") >= 2
+    if ops and (nested or "Inferred shape and existing shape differ" in text):
+        return UnsupportedOpError(f"{label}: shape inference failed inside onnx's inference of the op {ops[0]}, "
+                                  f"whose static shapes the compiler needs; refused ({text})", [("", ops[0])])
     return ModelLoadError(f"{label}: shape inference failed: {text}")
 
 
