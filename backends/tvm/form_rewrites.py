@@ -9,7 +9,7 @@ converts correctly (checked on apache-tvm 0.27 with the ONNX node suite):
   attributes (it flags every infinity): ``And(IsInf(x), x > 0)`` (or ``x < 0``, or all false).
 - ``Squeeze`` with negative constant axes: TVM's build runs out of memory (``std::bad_alloc``);
   the axes are normalised to ``axis + rank``.
-- ``ReduceMax`` on floats: TVM starts the reduction from the lowest *finite* value, so a slice
+- ``ReduceMax`` on float32/float64/float16 inputs of known non-empty shape: TVM starts the reduction from the lowest *finite* value, so a slice
   that is all ``-inf`` (a fully masked attention row) gives -3.4e38 instead of ``-inf``, and
   the ``Equal(max, -inf)`` test of ONNX's Attention body misses it (NaN rows instead of 0):
   ``Where(ReduceMax(Cast(x > -inf)) == 0, -inf, ReduceMax(x))`` (same axes and keepdims).
@@ -173,7 +173,9 @@ class _Rewriter:
     def reduce_max(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         x, y = node.input[0], node.output[0]
         elem = _elem(self.types, x)
-        if elem not in _FLOATS:
+        dims = _dims(self.types, x)
+        # bfloat16: TVM's build fails on the bool cast ("int8x6 vs boolx6"); an empty input: left as it was
+        if elem not in _FLOATS or elem == onnx.TensorProto.BFLOAT16 or dims is None or 0 in dims:
             return None
         np_dtype = helper.tensor_dtype_to_np_dtype(elem)
         ninf = self.const(f"{y}__ninf", np.array(-np.inf, dtype=np_dtype))

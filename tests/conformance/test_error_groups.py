@@ -27,6 +27,7 @@ from .cases import load_cases, run_case
 CASES = (
     # TVM's float ReduceMax starts from the lowest finite value: fully masked attention rows were NaN
     ("test_attention_23_fullymasked_qk_matmul_output_mode3_zero_expanded", "tvm", "pass"),  # mismatch
+    ("test_reduce_max_empty_set", "tvm", "pass"),  # the rewrite leaves empty inputs as they were
     # BitShift by an out-of-range amount: LLVM's undefined result
     ("test_bitshift_left_int32_negative_shift", "tvm", "pass"),  # mismatch
     ("test_bitshift_right_int8_shift_ge_width", "tvm", "pass"),
