@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -571,12 +572,28 @@ def _check_and_infer_proto(proto: onnx.ModelProto, label: str) -> onnx.ModelProt
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise ModelLoadError(f"{label}: shape inference failed: {_one_line(exc)}") from None
+        raise _inference_refusal(label, exc) from None
     try:
         onnx.checker.check_model(inferred, full_check=True)
     except Exception as exc:
         raise ModelLoadError(f"{label}: invalid model: {_one_line(exc)}") from None
     return inferred
+
+
+def _inference_refusal(label: str, exc: BaseException) -> ModelLoadError:
+    """Rule: strict shape inference failing is a plain ModelLoadError (an invalid model), except in
+    two forms where onnx's own inference of one op is what fails, which are refused naming that op
+    (the project compiles with onnx's inferred shapes, so it cannot compile such an op):
+    the failure is inside the op's function body (``(op_type:X): ... (op_type:Y)``; onnx 1.23:
+    MeanVarianceNormalization's body), or onnx infers a shape that differs from the one the model
+    declares (onnx 1.23: STFT's onesided bin count)."""
+    text = _one_line(exc)
+    ops = re.findall(r"\(op_type:([A-Za-z0-9_]+)", text)
+    nested = len(ops) >= 2 and text.count("Inference error(s)") >= 2
+    if ops and (nested or "Inferred shape and existing shape differ" in text):
+        return UnsupportedOpError(f"{label}: shape inference failed inside onnx's inference of the op {ops[0]}, "
+                                  f"whose static shapes the compiler needs; refused ({text})", [("", ops[0])])
+    return ModelLoadError(f"{label}: shape inference failed: {text}")
 
 
 def _count(n: float) -> str:

@@ -38,6 +38,7 @@ from passes.constant_folding import ConstantFolding
 from passes.fold_constant_if import FoldConstantIf
 from passes.unroll_loop import UnrollLoop
 from passes.registry import register
+from passes.scalar_range_inputs import ScalarRangeInputs
 from passes.shape_inference import ShapeInference
 from passes.verify import describe_node
 
@@ -187,12 +188,13 @@ class FoldShapeSubgraphs(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         for _ in range(self.max_rounds):
-            inferred = ShapeInference()(model).modified
+            scalars = ScalarRangeInputs()(model).modified  # before inference: inlined Ifs may leave [1] bounds
+            inferred = ShapeInference()(model).modified or scalars
             folded = ConstantFolding()(model).modified
             inlined = FoldConstantIf()(model).modified
             unrolled = UnrollLoop()(model).modified
             modified = modified or inferred or folded or inlined or unrolled
-            if not (folded or inlined or unrolled):
+            if not (folded or inlined or unrolled or scalars):
                 break
         if self.require_static:
             problems = diagnose(model)

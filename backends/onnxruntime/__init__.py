@@ -9,6 +9,7 @@ plan right without MPI.
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -39,6 +40,16 @@ def elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
 
 
+def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """Static shape of each graph output of ``model`` that has one (for :func:`run_session`)."""
+    out = {}
+    for v in model.graph.output:
+        dims = v.type.tensor_type.shape.dim if v.type.HasField("tensor_type") else None
+        if dims is not None and v.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            out[v.name] = tuple(int(d.dim_value) for d in dims)
+    return out
+
+
 def to_ort(value: np.ndarray, elem: int) -> Any:
     """``value`` as ORT takes it: an OrtValue of the right ONNX type for a byte-view type."""
     if elem in BYTE_VIEW_TYPES:
@@ -55,15 +66,118 @@ def from_ort(value: np.ndarray, elem: int) -> np.ndarray:
     return value
 
 
+# Element types ORT's Python API takes as an OrtValue made from a uint16 view but cannot return as
+# numpy ("No corresponding Numpy type for Tensor Type. bfloat16"): :func:`run_session` binds such an
+# output to a uint16 buffer of the expected shape (IOBinding) and views it as ml_dtypes' bfloat16.
+UINT16_VIEW_TYPES = frozenset({onnx.TensorProto.BFLOAT16})
+
+
+def run_session(sess: Any, outputs: list[str], feeds: Mapping[str, np.ndarray], elems: Mapping[str, int],
+                out_shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[np.ndarray]:
+    """``sess.run`` for any element type the project's arrays hold (rule: one numpy dtype per ONNX
+    type, the ml_dtypes one for bfloat16/float8). bfloat16 inputs go in as uint16-view OrtValues;
+    bfloat16 outputs need their shape (``out_shapes``) and come back through an IOBinding."""
+    import onnxruntime as ort
+
+    def _in(n: str, x: np.ndarray) -> Any:
+        e = elems.get(n, 0)
+        if e in UINT16_VIEW_TYPES:
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(x).view(np.uint16), e)
+        return to_ort(x, e)
+
+    wide = [n for n in outputs if elems.get(n, 0) in UINT16_VIEW_TYPES]
+    if not wide and not any(elems.get(n, 0) in UINT16_VIEW_TYPES for n in feeds):
+        return [from_ort(r, elems.get(n, 0)) for n, r in zip(outputs, sess.run(outputs, {n: to_ort(x, elems.get(n, 0))
+                                                                                        for n, x in feeds.items()}))]
+    if wide and (out_shapes is None or any(n not in out_shapes for n in wide)):
+        raise RunFailed(f"onnxruntime cannot return the bfloat16 output(s) {', '.join(wide)} without their shape")
+    io = sess.io_binding()
+    for n, x in feeds.items():
+        v = _in(n, x)
+        if isinstance(v, np.ndarray):
+            io.bind_cpu_input(n, np.ascontiguousarray(v))
+        else:
+            io.bind_ortvalue_input(n, v)
+    bufs = {}
+    for n in outputs:
+        if n in wide:
+            bufs[n] = np.empty(out_shapes[n], dtype=np.uint16)
+            io.bind_output(n, "cpu", 0, elems[n], list(bufs[n].shape), bufs[n].ctypes.data)
+        else:
+            io.bind_output(n, "cpu")
+    sess.run_with_iobinding(io)
+    res = []
+    for n, r in zip(outputs, io.get_outputs()):
+        res.append(bufs[n].view(onnx.helper.tensor_dtype_to_np_dtype(elems[n])) if n in bufs
+                   else from_ort(r.numpy(), elems.get(n, 0)))
+    return res
+
+
 def lacks_kernel(exc: BaseException, where: str) -> None:
     """Raise :class:`UnsupportedByBackendError` when ``exc`` is ORT saying it has no kernel for an op
     (``NOT_IMPLEMENTED``): ORT lists the op itself, so this is a refusal naming it, not a failure."""
     from partitioner.core.errors import UnsupportedByBackendError
 
     text = str(exc).strip()
+    locale = re.search(r"Failed to construct locale with name:\s*([^:\s]+)", text)
+    if locale:  # StringNormalizer's case change needs the C++ locale installed on this machine
+        raise UnsupportedByBackendError(f"{where}: ONNX Runtime's StringNormalizer needs the locale {locale.group(1)}, "
+                                        "which this machine does not have (install it, e.g. locale-gen, or set the "
+                                        "node's locale attribute to an installed one)") from None
     if "NOT_IMPLEMENTED" in text:
         first = text.splitlines()[0]
         raise UnsupportedByBackendError(f"{where}: ONNX Runtime has no kernel for it ({first[:300]})") from None
+
+
+def _init_or_const(model: onnx.ModelProto, name: str) -> list[int] | None:
+    for t in model.graph.initializer:
+        if t.name == name:
+            return list(t.dims)
+    for v in [*model.graph.input, *model.graph.value_info]:
+        if v.name == name and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            dims = v.type.tensor_type.shape.dim
+            return [int(d.dim_value) for d in dims] if all(d.HasField("dim_value") for d in dims) else None
+    return None
+
+
+def _align_corners_fractional(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    mode = next((a.s for a in node.attribute if a.name == "coordinate_transformation_mode"), b"half_pixel")
+    if mode != b"align_corners" or len(node.input) < 3 or not node.input[2] or (len(node.input) > 3 and node.input[3]):
+        return False
+    scales = next((onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[2]), None)
+    dims = _init_or_const(model, node.input[0])
+    if scales is None or dims is None:
+        return True  # run-time scales: the output length may be fractional
+    lengths = np.asarray(dims, dtype=np.float64) * scales.astype(np.float64)
+    return bool(np.any(np.abs(lengths - np.round(lengths)) > 1e-6))
+
+
+def check_forms(model: onnx.ModelProto, where: str) -> None:
+    """Raise :class:`UnsupportedByBackendError` naming the node forms ONNX Runtime 1.32 has a kernel
+    for but fails on at run time (so they are refused when the session is made, not mid-run):
+    ConvInteger with a per-channel ``w_zero_point`` ("Non per-tensor quantization is not supported"),
+    and the forms whose numbers differ from ONNX's definition: MaxUnpool with ``output_shape``,
+    Resize ``align_corners`` with scales that give a fractional output length."""
+    from partitioner.core.errors import UnsupportedByBackendError
+
+    bad = []
+    for n in model.graph.node:
+        if n.domain not in ("", "ai.onnx"):
+            continue
+        why = ""
+        if n.op_type == "ConvInteger" and len(n.input) > 3 and n.input[3]:
+            dims = _init_or_const(model, n.input[3])
+            if dims is None or int(np.prod(dims, dtype=np.int64)) != 1:
+                why = "ConvInteger with a per-channel w_zero_point"
+        elif n.op_type == "MaxUnpool" and len(n.input) > 2 and n.input[2]:
+            why = "MaxUnpool with an output_shape input (ORT places the values differently from ONNX's definition)"
+        elif n.op_type == "Resize" and _align_corners_fractional(model, n):
+            why = ("Resize align_corners with scales that give a fractional output length (ORT uses the rounded "
+                   "length where ONNX's definition uses scale * input length)")
+        if why:
+            bad.append(f"{n.name or '<unnamed>'} ({why})")
+    if bad:
+        raise UnsupportedByBackendError(f"{where}: ONNX Runtime's kernels do not compute {', '.join(bad[:8])}")
 
 
 def check_types(program: onnx.ModelProto) -> None:
@@ -118,13 +232,14 @@ class RankExecutable:
             if isinstance(step, Segment):
                 if not step.outputs:
                     continue
+                check_forms(step.model, f"segment {step.index} of {program.graph.name!r}")
                 try:
                     sess = ort.InferenceSession(step.model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
                 except Exception as exc:
                     lacks_kernel(exc, f"segment {step.index} of {program.graph.name!r}")
                     raise BackendError(f"onnxruntime cannot load segment {step.index} of "
                                        f"{program.graph.name!r}: {str(exc).splitlines()[0]}") from None
-                self.steps.append((step, (sess, elem_types(step.model))))
+                self.steps.append((step, (sess, elem_types(step.model), static_shapes(step.model))))
             else:
                 self.steps.append((step, None))
 
@@ -135,10 +250,9 @@ class RankExecutable:
                 outs = comm_ops.execute(step.op, [env.get(i) for i in step.op.inputs], comm)
                 env.update(zip(step.outputs, outs))
             else:
-                sess, elems = run
+                sess, elems, shapes = run
                 try:
-                    res = sess.run(list(step.outputs), {n: to_ort(env[n], elems.get(n, 0)) for n in step.inputs})
-                    res = [from_ort(r, elems.get(n, 0)) for n, r in zip(step.outputs, res)]
+                    res = run_session(sess, list(step.outputs), {n: env[n] for n in step.inputs}, elems, shapes)
                 except Exception as exc:  # noqa: BLE001 - ORT raises its own classes; one line names it
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     raise RunFailed(f"onnxruntime failed on segment {step.index} of {self.name!r}: "

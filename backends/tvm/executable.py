@@ -98,14 +98,35 @@ def configure_threads(threads: int) -> None:
         _threads = threads
 
 
+def host_view(t: Any) -> np.ndarray:
+    """A numpy view of the CPU TVM tensor ``t``; a copy (``Tensor.numpy()``, an ml_dtypes array)
+    for the dtypes numpy's DLPack import lacks (bfloat16, float8, sub-byte: "Unsupported dtype in
+    DLTensor"), so comm ops and ONNX Runtime segments take every dtype the library can hold."""
+    try:
+        return np.from_dlpack(t)
+    except (RuntimeError, BufferError, TypeError, ValueError):
+        return t.numpy()
+
+
 def _write(out: Any, value: np.ndarray) -> None:
     if out.device.dlpack_device_type() == 1:
-        dst = np.from_dlpack(out)
+        try:
+            dst = np.from_dlpack(out)
+        except (RuntimeError, BufferError, TypeError, ValueError):  # bfloat16, float8: copy in
+            if tuple(int(d) for d in out.shape) != tuple(value.shape):
+                raise RunFailed(f"comm op result has shape {list(value.shape)}, the library expects "
+                                f"{[int(d) for d in out.shape]}") from None
+            out.copyfrom(np.ascontiguousarray(value))
+            return
         if dst.shape != value.shape:
             raise RunFailed(f"comm op result has shape {list(value.shape)}, the library expects {list(dst.shape)}")
         np.copyto(dst, value, casting="same_kind")
     else:
         out.copyfrom(np.asarray(value, dtype=out.dtype, order="C"))
+
+
+def _dlpack_ok(t: Any) -> bool:
+    return str(t.dtype) not in ("bfloat16",) and not str(t.dtype).startswith(("float8", "float4", "int4", "uint4"))
 
 
 def _handler(op_type: str):
@@ -120,7 +141,7 @@ def _handler(op_type: str):
             if has_out:
                 op: CommOp = ops[int(args[-2])]
                 out = args[-1]
-                if op_type == "Recv" and on_cpu and hasattr(comm, "recv_into"):
+                if op_type == "Recv" and on_cpu and hasattr(comm, "recv_into") and _dlpack_ok(out):
                     comm.recv_into(int(op.attrs["peer"]), op.tag, np.from_dlpack(out))
                     return
                 tensors = args[:-2]
@@ -130,7 +151,7 @@ def _handler(op_type: str):
             if not on_cpu:  # GPU tensors: NCCL, or staged through host memory (device_comm.py)
                 device_comm.run_on_device(op, tensors, out if has_out else None, comm)
                 return
-            arrays = [np.from_dlpack(t) for t in tensors]
+            arrays = [host_view(t) for t in tensors]
             if not has_out:  # see rule 3: the storage may be reused while the Isend is in flight
                 arrays = [np.array(a, copy=True) for a in arrays]
             results = execute(op, arrays, comm)

@@ -207,6 +207,7 @@ class _Session:
     session: Any  # onnxruntime.InferenceSession
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    elems: dict[str, int]  # element type of each segment input and output (backends.onnxruntime.run_session)
 
 
 def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) -> dict[int, _Session]:
@@ -240,8 +241,14 @@ def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) 
     opts.log_severity_level = 3
     table = {}
     for key, path in sorted(files.items()):
+        from backends.onnxruntime import check_forms
+
         try:
             model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # noqa: BLE001 - onnx raises its own classes
+            raise BackendError(f"{path}: cannot read this fallback segment ({type(exc).__name__}: {exc})") from None
+        check_forms(model, str(path))  # forms ORT fails on at run time: refused here, naming the node
+        try:
             sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - onnx and ORT raise their own classes
             from backends.onnxruntime import lacks_kernel
@@ -251,7 +258,9 @@ def load_sessions(program: onnx.ModelProto, library: Path, *, threads: int = 1) 
                                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
         inits = {t.name for t in model.graph.initializer}
         inputs = tuple(v.name for v in model.graph.input if v.name not in inits)
-        table[key] = _Session(sess, inputs, tuple(v.name for v in model.graph.output))
+        from backends.onnxruntime import elem_types
+
+        table[key] = _Session(sess, inputs, tuple(v.name for v in model.graph.output), elem_types(model))
     return table
 
 
@@ -266,13 +275,17 @@ def last_error() -> BaseException | None:
 
 
 def _to_numpy(t: Any) -> np.ndarray:
-    if t.device.dlpack_device_type() == 1:  # kDLCPU: a view, no copy
-        return np.from_dlpack(t)
+    if t.device.dlpack_device_type() == 1:  # kDLCPU: a view, no copy (a copy for bfloat16/float8)
+        from backends.tvm.executable import host_view
+
+        return host_view(t)
     return t.numpy()
 
 
 def _write(out: Any, value: np.ndarray) -> None:
-    if out.device.dlpack_device_type() == 1:
+    from backends.tvm.executable import _dlpack_ok
+
+    if out.device.dlpack_device_type() == 1 and _dlpack_ok(out):
         dst = np.from_dlpack(out)
         if dst.shape != value.shape:
             raise RunFailed(f"{PACKED_NAME}: segment result has shape {list(value.shape)}, the library expects "
@@ -293,8 +306,12 @@ def _run_segment(*args: Any) -> None:
             raise RunFailed(f"{PACKED_NAME}: no ONNX Runtime segment {key} in this rank")
         n_in = len(entry.inputs)
         feeds = {name: np.asarray(_to_numpy(t), order="C") for name, t in zip(entry.inputs, args[1:1 + n_in])}
-        results = entry.session.run(list(entry.outputs), feeds)
-        for out, value in zip(args[1 + n_in:], results):
+        from backends.onnxruntime import run_session
+
+        outs = args[1 + n_in:]
+        results = run_session(entry.session, list(entry.outputs), feeds, entry.elems,
+                              {n: tuple(int(d) for d in o.shape) for n, o in zip(entry.outputs, outs)})
+        for out, value in zip(outs, results):
             _write(out, np.asarray(value))
     except BaseException as e:  # keep the real error for the executable to re-raise
         _local.error = e

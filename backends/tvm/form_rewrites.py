@@ -9,6 +9,16 @@ converts correctly (checked on apache-tvm 0.27 with the ONNX node suite):
   attributes (it flags every infinity): ``And(IsInf(x), x > 0)`` (or ``x < 0``, or all false).
 - ``Squeeze`` with negative constant axes: TVM's build runs out of memory (``std::bad_alloc``);
   the axes are normalised to ``axis + rank``.
+- ``ReduceMax`` on float32/float64/float16 inputs of known non-empty shape: TVM starts the reduction from the lowest *finite* value, so a slice
+  that is all ``-inf`` (a fully masked attention row) gives -3.4e38 instead of ``-inf``, and
+  the ``Equal(max, -inf)`` test of ONNX's Attention body misses it (NaN rows instead of 0):
+  ``Where(ReduceMax(Cast(x > -inf)) == 0, -inf, ReduceMax(x))`` (same axes and keepdims).
+- ``BitShift`` by a negative amount or by >= the bit width: undefined in C, and LLVM's result
+  differs from ONNX's (0; for a right shift of a negative signed value, -1): the shift amount is
+  clamped to a valid one and ``Where`` writes ONNX's value for the out-of-range lanes.
+- ``Mod`` with ``fmod=0`` on floats: TVM's floor-mod formula ``x - floor(x/y)*y`` gives NaN for an
+  infinite divisor: ``r = fmod(x, y)`` plus ``y`` where ``r`` is non-zero and its sign differs
+  from ``y``'s (numpy's ``mod``, which ONNX's reference uses).
 - ``ConvTranspose`` with ``output_shape``: TVM's converter ignores the attribute; the pads it
   implies (ONNX's formula, :func:`conv_transpose_pads`) are written instead. A form whose pads
   cannot be derived (unknown shapes, negative total padding) is refused by
@@ -160,8 +170,79 @@ class _Rewriter:
         return [new]
 
 
+    def reduce_max(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        x, y = node.input[0], node.output[0]
+        elem = _elem(self.types, x)
+        dims = _dims(self.types, x)
+        # bfloat16: TVM's build fails on the bool cast ("int8x6 vs boolx6"); an empty input: left as it was
+        if elem not in _FLOATS or elem == onnx.TensorProto.BFLOAT16 or dims is None or 0 in dims:
+            return None
+        np_dtype = helper.tensor_dtype_to_np_dtype(elem)
+        ninf = self.const(f"{y}__ninf", np.array(-np.inf, dtype=np_dtype))
+        zero = self.const(f"{y}__zero", np.array(0, dtype=np_dtype))
+        raw, live = onnx.NodeProto(), onnx.NodeProto()
+        raw.CopyFrom(node)
+        raw.output[0], raw.name = f"{y}__raw", f"{node.name}__raw"
+        live.CopyFrom(node)
+        live.input[0], live.output[0], live.name = f"{y}__gt", f"{y}__live", f"{node.name}__live"
+        return [raw,
+                helper.make_node("Greater", [x, ninf], [f"{y}__gtb"], name=f"{node.name}__gtb"),
+                helper.make_node("Cast", [f"{y}__gtb"], [f"{y}__gt"], to=elem, name=f"{node.name}__gt"),
+                live,
+                helper.make_node("Equal", [f"{y}__live", zero], [f"{y}__none"], name=f"{node.name}__none"),
+                helper.make_node("Where", [f"{y}__none", ninf, f"{y}__raw"], [y], name=node.name)]
+
+    def bit_shift(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        a, b, y = node.input[0], node.input[1], node.output[0]
+        elem = _elem(self.types, a)
+        if elem is None or elem in _FLOATS or elem == onnx.TensorProto.BOOL:
+            return None
+        np_dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+        width = self.const(f"{y}__width", np.array(np_dtype.itemsize * 8, dtype=np_dtype))
+        zero = self.const(f"{y}__zero", np.array(0, dtype=np_dtype))
+        n = node.name
+        nodes = [helper.make_node("Less", [b, zero], [f"{y}__neg"], name=f"{n}__neg"),
+                 helper.make_node("Not", [f"{y}__neg"], [f"{y}__nonneg"], name=f"{n}__nonneg"),
+                 helper.make_node("Less", [b, width], [f"{y}__narrow"], name=f"{n}__narrow"),
+                 helper.make_node("And", [f"{y}__nonneg", f"{y}__narrow"], [f"{y}__valid"], name=f"{n}__valid"),
+                 helper.make_node("Where", [f"{y}__valid", b, zero], [f"{y}__b"], name=f"{n}__b")]
+        shift = onnx.NodeProto()
+        shift.CopyFrom(node)
+        shift.input[1], shift.output[0], shift.name = f"{y}__b", f"{y}__shifted", f"{n}__shifted"
+        nodes.append(shift)
+        fill = zero
+        if _s(_attr(node, "direction")) == "RIGHT" and np_dtype.kind == "i":  # arithmetic shift: the sign
+            minus = self.const(f"{y}__minus", np.array(-1, dtype=np_dtype))
+            nodes += [helper.make_node("Less", [a, zero], [f"{y}__aneg"], name=f"{n}__aneg"),
+                      helper.make_node("Where", [f"{y}__aneg", minus, zero], [f"{y}__fill"], name=f"{n}__fill")]
+            fill = f"{y}__fill"
+        return nodes + [helper.make_node("Where", [f"{y}__valid", f"{y}__shifted", fill], [y], name=n)]
+
+    def float_mod(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        a, b, y = node.input[0], node.input[1], node.output[0]
+        elem = _elem(self.types, a)
+        if elem not in _FLOATS or int(_attr(node, "fmod", 0)) == 1:
+            return None
+        zero = self.const(f"{y}__zero", np.array(0, dtype=helper.tensor_dtype_to_np_dtype(elem)))
+        n = node.name
+        return [helper.make_node("Mod", [a, b], [f"{y}__r"], fmod=1, name=f"{n}__r"),
+                helper.make_node("Equal", [f"{y}__r", zero], [f"{y}__r0"], name=f"{n}__r0"),
+                helper.make_node("Not", [f"{y}__r0"], [f"{y}__rnz"], name=f"{n}__rnz"),
+                helper.make_node("Less", [f"{y}__r", zero], [f"{y}__rneg"], name=f"{n}__rneg"),
+                helper.make_node("Less", [b, zero], [f"{y}__bneg"], name=f"{n}__bneg"),
+                helper.make_node("Xor", [f"{y}__rneg", f"{y}__bneg"], [f"{y}__sign"], name=f"{n}__sign"),
+                helper.make_node("And", [f"{y}__rnz", f"{y}__sign"], [f"{y}__fix"], name=f"{n}__fix"),
+                helper.make_node("Add", [f"{y}__r", b], [f"{y}__rb"], name=f"{n}__rb"),
+                helper.make_node("Where", [f"{y}__fix", f"{y}__rb", f"{y}__r"], [y], name=n)]
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
 _HANDLERS = {"Sinh": "sinh_cosh", "Cosh": "sinh_cosh", "IsInf": "is_inf", "Squeeze": "squeeze",
-             "ConvTranspose": "conv_transpose"}
+             "ConvTranspose": "conv_transpose", "ReduceMax": "reduce_max",
+             "BitShift": "bit_shift", "Mod": "float_mod"}
 
 
 def rewrite_forms(program: onnx.ModelProto) -> onnx.ModelProto:

@@ -178,6 +178,12 @@ def _pow_not_float(node: onnx.NodeProto, ctx: Context) -> bool:
     return a is not None and b is not None and (a != b or a not in floats)
 
 
+def _zero_element_const(node: onnx.NodeProto, ctx: Context) -> bool:
+    # rank >= 2: a data tensor (an empty 1-D list of axes, pads or roi is read by the importer, never stored)
+    return any(x and ctx.const(x) is not None and ctx.const(x).size == 0 and ctx.const(x).ndim >= 2
+               for x in node.input)
+
+
 RULES: tuple[Rule, ...] = (
     Rule("*", "a string, float8, sub-byte, sequence, optional or map value (TVM computes none of these)", _bad_dtype),
     Rule("LayerNormalization", "its Mean/InvStdDev outputs read (TVM's converter computes only Y)",
@@ -224,6 +230,8 @@ RULES: tuple[Rule, ...] = (
     Rule("MaxUnpool", "any input (TVM 0.27's build fails: 'There should be a compute block')", lambda n, c: True),
     Rule("OptionalHasElement", "an absent input (TVM's converter expects one)", lambda n, c: not _in(n, 0)),
     Rule("Unique", "a bfloat16 input (TVM's layout pass fails)", lambda n, c: c.elem(n.input[0]) == TensorProto.BFLOAT16),
+    Rule("*", "a zero-element constant data input (TVM 0.27 writes it into the library in a form its loader rejects: "
+         "'Invalid DLTensor file format')", _zero_element_const),
     Rule("RoiAlign", "mode=max (TVM's max pooling differs from ONNX's)", lambda n, c: _s(_attr(n, "mode", "avg")) == "max"),
     Rule("SpaceToDepth", "mode=CRD (TVM's converter ignores mode)", lambda n, c: _s(_attr(n, "mode", "DCR")) == "CRD"),
 )

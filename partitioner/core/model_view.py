@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 import onnx_ir as ir
 
-from partitioner.core.errors import PlanError
+from partitioner.core.errors import PlanError, UnsupportedOpError
 
 
 def ensure_node_names(model: ir.Model) -> None:
@@ -48,7 +48,13 @@ class ModelView:
                 if v is not None:
                     self.values.setdefault(v.name, v)
             for v in n.outputs:
-                self.values[v.name] = v
+                if v.name:  # an omitted optional output ("") is no value: nothing to place or send
+                    self.values[v.name] = v
+        for v in [*self.graph.inputs, *self.graph.outputs]:
+            if v.type is not None and not isinstance(v.type, ir.TensorType):
+                raise UnsupportedOpError(f"graph {'input' if v.is_graph_input() else 'output'} {v.name!r} is "
+                                         f"{type(v.type).__name__.replace('Type', '').lower()}-typed; the partitioner "
+                                         "and its artifacts take and return tensors only; run this model with ONNX Runtime")
         self.initializers = {name: v for name, v in self.graph.initializers.items() if v.const_value is not None}
         self.inputs = [v.name for v in self.graph.inputs if v.name not in self.initializers]
         self.outputs = [v.name for v in self.graph.outputs]
@@ -72,15 +78,43 @@ class ModelView:
         return out
 
     def _shape(self, name: str) -> tuple[int, ...]:
+        if not name:  # an omitted optional output or input: no value, no element to place or send
+            return (0,)
         v = self.values.get(name)
         if v is None:
             raise PlanError(f"model has no value {name!r}")
         if v.const_value is not None:
             return tuple(int(d) for d in v.const_value.shape)
+        if v.type is not None and not isinstance(v.type, ir.TensorType):
+            raise self._refusal(name, f"is a {type(v.type).__name__.replace('Type', '').lower()} value, not a "
+                                "tensor; the partitioner places, sends and binds tensors only")
         if v.shape is None or not all(isinstance(d, int) for d in v.shape):
+            if self._made_from_static(name):
+                raise self._refusal(name, "gets a shape that depends on input values (its inputs have static "
+                                    "shapes); the project compiles static shapes only")
             raise PlanError(f"value {name!r} has no static shape ({v.shape}); bind the batch (--batch) "
                             "and run shape inference before partitioning")
         return tuple(int(d) for d in v.shape)
+
+    def _made_from_static(self, name: str) -> bool:
+        """Whether ``name`` is made by a node whose tensor inputs all have static shapes."""
+        node = self.node_by_name.get(self.producer.get(name, ""))
+        if node is None:
+            return False
+        for v in node.inputs:
+            if v is None or v.const_value is not None:
+                continue
+            if not isinstance(v.type, ir.TensorType) or v.shape is None or not v.shape.is_static():
+                return False
+        return True
+
+    def _refusal(self, name: str, why: str) -> UnsupportedOpError:
+        """Rule: a value the planner cannot place because of what the model asks for (a sequence or
+        optional value, a data-dependent shape) is a refusal naming the op that makes it, not a
+        plan failure: nothing went wrong, the project does not do it."""
+        node = self.node_by_name.get(self.producer.get(name, ""))
+        made_by = f" (made by {node.name} ({node.op_type}))" if node is not None else " (a graph input)"
+        return UnsupportedOpError(f"value {name!r}{made_by} {why}; run this model with ONNX Runtime")
 
     def rank(self, name: str) -> int:
         return len(self.shape(name))
@@ -97,6 +131,8 @@ class ModelView:
         return np.dtype(ir.DataType(self.elem_type(name)).numpy())
 
     def nbytes(self, name: str) -> int:
+        if not name:
+            return 0
         cached = self._nbytes.get(name)
         if cached is None:
             cached = self._nbytes[name] = int(np.prod(self.shape(name), dtype=np.int64)) * self.np_dtype(name).itemsize

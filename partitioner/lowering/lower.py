@@ -376,10 +376,10 @@ class _Lowerer(_Resharder):
             if np_.rule == "spatial":
                 self.spatial_inputs(node, np_, k, r, op)
             self.rewrite_shapes(node, op, r, out_shapes, np_)
-            self.emit(r, op, [(o, view.elem_type(o), shp) for o, shp in zip(outs, out_shapes) if shp is not None])
+            self.emit(r, op, [(o, view.elem_type(o), shp) for o, shp in zip(outs, out_shapes) if shp is not None and o])
             self.ranks[r].names.update(outs)
         for o, s in zip(outs, np_.outputs):
-            if s is not None:
+            if s is not None and o:  # "": an omitted optional output
                 self.produced[o] = s
                 self.cache[(o, s)] = {r: o for r in np_.ranks}
 

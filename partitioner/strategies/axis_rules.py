@@ -140,7 +140,7 @@ def split_rule(view: ModelView, node: ir.Node, in_axes: Axes, shards: int) -> Ru
     split = [(i, a) for i, a in enumerate(in_axes) if a is not None and ins[i]]
     if not split:
         return [None] * len(ins), [None] * len(outs)
-    q = SplitQuery(view, node, in_axes, shards, ins, outs, split, view.rank(outs[0]) if outs else 0)
+    q = SplitQuery(view, node, in_axes, shards, ins, outs, split, view.rank(outs[0]) if outs and outs[0] else 0)
     rule, many = _RULES.get(op, (None, False))
     if len(split) > 1 and not many:
         return f"node {node.name!r} ({op}): more than one input is split"
