@@ -71,6 +71,18 @@ def _subgraphs(node: onnx.NodeProto):
         yield from list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
 
 
+def unimportable_op(node: onnx.NodeProto, known: Collection[str]) -> str | None:
+    """The op type (``domain::Op`` outside the default domain) of ``node`` when TVM's importer has
+    no converter for it (``known``: :func:`backends.tvm.expand_functions.tvm_known_ops`), subgraphs
+    not looked into; None for comm nodes and nodes it converts. The one test both the support
+    check (:func:`backends.tvm.lower.check_supported`) and :func:`unsupported_op` apply."""
+    if is_comm(node):
+        return None
+    if node.domain not in ("", "ai.onnx"):
+        return f"{node.domain}::{node.op_type}"
+    return node.op_type if node.op_type not in known else None
+
+
 def unsupported_op(node: onnx.NodeProto, known: Collection[str] | None = None,
                    refused: frozenset[str] = frozenset()) -> str | None:
     """The op type (``domain::Op`` outside the default domain) that keeps TVM from importing
@@ -82,10 +94,9 @@ def unsupported_op(node: onnx.NodeProto, known: Collection[str] | None = None,
     if node.output and node.output[0] in refused:
         return node.op_type
     known = tvm_known_ops() if known is None else known
-    if node.domain not in ("", "ai.onnx"):
-        return f"{node.domain}::{node.op_type}"
-    if node.op_type not in known:
-        return node.op_type
+    bad = unimportable_op(node, known)
+    if bad is not None:
+        return bad
     for g in _subgraphs(node):
         for inner in g.node:
             bad = unsupported_op(inner, known)

@@ -84,13 +84,12 @@ def check_supported(program: onnx.ModelProto, *, prepared: bool = False) -> None
     program :func:`lower_program` imports (:func:`prepare_for_import`; ``prepared=True``: the
     caller already prepared ``program``)."""
     from . import op_support
+    from .fallback import unimportable_op
 
     if not prepared:
         program = prepare_for_import(program)
     known = tvm_known_ops()
-    bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
-           for n in all_nodes(program.graph)
-           if not is_comm(n) and (n.op_type not in known or n.domain not in ("", "ai.onnx"))]
+    bad = [(n.name or "<unnamed>", t) for n in all_nodes(program.graph) if (t := unimportable_op(n, known)) is not None]
     if bad:
         kinds = sorted({t for _, t in bad})
         listing = "; ".join(f"{name} ({t})" for name, t in bad)
