@@ -39,6 +39,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from partitioner.core.op_classes import VARIADIC
+
 _ONNX = ("", "ai.onnx")
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _CLIP_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
@@ -229,7 +231,7 @@ class ClipAsSelects(_Rewrite):
 class VariadicChains(_Rewrite):
     """Rule 4."""
 
-    OPS = ("Sum", "Mean", "Max", "Min")
+    OPS = tuple(sorted(VARIADIC))  # Sum, Mean, Max, Min: the op-class table's variadic ops
 
     def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
         ins = [v for v in node.inputs if v is not None]
