@@ -499,30 +499,3 @@ class ExpandRecurrent(ir.passes.InPlacePass):
         taken |= {o.name for n in graph for o in n.outputs if o.name}
         changed = sum(expand_node(graph, n, opset, taken, k) for k, n in enumerate(targets))
         return ir.passes.PassResult(model, modified=bool(changed))
-
-
-def expand_recurrent_proto(model: object, ops: frozenset[str] = RECURRENT_OPS) -> tuple[object, tuple[str, ...]]:
-    """The backend's entry point on an ``onnx.ModelProto``: ``(model', expanded op types)``.
-
-    ``model`` is shape-inferred first when the recurrent inputs lack shapes (a per-rank program
-    may carry no value_info), expanded, serialised and re-inferred. The same object comes back
-    when nothing is expanded."""
-    import onnx
-
-    assert isinstance(model, onnx.ModelProto)
-    if not any(n.op_type in ops and n.domain in ("", "ai.onnx") for n in model.graph.node):
-        return model, ()
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - shapes then come from what the model already carries
-        inferred = model
-    irm = ir.serde.deserialize_model(inferred)
-    kinds = [n.op_type for n in irm.graph if n.op_type in ops and can_expand(n) is None]
-    if not kinds or not ExpandRecurrent(ops)(irm).modified:
-        return model, ()
-    out = ir.serde.serialize_model(irm)
-    try:
-        out = onnx.shape_inference.infer_shapes(out)
-    except Exception:  # noqa: BLE001 - the caller's own inference reports it
-        pass
-    return out, tuple(kinds)

@@ -33,16 +33,13 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.registry import register
+from passes.values import const_array
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
-        return None
-    array = tensor.numpy()
-    return array if np.issubdtype(array.dtype, np.floating) else None
+    """A floating constant's array (:func:`passes.values.const_array`), else None."""
+    array = const_array(value)
+    return array if array is not None and np.issubdtype(array.dtype, np.floating) else None
 
 
 def _fresh_name(graph: ir.Graph, base: str, taken: set[str]) -> str:

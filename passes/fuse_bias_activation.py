@@ -37,15 +37,9 @@ import onnx_ir as ir
 from partitioner.core.op_classes import CONTRACTIONS, FUSABLE_ACTIVATIONS
 from passes.fusion_groups import assign_group, group_of, groups, is_closed
 from passes.registry import register
+from passes.values import const_array
 
 ANCHORS, ACTIVATIONS = CONTRACTIONS, FUSABLE_ACTIVATIONS
-
-
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 def _static_dims(value: ir.Value) -> tuple[int, ...] | None:
@@ -67,7 +61,7 @@ def _bias_add(out: ir.Value) -> tuple[ir.Node, np.ndarray] | None:
     other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
     if other is out:
         return None
-    bias = _const(other)
+    bias = const_array(other)
     dims = _static_dims(out)
     if bias is None or dims is None:
         return None
@@ -82,9 +76,9 @@ def _bias_add(out: ir.Value) -> tuple[ir.Node, np.ndarray] | None:
 def _to_gemm(graph: ir.Graph, matmul: ir.Node, add: ir.Node, bias: np.ndarray) -> ir.Node | None:
     """Rule 2's MatMul + Add -> Gemm, or None when it does not apply."""
     a, b = matmul.inputs
-    if a is None or b is None or a.shape is None or len(a.shape) != 2 or _const(b) is None:
+    if a is None or b is None or a.shape is None or len(a.shape) != 2 or const_array(b) is None:
         return None
-    wb = _const(b)
+    wb = const_array(b)
     assert wb is not None
     if wb.ndim != 2 or bias.shape not in ((wb.shape[1],), (1, wb.shape[1])):
         return None
@@ -106,7 +100,7 @@ def _activation(out: ir.Value) -> ir.Node | None:
     node = _sole_reader(out)
     if node is None or node.op_type not in ACTIVATIONS or node.domain != "" or node.inputs[0] is not out:
         return None
-    if any(_const(v) is None for v in node.inputs[1:] if v is not None):
+    if any(const_array(v) is None for v in node.inputs[1:] if v is not None):
         return None
     return node
 

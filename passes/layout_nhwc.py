@@ -46,6 +46,7 @@ import onnx_ir as ir
 
 from passes.group_elementwise import BINARY, UNARY
 from passes.registry import register
+from passes.values import const_array
 
 _MAX_ROUNDS = 10_000
 
@@ -58,13 +59,6 @@ def _perm(node: ir.Node) -> list[int] | None:
         shape = node.inputs[0].shape
         return None if shape is None else list(range(len(shape)))[::-1]
     return list(perm)
-
-
-def _const(value: ir.Value) -> np.ndarray | None:
-    if value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 def _transposed_shape(shape: ir.Shape | None, perm: list[int]) -> ir.Shape | None:
@@ -138,7 +132,7 @@ class _Sinker:
         if reader.domain != "" or len(reader.outputs) != 1:
             return False
         if reader.op_type in UNARY and reader.inputs[0] is y:
-            if any(v is not None and (v is y or _const(v) is None) for v in reader.inputs[1:]):
+            if any(v is not None and (v is y or const_array(v) is None) for v in reader.inputs[1:]):
                 return False
             return self._rebuild(reader, t, perm, [t.inputs[0], *reader.inputs[1:]], [])
         if reader.op_type in BINARY and len(reader.inputs) == 2:
@@ -151,7 +145,7 @@ class _Sinker:
                     new_inputs.append(producer.inputs[0])
                     sources.append(producer)
                     continue
-                array = _const(v)
+                array = const_array(v)
                 if array is None or array.ndim > len(perm):
                     return False
                 new_inputs.append(v if array.size == 1 else self._permuted_const(v, array, perm))

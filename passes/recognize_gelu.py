@@ -27,27 +27,14 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import onnx_ir as ir
 
 from passes.fusion_groups import assign_group, group_of, is_closed
 from passes.registry import register
+from passes.values import scalar_const
 
 GELU_MIN_OPSET = 20
 _RTOL = 1e-4
-
-
-def scalar_const(value: ir.Value | None) -> float | None:
-    """The number a one-element constant (initializer or ``Constant`` output) holds, else None."""
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
-        return None
-    array = tensor.numpy()
-    if array.size != 1 or not np.issubdtype(array.dtype, np.floating):
-        return None
-    return float(array.reshape(()))
 
 
 def _close(value: float | None, target: float) -> bool:

@@ -33,17 +33,10 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from passes.recognize_gelu import scalar_const
 from passes.registry import register
+from passes.values import const_array, scalar_const
 
 LAYERNORM_MIN_OPSET = 17
-
-
-def _const_array(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 def _sole_reader(value: ir.Value, op_types: tuple[str, ...]) -> ir.Node | None:
@@ -70,7 +63,7 @@ def _reduce_axes(node: ir.Node, rank: int) -> tuple[int, ...] | None:
     if node.attributes.get_int("noop_with_empty_axes", 0) != 0:
         return None
     if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = _const_array(node.inputs[1])
+        array = const_array(node.inputs[1])
         if array is None:
             return None
         axes = [int(a) for a in array.reshape(-1)]
@@ -137,11 +130,11 @@ def match_layernorm(mean: ir.Node) -> _Match | None:
     gamma = beta = None
     tail = div.outputs[0]
     mul = _sole_reader(tail, ("Mul",))
-    if mul is not None and (g := _const_array(_other(mul, tail))) is not None:
+    if mul is not None and (g := const_array(_other(mul, tail))) is not None:
         gamma, tail = g, mul.outputs[0]
         nodes.append(mul)
     add = _sole_reader(tail, ("Add",))
-    if add is not None and (b := _const_array(_other(add, tail))) is not None:
+    if add is not None and (b := const_array(_other(add, tail))) is not None:
         beta = b
         nodes.append(add)
     return _Match(x, nodes, rank - len(axes), eps, gamma, beta)

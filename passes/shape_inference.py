@@ -17,6 +17,10 @@ Rules:
 
 4. Main-graph outputs whose declared shape is not fully static are given to ONNX without it
    (their dims are re-derived; a wrong declared rank must not make strict inference fail).
+5. ``ShapeInference(strict=False)`` is the lenient form a backend uses before its import (the
+   program already verified; inference there only adds types): ONNX's non-strict inference,
+   with data propagation, then without it when data propagation fails; when both fail the model
+   is left as it is, without an error (rule 3 is for the strict form).
 
 Invariant: the graph's structure (nodes, edges, names) is unchanged; only dtype and shape
 annotations get more precise. This is the pass that makes the pass manager require static shapes.
@@ -106,10 +110,22 @@ class ShapeInference(ir.passes.InPlacePass):
 
     provides_shapes = True
 
+    def __init__(self, strict: bool = True) -> None:
+        super().__init__()
+        self.strict = strict
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         proto = ir.serde.serialize_model(model)
         _strip_big_initializers(proto)
         _drop_dynamic_output_shapes(proto)
+        if not self.strict:  # rule 5
+            for data_prop in (True, False):
+                try:
+                    return ir.passes.PassResult(model, _merge(model, onnx.shape_inference.infer_shapes(
+                        proto, data_prop=data_prop)))
+                except Exception:  # noqa: BLE001 - lenient: inference only adds types
+                    continue
+            return ir.passes.PassResult(model, False)
         try:
             inferred = onnx.shape_inference.infer_shapes(
                 proto, check_type=True, strict_mode=True, data_prop=True

@@ -16,6 +16,7 @@ Rules (DESIGN.md, "Layout (the rooms)"):
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -142,3 +143,48 @@ def test_rooms_are_the_documented_ones():
             rooms[p.name].append(p)
     missing = [name for name in rooms if f"partitioner/{name}/" not in doc]
     assert not missing, f"rooms missing from docs/architecture.md: {missing}"
+
+
+# ---- docs/architecture.md names what a reader meets ------------------------------------------------
+#: The modules a compile and a run go through (docs/architecture.md, "A compile" and "A run"): each
+#: of them, and every module of ours each imports, must be named in the document.
+SPINE = ("partitioner.cli", "partitioner.commands.compile", "partitioner.commands.run", "partitioner.compiler",
+         "partitioner.partition", "partitioner.artifact", "partitioner.lowering.lower", "partitioner.runtime.launch",
+         "partitioner.runtime.worker", "backends.tvm.build", "backends.tvm.lower", "backends.tvm.import_pipeline",
+         "backends.tvm.executable")
+_DOC_PATH = re.compile(r"[A-Za-z_][\w/]*\.py\b|[A-Za-z_]\w*/[\w/]*/(?=[\s`),.;:]|$)")  # files; folders a/b/
+
+
+def _doc() -> str:
+    return (ROOT / "docs" / "architecture.md").read_text()
+
+
+def _named(path: Path, doc: str) -> bool:
+    """Named = the repo-relative path, or a tail of it with at least two parts (``core/errors.py``)."""
+    parts = path.relative_to(ROOT).parts
+    return any("/".join(parts[k:]) in doc for k in range(len(parts) - 1))
+
+
+def test_files_named_in_the_architecture_doc_exist():
+    """Every ``*.py`` or nested folder (``a/b/``) the document names is a real file or folder (a
+    tail of its path)."""
+    real = {p.relative_to(ROOT).as_posix() for pkg in (*PACKAGES, "benchmarks", "tests", "docs")
+            for p in [ROOT / pkg, *(ROOT / pkg).rglob("*")] if "__pycache__" not in p.parts}
+    missing = sorted({t for t in _DOC_PATH.findall(_doc())
+                      if not any(r == t.rstrip("/") or r.endswith("/" + t.rstrip("/")) for r in real)})
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_the_compile_and_run_paths_are_named_in_the_architecture_doc():
+    sources = {_module(p): p for p in _sources()}
+    assert set(SPINE) <= set(sources), sorted(set(SPINE) - set(sources))
+    met = set(SPINE)
+    for mod in SPINE:
+        for m in _imports(sources[mod]):
+            while m not in sources and "." in m:
+                m = m.rsplit(".", 1)[0]
+            met.add(m)
+    doc = _doc()
+    missing = sorted(str(sources[m].relative_to(ROOT)) for m in met
+                     if m in sources and sources[m].name != "__init__.py" and not _named(sources[m], doc))
+    assert not missing, f"modules on the compile/run path missing from docs/architecture.md: {missing}"

@@ -8,9 +8,10 @@ Rules:
    (:func:`mark_program`; :func:`mark_programs`, called by the compile driver, sets it only on programs that
    need it, so other programs stay byte-identical). Without it, unsupported ops are a
    :class:`BackendError` that lists them all (:func:`backends.tvm.lower.check_supported`).
-2. Nodes TVM lacks but whose ONNX schema has a function body are expanded first
-   (:mod:`backends.tvm.expand_functions`, the same expansion :func:`backends.tvm.lower.lower_program`
-   applies); only what remains unimportable goes to ONNX Runtime. :func:`split_with_fallback` cuts the program in node order into: comm steps (one per comm node),
+2. The program is first prepared for the import exactly as :func:`backends.tvm.lower.lower_program`
+   prepares it (:func:`backends.tvm.import_pipeline.prepare_for_import`: function bodies of ops TVM
+   lacks expanded, recurrent ops unrolled, types inferred, the import rewrites applied); only what
+   remains unimportable goes to ONNX Runtime. :func:`split_with_fallback` cuts the program in node order into: comm steps (one per comm node),
    TVM segments (maximal runs of importable nodes) and ORT segments (maximal runs of nodes that are
    not importable: an op missing from the importer's convert map, a non-default domain, or a
    subgraph holding one). Each segment is a valid ONNX model with typed boundaries
@@ -29,6 +30,7 @@ Rules:
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,6 +41,8 @@ import onnx
 from partitioner.core.comm_ops import is_comm
 from partitioner.core.errors import BackendError, RunFailed
 from partitioner.core.segments import CommStep, Segment, split_program
+
+from .import_pipeline import prepare_for_import, tvm_known_ops
 
 META_KEY = "partitioner.fallback"
 ORT = "onnxruntime"
@@ -62,18 +66,24 @@ class OrtSegment:
                 "inputs": list(self.inputs), "outputs": list(self.outputs)}
 
 
-def _known_ops() -> set[str]:
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
-    return set(_get_convert_map()) | {"Constant", "If"}  # as lower.check_supported: the importer handles these itself
-
-
 def _subgraphs(node: onnx.NodeProto):
     for attr in node.attribute:
         yield from list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
 
 
-def unsupported_op(node: onnx.NodeProto, known: set[str] | None = None,
+def unimportable_op(node: onnx.NodeProto, known: Collection[str]) -> str | None:
+    """The op type (``domain::Op`` outside the default domain) of ``node`` when TVM's importer has
+    no converter for it (``known``: :func:`backends.tvm.expand_functions.tvm_known_ops`), subgraphs
+    not looked into; None for comm nodes and nodes it converts. The one test both the support
+    check (:func:`backends.tvm.lower.check_supported`) and :func:`unsupported_op` apply."""
+    if is_comm(node):
+        return None
+    if node.domain not in ("", "ai.onnx"):
+        return f"{node.domain}::{node.op_type}"
+    return node.op_type if node.op_type not in known else None
+
+
+def unsupported_op(node: onnx.NodeProto, known: Collection[str] | None = None,
                    refused: frozenset[str] = frozenset()) -> str | None:
     """The op type (``domain::Op`` outside the default domain) that keeps TVM from importing
     ``node``, looking into its subgraphs too; None when TVM can import it. Comm nodes are None.
@@ -83,11 +93,10 @@ def unsupported_op(node: onnx.NodeProto, known: set[str] | None = None,
         return None
     if node.output and node.output[0] in refused:
         return node.op_type
-    known = _known_ops() if known is None else known
-    if node.domain not in ("", "ai.onnx"):
-        return f"{node.domain}::{node.op_type}"
-    if node.op_type not in known:
-        return node.op_type
+    known = tvm_known_ops() if known is None else known
+    bad = unimportable_op(node, known)
+    if bad is not None:
+        return bad
     for g in _subgraphs(node):
         for inner in g.node:
             bad = unsupported_op(inner, known)
@@ -101,13 +110,12 @@ def wants_fallback(program: onnx.ModelProto) -> bool:
 
 
 def needs_fallback(program: onnx.ModelProto) -> bool:
-    """Whether any top-level node of ``program`` cannot be imported by TVM."""
-    from .expand_functions import expand_nodes
-
+    """Whether any top-level node of ``program``, prepared for the import (rule 2), cannot be
+    imported by TVM."""
     from .op_support import refused_outputs
 
-    known = _known_ops()
-    program = expand_nodes(program)[0]
+    known = tvm_known_ops()
+    program = prepare_for_import(program)
     refused = refused_outputs(program)
     return any(unsupported_op(n, known, refused) is not None for n in program.graph.node)
 
@@ -128,10 +136,10 @@ def segment_file(library: str | Path, key: int) -> str:
 
 
 def split_with_fallback(program: onnx.ModelProto) -> list[Segment | CommStep | OrtSegment]:
-    """Rule 2. ``program`` must be shape-inferred (boundaries need types and shapes)."""
+    """Rule 2. ``program`` must be prepared (:func:`prepare_for_import`: boundaries need types)."""
     from .op_support import refused_outputs
 
-    known = _known_ops()
+    known = tvm_known_ops()
     refused = refused_outputs(program)
     steps: list[Segment | CommStep | OrtSegment] = []
     n_ort = 0
@@ -150,12 +158,9 @@ def split_with_fallback(program: onnx.ModelProto) -> list[Segment | CommStep | O
 
 def ort_segments(program: onnx.ModelProto) -> list[OrtSegment]:
     """The program's ORT segments (empty unless it opted in and needs them)."""
-    if not wants_fallback(program) or not needs_fallback(program):
+    if not wants_fallback(program):
         return []
-    from .expand_functions import expand_nodes
-
-    inferred = onnx.shape_inference.infer_shapes(expand_nodes(program)[0])
-    return [s for s in split_with_fallback(inferred) if isinstance(s, OrtSegment)]
+    return [s for s in split_with_fallback(prepare_for_import(program)) if isinstance(s, OrtSegment)]
 
 
 def mark_programs(programs: Sequence[onnx.ModelProto]) -> tuple[list[onnx.ModelProto], bool]:

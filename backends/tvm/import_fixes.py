@@ -2,7 +2,8 @@
 per-rank program into what TVM 0.27's ONNX importer converts correctly and ``ConvertLayout``
 accepts (backends/tvm/lower.py imports the result).
 
-Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by :func:`rewrite_for_import`):
+Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import pipeline,
+:func:`backends.tvm.import_pipeline.prepare_for_import`):
 
 1. ``OneHotAsSelect``: ``OneHot`` with constant ``depth`` and ``values`` (initializers) and the
    default ``axis`` (-1) becomes ``Where(Equal(Unsqueeze(i', -1), arange(depth)), on, off)``, where
@@ -37,6 +38,8 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from partitioner.core.op_classes import VARIADIC
 
 _ONNX = ("", "ai.onnx")
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
@@ -228,7 +231,7 @@ class ClipAsSelects(_Rewrite):
 class VariadicChains(_Rewrite):
     """Rule 4."""
 
-    OPS = ("Sum", "Mean", "Max", "Min")
+    OPS = tuple(sorted(VARIADIC))  # Sum, Mean, Max, Min: the op-class table's variadic ops
 
     def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
         ins = [v for v in node.inputs if v is not None]
@@ -301,15 +304,6 @@ def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -
     if not PassManager([p() for p in rewrites], verify=False)(model).modified:
         return program
     return ir.serde.serialize_model(model)
-
-
-def rewrite_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
-    """The op-form rewrites of :mod:`.form_rewrites` (Sinh/Cosh, IsInf, negative Squeeze axes,
-    ConvTranspose ``output_shape``) and Paddle's empty Resize inputs (:mod:`.resize_inputs`), then every rewrite of :data:`IMPORT_REWRITES` (rules 1-5), in order."""
-    from .form_rewrites import rewrite_forms
-    from .resize_inputs import drop_empty_resize_inputs
-
-    return run_rewrites(rewrite_forms(drop_empty_resize_inputs(program)), IMPORT_REWRITES)
 
 
 def rewrite_one_hot(program: onnx.ModelProto) -> onnx.ModelProto:

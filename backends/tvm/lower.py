@@ -20,13 +20,14 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
      unused is (checked on 0.27);
    - a comm output nobody reads is passed to the impure ``partitioner.comm.keep`` so it survives.
 
-Before the import, nodes TVM's importer lacks (or mis-converts, e.g. Attention) but whose ONNX
-schema defines a function body are expanded into that body (:func:`expand_for_import`,
-:mod:`backends.tvm.expand_functions`); :func:`check_supported` judges the expanded program.
-Then :func:`rewrite_for_import` (:mod:`backends.tvm.import_fixes`: the backend's pipeline of
-onnx-ir passes, run by the pass manager) rewrites what the importer mis-converts: OneHot with a
-rank-1 depth, reductions over empty inputs, Clip with constant bounds, variadic Sum/Mean/Max/Min
-(TVM stacks them into a rank+1 tensor ``ConvertLayout`` rejects) and inference Dropout.
+Before the import, :func:`backends.tvm.import_pipeline.prepare_for_import` (the backend's
+onnx-ir passes, run by the pass manager between one deserialisation and one serialisation)
+expands the nodes TVM's importer lacks (or mis-converts, e.g. Attention) into their ONNX function
+bodies (:mod:`backends.tvm.expand_functions`; LSTM/GRU/RNN unrolled), infers types, and rewrites
+what the importer mis-converts (:mod:`backends.tvm.import_fixes`: OneHot with a rank-1 depth,
+reductions over empty inputs, Clip with constant bounds, variadic Sum/Mean/Max/Min, inference
+Dropout; :mod:`backends.tvm.resize_inputs`; :mod:`backends.tvm.form_rewrites`);
+:func:`check_supported` judges that prepared program.
 
 Invariant: ``op_id`` of a comm node is its index among the program's comm nodes in node order
 (:func:`comm_table`); the runtime uses the same table to find the op to run.
@@ -37,6 +38,7 @@ outputs in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -45,7 +47,7 @@ from partitioner.core.comm_ops import CommOp, is_comm
 from partitioner.core.errors import BackendError, UnsupportedByBackendError
 from partitioner.core.segments import CommStep, Segment, all_nodes, split_program, value_infos
 
-from .import_fixes import rewrite_for_import
+from .import_pipeline import prepare_for_import, tvm_known_ops
 from .weight_params import PREFIX, weights_as_inputs
 
 PACKED_PREFIX = "partitioner.comm."
@@ -77,28 +79,17 @@ def onnx_opset(model: onnx.ModelProto) -> int:
     raise BackendError(f"graph {model.graph.name!r}: no default-domain opset_import; add one (e.g. opset 17)")
 
 
-def expand_for_import(program: onnx.ModelProto) -> onnx.ModelProto:
-    """``program`` with the nodes TVM cannot import expanded into their ONNX function bodies
-    (:mod:`backends.tvm.expand_functions`) and block-writing ScatterElements as Slice/Concat
-    (:mod:`backends.tvm.scatter_slices`); the same object when nothing needs it."""
-    from .expand_functions import expand_nodes
-    from .scatter_slices import scatter_slices_to_concat
-
-    return scatter_slices_to_concat(expand_nodes(program)[0])
-
-
-def check_supported(program: onnx.ModelProto) -> None:
-    """Raise one BackendError listing every op TVM's ONNX importer cannot convert, after the
-    function-body expansion :func:`lower_program` applies (:func:`expand_for_import`)."""
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
+def check_supported(program: onnx.ModelProto, *, prepared: bool = False) -> None:
+    """Raise one BackendError listing every op TVM's ONNX importer cannot convert, judged on the
+    program :func:`lower_program` imports (:func:`prepare_for_import`; ``prepared=True``: the
+    caller already prepared ``program``)."""
     from . import op_support
+    from .fallback import unimportable_op
 
-    program = expand_for_import(program)
-    known = set(_get_convert_map()) | {"Constant", "If"}
-    bad = [(n.name or "<unnamed>", n.op_type if not n.domain else f"{n.domain}::{n.op_type}")
-           for n in all_nodes(program.graph)
-           if not is_comm(n) and (n.op_type not in known or n.domain not in ("", "ai.onnx"))]
+    if not prepared:
+        program = prepare_for_import(program)
+    known = tvm_known_ops()
+    bad = [(n.name or "<unnamed>", t) for n in all_nodes(program.graph) if (t := unimportable_op(n, known)) is not None]
     if bad:
         kinds = sorted({t for _, t in bad})
         listing = "; ".join(f"{name} ({t})" for name, t in bad)
@@ -215,11 +206,9 @@ def lower_program(program: onnx.ModelProto) -> LoweredProgram:
     where = f"graph {program.graph.name!r}"
     program, weights = weights_as_inputs(program)  # external-data weights: parameters, not constants
     use_fallback = fallback.wants_fallback(program)
-    program = expand_for_import(program)
+    program = prepare_for_import(program)  # expanded, typed (segments need typed boundaries), rewritten
     if not use_fallback:
-        check_supported(program)
-    # Segments need typed boundaries; inference keeps existing value_info (comm outputs carry theirs).
-    program = rewrite_for_import(onnx.shape_inference.infer_shapes(program))
+        check_supported(program, prepared=True)
     opset = onnx_opset(program)
     infos = value_infos(program)
     steps = fallback.split_with_fallback(program) if use_fallback else split_program(program)

@@ -1,4 +1,4 @@
-"""``backends.tvm.lower.rewrite_for_import``: Sum/Mean become Add chains and inference Dropout
+"""``backends.tvm.import_pipeline.prepare_for_import``: Sum/Mean become Add chains and inference Dropout
 becomes Identity, so TVM's NHWC ``ConvertLayout`` accepts graphs that light_resnet50,
 light_shufflenet and light_squeezenet contain (it rejected the importer's ``stack`` and the tuple of
 ``R.nn.dropout``). Checked structurally and numerically against ONNX Runtime (rtol 1e-4, atol 1e-5).
@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 import tvm  # noqa: E402,F401  (a broken install fails, never skips)
 
 import backends.tvm as bt  # noqa: E402
-from backends.tvm.lower import rewrite_for_import  # noqa: E402
+from backends.tvm.import_pipeline import prepare_for_import  # noqa: E402
 from partitioner.runtime.comm_local import LocalWorld  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -46,7 +46,7 @@ def _conv_sum_model() -> onnx.ModelProto:
 
 
 def test_rewrite_replaces_sum_mean_dropout() -> None:
-    out = rewrite_for_import(_conv_sum_model())
+    out = prepare_for_import(_conv_sum_model())
     ops = [n.op_type for n in out.graph.node]
     assert "Sum" not in ops and "Mean" not in ops and "Dropout" not in ops
     assert ops.count("Add") == 3 and ops.count("Div") == 1 and ops.count("Identity") == 1
@@ -58,7 +58,7 @@ def test_rewritten_model_matches_ort_through_the_scheduled_pipeline(tmp_path: Pa
     x = np.random.default_rng(1).standard_normal((2, 4, 8, 8)).astype(np.float32)
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     want = sess.run(["y"], {"x": x})[0]
-    for expr in (rewrite_for_import(m),):  # the rewrite alone is exact up to float rounding
+    for expr in (prepare_for_import(m),):  # the rewrite alone is exact up to float rounding
         got_ref = ort.InferenceSession(expr.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], {"x": x})[0]
         np.testing.assert_allclose(got_ref, want, rtol=RTOL, atol=ATOL)
     bt.build(m, tmp_path / "rank0.so")  # default (scheduled, NHWC) pipeline: failed before the rewrite
@@ -69,7 +69,7 @@ def test_rewritten_model_matches_ort_through_the_scheduled_pipeline(tmp_path: Pa
 def test_dropout_with_a_read_mask_is_kept() -> None:
     m = _conv_sum_model()
     m.graph.output.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 8, 8, 8]))
-    ops = [n.op_type for n in rewrite_for_import(m).graph.node]
+    ops = [n.op_type for n in prepare_for_import(m).graph.node]
     assert "Dropout" in ops
 
 
@@ -87,7 +87,7 @@ def test_reduction_over_an_empty_axis_matches_ort(op: str, tmp_path: Path) -> No
     onnx.checker.check_model(m, full_check=True)
     feeds = {"x": np.zeros((2, 0, 4), np.float32), "b": np.random.default_rng(0).standard_normal((2, 1, 4)).astype(np.float32)}
     want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], feeds)[0]
-    assert [n.op_type for n in rewrite_for_import(onnx.shape_inference.infer_shapes(m)).graph.node] == ["Constant", "Add"]
+    assert [n.op_type for n in prepare_for_import(onnx.shape_inference.infer_shapes(m)).graph.node] == ["Constant", "Add"]
     bt.build(m, tmp_path / "rank0.so")
     got = bt.load(m, tmp_path / "rank0.so").run(feeds, LocalWorld(1).communicator(0))["y"]
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
@@ -124,7 +124,7 @@ def test_clip_with_constant_bounds_becomes_selects(opset: int, lo, hi, tmp_path:
     """Clip with constant bounds becomes Less/Greater + Where (TVM's Clip was a call_tir that
     ConvertLayout wrapped in transposes); same values as ONNX Runtime, NaN inputs stay NaN."""
     m = onnx.shape_inference.infer_shapes(_clip_model(opset, lo, hi))
-    ops = [n.op_type for n in rewrite_for_import(m).graph.node]
+    ops = [n.op_type for n in prepare_for_import(m).graph.node]
     assert "Clip" not in ops and "Where" in ops
     x = (np.random.default_rng(3).standard_normal((1, 4, 6, 6)) * 3).astype(np.float32)
     x[0, 0, 2, 2] = np.nan
@@ -137,4 +137,4 @@ def test_clip_with_constant_bounds_becomes_selects(opset: int, lo, hi, tmp_path:
 
 def test_clip_with_a_runtime_bound_is_left_alone() -> None:
     m = onnx.shape_inference.infer_shapes(_clip_model(13, 0.0, 6.0, runtime_bound=True))
-    assert "Clip" in [n.op_type for n in rewrite_for_import(m).graph.node]
+    assert "Clip" in [n.op_type for n in prepare_for_import(m).graph.node]

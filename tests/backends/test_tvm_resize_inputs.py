@@ -1,4 +1,4 @@
-"""``backends.tvm.resize_inputs``: Paddle2ONNX's ``Resize(x, roi=[], scales=[], sizes)`` builds with
+"""``backends.tvm.resize_inputs.DropEmptyResizeInputs`` (an onnx-ir pass): Paddle2ONNX's ``Resize(x, roi=[], scales=[], sizes)`` builds with
 TVM (its converter asserted that only one of scales and sizes may be given) and matches ONNX
 Runtime exactly (nearest, asymmetric, floor: a gather)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -23,11 +24,14 @@ def _model() -> onnx.ModelProto:
 
 
 def test_rewrite_drops_the_empty_inputs_only():
-    from backends.tvm.resize_inputs import drop_empty_resize_inputs
+    from backends.tvm.resize_inputs import DropEmptyResizeInputs
 
-    out = drop_empty_resize_inputs(_model())
+    model = ir.serde.deserialize_model(_model())
+    assert DropEmptyResizeInputs()(model).modified
+    out = ir.serde.serialize_model(model)
     assert list(out.graph.node[0].input) == ["x", "", "", "sizes"]
-    assert drop_empty_resize_inputs(out) is out
+    assert list(out.graph.node[1].input) == ["r"]
+    assert not DropEmptyResizeInputs()(ir.serde.deserialize_model(out)).modified
 
 
 def test_paddle_style_resize_builds_with_tvm_and_matches_ort(tmp_path):

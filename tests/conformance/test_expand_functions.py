@@ -1,4 +1,5 @@
-"""backends.tvm.expand_functions: ops TVM lacks become their ONNX function bodies; others stay.
+"""backends.tvm.expand_functions.ExpandForImport (an onnx-ir pass): ops TVM lacks become their ONNX
+function bodies; others stay.
 
 Numbers are checked against ONNX Runtime running the *original* (unexpanded) model with seeded
 inputs (rtol 1e-5, atol 1e-6).
@@ -6,12 +7,24 @@ inputs (rtol 1e-5, atol 1e-6).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from backends.tvm.expand_functions import LOCAL_DOMAIN, expand_nodes, fold_for_import
+from backends.tvm.expand_functions import LOCAL_DOMAIN, ExpandForImport, fold_expanded
+
+
+def expand_nodes(m: onnx.ModelProto, wanted: Iterable[str] | None = None) -> tuple[onnx.ModelProto, tuple[str, ...]]:
+    """The pass on ``m``'s onnx-ir form; ``m`` itself back when the pass reports no change."""
+    model = ir.serde.deserialize_model(m)
+    expand = ExpandForImport(wanted)
+    if not expand(model).modified:
+        return m, expand.expanded
+    return ir.serde.serialize_model(model), expand.expanded
 
 
 def _model(nodes, inputs, outputs, opset: int = 23) -> onnx.ModelProto:
@@ -77,7 +90,7 @@ def test_attention_is_expanded_context_dependently() -> None:
     np.testing.assert_allclose(_ort(out, feeds)[0], _ort(m, feeds)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_fold_for_import_replaces_shape_but_not_a_graph_output() -> None:
+def test_fold_expanded_replaces_shape_but_not_a_graph_output() -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 4])
     s = helper.make_tensor_value_info("s", TensorProto.INT64, [3])
@@ -87,7 +100,9 @@ def test_fold_for_import_replaces_shape_but_not_a_graph_output() -> None:
     m = _model(nodes, [x], [y, s])
     m.graph.initializer.append(onnx.numpy_helper.from_array(np.array([6, 4], np.int64), "t"))
     m = onnx.shape_inference.infer_shapes(m)
-    out = fold_for_import(m)
+    model = ir.serde.deserialize_model(m)
+    assert fold_expanded(model)
+    out = ir.serde.serialize_model(model)
     folded = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
     types = [n.op_type for n in out.graph.node]
     assert "ReduceProd" not in types and "sh" not in {i for n in out.graph.node for i in n.input}

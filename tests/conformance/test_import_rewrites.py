@@ -1,4 +1,4 @@
-"""backends.tvm.lower.rewrite_for_import: variadic Max/Min become two-input selects that keep
+"""backends.tvm.import_pipeline.prepare_for_import: variadic Max/Min become two-input selects that keep
 ONNX semantics (broadcasting, NaN propagates). Checked against ONNX Runtime on the original node
 with seeded inputs holding NaNs (exact equality, NaN positions equal)."""
 
@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from backends.tvm.lower import rewrite_for_import
+from backends.tvm.import_pipeline import prepare_for_import
 
 
 def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -27,7 +27,7 @@ def test_max_min_chain_matches_onnxruntime(op: str, dtype) -> None:
     out = helper.make_tensor_value_info("y", et, [3, 4])
     m = helper.make_model(helper.make_graph([helper.make_node(op, ["a", "b", "c"], ["y"], name="m")], "g", ins, [out]),
                           opset_imports=[helper.make_opsetid("", 13)])
-    r = rewrite_for_import(onnx.shape_inference.infer_shapes(m))
+    r = prepare_for_import(onnx.shape_inference.infer_shapes(m))
     assert op not in {n.op_type for n in r.graph.node}
     rng = np.random.default_rng(3)
     feeds = {"a": (rng.standard_normal((3, 4)) * 5).astype(dtype), "b": (rng.standard_normal(4) * 5).astype(dtype),
@@ -43,4 +43,4 @@ def test_single_input_max_is_identity() -> None:
     m = helper.make_model(helper.make_graph([helper.make_node("Max", ["x"], ["y"])], "g", [x],
                                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]),
                           opset_imports=[helper.make_opsetid("", 13)])
-    assert [n.op_type for n in rewrite_for_import(m).graph.node] == ["Identity"]
+    assert [n.op_type for n in prepare_for_import(m).graph.node] == ["Identity"]
