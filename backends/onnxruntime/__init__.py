@@ -250,15 +250,18 @@ class RankExecutable:
                 outs = comm_ops.execute(step.op, [env.get(i) for i in step.op.inputs], comm)
                 env.update(zip(step.outputs, outs))
             else:
-                sess, elems, shapes = run
-                try:
-                    res = run_session(sess, list(step.outputs), {n: env[n] for n in step.inputs}, elems, shapes)
-                except Exception as exc:  # noqa: BLE001 - ORT raises its own classes; one line names it
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise RunFailed(f"onnxruntime failed on segment {step.index} of {self.name!r}: "
-                                    f"{type(exc).__name__}: {first[:300]}") from None
-                env.update(zip(step.outputs, res))
+                env.update(zip(step.outputs, self._segment(step, run, env)))
         return {n: env[n] for n in self.outputs}
+
+    def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """One ORT segment's outputs (``run``: the session, element types and static shapes)."""
+        sess, elems, shapes = run
+        try:
+            return run_session(sess, list(step.outputs), {n: env[n] for n in step.inputs}, elems, shapes)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own classes; one line names it
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunFailed(f"onnxruntime failed on segment {step.index} of {self.name!r}: "
+                            f"{type(exc).__name__}: {first[:300]}") from None
 
 
 def load(program: onnx.ModelProto, path: pathlib.Path | None = None, *, threads: int = 1) -> RankExecutable:

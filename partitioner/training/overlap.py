@@ -33,9 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.onnxruntime import RankExecutable, from_ort, to_ort
+from backends.onnxruntime import RankExecutable
 from partitioner.core import comm_ops
-from partitioner.core.errors import RunFailed
 from partitioner.core.segments import CommStep
 
 
@@ -86,14 +85,8 @@ class OverlappedExecutable(RankExecutable):
                 fut.cancel()
         return {n: env[n] for n in self.outputs}
 
-    def _segment(self, step: Any, run: Any, env: dict[str, np.ndarray]) -> list[np.ndarray]:
-        sess, elems = run
+    def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         t0 = time.perf_counter()
-        try:
-            res = sess.run(list(step.outputs), {n: to_ort(env[n], elems.get(n, 0)) for n in step.inputs})
-        except Exception as exc:  # noqa: BLE001 - ORT raises its own classes; one line names it
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RunFailed(f"onnxruntime failed on segment {step.index} of {self.name!r}: "
-                            f"{type(exc).__name__}: {first[:300]}") from None
+        res = super()._segment(step, run, env)
         self.timeline.append(("segment", step.index, t0, time.perf_counter()))
-        return [from_ort(r, elems.get(n, 0)) for n, r in zip(step.outputs, res)]
+        return res
