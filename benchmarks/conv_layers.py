@@ -46,19 +46,9 @@ LAYERS = [
 
 
 def layer_model(ci: int, hw: int, co: int, k: int, s: int, batch: int) -> Any:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from models_zoo.conv_layers import single_conv_model
 
-    rng = np.random.default_rng(ci * 7 + hw * 5 + co * 3 + k + s)
-    w = (rng.standard_normal((co, ci, k, k)) * np.sqrt(2.0 / (ci * k * k))).astype(np.float32)
-    b = (rng.standard_normal(co) * 0.1).astype(np.float32)
-    p = (k - 1) // 2
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[k, k], strides=[s, s], pads=[p] * 4),
-             helper.make_node("Relu", ["c"], ["y"])]
-    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    return single_conv_model(ci, hw, co, k, s, batch, seed=ci * 7 + hw * 5 + co * 3 + k + s)
 
 
 def tvm_build(model: Any, target: Any, algorithm: str) -> Callable[[Any], Any]:

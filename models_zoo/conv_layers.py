@@ -10,6 +10,9 @@ BatchNormalization running variance, so BN renormalises to about ``gamma**2``.
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
+
 from models_zoo.graph_builder import GraphBuilder
 
 
@@ -67,3 +70,21 @@ def classifier(g: GraphBuilder, x: str, prefix: str, features: int, classes: int
     y = g.op("Flatten", [y], f"{prefix}.flatten", axis=1)
     w = g.he_weight(f"{prefix}.fc.weight", (classes, features), features, gain=1.0)
     return g.op("Gemm", [y, w, g.bias(f"{prefix}.fc.bias", classes)], f"{prefix}.fc", out=out, transB=1)
+
+
+def single_conv_model(ci: int, hw: int, co: int, k: int, s: int, batch: int, seed: int = 0) -> onnx.ModelProto:
+    """One ``Conv(k x k, stride s, same padding) + bias -> Relu`` layer on a ``[batch, ci, hw, hw]``
+    input, He-initialised seeded weights: the unit the per-layer conv benchmark and the conv
+    schedule tests time and check against ONNX Runtime."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((co, ci, k, k)) * np.sqrt(2.0 / (ci * k * k))).astype(np.float32)
+    b = (rng.standard_normal(co) * 0.1).astype(np.float32)
+    p = (k - 1) // 2
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[k, k], strides=[s, s], pads=[p] * 4),
+             helper.make_node("Relu", ["c"], ["y"])]
+    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))

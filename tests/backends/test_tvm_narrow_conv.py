@@ -15,26 +15,18 @@ import onnx
 import onnxruntime as ort
 import pytest
 import tvm
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 from tvm import relax
 
 from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import contraction as C
 from backends.tvm.target import detect_host_target
+from models_zoo.conv_layers import single_conv_model
 
 
 def _conv(ci: int, hw: int, co: int, k: int, s: int, batch: int) -> onnx.ModelProto:
-    rng = np.random.default_rng(ci + hw + co + k + s + batch)
-    w = (rng.standard_normal((co, ci, k, k)) * np.sqrt(2.0 / (ci * k * k))).astype(np.float32)
-    b = (rng.standard_normal(co) * 0.1).astype(np.float32)
-    p = (k - 1) // 2
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[k, k], strides=[s, s], pads=[p] * 4),
-             helper.make_node("Relu", ["c"], ["y"])]
-    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    return single_conv_model(ci, hw, co, k, s, batch, seed=ci + hw + co + k + s + batch)
 
 
 def _batched_matmul(batch: int, m: int, k: int, n: int) -> onnx.ModelProto:
