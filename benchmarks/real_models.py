@@ -245,7 +245,12 @@ def markdown(path: Path) -> str:
     speed_note = ("Speed: ONNX Runtime time / TVM time, 1 device (above 1 means TVM is faster)." if benched else
                   "Speed not measured in this run (`--repeat 0`, a loaded machine): `make real-models` on a quiet "
                   "machine fills it.")
-    rows.append(f"_{len(have)} of {len(corpus())} models run; machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+    ok = sum(1 for r in have.values() if not r.get("error") and r.get("builds")
+             and all(b.get("check") for b in r["builds"].values()))
+    timed = sum(1 for r in have.values() if (r.get("bench") or {}).get("tvm_over_ort_speed"))
+    speed_note += f" Timed: {timed} of {len(have)}." if benched else ""
+    rows.append(f"_{ok} of {len(corpus())} models compile and match ONNX Runtime on 1 and 2 devices ({len(have)} run); "
+                f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
                 f"load {m.get('load_average_1_5_15min', ['?'])[0]}. {speed_note}_")
     return "\n".join(rows)
 
