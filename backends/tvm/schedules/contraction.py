@@ -46,8 +46,10 @@ def _uses(expr: Any, var: Any) -> bool:
     return any(v.same_as(var) for v in undefined_vars(expr))
 
 
-class Contraction(CPUScheduleRule):
-    """Register-tiled, vectorised, parallel schedule for a single reduction block."""
+class TryRule(CPUScheduleRule):
+    """A rule that schedules a PrimFunc with ``self._apply(sch, target)``, or declines (``None``)
+    when the function is not a PrimFunc, the target is not a CPU, or ``_apply`` fails on a pattern
+    it does not handle: dlight then tries the next rule."""
 
     def apply(self, func: Any, target: Any, _tunable: bool) -> Any:
         from tvm import s_tir, tirx
@@ -58,6 +60,13 @@ class Contraction(CPUScheduleRule):
             return self._apply(s_tir.Schedule(func), target)
         except Exception:  # a pattern this rule does not handle: leave it to the next rule
             return None
+
+    def _apply(self, sch: Any, target: Any) -> Any:
+        raise NotImplementedError
+
+
+class Contraction(TryRule):
+    """Register-tiled, vectorised, parallel schedule for a single reduction block."""
 
     def _apply(self, sch: Any, target: Any) -> Any:
         found = self._match(sch)

@@ -43,9 +43,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
-from .contraction import Contraction, _uses
+from .contraction import Contraction, TryRule, _uses
 from .injective import schedule_spatial_block
 from .threads import worth_parallel
 from .vector import const_extent, largest_divisor, vector_lanes
@@ -64,18 +63,8 @@ def row_tile(width: int) -> int:
     return largest_divisor(width, tuple(range(MAX_ROW_TILE, 0, -1)))
 
 
-class Depthwise(CPUScheduleRule):
+class Depthwise(TryRule):
     """NHWC depthwise convolution (module docstring: which shapes, which schedule)."""
-
-    def apply(self, func: Any, target: Any, _tunable: bool) -> Any:
-        from tvm import s_tir, tirx
-
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        try:
-            return self._apply(s_tir.Schedule(func), target)
-        except Exception:  # a pattern this rule does not handle: leave it to the next rule
-            return None
 
     def _apply(self, sch: Any, target: Any) -> Any:
         found = _match_depthwise(sch)
