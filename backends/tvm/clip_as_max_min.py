@@ -70,7 +70,9 @@ def constant_first(func: Any) -> Any:
     return func
 
 
-def _function_pass(name: str, rewrite: Any) -> Any:
+def function_pass(name: str, rewrite: Any) -> Any:
+    """A module pass named ``name`` that replaces every Relax function ``f`` of a module with
+    ``rewrite(f)`` (also used by :mod:`backends.tvm.fold_batchnorm`)."""
     import tvm
     from tvm import relax
 
@@ -86,5 +88,5 @@ def _function_pass(name: str, rewrite: Any) -> Any:
 
 def clamp_passes(layout_passes: list[Any]) -> list[Any]:
     """``layout_passes`` (ConvertLayout) between the two rewrites."""
-    return [_function_pass("ClampAsMaxMin", rewrite_clamps), *layout_passes,
-            _function_pass("ClampConstantFirst", constant_first)]
+    return [function_pass("ClampAsMaxMin", rewrite_clamps), *layout_passes,
+            function_pass("ClampConstantFirst", constant_first)]

@@ -123,14 +123,6 @@ def _bound_value(func: Any, expr: Any) -> Any:
 
 def fold_batchnorm_pass() -> Any:
     """:func:`fold_batchnorm` over every Relax function of a module."""
-    import tvm
-    from tvm import relax
+    from .clip_as_max_min import function_pass
 
-    @tvm.transform.module_pass(opt_level=0, name="FoldBatchNormAffine")
-    def _pass(mod: Any, _ctx: Any) -> Any:
-        for gv, f in list(mod.functions_items()):
-            if isinstance(f, relax.Function):
-                mod[gv] = fold_batchnorm(f)
-        return mod
-
-    return _pass
+    return function_pass("FoldBatchNormAffine", fold_batchnorm)
