@@ -14,6 +14,9 @@ What is measured, and how:
    ONNX Runtime a chain of tiny Relu/Neg nodes with graph optimisations off; time per node.
    3b. Call overhead (:func:`call_overhead`): a one-kernel program's run time minus one launch,
    paid once per run (per micro-batch) by every rank.
+   3c. Comm-op overhead (:func:`comm_op_overhead`): what one communication op costs its rank
+   beside the transfer (the call out of the compiled program into the comm handler), from a
+   chain of Relus with and without one-rank AllReduces between them.
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
    micro-kernels (:func:`micro_kernels`: a dense GEMM, a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat) at one
@@ -22,6 +25,11 @@ What is measured, and how:
    :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
    efficiency(class) = geometric mean over the class's kernels. It is
    never fitted on the zoo models that benchmarks/cost_accuracy.py checks against.
+6. Threads (:func:`thread_efficiency`): the micro-kernels again on all usable cores (at most 8),
+   in a subprocess whose thread pool has that many workers; per class, the share of each extra
+   thread that became speed. Only classes whose kernels the backend parallelises gain from a
+   rank's threads (:mod:`partitioner.cost.threads`). Skipped while other work holds the cores
+   (:func:`_cores_free`): the classes then keep the nominal thread efficiency.
 5. MPI α and β: ``mpiexec -n 2 python -m partitioner.calibrate_mpi`` ping-pong at several sizes,
    then a least-squares fit of one-way time = α + nβ weighted by 1/t (relative error), so both
    small and large messages count; α is clamped to [0, time of the smallest message]. The 2-rank allreduce times are kept for checking the model.
@@ -82,14 +90,18 @@ class Calibration:
     fma_peak_flops: float | None = None
     stream_bandwidth: float | None = None
     call_overhead_s: float = 0.0  # per run of a compiled program (probe 3b)
+    comm_op_overhead_s: float = 0.0  # per comm op, beside the transfer (probe 3c)
+    thread_efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)  # probe 6
+    threads_probed: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
             "gemm_flops_per_core": self.gemm_flops, "gemm_n": self.gemm_n,
             "memory_bandwidth_per_core": self.memory_bandwidth, "launch_overhead_s": self.launch_overhead_s,
-            "call_overhead_s": self.call_overhead_s,
+            "call_overhead_s": self.call_overhead_s, "comm_op_overhead_s": self.comm_op_overhead_s,
             "efficiency_by_class": dict(self.efficiency_by_class),
+            "thread_efficiency_by_class": dict(self.thread_efficiency_by_class), "threads_probed": self.threads_probed,
             "kernels": [dict(k) for k in self.kernels],
             "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
@@ -214,13 +226,13 @@ def _median_time(fn: Any, quick: bool) -> float:
     return statistics.median(times)
 
 
-def _runner(backend: str, model: Any, workdir: Path) -> Any:
-    """A zero-argument callable that runs ``model`` once on ``backend``, one thread."""
+def _runner(backend: str, model: Any, workdir: Path, threads: int = 1) -> Any:
+    """A callable that runs ``model`` once on ``backend`` with its feeds, ``threads`` threads."""
     if backend == "onnxruntime":
         import onnxruntime as ort
 
         so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
+        so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         return lambda feeds: sess.run(None, feeds)
@@ -230,7 +242,7 @@ def _runner(backend: str, model: Any, workdir: Path) -> Any:
 
     path = workdir / f"{model.graph.name}.so"
     build(model, path)
-    exe = load(model, path, threads=1)
+    exe = load(model, path, threads=threads)
     comm = LocalWorld(1).communicator(0)
     return lambda feeds: exe.run(feeds, comm)
 
@@ -263,6 +275,63 @@ def call_overhead(backend: str, work: Path, launch: float, quick: bool) -> float
     run = _runner(backend, kernel_model(k), work)
     feeds = _feeds(k)
     return max(_median_time(lambda: run(feeds), quick) - launch, 0.0)
+
+
+class _NullCommunicator:
+    """A one-rank communicator whose collectives hand their input back at once: the comm-op probe
+    times the runtime's crossing into the comm op, not a transfer."""
+
+    rank, world_size = 0, 1
+
+    def allreduce(self, x: Any, group: Any, reduction: str, tag: int) -> Any:
+        return x
+
+
+def comm_chain(comm_ops: int, with_comm: bool = True) -> Any:
+    """A program of ``comm_ops + 1`` Relus on 8 values; ``with_comm`` puts a one-rank
+    ``AllReduce`` (``partitioner.comm``) between each pair, so the program calls out of the
+    backend's compiled code ``comm_ops`` times per run."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from partitioner.core import comm_ops as cops
+
+    nodes, cur = [], "x"
+    for i in range(comm_ops + 1):
+        nodes.append(helper.make_node("Relu", [cur], [f"r{i}"]))
+        cur = f"r{i}"
+        if with_comm and i < comm_ops:
+            nodes.append(cops.make_node("AllReduce", [cur], [f"a{i}"], name=f"ar{i}", group=[0], tag=i,
+                                        reduction="sum"))
+            cur = f"a{i}"
+    g = helper.make_graph(nodes, f"comm_chain_{comm_ops}_{int(with_comm)}",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info(cur, TensorProto.FLOAT, [1, 8])],
+                          value_info=[helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, [1, 8])
+                                      for n in nodes[:-1]])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), cops.opset_import()])
+
+
+def comm_op_overhead(backend: str, work: Path, launch: float, quick: bool, ops: int = 16) -> float:
+    """Probe 3c: seconds a rank spends per comm op outside the transfer itself: the compiled
+    program's call out to the runtime's comm handler (TVM: a packed call into Python, DLPack views
+    of the tensors, the op table; ONNX Runtime: the end of one session run and the start of the
+    next). The median run time of a chain of ``ops + 1`` Relus with a one-rank AllReduce (that
+    returns at once) between each pair, minus the same chain without them and minus one launch
+    per extra kernel, over ``ops``. The simulator charges it on every comm op of every rank."""
+    import numpy as np
+
+    mod = __import__(f"backends.{backend}", fromlist=["build", "load"])
+    x = {"x": np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)}
+    comm = _NullCommunicator()
+    times = []
+    for with_comm in (True, False):
+        model = comm_chain(ops, with_comm)
+        path = work / f"{model.graph.name}.{'so' if backend == 'tvm' else 'onnx'}"
+        mod.build(model, path)
+        exe = mod.load(model, path, threads=1)
+        times.append(_median_time(lambda: exe.run(x, comm), quick))
+    return max((times[0] - times[1]) / ops - launch, 0.0)
 
 
 def kernel_roof(model: Any, device: Device) -> tuple[float, int]:
@@ -309,6 +378,7 @@ def measure_backend(backend: str, quick: bool, gemm_flops: float, bandwidth: flo
             feeds = _feeds(chain)
             launch = _median_time(lambda: run(feeds), quick) / 32
         call = call_overhead(backend, work, launch, quick)
+        comm_op = comm_op_overhead(backend, work, launch, quick)
         for k in micro_kernels(quick):
             model = kernel_model(k)
             t0 = time.perf_counter()
@@ -328,8 +398,56 @@ def measure_backend(backend: str, quick: bool, gemm_flops: float, bandwidth: flo
         by_class[cls] = min(math.exp(sum(math.log(e) for e in effs) / len(effs)), MAX_CLASS_EFFICIENCY)
     if "norm" in by_class:
         by_class["reduction"] = by_class["norm"]
-    return {"launch_overhead_s": launch, "call_overhead_s": call, "efficiency_by_class": by_class, "kernels": rows,
+    return {"launch_overhead_s": launch, "call_overhead_s": call, "comm_op_overhead_s": comm_op,
+            "efficiency_by_class": by_class, "kernels": rows,
             "backend": backend}
+
+
+def _best_time(fn: Any, runs: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_threads(backend: str, quick: bool, threads: int) -> dict[str, float]:
+    """Probe 6: each micro-kernel's (:func:`micro_kernels`) best time on ``threads`` threads of
+    ``backend`` (the best: the kernel's speed when it had its cores). Runs in a subprocess whose
+    thread pool was created with that many workers (TVM sizes its pool once per process)."""
+    import tempfile
+
+    out: dict[str, float] = {}
+    rounds, runs = (3, 5) if quick else (5, 10)
+    with tempfile.TemporaryDirectory(prefix="partitioner-calibrate-") as tmp:
+        for k in micro_kernels(quick):
+            run, feeds = _runner(backend, kernel_model(k), Path(tmp), threads), _feeds(k)
+            out[k.name] = min(_best_time(lambda: run(feeds), runs) for _ in range(rounds))
+    return out
+
+
+def thread_efficiency(one: dict[str, float], many: dict[str, float], classes: dict[str, str],
+                      threads: int) -> dict[str, float]:
+    """Probe 6: per op class, the share of each extra thread a kernel turns into speed:
+    speed-up(kernel) = best time on 1 thread (``one``) / best time on ``threads`` threads
+    (``many``; both from :func:`measure_threads`); efficiency(class) = (geometric mean speed-up over the class's
+    kernels − 1) / (threads − 1), clamped to [0, 1]. A backend that runs a class's kernels on one
+    thread whatever the pool size (measured: TVM's elementwise kernels on this project's
+    schedules) gets 0 there, and a rank's threads then speed up only the classes that use them
+    (:mod:`partitioner.cost.threads`). ``classes``: kernel name -> op class."""
+    if threads < 2:
+        return {}
+    by_class: dict[str, list[float]] = {}
+    for name, t1 in one.items():
+        tn = many.get(name, 0.0)
+        if t1 > 0 and tn > 0 and name in classes:
+            by_class.setdefault(classes[name], []).append(math.log(t1 / tn))
+    eff = {c: min(max((math.exp(sum(v) / len(v)) - 1) / (threads - 1), 0.0), 1.0) for c, v in by_class.items()}
+    if "norm" in eff:
+        eff["reduction"] = eff["norm"]
+    return eff
 
 
 # ---- single-core probe (runs in a subprocess with one BLAS thread) ----------------------------
@@ -376,15 +494,41 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
 
 def _probe_main() -> None:
     backend = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--backend=")), DEFAULT_BACKEND)
+    threads = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--threads=")), "0"))
+    if threads > 0:  # probe 6 only
+        print(json.dumps(measure_threads(backend, "--quick" in sys.argv, threads)))
+        return
     print(json.dumps(_probe("--quick" in sys.argv, backend)))
 
 
-def _run_probe(quick: bool, timeout: float, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
-    env = dict(os.environ, **_SINGLE_THREAD_ENV, TVM_NUM_THREADS="1")
+def probe_threads() -> int:
+    """Threads of probe 6: the cores this process may run on, at most 8 (a rank's share of a node)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    return max(1, min(usable, 8))
+
+
+def _cores_free(threads: int) -> bool:
+    """Probe 6 needs its cores: a parallel speed-up measured while other work holds the cores
+    measures that work (on the loaded 2-core development machine, load average 6, TVM's GEMM
+    kernels showed no gain from a second thread, and 1.8-1.9x when the machine was quieter).
+    So it runs only while the 1-minute load average is under ``threads`` − 0.5 (this calibration's
+    own probe counts about 1); otherwise classes keep the nominal thread efficiency."""
+    try:
+        return os.getloadavg()[0] < threads - 0.5
+    except OSError:  # no load average on this platform: measure anyway
+        return True
+
+
+def _run_probe(quick: bool, timeout: float, backend: str = DEFAULT_BACKEND, threads: int = 0) -> dict[str, Any]:
+    """Run the single-core probe (``threads`` 0) or probe 6 on ``threads`` threads in a subprocess."""
+    env = dict(os.environ, **_SINGLE_THREAD_ENV, TVM_NUM_THREADS=str(max(1, threads)))
     root = str(Path(__file__).resolve().parents[1])  # the backends package sits beside partitioner
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     code = "import sys; from partitioner.calibrate import _probe_main; _probe_main()"
-    args = [sys.executable, "-c", code, f"--backend={backend}"] + (["--quick"] if quick else [])
+    args = [sys.executable, "-c", code, f"--backend={backend}", f"--threads={threads}"] + (["--quick"] if quick else [])
     try:
         out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -454,6 +598,11 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         raise CalibrationError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     t0 = time.perf_counter()
     single = _run_probe(quick, timeout=120 if quick else 300, backend=backend)
+    threads = probe_threads()
+    thread_eff: dict[str, float] = {}
+    if threads > 1 and _cores_free(threads):
+        one, many = (_run_probe(quick, timeout=120 if quick else 300, backend=backend, threads=t) for t in (1, threads))
+        thread_eff = thread_efficiency(one, many, {k.name: k.op_class for k in micro_kernels(quick)}, threads)
     # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
     mpi, mpi_error = _run_mpi(quick, timeout=60 if quick else 120) if mpi else (None, "skipped (mpi=False)")
     if mpi is not None:
@@ -467,6 +616,8 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         gemm_flops=float(single["gemm_flops"]), gemm_n=int(single["gemm_n"]),
         memory_bandwidth=float(single["memory_bandwidth"]),
         launch_overhead_s=float(single["launch_overhead_s"]), call_overhead_s=float(single.get("call_overhead_s", 0.0)),
+        comm_op_overhead_s=float(single.get("comm_op_overhead_s", 0.0)),
+        thread_efficiency_by_class=thread_eff, threads_probed=threads if thread_eff else 1,
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
         mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
@@ -482,7 +633,8 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     peak = {"float32": f32, "float16": f32, "bfloat16": f32, "int8": 2 * f32}
     mem = total_memory_bytes() / n
     devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s,
-                        dict(cal.efficiency_by_class), cal.call_overhead_s, cal.backend)
+                        dict(cal.efficiency_by_class), cal.call_overhead_s, cal.backend, cal.comm_op_overhead_s,
+                        dict(cal.thread_efficiency_by_class))
                  for i in range(n))
     link = LinkLevel("shm-mpi" if cal.mpi_ok else "shm", cal.alpha_s, cal.beta_s_per_byte)
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')} "

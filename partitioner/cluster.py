@@ -82,6 +82,12 @@ class Device:
     #: the backend whose runtime runs the rank ("tvm", "onnxruntime"; "" nominal): which rule of
     #: :data:`partitioner.cost.memory.RUNTIME_MEMORY` predicts its peak memory
     runtime: str = ""
+    #: seconds per communication op the rank runs, beside the transfer (the compiled program's
+    #: call out to the runtime's comm handler); measured by calibration (probe 3c)
+    comm_op_overhead_s: float = 0.0
+    #: per op class, the share of each extra thread of a rank that its kernels turn into speed
+    #: (calibration probe 6; classes not listed use cost.threads.THREAD_EFFICIENCY)
+    thread_efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
 
     def class_efficiency(self, op_class: str | None) -> float:
         """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
@@ -102,7 +108,10 @@ class Device:
                 "efficiency": self.efficiency, "launch_overhead_s": self.launch_overhead_s,
                 **({"efficiency_by_class": dict(self.efficiency_by_class)} if self.efficiency_by_class else {}),
                 **({"call_overhead_s": self.call_overhead_s} if self.call_overhead_s else {}),
-                **({"runtime": self.runtime} if self.runtime else {})}
+                **({"runtime": self.runtime} if self.runtime else {}),
+                **({"comm_op_overhead_s": self.comm_op_overhead_s} if self.comm_op_overhead_s else {}),
+                **({"thread_efficiency_by_class": dict(self.thread_efficiency_by_class)}
+                   if self.thread_efficiency_by_class else {})}
 
 
 @dataclass(frozen=True)
@@ -155,7 +164,7 @@ class Cluster:
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be a positive number")
             if not (0 < d.efficiency <= 1):
                 raise ClusterError(f"{where}: device {d.name!r}: efficiency must be in (0, 1]")
-            for fname in ("launch_overhead_s", "call_overhead_s"):
+            for fname in ("launch_overhead_s", "call_overhead_s", "comm_op_overhead_s"):
                 if not (getattr(d, fname) >= 0 and math.isfinite(getattr(d, fname))):
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be >= 0")
             for cls_name, v in d.efficiency_by_class.items():
@@ -340,6 +349,8 @@ def _parse(data: Any, source: str) -> Cluster:
                 efficiency_by_class=dict(by_class),
                 call_overhead_s=_num(d, "call_overhead_s", where, 0.0),
                 runtime=str(d.get("runtime", "")),
+                comm_op_overhead_s=_num(d, "comm_op_overhead_s", where, 0.0),
+                thread_efficiency_by_class=_thread_eff(d, where),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -515,12 +526,22 @@ def local_cluster(n: int | None = None, quiet: bool = False) -> Cluster:
     return cpu_cluster(n)
 
 
+def _thread_eff(d: dict[str, Any], where: str) -> dict[str, float]:
+    """A device's ``thread_efficiency_by_class``: op class -> a number in [0, 1]."""
+    raw = d.get("thread_efficiency_by_class") or {}
+    if not isinstance(raw, dict) or any(k not in OP_CLASSES or not isinstance(v, (int, float)) or not 0 <= v <= 1
+                                        for k, v in raw.items()):
+        raise ClusterError(f"{where}: thread_efficiency_by_class must map op classes ({', '.join(OP_CLASSES)}) "
+                           "to numbers in [0, 1]")
+    return {k: float(v) for k, v in raw.items()}
+
+
 def replicate(cluster: Cluster, n: int) -> Cluster:
     """n copies of the first device, one node, the first link level (for ``local:N``)."""
     d0 = cluster.devices[0]
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
                         d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s,
-                        d0.runtime)
+                        d0.runtime, d0.comm_op_overhead_s, dict(d0.thread_efficiency_by_class))
                  for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 

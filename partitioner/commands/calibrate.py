@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if cal.stream_bandwidth:
         print(f"triad bandwidth (1 core):   {cal.stream_bandwidth / 1e9:8.1f} GB/s")
     print(f"launch overhead ({cal.backend}):{' ' * max(1, 15 - len(cal.backend))}{cal.launch_overhead_s * 1e6:8.2f} µs/op")
+    print(f"call overhead (per run):    {cal.call_overhead_s * 1e6:8.2f} µs")
+    print(f"comm-op overhead (per op):  {cal.comm_op_overhead_s * 1e6:8.2f} µs")
     for cls, eff in cal.efficiency_by_class.items():
         print(f"efficiency {cls + ':':<17s}{eff:8.3f}")
     if cal.mpi_ok:

@@ -17,9 +17,11 @@ compute nodes and nodes in the ``partitioner.comm`` domain (opset 1):
 
 Each rank runs its program ``microbatches`` times in a row. Compute nodes take their roofline
 time (:func:`~partitioner.cost.roofline.op_time`) on the rank's device; consecutive compute nodes
-are merged into one segment, and per-node costs are computed once per (program, device). Each run
-of the program first pays the device's ``call_overhead_s`` (the runtime's per-call argument and
-result handling, measured by calibration; 0 for nominal devices).
+are merged into one segment, and per-node costs are computed once per (program, device). The
+fixed runtime costs are those of :mod:`partitioner.cost.runtime_overhead`: each run of the
+program first pays the device's ``call_overhead_s``, each comm op its ``comm_op_overhead_s``
+(as compute: the rank's CPU runs the handler), and the step ends with a barrier over all ranks
+(as comm on every rank); all measured by calibration, 0 on nominal devices.
 
 Accounting per rank: compute = Σ compute segments; comm = time inside collectives plus the part
 of a Recv wait during which the message was in flight; idle = step latency − compute − comm
@@ -45,9 +47,10 @@ if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the rever
 from partitioner.core.errors import PlanError, VerifyError
 from partitioner.cost.comm import collective_time, p2p_time, send_overhead
 from partitioner.cost.memory import RankMemory, rank_peak, runtime_memory
-from partitioner.cost.threads import rank_threads, thread_speedup
+from partitioner.cost.threads import class_thread_speedup, rank_threads
 from partitioner.cost.ops import COMM_DOMAIN, itemsize, nbytes, numel, op_class
 from partitioner.cost.roofline import fused_nodes, op_time
+from partitioner.cost.runtime_overhead import call_seconds, comm_op_seconds, step_sync
 from partitioner.cost.workdepth import constant_values, node_costs, parameter_values, peak_activation_bytes
 
 _COLLECTIVE_KIND = {"AllReduce": "allreduce", "AllGather": "allgather", "ReduceScatter": "reducescatter",
@@ -203,9 +206,10 @@ def _segment_label(ops: list[str]) -> str:
     return f"{ops[0]}…{ops[-1]} ({len(ops)} ops)"
 
 
-def compile_program(model: ir.Model, device: Device, rank: int = 0, speedup: float = 1.0) -> _Program:
+def compile_program(model: ir.Model, device: Device, rank: int = 0, threads: int = 1) -> _Program:
     """Turn one rank's program into compute segments and comm steps (costs computed once).
-    ``speedup``: the rank's kernels run that much faster (its threads, :mod:`cost.threads`)."""
+    ``threads``: the rank's threads; each kernel runs faster by its class's speed-up on them
+    (:func:`partitioner.cost.threads.class_thread_speedup`)."""
     graph = model.graph
     where = f"rank {rank}"
     const = constant_values(graph)
@@ -213,20 +217,24 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0, speedup: flo
     fused = fused_nodes(graph)
     steps: list[_Step] = []
     seg_time, seg_ops = 0.0, []
+    comm_op = comm_op_seconds(device)
     for node, cost in zip(graph, costs):
         if node.domain == COMM_DOMAIN:
             if seg_ops:
                 steps.append(_Step("compute", seconds=seg_time, label=_segment_label(seg_ops)))
                 seg_time, seg_ops = 0.0, []
+            if comm_op > 0:  # the call out to the comm handler (cost/runtime_overhead.py rule 3)
+                steps.append(_Step("compute", seconds=comm_op, label=f"{node.op_type} call"))
             steps.append(_comm_step(node, rank, where))
             continue
-        t = op_time(cost, device, _dtype_name(node), op_class(node), node in fused) / speedup
+        cls = op_class(node)
+        t = op_time(cost, device, _dtype_name(node), cls, node in fused) / class_thread_speedup(device, cls, threads)
         if t > 0:
             seg_time += t
             seg_ops.append(node.op_type)
     if seg_ops:
         steps.append(_Step("compute", seconds=seg_time, label=_segment_label(seg_ops)))
-    call = getattr(device, "call_overhead_s", 0.0)
+    call = call_seconds(device)
     if call > 0:  # one run of the compiled program per micro-batch: argument handling, VM entry
         steps.insert(0, _Step("compute", seconds=call, label="call"))
     params = parameter_values(graph, const)
@@ -252,14 +260,16 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
         raise PlanError(f"micro-batch count must be at least 1, got {microbatches}")
     cache: dict[tuple[Any, ...], _Program] = {}
     progs: list[_Program] = []
-    speedup = thread_speedup(rank_threads(cluster, R))  # fewer ranks than cores: threads per rank
+    threads = rank_threads(cluster, R)  # fewer ranks than cores: threads per rank
     for r, model in enumerate(programs):
         dev = cluster.devices[r]
         key = (id(model), tuple(sorted(dev.peak_flops.items())), dev.memory_bandwidth, dev.efficiency,
                dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())),
-               getattr(dev, "call_overhead_s", 0.0), getattr(dev, "runtime", ""))
+               getattr(dev, "call_overhead_s", 0.0), getattr(dev, "runtime", ""),
+               getattr(dev, "comm_op_overhead_s", 0.0),
+               tuple(sorted((getattr(dev, "thread_efficiency_by_class", None) or {}).items())))
         if key not in cache:  # data-parallel ranks share one program object: cost it once
-            cache[key] = compile_program(model, dev, r, speedup)
+            cache[key] = compile_program(model, dev, r, threads)
         progs.append(cache[key])
     for r, prog in enumerate(progs):
         for s in prog.steps:
@@ -442,10 +452,14 @@ class _Simulation:
 
     def result(self, batch_size: int, input_bytes: float | None = None) -> SimResult:
         R, now, cluster = self.R, self.now, self.cluster
-        makespan = max(now) if now else 0.0
+        end = max(now) if now else 0.0
+        sync = step_sync(cluster, R)  # the barrier that ends the step (runtime_overhead rule 4)
+        makespan = end + sync
         idle = []
         for r in range(R):
-            self.add_event(r, now[r], makespan, "idle", "drain")
+            self.add_event(r, now[r], end, "idle", "drain")
+            self.add_event(r, end, makespan, "comm", "step barrier")
+            self.commt[r] += sync
             idle.append(max(0.0, makespan - self.compute[r] - self.commt[r]))
         terms = tuple(self.memory(r, input_bytes) for r in range(R))
         all_events = tuple(e for r in range(R) for e in sorted(self.evs[r], key=lambda e: e.start))

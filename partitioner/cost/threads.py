@@ -7,7 +7,14 @@ Rules:
 1. Threads: on a cluster whose devices are all CPU cores of one node (``cpu:N``, ``local``), a
    plan of R ranks gets N // R threads per rank; anything else (GPUs, several nodes, hand-written
    clusters with more than one node) 1, as before.
-2. Speed-up of a rank's kernels on t threads: 1 + (t - 1) x THREAD_EFFICIENCY. Measured with the
+2. Speed-up of a rank's kernels on t threads: 1 + (t - 1) x e, where e is the device's
+   calibrated efficiency for the op's class (``Device.thread_efficiency_by_class``, calibration
+   probe 6: the micro-kernels on all cores against one) and THREAD_EFFICIENCY for classes it does
+   not list (nominal devices). Measured on the 2-core development machine (2026-12-01): TVM's
+   GEMM kernels ran 1.8-1.9x faster on 2 threads, its elementwise kernels not at all (a chain of
+   32 Adds on 64 Ki values: 4.3 us per kernel on 1 thread and on 2), which is why the BERT
+   encoder (many norm/elementwise kernels) gained 1.22x from a second thread and ResNet-18 1.69x.
+   THREAD_EFFICIENCY, the nominal figure, was measured with the
    TVM backend, batch 8, 2 threads against 1 on the 2-core development machine (load average 1.3,
    ``benchmarks/results/runtime_*.json`` of 2026-11-30): ResNet-18 1.72x and 1.99x, a BERT encoder
    1.75x and 0.98x (the latter's kernels are a few microseconds: thread start-up eats the gain).
@@ -36,3 +43,11 @@ def rank_threads(cluster: Any, world_size: int) -> int:
 def thread_speedup(threads: int) -> float:
     """Rule 2: how much faster a rank's kernels run on ``threads`` threads than on one."""
     return 1.0 + (max(1, threads) - 1) * THREAD_EFFICIENCY
+
+
+def class_thread_speedup(device: Any, op_class: str | None, threads: int) -> float:
+    """Rule 2 for one op class on ``device``: its calibrated thread efficiency, else the nominal."""
+    if threads <= 1:
+        return 1.0
+    eff = (getattr(device, "thread_efficiency_by_class", None) or {}).get(op_class or "", THREAD_EFFICIENCY)
+    return 1.0 + (threads - 1) * eff

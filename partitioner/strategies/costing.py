@@ -24,9 +24,10 @@ from partitioner.cost.comm import collective_time, p2p_time, send_overhead
 from partitioner.cost.memory import activation_copies, rank_peak, runtime_memory
 from partitioner.cost.ops import op_cost
 from partitioner.cost.pipeline import pipeline_step_time
-from partitioner.cost.threads import rank_threads, thread_speedup
+from partitioner.cost.threads import class_thread_speedup, rank_threads
 from partitioner.cost.resharding import communicates, conversion
 from partitioner.cost.roofline import graph_op_times
+from partitioner.cost.runtime_overhead import rank_overhead, step_sync
 
 
 def node_times(view: ModelView, device: Any) -> np.ndarray:
@@ -64,13 +65,14 @@ def _weight_bytes(view: ModelView, node: Any, reqs: Any) -> tuple[float, float]:
 
 
 def shard_time(view: ModelView, i: int, device: Any, shard: int, microbatches: int, w_full: float,
-               w_local: float) -> float:
+               w_local: float, threads: int = 1) -> float:
     """Seconds one rank spends on node ``i`` per step when the node is split ``shard`` ways and
     the step runs ``microbatches`` micro-batches: what the simulator charges the lowered program.
 
     Per micro-batch the rank computes 1/(shard·m) of the FLOPs and of the activation bytes, but
     reads its whole local weight (replicated: all of it; sharded: its shard) every time, and pays
-    the launch overhead every time. Dividing the whole roofline by shard·m (the previous rule)
+    the launch overhead every time; on ``threads`` threads the op's class speeds it up
+    (:func:`partitioner.cost.threads.class_thread_speedup`, as the simulator does). Dividing the whole roofline by shard·m (the previous rule)
     made a batch split of a weight-bound layer look twice as fast as the program it lowers to
     (the demo's data x2 resnet: estimate 2.43 ms, simulation 3.31 ms)."""
     from partitioner.cost.ops import OpCost, op_class
@@ -90,7 +92,9 @@ def shard_time(view: ModelView, i: int, device: Any, shard: int, microbatches: i
     w_local = min(w_local, w_full)
     part = OpCost(c.flops / k, (c.bytes_read - w_full) / k + w_local, c.bytes_written / k, c.depth, c.elements / k)
     node = view.nodes[i]
-    return max(1, microbatches) * op_time(part, device, "float32", op_class(node), node in fused)
+    cls = op_class(node)
+    return (max(1, microbatches) * op_time(part, device, "float32", cls, node in fused)
+            / class_thread_speedup(device, cls, threads))
 
 
 def comm_seconds(kind: str, nbytes: float, ranks: tuple[int, ...], cluster: Any) -> tuple[float, dict[str, float]]:
@@ -177,6 +181,18 @@ def _step_latency(plan: Plan, busy: np.ndarray) -> float:
     return pipeline_step_time(stage_t, [0.0] * (len(stage_t) - 1), m)
 
 
+def _timing(plan: Plan, cluster: Any, compute: np.ndarray, comm: np.ndarray,
+            ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Per rank compute and comm with the fixed runtime costs the simulator
+    charges (:mod:`partitioner.cost.runtime_overhead`: per run and per comm op of every
+    micro-batch, the barrier that ends the step as comm), the busy time and the step latency."""
+    w, m = plan.world_size, plan.microbatches
+    compute = compute + np.array([rank_overhead(cluster.devices[r], m, ops[r]) for r in range(w)])
+    sync = step_sync(cluster, w)
+    latency = _step_latency(plan, compute + comm) + sync
+    return compute, comm + sync, compute + comm + sync, latency
+
+
 def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float | None = None,
              times: dict[int, np.ndarray] | None = None) -> Prediction:
     """Predict ``plan`` on ``cluster`` (see the module docstring)."""
@@ -185,6 +201,8 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
     times = times if times is not None else {}
     compute = np.zeros(w)
     comm = np.zeros(w)
+    ops = np.zeros(w)  # comm ops each rank runs per micro-batch
+    threads = rank_threads(cluster, w)  # fewer ranks than cores: threads per rank
     weights: dict[int, set[tuple[str, Sharding]]] = {r: set() for r in range(w)}
     act = np.zeros(w)
     held = np.zeros(w)  # graph outputs (logits, KV cache) stay resident until the step ends
@@ -198,7 +216,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
         shard = max((len(s.ranks) for s in np_.outputs if s is not None and (s.axis is not None or s.partial)), default=1)
         w_full, w_local = _weight_bytes(view, node, np_.inputs)
         for dev, ranks_on in _by_device(cluster, g).items():
-            t = shard_time(view, i, dev, shard, m, w_full, w_local)
+            t = shard_time(view, i, dev, shard, m, w_full, w_local, threads)
             for r in ranks_on:
                 compute[r] += t
         for name, req in zip(view.node_inputs(node), np_.inputs):
@@ -224,12 +242,15 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                         sec = p2p_time(part, s0, t, cluster)
                         comm[t] += sec * m
                         comm[s0] += send_overhead(part, s0, t, cluster) * m  # the sender posts it
+                        ops[s0] += 1
+                        ops[t] += 1
                         lv = cluster.link(s0, t).name
                         levels[lv] = levels.get(lv, 0.0) + nbytes * m
             else:
                 sec, per = comm_seconds(kind, nbytes, g, cluster)
                 for r in g:
                     comm[r] += sec * m
+                    ops[r] += 1
                 for k, v in per.items():
                     levels[k] = levels.get(k, 0.0) + v * m
         for name, s in zip(view.node_outputs(node), np_.outputs):
@@ -242,11 +263,7 @@ def estimate(view: ModelView, plan: Plan, cluster: Any, *, memory_limit: float |
                     for r in g:
                         held[r] += local * m
     mem, parts = _memory(view, plan, cluster, weights, act, held)
-    compute /= thread_speedup(rank_threads(cluster, w))  # fewer ranks than cores: threads per rank
-    for r in range(w):  # one run of the rank's program per micro-batch (what the simulator charges)
-        compute[r] += m * getattr(cluster.devices[r], "call_overhead_s", 0.0)
-    busy = compute + comm
-    latency = _step_latency(plan, busy)
+    compute, comm, busy, latency = _timing(plan, cluster, compute, comm, ops)
     batch = view.batch_size()
     caps = [min(cluster.devices[r].memory_bytes, memory_limit or float("inf")) for r in range(w)]
     fits = all(mem[r] <= caps[r] for r in range(w))

@@ -14,6 +14,7 @@ from partitioner.cluster import Cluster, Device, LinkLevel
 from partitioner.core.errors import VerifyError
 from partitioner.cost.pipeline import bubble_fraction
 from partitioner.cost.comm import SEND_OVERHEAD_ALPHA
+from partitioner.cost.runtime_overhead import step_sync
 from partitioner.cost.simulate import simulate
 
 COMM = "partitioner.comm"
@@ -68,13 +69,16 @@ def test_gpipe_bubble_4_stages_8_microbatches():
     send = ALPHA + ACT * BETA
     post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA  # each end of a message: post it, take it out
     # fill-drain: (m+p−1)·t + (p−1) sends; the middle stages receive and send, so they set the
-    # pace at t + 2·post
-    assert res.step_latency == pytest.approx((m + p - 1) * T_MM + (p - 1) * send + (m - 1) * 2 * post, rel=1e-9)
+    # pace at t + 2·post; the step ends with a barrier (cost/runtime_overhead.py rule 4: α here)
+    sync = step_sync(cluster(p), p)
+    assert sync == pytest.approx(2 * ALPHA, rel=1e-9)  # a 0-byte allreduce of 4 ranks: ⌈log₂4⌉·α
+    assert res.step_latency == pytest.approx((m + p - 1) * T_MM + (p - 1) * send + (m - 1) * 2 * post + sync,
+                                             rel=1e-9)
     for r in range(p):
         assert res.compute_time[r] == pytest.approx(m * T_MM, rel=1e-9)
         # idle + in-flight waits make up the bubble: (p−1)/(m+p−1) = 3/11 of the step
         posting = (m * post if r < p - 1 else 0.0) + ((m - 1) * post if r > 0 else 0.0)
-        frac = (res.idle_time[r] + res.comm_time[r] - posting) / res.step_latency
+        frac = (res.idle_time[r] + res.comm_time[r] - posting - sync) / res.step_latency
         assert frac == pytest.approx(bubble_fraction(p, m), abs=0.02)
     assert res.throughput == pytest.approx(m * 64 / res.step_latency)
     # m sends per boundary, 3 boundaries
@@ -94,7 +98,8 @@ def test_slow_stage_sets_the_pace():
     post = SEND_OVERHEAD_ALPHA * ALPHA + ACT * BETA
     # Σ t_i + Σ s_i + (m−1)·max cycle = (1 + 2 + 1)·t + 2 sends + 5·(2t + 2·post): the slow
     # stage receives and sends
-    assert res.step_latency == pytest.approx(4 * T_MM + 2 * send + (m - 1) * (2 * T_MM + 2 * post), rel=1e-9)
+    assert res.step_latency == pytest.approx(4 * T_MM + 2 * send + (m - 1) * (2 * T_MM + 2 * post)
+                                             + step_sync(cluster(p), p), rel=1e-9)
 
 
 def _allreduce_rank(n_matmuls: int) -> ir.Model:
@@ -114,10 +119,11 @@ def test_collective_waits_for_all_members():
     # γ = 3 / 1e15 s/B. Recursive doubling: 1·(α + nβ + nγ)
     gamma = 3 / 1e15
     ar = min(2 * ALPHA + ACT * BETA + ACT / 2 * gamma, ALPHA + ACT * BETA + ACT * gamma)
-    assert res.step_latency == pytest.approx(2 * T_MM + ar, rel=1e-9)
+    sync = ALPHA  # the barrier that ends the step: a 0-byte allreduce of 2 ranks
+    assert res.step_latency == pytest.approx(2 * T_MM + ar + sync, rel=1e-9)
     assert res.idle_time[0] == pytest.approx(T_MM, rel=1e-9)  # rank 0 waits one MatMul
     assert res.idle_time[1] == pytest.approx(0.0, abs=1e-12)
-    assert res.comm_time == (pytest.approx(ar, rel=1e-9), pytest.approx(ar, rel=1e-9))
+    assert res.comm_time == (pytest.approx(ar + sync, rel=1e-9), pytest.approx(ar + sync, rel=1e-9))
 
 
 def test_deadlock_is_reported():
