@@ -11,26 +11,33 @@ interleaved, so a burst of other load on the machine hits every variant alike; t
 round and ``rounds`` gives min/median/max over them of every median step and speed-up.
 It writes ``benchmarks/results/runtime_<model>_<strategy>.json``.
 
-``--overhead`` also measures the per-micro-batch runtime overhead on a tiny model (a 2-stage
-pipeline of a 2-layer MLP, 64 micro-batches of 1 sample): the slot per micro-batch minus the
-slowest stage's kernel time, into ``runtime_overhead.json``.
+The same run also measures the per-micro-batch runtime overhead on a tiny model (a 2-stage
+pipeline of a 2-layer MLP, 64 micro-batches of 1 sample), in the same interleaved rounds against
+its 1-rank build: the slot per micro-batch minus the slowest stage's kernel time, into
+``runtime_overhead.json`` (``--no-overhead`` skips it; ``--only-overhead`` runs only it). So one
+run writes every row of the table.
+
+Each timed variant repeats at least ``--repeat`` steps and at least ``--min-seconds`` of steps (by
+the planner's predicted step): a sub-millisecond step timed 10 times gives a median that one
+burst of other load moves by 30% (the BERT rows of 2026-12-01: round medians 0.46–0.83 ms).
 
 ``--markdown`` prints the README table from the JSON files already in the results folder.
 
 The final table needs a quiet machine (nothing else running; the load average is recorded in
-each row). One command, then regenerate the README:
+each row). One command (``make runtime-table``), then it regenerates the README:
 
-    .venv/bin/python benchmarks/bench_runtime.py --recalibrate --overhead && .venv/bin/python benchmarks/readme_tables.py
+    .venv/bin/python benchmarks/bench_runtime.py --recalibrate && .venv/bin/python benchmarks/readme_tables.py
 
     .venv/bin/python benchmarks/bench_runtime.py [--backend tvm|onnxruntime] [--baseline single]
-        [--repeat N] [--rounds R] [--models resnet,bert] [--strategies data,pipeline] [--overhead]
-        [--recalibrate] [--markdown]
+        [--repeat N] [--min-seconds S] [--rounds R] [--models resnet,bert] [--strategies data,pipeline]
+        [--no-overhead | --only-overhead] [--recalibrate] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -154,21 +161,30 @@ def ensure_calibration(backend: str, force: bool) -> str:
     return str(cache_path(backend))
 
 
-def overhead(backend: str, repeat: int, warmup: int, tmp: Path, out_dir: Path) -> None:
+def repeat_for(art: Any, args: argparse.Namespace) -> int:
+    """Steps per timed variant: ``--repeat``, raised so the steps last ``--min-seconds`` by the
+    planner's predicted step (the prediction only sizes the run; the measurement is the median)."""
+    pred = (art.manifest.get("prediction") or {}).get("step_latency_s") or 0.0
+    return max(args.repeat, min(2000, math.ceil(args.min_seconds / pred)) if pred > 0 else args.repeat)
+
+
+def overhead(args: argparse.Namespace, tmp: Path, out_dir: Path) -> None:
+    """The overhead row: a tiny MLP pipeline of 64 micro-batches, rounds as every other row."""
     import onnx
 
     from models_zoo import build
-    from partitioner.bench import bench_artifact, format_table
+    from partitioner.bench import format_table
 
     path = tmp / "tiny.onnx"
     onnx.save(build("mlp", **OVERHEAD_MODEL), path)
-    art = _compile(path, "cpu:2", "pipeline", backend, tmp / "tiny_pp", microbatches=OVERHEAD_MICROBATCHES)
-    doc = bench_artifact(art.root, repeat=repeat, warmup=warmup)
+    art = _compile(path, "cpu:2", "pipeline", args.backend, tmp / "tiny_pp", microbatches=OVERHEAD_MICROBATCHES)
+    single = _compile(path, "cpu:1", "single", args.backend, tmp / "tiny_single").root if args.baseline == "single" else None
+    doc = bench_case(art, single, args)
     doc["case"] = {"model": "mlp", **OVERHEAD_MODEL, "strategy": "pipeline", "microbatches": OVERHEAD_MICROBATCHES,
-                   "requested_backend": backend, "fallback": art.manifest.get("fallback"),
+                   "requested_backend": args.backend, "fallback": art.manifest.get("fallback"),
                    "target_overhead_s": 100e-6}
     (out_dir / "runtime_overhead.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print(f"== overhead: tiny mlp pipeline x2, {OVERHEAD_MICROBATCHES} micro-batches ({backend})")
+    print(f"== overhead: tiny mlp pipeline x2, {OVERHEAD_MICROBATCHES} micro-batches ({args.backend})")
     print(format_table(doc))
 
 
@@ -177,7 +193,8 @@ def bench_case(art: Any, single_dir: Path | None, args: argparse.Namespace) -> d
     every round's results and their min/median/max (``rounds``)."""
     from partitioner.bench import bench_artifact
 
-    docs = [bench_artifact(art.root, repeat=args.repeat, warmup=args.warmup,
+    repeat = repeat_for(art, args)
+    docs = [bench_artifact(art.root, repeat=repeat, warmup=args.warmup,
                            baseline="single" if single_dir else "onnxruntime", single_dir=single_dir)
             for _ in range(args.rounds)]
     doc = docs[-1]
@@ -194,11 +211,14 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--baseline", choices=("onnxruntime", "single"), default="single")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--min-seconds", type=float, default=0.5,
+                    help="each timed variant runs at least this long (by the predicted step)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (min/median/max; >= 3)")
     ap.add_argument("--models", default="resnet,bert")
     ap.add_argument("--strategies", default="data,pipeline")
     ap.add_argument("--recalibrate", action="store_true", help="calibrate the backend again before compiling")
-    ap.add_argument("--overhead", action="store_true", help="also measure the per-micro-batch runtime overhead")
+    ap.add_argument("--overhead", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    ap.add_argument("--no-overhead", action="store_true", help="skip the per-micro-batch overhead row")
     ap.add_argument("--only-overhead", action="store_true", help="measure only the overhead")
     ap.add_argument("--markdown", action="store_true", help="print the README table from the JSON files and exit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -222,8 +242,8 @@ def main() -> int:
     calibration = ensure_calibration(args.backend, args.recalibrate)
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp_name:
         tmp = Path(tmp_name)
-        if args.overhead or args.only_overhead:
-            overhead(args.backend, max(args.repeat, 20), args.warmup, tmp, out_dir)
+        if not args.no_overhead or args.only_overhead:
+            overhead(args, tmp, out_dir)
         if args.only_overhead:
             return 0
         for name in args.models.split(","):
