@@ -88,7 +88,7 @@ tables: $(STAMP)
 
 ## The runtime table (predicted vs measured time and memory, 3 interleaved rounds): on a quiet machine.
 runtime-table: $(STAMP)
-	$(PY) benchmarks/bench_runtime.py --recalibrate --overhead && $(PY) benchmarks/readme_tables.py
+	$(PY) benchmarks/bench_runtime.py --recalibrate && $(PY) benchmarks/readme_tables.py
 
 clean:
 	rm -rf $(OUT) .pytest_cache build dist *.egg-info

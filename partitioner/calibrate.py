@@ -590,17 +590,19 @@ def _run_mpi(quick: bool, timeout: float) -> tuple[dict[str, Any] | None, str]:
 
 # ---- putting it together ---------------------------------------------------------------------
 
-def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = True) -> Calibration:
+def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = True,
+              thread_probe: bool | None = None) -> Calibration:
     """Run the probes (module docstring) and return the measurements; ``backend`` selects whose
     kernels the per-class efficiencies and launch overhead describe; ``mpi=False`` skips the
-    MPI probe (the link keeps nominal numbers)."""
+    MPI probe (the link keeps nominal numbers); ``thread_probe`` True runs probe 6 even while
+    the cores are busy, False never, None when they are free."""
     if backend not in BACKENDS:
         raise CalibrationError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     t0 = time.perf_counter()
     single = _run_probe(quick, timeout=120 if quick else 300, backend=backend)
     threads = probe_threads()
     thread_eff: dict[str, float] = {}
-    if threads > 1 and _cores_free(threads):
+    if threads > 1 and (thread_probe if thread_probe is not None else _cores_free(threads)):
         one, many = (_run_probe(quick, timeout=120 if quick else 300, backend=backend, threads=t) for t in (1, threads))
         thread_eff = thread_efficiency(one, many, {k.name: k.op_class for k in micro_kernels(quick)}, threads)
     # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
@@ -643,12 +645,13 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     return Cluster("local", devs, (tuple(range(n)),), (link,), notes)
 
 
-def calibrate_and_cache(backend: str = DEFAULT_BACKEND, quick: bool = True) -> tuple[Calibration, Cluster]:
+def calibrate_and_cache(backend: str = DEFAULT_BACKEND, quick: bool = True,
+                        thread_probe: bool | None = None) -> tuple[Calibration, Cluster]:
     """Calibrate this machine for ``backend`` and store the result in the per-machine cache
     (:mod:`partitioner.calibrate_cache`), which the ``cpu:N`` preset reads from then on."""
     from partitioner.calibrate_cache import save_cached
 
-    cal = calibrate(quick=quick, backend=backend)
+    cal = calibrate(quick=quick, backend=backend, thread_probe=thread_probe)
     one = cluster_from_calibration(cal, 1)
     save_cached(one.to_json(), cal.to_json(), backend)
     return cal, one

@@ -9,7 +9,10 @@ Modules, one concept each:
 - :mod:`partitioner.cost.pipeline` — GPipe bubble and fill-drain step time.
 - :mod:`partitioner.cost.memory` — per-device memory estimate; the per-rank peak rule of each
   runtime (``rank_peak``).
-- :mod:`partitioner.cost.threads` — threads per rank when a plan has fewer ranks than cores.
+- :mod:`partitioner.cost.threads` — threads per rank when a plan has fewer ranks than cores, and
+  their speed-up per op class.
+- :mod:`partitioner.cost.runtime_overhead` — the runtime's fixed costs per kernel, program run,
+  comm op and step (shared by the simulator, the search estimate and training predictions).
 - :mod:`partitioner.cost.simulate` — event simulator over per-rank programs with comm ops.
 """
 
