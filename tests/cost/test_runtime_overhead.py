@@ -115,3 +115,13 @@ def test_onnxruntime_comm_op_overhead_is_measured(tmp_path: Path) -> None:
 def test_tvm_comm_op_overhead_is_measured(tmp_path: Path) -> None:
     t = comm_op_overhead("tvm", tmp_path, 0.0, quick=True)
     assert 0 < t < 1e-3
+
+
+def test_thread_probe_waits_for_free_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a parallel speed-up measured while other work holds the cores measures that work
+    from partitioner import calibrate as cal
+
+    monkeypatch.setattr(cal.os, "getloadavg", lambda: (6.0, 6.0, 6.0))
+    assert not cal._cores_free(2)
+    monkeypatch.setattr(cal.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert cal._cores_free(2) and not cal._cores_free(1)
