@@ -20,6 +20,18 @@ best 2-way split is predicted 1.1-1.15x faster at most), which is what the Nov 3
 (ResNet-18 data x2 1.14x, BERT data x2 1.10x against 1 rank on both cores).
 Slow (minutes of TVM builds per model).
 
+A split that must win (:func:`test_auto_splits_where_threads_do_not_help`): a model of
+elementwise blocks (Mul, Add, Abs, Neg, Exp, Add on a 64 x 2048 activation, 6 blocks), whose
+TVM kernels run on one thread whatever the pool size (measured 2026-12-01: a chain of Adds took
+4.3 us per kernel on 1 thread and on 2). The calibration's thread probe (probe 6, forced on here
+so that a busy machine still measures it) finds that, so ``single x1`` on 2 cores is predicted no
+faster than on one and ``auto`` must pick a 2-way split (data x2: each rank does half the rows on
+its own core). The split must then measure at least 1 + SPLIT_WIN = 1.25x faster than the
+1-rank build on the same 2 cores (median over ROUNDS interleaved rounds of the paired ratio); the
+planner predicts about 1.9x. If a backend change makes these kernels use threads (calibrated
+elementwise thread efficiency of 0.5 or more), ``auto`` keeps ``single x1`` and the test checks
+that instead.
+
 Earlier results (2026-12-01, before the planner counted the 1-rank plan's threads and the
 per-kind margins; shared 2-core machine, load average 30–74, so not a verdict): resnet, bert,
 mobilenet and light_shufflenet passed once each (resnet failed a second run at load 74: data x2
@@ -37,8 +49,10 @@ import os
 import statistics
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import models_zoo
 from partitioner import calibrate_cache
@@ -48,6 +62,7 @@ from partitioner.compiler import prepare
 from partitioner.partition import partition
 
 NOISE = 0.10
+SPLIT_WIN = 0.25
 ROUNDS = 5
 CASES = {
     "resnet": {"batch": 8, "image": 64},
@@ -98,3 +113,60 @@ def test_auto_not_slower_than_single(name: str, calibrated: None, tmp_path: Path
         f"{name}: auto chose {res.plan.strategy} x{res.plan.world_size}: split/1-rank per round "
         f"{[round(a / b, 2) for a, b in zip(split_s, single_s)]} (split ms {[round(x * 1e3, 2) for x in split_s]}, "
         f"1 rank on the same cores {[round(x * 1e3, 2) for x in single_s]}) ({res.explanation})")
+
+
+def elementwise_blocks(batch: int = 64, width: int = 2048, blocks: int = 6) -> onnx.ModelProto:
+    """``blocks`` blocks y = exp(-|x * s + c|) + c on a ``batch`` x ``width`` activation, seeded
+    random scales and shifts: only elementwise kernels. Every value is read once: TVM inlines a
+    fused elementwise chain, so an op that reads its input several times (a residual Add, Tanh's
+    rational form) multiplies the kernel's expression each block (minutes of LLVM)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+    for b in range(blocks):
+        inits += [numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), f"s{b}"),
+                  numpy_helper.from_array((rng.standard_normal(width) * 0.1).astype(np.float32), f"c{b}")]
+        nodes += [helper.make_node("Mul", [cur, f"s{b}"], [f"m{b}"]), helper.make_node("Add", [f"m{b}", f"c{b}"], [f"a{b}"]),
+                  helper.make_node("Abs", [f"a{b}"], [f"b{b}"]), helper.make_node("Neg", [f"b{b}"], [f"n{b}"]),
+                  helper.make_node("Exp", [f"n{b}"], [f"t{b}"]), helper.make_node("Add", [f"t{b}", f"c{b}"], [f"r{b}"])]
+        cur = f"r{b}"
+    g = helper.make_graph(nodes, "elementwise_blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+                          [helper.make_tensor_value_info(cur, TensorProto.FLOAT, [batch, width])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def calibrated_threads(tmp_path_factory: pytest.TempPathFactory):
+    """This machine's quick TVM calibration with the thread probe forced on, in its own cache."""
+    from partitioner.calibrate import calibrate_and_cache
+
+    old = os.environ.get(calibrate_cache.CACHE_DIR_ENV)
+    os.environ[calibrate_cache.CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("calibration_threads"))
+    cal, _ = calibrate_and_cache("tvm", quick=True, thread_probe=True)
+    yield cal
+    if old is None:
+        os.environ.pop(calibrate_cache.CACHE_DIR_ENV, None)
+    else:
+        os.environ[calibrate_cache.CACHE_DIR_ENV] = old
+
+
+def test_auto_splits_where_threads_do_not_help(calibrated_threads, tmp_path: Path) -> None:
+    path = tmp_path / "elementwise_blocks.onnx"
+    onnx.save(elementwise_blocks(), path)
+    res = partition(prepare(str(path))[0], "cpu:2", strategy="auto", lower=False)
+    eff = calibrated_threads.thread_efficiency_by_class.get("elementwise")
+    assert eff is not None, "the forced thread probe measured no elementwise kernels"
+    if eff >= 0.5:  # this backend's elementwise kernels use threads: the 1-rank plan is as fast
+        assert res.plan.world_size == 1 and res.explanation.startswith("auto chose single x1"), res.explanation
+        return
+    assert res.plan.world_size == 2, f"elementwise thread efficiency {eff:.2f}: {res.explanation}"
+    art = compile_artifact(str(path), "cpu:2", strategy="auto", out_dir=tmp_path / "auto", progress=False)
+    single = compile_artifact(str(path), "cpu:1", strategy="single", out_dir=tmp_path / "single", progress=False)
+    ratios = []
+    for _ in range(ROUNDS):
+        doc = bench_artifact(art.root, baseline="single", single_dir=single.root, repeat=20, warmup=3, ort=False)
+        ratios.append(doc["results"]["partitioned"]["median_s"] / doc["results"]["single"]["median_s"])
+    print(f"elementwise thread efficiency {eff:.2f}; auto: {res.plan.strategy} x{res.plan.world_size}; "
+          f"split / 1-rank step per round {[round(r, 3) for r in ratios]}")
+    assert statistics.median(ratios) <= 1 / (1 + SPLIT_WIN), (
+        f"auto chose {res.plan.strategy} x2 (elementwise thread efficiency {eff:.2f}); split / 1-rank step per "
+        f"round {[round(r, 2) for r in ratios]} ({res.explanation})")
