@@ -3,7 +3,10 @@
 Rules:
 
 1. The prediction is :func:`partitioner.training.plan.predict_training` for the plan the run
-   uses (``--strategy auto`` resolved first), before anything trains.
+   uses (``--strategy auto`` resolved first), before anything trains, on ``cpu:<devices>`` with
+   the run's backend's calibrated figures (when ``partitioner calibrate`` has run) and this
+   machine's fixed step costs (:func:`partitioner.training.overheads.calibrate`, about a second;
+   cost rule 7), reported as ``overheads_us``.
 2. The run is ``partitioner.train`` with the given options; several devices run as MPI
    processes (each rank writes ``memory_rank<r>.json``), one device in this process.
 3. Memory per rank: the training steps' peak RSS minus the RSS before the program loads
@@ -46,9 +49,15 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
                                    memory_limit=memory_limit)[0]
     kind = "single" if devices == 1 else strategy
     backend = train_kw.get("backend", "onnxruntime")
+    from partitioner.cluster import resolve_cluster
+    from partitioner.training import overheads as fixed
+
+    costs = fixed.calibrate(backend)
     pred = predict_training(model, kind, devices, batch=batch, optimizer=optimizer, schedule=schedule,
                             micro_batches=micro_batches, stages=stages, memory_limit=memory_limit,
-                            overlap=backend == "onnxruntime")
+                            overlap=backend == "onnxruntime", overheads=costs,
+                            loss=train_kw.get("loss", "cross_entropy"),
+                            cluster=resolve_cluster(f"cpu:{devices}", backend))
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-bench-"))
     memory_window.CURRENT = memory_window.MemoryWindow(process_baseline_bytes=memory_window.baseline(backend),
                                                        armed=True)
@@ -68,6 +77,7 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
     return {"strategy": kind, "devices": devices, "batch": batch, "optimizer": optimizer,
             "schedule": pred.schedule, "micro_batches": pred.micro_batches, "steps_timed": len(times),
             "step_time_s": _ratio(pred.step_time_s, step), "predicted_breakdown_s": pred.breakdown,
+            "overheads_us": fixed.figures(costs),
             "memory_per_rank": [{"rank": r, **_ratio(p, float(m["training_bytes"])),
                                  "process_bytes": m.get("process_bytes"), "build_bytes": m.get("build_bytes"),
                                  "window_reset": m.get("window_reset")}
