@@ -10,12 +10,26 @@ step of epoch 2; memory per rank = the training steps' peak RSS minus the RSS be
 loads (docs/training.md). The prediction is :func:`partitioner.training.plan.predict_training`
 on ``cpu:<ranks>`` (the calibrated figures when ``partitioner calibrate`` has run); the 2-thread
 run has no predicted time (the cost model has no intra-op thread model). A plan the model does
-not admit (tensor on resnet: no MLP pair) is recorded with its reason. Writes
+not admit (tensor on resnet: no MLP pair) is recorded with its reason. The predicted step holds
+this machine's fixed costs (Python driver, per program call, per node, per returned byte, per
+pipeline micro-batch: :mod:`partitioner.training.overheads`, cost rule 7), measured at the start
+and recorded as ``overheads_us``; ``predicted_compute_step_s`` is the same prediction without
+them (compute and communication only: the model before rule 7). Writes
 ``benchmarks/results/train_step_<model>_<backend>.json`` with the machine, the versions and the
 load average before and after (``loaded`` when the 1-minute load exceeded 0.5 at either point:
 another process shared the cores, and the times are not comparable). ``--quick``: small models,
 4 steps, for a smoke run (marked ``quick``). Targets (issue 16): data >= 1.7x and pipeline >= 1.5x
 the 1-rank 1-thread samples/s; predicted step time and peak memory within 25% of measured.
+
+Sizes: the speed targets are about compute, so each model is sized so that one 1-rank step is
+tens of milliseconds of arithmetic (a few GFLOP), where the fixed per-step costs (tens of
+microseconds per call) and the gradient AllReduce (the weights' bytes over shared memory) are a
+few percent: the mlp has 4 equal 1024-wide layers (16 MiB of weights, 6.4 GFLOP per step at
+batch 256), so its 2 pipeline stages split evenly and each 1F1B micro-batch is a 32-row GEMM;
+bert has 2 layers 256 wide over 64 tokens (about 10 GFLOP per step at batch 16); the resnet is
+the zoo resnet-18 on 64x64 images. With 1F1B and 8 micro-batches on 2 stages the bubble caps the
+pipeline at 16/9 = 1.78x. The quiet run takes about 5-8 minutes on 2 cores (``--models``
+to run fewer).
 
     .venv/bin/python benchmarks/train_step.py [--models mlp,resnet,bert] [--backend onnxruntime|tvm] [--steps 20]
     .venv/bin/python benchmarks/train_step.py --quick       # smoke run
@@ -36,10 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-CASES = {
-    "mlp": ({"batch": 64}, "cross_entropy"),
+CASES = {  # compute-dominated sizes (module docstring)
+    "mlp": ({"batch": 256, "layers": 4, "hidden": 1024, "in_features": 1024}, "cross_entropy"),
     "resnet": ({"batch": 16, "image": 64, "classes": 10}, "cross_entropy"),
-    "bert": ({"batch": 16, "seq": 32}, "mse"),
+    "bert": ({"batch": 16, "seq": 64, "hidden": 256, "heads": 4, "layers": 2}, "mse"),
 }
 QUICK = {
     "mlp": ({"batch": 16, "hidden": 64, "in_features": 32}, "cross_entropy"),
@@ -90,8 +104,13 @@ def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, thre
                                                else "")
           + f"  memory MiB/rank measured {max(m['measured'] for m in mem) / 2**20:.1f} predicted "
           f"{max(m['predicted'] for m in mem) / 2**20:.1f}", flush=True)
+    fixed = doc["predicted_breakdown_s"].get("fixed_s", 0.0)
     return {"median_step_s": st["measured"], "samples_per_s": batch / st["measured"], "steps": doc["steps_timed"],
-            "predicted_step_s": st.get("predicted"), "predicted_memory_per_rank": [m["predicted"] for m in mem],
+            "predicted_step_s": st.get("predicted"),
+            "predicted_compute_step_s": st["predicted"] - fixed if "predicted" in st else None,
+            "predicted_breakdown_s": doc["predicted_breakdown_s"], "overheads_us": doc.get("overheads_us"),
+            "median_step_cpu_s": doc.get("step_cpu_s"),
+            "predicted_memory_per_rank": [m["predicted"] for m in mem],
             "measured_memory_per_rank": [m["measured"] for m in mem]}
 
 
