@@ -22,14 +22,19 @@ another process shared the cores, and the times are not comparable). ``--quick``
 the 1-rank 1-thread samples/s; predicted step time and peak memory within 25% of measured.
 
 Sizes: the speed targets are about compute, so each model is sized so that one 1-rank step is
-tens of milliseconds of arithmetic (a few GFLOP), where the fixed per-step costs (tens of
-microseconds per call) and the gradient AllReduce (the weights' bytes over shared memory) are a
-few percent: the mlp has 4 equal 1024-wide layers (16 MiB of weights, 6.4 GFLOP per step at
-batch 256), so its 2 pipeline stages split evenly and each 1F1B micro-batch is a 32-row GEMM;
-bert has 2 layers 256 wide over 64 tokens (about 10 GFLOP per step at batch 16); the resnet is
-the zoo resnet-18 on 64x64 images. With 1F1B and 8 micro-batches on 2 stages the bubble caps the
-pipeline at 16/9 = 1.78x. The quiet run takes about 5-8 minutes on 2 cores (``--models``
-to run fewer).
+well over 50 ms of arithmetic, where what does not shrink with the batch share is a few percent:
+the fixed costs (tens of microseconds per call), and the weight-sized passes (the gradient
+AllReduce, the buckets' copies and the optimizer for data; the per-micro-batch gradient
+accumulation for pipeline), which grow with the weights while the arithmetic grows with
+weights x batch. The mlp has 4 equal 1024-wide layers (16 MiB of weights, about 26 GFLOP per
+step at batch 1024), so its 2 pipeline stages split evenly and each 1F1B micro-batch is a
+128-row GEMM; bert has 2 layers 256 wide over 64 tokens at batch 32 (about 20 GFLOP); the resnet
+is the zoo resnet-18 on 64x64 images (45 MiB of weights). With 1F1B and 8 micro-batches on 2
+stages the bubble caps the pipeline at 16/9 = 1.78x. The cost model (this machine's ORT
+calibration) predicts data 1.84x / 1.91x and pipeline 1.61x / 1.66x for mlp / bert; for resnet
+data 1.76x but pipeline under 1x: its last stage holds layer4 (three quarters of the weights)
+and adds 34 MiB of gradients per micro-batch. The quiet run takes about 5-8 minutes on 2 cores
+(``--models`` to run fewer).
 
     .venv/bin/python benchmarks/train_step.py [--models mlp,resnet,bert] [--backend onnxruntime|tvm] [--steps 20]
     .venv/bin/python benchmarks/train_step.py --quick       # smoke run
@@ -51,9 +56,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 CASES = {  # compute-dominated sizes (module docstring)
-    "mlp": ({"batch": 256, "layers": 4, "hidden": 1024, "in_features": 1024}, "cross_entropy"),
+    "mlp": ({"batch": 1024, "layers": 4, "hidden": 1024, "in_features": 1024}, "cross_entropy"),
     "resnet": ({"batch": 16, "image": 64, "classes": 10}, "cross_entropy"),
-    "bert": ({"batch": 16, "seq": 64, "hidden": 256, "heads": 4, "layers": 2}, "mse"),
+    "bert": ({"batch": 32, "seq": 64, "hidden": 256, "heads": 4, "layers": 2}, "mse"),
 }
 QUICK = {
     "mlp": ({"batch": 16, "hidden": 64, "in_features": 32}, "cross_entropy"),
@@ -172,15 +177,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="small models, 4 steps: a smoke run")
     p.add_argument("--markdown", action="store_true", help="print the README table from the JSON files and exit")
+    p.add_argument("--results-dir", type=Path, default=RESULTS,
+                   help="where the JSON files go (default benchmarks/results; another folder for a trial run)")
     args = p.parse_args()
     if args.markdown:
-        print(markdown())
+        print(markdown(args.results_dir))
         return 0
     import onnxruntime
     import tvm
 
     steps = 4 if args.quick else args.steps
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         before = _load()
         results = run_case(name, args.backend, steps, args.quick)
@@ -196,7 +203,7 @@ def main() -> int:
                "note": ("threads = the backend's intra-op threads per rank; MPI ranks are pinned to half the cores "
                         "each; pipeline = 1F1B with 8 micro-batches; predicted = training cost model on cpu:<ranks>; "
                         "memory = training steps' peak RSS minus the RSS before the program loads")}
-        (RESULTS / f"train_step_{name}_{args.backend}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (args.results_dir / f"train_step_{name}_{args.backend}.json").write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

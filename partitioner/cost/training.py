@@ -29,8 +29,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    against 14 W: within 25% except the last pipeline stage (0.72; docs/training.md).
 4. Step time:
    - ``single``: forward + backward + optimizer;
-   - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
-     cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
+   - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
+     weights' bytes (each bucket's concatenation, its ``* 1/R`` scale and its split back: read and
+     write), plus the gradient AllReduce (all weight bytes, the cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
      backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
      the blocking step, as the runtime then runs it). With ``overlap=False`` (the TVM backend,
@@ -78,6 +79,9 @@ BACKWARD_FACTOR = {"gemm": 2.0, "conv": 2.0, "depthwise_conv": 2.0}
 BUCKET_BYTES = 25 * 2**20
 #: data parallel: weight-sized copies between the step's segments (rule 3)
 BUCKET_COPIES = 5
+#: data parallel: weight-sized memory passes (read and write) the buckets add to a step: the
+#: concatenation, the ``* 1/R`` scale and the split back (rule 4)
+BUCKET_PASSES = 3
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "Momentum": 1, "AdamW": 2}
 
 
@@ -205,12 +209,14 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
     comm = 0.0
     overlapped = None
     buckets = 0
+    passes = 0.0
     if strategy == "data" and devices > 1:
         comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
         overlapped = overlapped_backward(p, devices, cluster)
         buckets = len(gradient_buckets(p))
+        passes = BUCKET_PASSES * 2 * w / device.memory_bandwidth
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
-             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm,
+             "optimizer_s": _optimizer_time(w, copies, device) + passes, "comm_s": comm,
              "fixed_s": _whole_step_fixed(p, copies, buckets)}
     step = sum(parts.values())
     if overlapped is not None:
