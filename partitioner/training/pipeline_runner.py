@@ -41,8 +41,9 @@ def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, thr
     """The program on ``backend`` (an ORT session set, or a TVM library built into ``workdir``)."""
     if backend == "onnxruntime":
         from backends.onnxruntime import RankExecutable
+        from partitioner.training.runner import SHARED_ARENA
 
-        return RankExecutable(program, threads=threads)
+        return RankExecutable(program, threads=threads, shared_arena=SHARED_ARENA)
     if backend != "tvm":
         raise UsageError(f"unknown backend {backend!r}; choose onnxruntime or tvm")
     from backends.tvm.build import build_one
