@@ -22,7 +22,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, AllReduced
    into a new array, scaled and split: 5 copies between the program's segments). ``pipeline``
    adds 4 ``G`` (the backward program's arena: its gradient outputs and weight-sized
-   temporaries; the gradients it returns; the accumulator over the micro-batches). Measured
+   temporaries; the gradients it returns; the accumulator over the micro-batches). ``tensor``
+   adds its comm ops' inputs and outputs (alive in the rank's value table for the whole step,
+   the program running as segments between them) and ``R`` copies of the largest (the
+   deterministic reduction gathers every rank's). Measured
    (``train --bench``, ONNX Runtime, the zoo mlp 2048 wide, 48 MiB of weights; weights W per
    rank): single SGD 4.0 W against 4 W predicted, single Adam 10.9 W against 10 W, tensor Adam
    11.3 W against 10 W, data SGD 11.3 W against 9 W, pipeline Adam 16.9 / 19.6 W per stage
@@ -339,5 +342,9 @@ def tensor(p: _Profile, world: int, batch: int, copies: int, split: set[str], al
              "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm,
              "fixed_s": _whole_step_fixed(p, copies, len(allreduce_bytes))}
     step = sum(parts.values())
-    mem = resident_bytes(w, copies, float((p.activation * share).sum()))
+    # the comm ops' inputs and outputs stay in the rank's value table for the whole step (the
+    # program runs as segments between them), and the deterministic reduction gathers every
+    # rank's copy of the largest (rule 3)
+    held = 2 * sum(allreduce_bytes) + world * max(allreduce_bytes, default=0.0)
+    mem = resident_bytes(w, copies, float((p.activation * share).sum()) + held)
     return TrainingPrediction("tensor", world, batch, step, batch / step, [mem] * world, parts)
