@@ -20,11 +20,16 @@ Rules:
      each output as a new array over a buffer it allocates: allocation and first-touch page
      faults) minus the same session writing into a bound, already touched buffer (IOBinding):
      the bytes an output costs beyond the kernel's own work, ``per_output_byte``.
-   ``node`` from ``C(1)``/``C(201)``, ``array`` from ``A(1)``/``A(64)``, ``call`` the rest
-   (each clamped at 0: a loaded machine's noise must not make a cost negative).
-2. ``per_step``: one step of a tiny training step (mlp, 2 layers of 8) through
-   :class:`partitioner.training.runner.StepRunner` with the loop's batch gather, minus what
-   rule 1's figures predict for its one call (its nodes, arrays and output bytes).
+   ``array`` from ``A(1)``/``A(64)`` (less the trivial node's cost from ``C(1)``/``C(201)``),
+   ``call`` the rest of ``C(1)`` (each clamped at 0: a loaded machine's noise must not make a
+   cost negative).
+2. A tiny training step (mlp, 2 layers of 8: MatMul, Add, Relu, LogSoftmax, the gradient
+   rules' Reshape/Transpose/ReduceSum, the optimizer): ``per_node`` = its program's call minus
+   ``call`` and its arrays' and output bytes' costs, over its node count (a training op's
+   dispatch costs several times a trivial Add's: shapes, allocation, kernel choice; the compute
+   of 8-wide layers is negligible); ``per_step`` = one
+   :class:`partitioner.training.runner.StepRunner` step with the loop's batch gather minus that
+   call (the Python driver: feeds, state swap, the loss).
 3. ``per_micro_batch``: the pipeline runner's own Python per micro-batch (slicing, feeds, the
    stash, the send/recv calls, the in-place gradient sum): a tiny 2-stage mlp pipeline
    (4 micro-batches), each stage's :class:`PipelineRunner` alone over a communicator that
@@ -114,8 +119,9 @@ def _output_cost(repeat: int) -> float:
     return max(0.0, (fresh - bound) / (4 * elements))
 
 
-def _driver_step(repeat: int) -> tuple[float, int, int, float]:
-    """Rule 2's tiny step: (median seconds, nodes, arrays, output bytes) of one StepRunner step."""
+def _driver_step(repeat: int) -> tuple[float, float, int, int, float]:
+    """Rule 2's tiny step: median seconds of one StepRunner step with the loop's batch gather, of
+    its program's call alone, and the program's nodes, arrays and output bytes."""
     import models_zoo
     from partitioner.training.optimizers import SGD
     from partitioner.training.runner import StepRunner
@@ -128,29 +134,42 @@ def _driver_step(repeat: int) -> tuple[float, int, int, float]:
     x = np.ones((16, 8), np.float32)
     y = np.zeros(16, np.int64)
     idx = np.arange(4)
-    times = []
-    for i in range(repeat + 10):
-        t0 = time.perf_counter()
-        runner.step({runner.signature.data[0]: x[idx].astype(np.float32, copy=False)}, y[idx])
-        if i >= 10:
-            times.append(time.perf_counter() - t0)
+    sig = runner.signature
+
+    def loop_step() -> None:
+        runner.step({sig.data[0]: x[idx].astype(np.float32, copy=False)}, y[idx])
+
+    feeds = {sig.data[0]: x[idx], sig.labels: y[idx], **{a: runner.state[a] for a, _ in sig.state}}
+    t_step = _median(loop_step, repeat)
+    t_call = _median(lambda: runner._exe.run(feeds, runner.comm), repeat)
     out_bytes = sum(int(np.prod([d.dim_value for d in v.type.tensor_type.shape.dim] or [1])) * 4
                     for v in prog.graph.output)
     arrays = len(prog.graph.input) + len(prog.graph.output)
-    return statistics.median(times), len(prog.graph.node), arrays, float(out_bytes)
+    return t_step, t_call, len(prog.graph.node), arrays, float(out_bytes)
+
+
+def _median(fn: Any, repeat: int, warmup: int = 10) -> float:
+    times = []
+    for i in range(repeat + warmup):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 @functools.lru_cache(maxsize=4)
 def calibrate(backend: str = "onnxruntime", repeat: int = 200) -> StepOverheads:
     """Rules 1-3 (cached per process: about a second)."""
-    c1, c201 = _median_run(chain(1), repeat), _median_run(chain(201), repeat)
-    node = max(0.0, (c201 - c1) / 200)
+    c1 = _median_run(chain(1), repeat)
     a1, a64 = _median_run(fan(1), repeat), _median_run(fan(64), repeat)
-    array = max(0.0, ((a64 - a1) / 63 - node) / 2)
-    call = max(0.0, c1 - node - 2 * array)
+    add = max(0.0, (_median_run(chain(201), repeat) - c1) / 200)  # a trivial node (rule 1)
+    array = max(0.0, ((a64 - a1) / 63 - add) / 2)
+    call = max(0.0, c1 - add - 2 * array)
     per_byte = _output_cost(max(10, repeat // 10))
-    step, nodes, arrays, out_bytes = _driver_step(repeat)
-    per_step = max(0.0, step - (call + nodes * node + arrays * array + out_bytes * per_byte))
+    t_step, t_call, nodes, arrays, out_bytes = _driver_step(repeat)
+    node = max(add, (t_call - call - arrays * array - out_bytes * per_byte) / nodes)  # a training op (rule 2)
+    per_step = max(0.0, t_step - t_call)
     probe = StepOverheads(per_step_s=per_step, per_call_s=call, per_node_s=node, per_array_s=array,
                           per_output_byte_s=per_byte)
     per_mb = _micro_batch_driver(probe, max(20, repeat // 4))
