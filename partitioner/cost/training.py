@@ -25,16 +25,17 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    temporaries; the gradients it returns; the accumulator over the micro-batches). ``tensor``
    adds its comm ops' inputs and outputs (alive in the rank's value table for the whole step,
    the program running as segments between them) and ``R`` copies of the largest (the
-   deterministic reduction gathers every rank's). Measured
-   (``train --bench``, ONNX Runtime, the zoo mlp 2048 wide, 48 MiB of weights; weights W per
-   rank): single SGD 4.0 W against 4 W predicted, single Adam 10.9 W against 10 W, tensor Adam
-   11.3 W against 10 W, data SGD 11.3 W against 9 W, pipeline Adam 16.9 / 19.6 W per stage
-   against 14 W: within 25% except the last pipeline stage (0.72; docs/training.md).
+   deterministic reduction gathers every rank's). Measured (``train --bench``, ONNX Runtime
+   ranks sharing one arena across their sessions, 2 MPI ranks; the zoo mlp 2048 wide at batch 32
+   and 4x1024 at batch 1024): single, data and pipeline 1F1B (SGD, Adam) within 0.80-1.03 of the
+   prediction on every rank; tensor 0.62-0.67 at batch 1024 (docs/training.md, "What the
+   measured peak holds").
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
      weights' bytes (each bucket's concatenation, its ``* 1/R`` scale and its split back: read and
-     write), plus the gradient AllReduce (all weight bytes, the cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
+     write), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
+     overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
      backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
      the blocking step, as the runtime then runs it). With ``overlap=False`` (the TVM backend,
