@@ -61,7 +61,8 @@ class StepRunner:
         elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 
-            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA)
+            # one session (no comm op): its own arena; several segments: the shared one
+            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0)
         else:
             from backends.tvm.build import build_one
             from backends.tvm.executable import TvmRankExecutable
