@@ -204,15 +204,36 @@ def build(program: onnx.ModelProto, out_path: pathlib.Path, *, target: Any = Non
     return {"backend": NAME, "onnxruntime": onnxruntime.__version__, "file": out_path.name}
 
 
+_ENV_ARENA: list[bool] = []
+
+
+def _shared_arena() -> None:
+    """Register one CPU arena allocator in ONNX Runtime's process environment (once): sessions
+    made with ``session.use_env_allocators`` then take their buffers from it, so the segments of a
+    program split at its comm ops reuse one arena instead of each keeping its own peak (a
+    training rank's step is several segments: docs/training.md)."""
+    if _ENV_ARENA:
+        return
+    import onnxruntime as ort
+
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, None)
+    _ENV_ARENA.append(True)
+
+
 class RankExecutable:
     """One rank's program as ORT sessions (one per segment) and comm steps, run in order."""
 
-    def __init__(self, program: onnx.ModelProto, *, threads: int = 1, weights_dir: pathlib.Path | None = None) -> None:
+    def __init__(self, program: onnx.ModelProto, *, threads: int = 1, weights_dir: pathlib.Path | None = None,
+                 shared_arena: bool = False) -> None:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = max(1, int(threads))
         opts.inter_op_num_threads = 1
+        if shared_arena:  # one CPU arena for every segment's session (not one each): _shared_arena
+            _shared_arena()
+            opts.add_session_config_entry("session.use_env_allocators", "1")
         opts.log_severity_level = 3
         if weights_dir is not None:  # ORT memory-maps rank<i>.data itself (docs/large_models.md)
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))

@@ -21,16 +21,23 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``). ``data`` adds
    ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, AllReduced
    into a new array, scaled and split: 5 copies between the program's segments). ``pipeline``
-   adds 4 ``G`` (the backward program's arena: its gradient outputs and weight-sized
-   temporaries; the gradients it returns; the accumulator over the micro-batches). Measured
-   (``train --bench``, ONNX Runtime, the zoo mlp 2048 wide, 48 MiB of weights; weights W per
-   rank): single SGD 4.0 W against 4 W predicted, single Adam 10.9 W against 10 W, tensor Adam
-   11.3 W against 10 W, data SGD 11.3 W against 9 W, pipeline Adam 16.9 / 19.6 W per stage
-   against 14 W: within 25% except the last pipeline stage (0.72; docs/training.md).
+   adds ``PIPELINE_GRADIENT_COPIES`` = 3 ``G`` (the backward's gradient outputs, the
+   accumulator over the micro-batches, the weight-sized temporaries of the backward and update
+   programs in the rank's one shared arena; measured: 2.4 G with SGD, 3.65 G with Adam on the
+   mlp 2048's first stage). ``tensor``
+   adds its comm ops' inputs and outputs (alive in the rank's value table for the whole step,
+   the program running as segments between them) and ``R`` copies of the largest (the
+   deterministic reduction gathers every rank's). Measured (``train --bench``, ONNX Runtime
+   ranks sharing one arena across their sessions, 2 MPI ranks; the zoo mlp 2048 wide at batch 32
+   and 4x1024 at batch 1024): single, data and pipeline 1F1B (SGD, Adam) within 0.80-1.03 of the
+   prediction on every rank; tensor 0.62-0.67 at batch 1024 (docs/training.md, "What the
+   measured peak holds").
 4. Step time:
    - ``single``: forward + backward + optimizer;
-   - ``data``: the same at the local batch, plus the gradient AllReduce (all weight bytes, the
-     cluster's collective model), overlapping the backward as rule 5 simulates: the ONNX Runtime
+   - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
+     weights' bytes (each bucket's concatenation, its ``* 1/R`` scale and its split back: read and
+     write), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
+     overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
      backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
      the blocking step, as the runtime then runs it). With ``overlap=False`` (the TVM backend,
@@ -51,6 +58,19 @@ Rules (``tests/training/test_training_cost.py`` checks them):
 6. Recompute (pipeline rule 8, chosen by the stage planner when no split fits the memory limit
    otherwise): a stage but the last holds one micro-batch's activations plus its inputs x its
    in-flight count, and runs its forward twice per micro-batch.
+7. Fixed costs (when :class:`StepOverheads` are given: ``train --bench`` and
+   ``benchmarks/train_step.py`` measure them, :mod:`partitioner.training.overheads`): each step
+   pays ``per_step`` (the Python driver); each program call ``per_call`` + its step-graph nodes x
+   ``per_node`` + its input and output arrays x ``per_array`` + its output bytes x
+   ``per_output_byte`` (the backend returns new arrays: allocation, page faults, a copy). Calls:
+   ``single``: 1; ``data`` and ``tensor``: one per segment between comm ops (each comm op adds
+   its two arrays); ``pipeline``: per micro-batch ``F`` and ``B`` (the last stage one fused
+   call), their output bytes the stage's gradients, plus one update call per step, and the
+   runner's Python per micro-batch (``per_micro_batch``). Every
+   point-to-point message and collective already pays the link's calibrated ``alpha``
+   (:mod:`partitioner.cost.comm`). Without overheads the model is compute and communication only.
+8. Pipeline gradient accumulation: every micro-batch after the first adds its gradients into the
+   accumulator in place, a memory-bound pass (read two, write one) over the stage's weights.
 """
 
 from __future__ import annotations
@@ -65,6 +85,11 @@ BACKWARD_FACTOR = {"gemm": 2.0, "conv": 2.0, "depthwise_conv": 2.0}
 BUCKET_BYTES = 25 * 2**20
 #: data parallel: weight-sized copies between the step's segments (rule 3)
 BUCKET_COPIES = 5
+#: pipeline: gradient-sized buffers beside the state's three copies (rule 3)
+PIPELINE_GRADIENT_COPIES = 3
+#: data parallel: weight-sized memory passes (read and write) the buckets add to a step: the
+#: concatenation, the ``* 1/R`` scale and the split back (rule 4)
+BUCKET_PASSES = 3
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "Momentum": 1, "AdamW": 2}
 
 
@@ -88,6 +113,28 @@ class TrainingPrediction:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StepOverheads:
+    """Rule 7's fixed costs (seconds; ``per_output_byte_s`` per byte), measured by
+    :func:`partitioner.training.overheads.calibrate`."""
+
+    per_step_s: float = 0.0
+    per_call_s: float = 0.0
+    per_node_s: float = 0.0
+    per_array_s: float = 0.0
+    per_output_byte_s: float = 0.0
+    per_micro_batch_s: float = 0.0  # the pipeline runner's Python per micro-batch, beyond its calls
+    backend: str = ""
+
+    def call(self, nodes: float, arrays: float, output_bytes: float) -> float:
+        """One program call of ``nodes`` nodes taking and returning ``arrays`` arrays."""
+        return (self.per_call_s + nodes * self.per_node_s + arrays * self.per_array_s
+                + output_bytes * self.per_output_byte_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class _Profile:
     forward: np.ndarray  # seconds per node
@@ -96,6 +143,20 @@ class _Profile:
     weight: np.ndarray  # trainable bytes first read by each node
     names: list[str]
     graph: Any
+    #: rule 7 (set by the planner when overheads are given): step-graph nodes per forward node
+    #: (its forward and backward nodes), the loss's nodes, the optimizer's nodes, the overheads
+    step_nodes: np.ndarray | None = None
+    loss_nodes: int = 0
+    optimizer_nodes: int = 0
+    overheads: StepOverheads | None = None
+    weight_tensors: np.ndarray | None = None  # trainable tensors first read by each node
+
+    def fixed(self, calls: float, nodes: float, arrays: float, output_bytes: float) -> float:
+        """Rule 7 for ``calls`` program calls with these totals; 0 without overheads."""
+        o = self.overheads
+        if o is None:
+            return 0.0
+        return (calls - 1) * o.per_call_s + o.call(nodes, arrays, output_bytes)
 
 
 def profile(graph: Any, device: Any, trainable: set[str]) -> _Profile:
@@ -108,13 +169,32 @@ def profile(graph: Any, device: Any, trainable: set[str]) -> _Profile:
     factor = np.array([BACKWARD_FACTOR.get(op_class(n), 1.0) for n in nodes])
     seen: set[str] = set()
     weight = np.zeros(len(nodes))
+    tensors = np.zeros(len(nodes))
     for i, n in enumerate(nodes):
         for v in n.inputs:
             if v is not None and v.name in trainable and v.name not in seen:
                 seen.add(v.name)
                 weight[i] += nbytes(v)
+                tensors[i] += 1
     act = np.array([sum(nbytes(o) for o in n.outputs) for n in nodes], dtype=np.float64)
-    return _Profile(times, times * factor, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph)
+    return _Profile(times, times * factor, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph,
+                    weight_tensors=tensors)
+
+
+def _state_arrays(tensors: float, copies: int) -> float:
+    """Rule 7: the state arrays a step takes and returns (weights and their optimizer copies)."""
+    return 2 * tensors * (1 + copies)
+
+
+def _whole_step_fixed(p: _Profile, copies: int, comm_ops: int) -> float:
+    """Rule 7 for one step program (``single``/``data``/``tensor``): its calls, nodes, arrays and
+    returned state; 0 without overheads."""
+    if p.overheads is None:
+        return 0.0
+    nodes = float(p.step_nodes.sum() if p.step_nodes is not None else len(p.names)) + p.loss_nodes + p.optimizer_nodes
+    arrays = _state_arrays(float(p.weight_tensors.sum()), copies) + 3 + 2 * comm_ops
+    out_bytes = float(p.weight.sum()) * (1 + copies)
+    return p.overheads.per_step_s + p.fixed(1 + comm_ops, nodes, arrays, out_bytes)
 
 
 def resident_bytes(weight_bytes: float, copies: int, activations: float, extra_gradients: int = 0) -> float:
@@ -136,15 +216,20 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
     w = float(p.weight.sum())
     comm = 0.0
     overlapped = None
+    buckets = 0
+    passes = 0.0
     if strategy == "data" and devices > 1:
         comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
         overlapped = overlapped_backward(p, devices, cluster)
+        buckets = len(gradient_buckets(p))
+        passes = BUCKET_PASSES * 2 * w / device.memory_bandwidth
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
-             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
+             "optimizer_s": _optimizer_time(w, copies, device) + passes, "comm_s": comm,
+             "fixed_s": _whole_step_fixed(p, copies, buckets)}
     step = sum(parts.values())
     if overlapped is not None:
         parts["step_without_overlap_s"] = step
-        parts["step_with_overlap_s"] = parts["forward_s"] + overlapped + parts["optimizer_s"]
+        parts["step_with_overlap_s"] = parts["forward_s"] + overlapped + parts["optimizer_s"] + parts["fixed_s"]
         step = parts["step_with_overlap_s"] if overlap else step
     mem = resident_bytes(w, copies, float(p.activation.sum()))
     if strategy == "data" and devices > 1:
@@ -198,17 +283,45 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     stage_t = [float(p.forward[s].sum() * (2 if again[i] else 1) + p.backward[s].sum()) for i, s in enumerate(spans)]
     sends = [2 * collective_time("send", cut_bytes(p.graph, ends[k]), [k, k + 1], cluster).seconds
              for k in range(stages - 1)]  # activations forward and their gradients back
-    opt = [_optimizer_time(float(p.weight[s].sum()), copies, device) for s in spans]
-    step = pipeline_step_time(stage_t, sends, m) + max(opt)
+    ws = [float(p.weight[s].sum()) for s in spans]
+    # rule 8: every micro-batch but the first adds its gradients into the accumulator
+    stage_t = [t + 3 * w * (m - 1) / m / device.memory_bandwidth for t, w in zip(stage_t, ws)]
+    mb_fixed, upd_fixed = _pipeline_fixed(p, spans, copies)
+    stage_t = [t + f for t, f in zip(stage_t, mb_fixed)]
+    opt = [_optimizer_time(w, copies, device) + f for w, f in zip(ws, upd_fixed)]
+    per_step = p.overheads.per_step_s if p.overheads is not None else 0.0
+    step = pipeline_step_time(stage_t, sends, m) + max(opt) + per_step
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
     inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
             else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
-    mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], 4) for i, s in enumerate(spans)]
+    mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], PIPELINE_GRADIENT_COPIES)
+           for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
-             "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t)}
+             "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t),
+             "fixed_s": per_step + max(f * m for f in mb_fixed) + max(upd_fixed)}
     return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m,
                               [float(p.weight[s].sum()) for s in spans], recompute)
+
+
+def _pipeline_fixed(p: _Profile, spans: list[slice], copies: int) -> tuple[list[float], list[float]]:
+    """Rule 7 per stage: the fixed cost of one micro-batch (``F`` + ``B`` calls, the last stage's
+    one fused call with the loss) and of the update call; zeros without overheads."""
+    if p.overheads is None:
+        return [0.0] * len(spans), [0.0] * len(spans)
+    nodes = p.step_nodes if p.step_nodes is not None else np.ones(len(p.names))
+    total_w = max(float(p.weight.sum()), 1.0)
+    mb, upd = [], []
+    for i, s in enumerate(spans):
+        last = i == len(spans) - 1
+        tensors, w = float(p.weight_tensors[s].sum()), float(p.weight[s].sum())
+        n = float(nodes[s].sum()) + (p.loss_nodes if last else 0)
+        # F: data or received values + weights in, sends + stash out; B: stash + weights +
+        # output gradients in, weight and input gradients out (the fused call: both in one)
+        mb.append(p.fixed(1 if last else 2, n, (3 if last else 4) * tensors + 6, w) + p.overheads.per_micro_batch_s)
+        upd.append(p.fixed(1, p.optimizer_nodes * w / total_w, _state_arrays(tensors, copies) + tensors + 1,
+                           w * (1 + copies)))
+    return mb, upd
 
 
 def cut_bytes(graph: Any, end: int) -> float:
@@ -232,7 +345,12 @@ def tensor(p: _Profile, world: int, batch: int, copies: int, split: set[str], al
     comm = sum(collective_time("allreduce", b, list(range(world)), cluster).seconds for b in allreduce_bytes)
     w = float((p.weight * share).sum())
     parts = {"forward_s": float((p.forward * share).sum()), "backward_s": float((p.backward * share).sum()),
-             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm}
+             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm,
+             "fixed_s": _whole_step_fixed(p, copies, len(allreduce_bytes))}
     step = sum(parts.values())
-    mem = resident_bytes(w, copies, float((p.activation * share).sum()))
+    # the comm ops' inputs and outputs stay in the rank's value table for the whole step (the
+    # program runs as segments between them), and the deterministic reduction gathers every
+    # rank's copy of the largest (rule 3)
+    held = 2 * sum(allreduce_bytes) + world * max(allreduce_bytes, default=0.0)
+    mem = resident_bytes(w, copies, float((p.activation * share).sum()) + held)
     return TrainingPrediction("tensor", world, batch, step, batch / step, [mem] * world, parts)

@@ -3,7 +3,10 @@
 Rules:
 
 1. The prediction is :func:`partitioner.training.plan.predict_training` for the plan the run
-   uses (``--strategy auto`` resolved first), before anything trains.
+   uses (``--strategy auto`` resolved first), before anything trains, on ``cpu:<devices>`` with
+   the run's backend's calibrated figures (when ``partitioner calibrate`` has run) and this
+   machine's fixed step costs (:func:`partitioner.training.overheads.calibrate`, about a second;
+   cost rule 7), reported as ``overheads_us``.
 2. The run is ``partitioner.train`` with the given options; several devices run as MPI
    processes (each rank writes ``memory_rank<r>.json``), one device in this process.
 3. Memory per rank: the training steps' peak RSS minus the RSS before the program loads
@@ -14,6 +17,8 @@ Rules:
    the ONNX Runtime ranks run it, and after it, as the TVM ranks do).
 5. ``ratio`` = predicted / measured; ``within_25pct`` says whether it lies in [0.75, 1.25]
    (issue 16's target for both).
+6. ``step_cpu_s``: the median CPU seconds of rank 0's process per timed step, beside the wall
+   time (on a loaded machine the wall time includes time slices given to other processes).
 """
 
 from __future__ import annotations
@@ -46,9 +51,15 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
                                    memory_limit=memory_limit)[0]
     kind = "single" if devices == 1 else strategy
     backend = train_kw.get("backend", "onnxruntime")
+    from partitioner.cluster import resolve_cluster
+    from partitioner.training import overheads as fixed
+
+    costs = fixed.calibrate(backend)
     pred = predict_training(model, kind, devices, batch=batch, optimizer=optimizer, schedule=schedule,
                             micro_batches=micro_batches, stages=stages, memory_limit=memory_limit,
-                            overlap=backend == "onnxruntime")
+                            overlap=backend == "onnxruntime", overheads=costs,
+                            loss=train_kw.get("loss", "cross_entropy"),
+                            cluster=resolve_cluster(f"cpu:{devices}", backend))
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-bench-"))
     memory_window.CURRENT = memory_window.MemoryWindow(process_baseline_bytes=memory_window.baseline(backend),
                                                        armed=True)
@@ -65,9 +76,15 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
     times = [batch / h["samples_per_s"] for h in res.history[warmup:]] or [batch / h["samples_per_s"]
                                                                            for h in res.history]
     step = statistics.median(times)
+    cpu = [h["cpu_s"] for h in res.history[warmup:] if "cpu_s" in h]
     return {"strategy": kind, "devices": devices, "batch": batch, "optimizer": optimizer,
             "schedule": pred.schedule, "micro_batches": pred.micro_batches, "steps_timed": len(times),
             "step_time_s": _ratio(pred.step_time_s, step), "predicted_breakdown_s": pred.breakdown,
+            "overheads_us": fixed.figures(costs),
+            # rule 6: rank 0's process CPU seconds per step (a loaded machine's wall time
+            # includes other processes' slices; MPI ranks busy-poll while they wait, so theirs
+            # counts the waits too)
+            "step_cpu_s": statistics.median(cpu) if cpu else None,
             "memory_per_rank": [{"rank": r, **_ratio(p, float(m["training_bytes"])),
                                  "process_bytes": m.get("process_bytes"), "build_bytes": m.get("build_bytes"),
                                  "window_reset": m.get("window_reset")}
@@ -81,7 +98,11 @@ def format_report(doc: dict[str, Any]) -> str:
     sched = f" {doc['schedule']} x{doc['micro_batches']}" if doc.get("schedule") else ""
     lines = [f"{doc['strategy']}{sched} on {doc['devices']} device(s), batch {doc['batch']}, {doc['optimizer']}: "
              f"step predicted {st['predicted'] * 1e3:.2f} ms, measured {st['measured'] * 1e3:.2f} ms "
-             f"(predicted/measured {st['ratio']:.2f})"]
+             f"(predicted/measured {st['ratio']:.2f})"
+             + (f", CPU {doc['step_cpu_s'] * 1e3:.2f} ms" if doc.get("step_cpu_s") is not None else "")]
+    if "fixed_s" in (doc.get("predicted_breakdown_s") or {}):
+        lines.append(f"  predicted fixed costs (driver, calls, nodes: cost rule 7) "
+                     f"{doc['predicted_breakdown_s']['fixed_s'] * 1e3:.2f} ms of the step")
     parts = doc.get("predicted_breakdown_s") or {}
     if "step_with_overlap_s" in parts:
         lines.append(f"  predicted with the AllReduce beside the backward {parts['step_with_overlap_s'] * 1e3:.2f} ms, "

@@ -322,15 +322,16 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
             for k in range(steps_per_epoch):
                 idx = order[k * batch:(k + 1) * batch]
                 xb, yb = x[idx].astype(x_dtype, copy=False), y[idx].astype(y_dtype, copy=False)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 value = _run_step(runners, ranks, sig.data[0], xb, yb, local)
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 step_no = (epoch - 1) * steps_per_epoch + k + 1
                 if not np.isfinite(value):
                     last = checkpoints[-1] if checkpoints else "none written yet"
                     raise RunFailed(f"the loss is {value} at step {step_no} (epoch {epoch}); training stopped; "
                                     f"last good checkpoint: {last}")
-                history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt})
+                history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt,
+                                "cpu_s": cpu})  # this process's CPU seconds (all its threads)
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{batch / dt:.0f}")
                 bar.update(1)
             window.end_steps()

@@ -149,7 +149,7 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
     ``recompute_inputs`` (bytes a stage starting at node i receives) a stage but the last holds
     one micro-batch's activations plus its inputs x its in-flight count (rule 8)."""
     from partitioner.cost.ops import nbytes
-    from partitioner.cost.training import resident_bytes
+    from partitioner.cost.training import PIPELINE_GRADIENT_COPIES, resident_bytes
     from partitioner.training.step import default_trainable
 
     nodes = list(graph)
@@ -161,7 +161,7 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
         for v in node.inputs:
             if v is not None and v.name in trainable and v.name not in seen:
                 seen.add(v.name)
-                wmem[i] += resident_bytes(nbytes(v), copies, 0.0, 4)  # the cost model's rule 3
+                wmem[i] += resident_bytes(nbytes(v), copies, 0.0, PIPELINE_GRADIENT_COPIES)  # cost rule 3
     pt, pw, pa = (np.concatenate([[0.0], np.cumsum(a)]) for a in (flops, wmem, amem))
     send = send.copy()
     send[-1] = 0.0

@@ -41,8 +41,9 @@ def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, thr
     """The program on ``backend`` (an ORT session set, or a TVM library built into ``workdir``)."""
     if backend == "onnxruntime":
         from backends.onnxruntime import RankExecutable
+        from partitioner.training.runner import SHARED_ARENA
 
-        return RankExecutable(program, threads=threads)
+        return RankExecutable(program, threads=threads, shared_arena=SHARED_ARENA)
     if backend != "tvm":
         raise UsageError(f"unknown backend {backend!r}; choose onnxruntime or tvm")
     from backends.tvm.build import build_one
@@ -94,7 +95,7 @@ class PipelineRunner:
         if len(self.replica_group) > 1:  # hybrid: this replica's rows of the global batch
             rows = slice(self.replica * plan.batch, (self.replica + 1) * plan.batch)
             data, labels = {k: v[rows] for k, v in data.items()}, labels[rows]
-        acc = {w: np.zeros_like(self.state[w]) for w in st.weights}
+        acc: dict[str, np.ndarray] = {}  # the first micro-batch's gradients, then summed in place
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
         for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches):
@@ -113,10 +114,11 @@ class PipelineRunner:
                     stash[m] = {v: (out[v] if v in out else feeds[v]) for v in st.stash}
                     self.peak_stash = max(self.peak_stash, len(stash))
                 for a, b in st.bn_state:
-                    self.state[a] = np.array(out[b], copy=True)
+                    self.state[a] = out[b]  # a fresh array of the backend's (no copy per step)
                 if kind == "F":
                     continue
             self._send_back(m, out, acc)
+        del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
         self._update(acc)
         self.steps += 1
         return self._global_loss(losses)
@@ -156,7 +158,11 @@ class PipelineRunner:
             if v in st.grad_in:
                 self.comm.send(np.ascontiguousarray(out[f"{v}.grad_in"]), self.ranks[src], tag(self.plan, m, v, True))
         for w in st.weights:
-            acc[w] += out[f"{w}.grad"]
+            g = out[f"{w}.grad"]
+            if w not in acc:
+                acc[w] = g if g.flags.writeable else g.copy()
+            else:
+                np.add(acc[w], g, out=acc[w])
 
     def _update(self, acc: dict[str, np.ndarray]) -> None:
         """Rule 4: the optimizer on the mean of the micro-batches' gradients."""
@@ -167,9 +173,11 @@ class PipelineRunner:
         scale = np.array(1.0 / (self.plan.micro_batches * replicas), dtype=self._spec["grad.scale"][1])
         feeds = {"grad.scale": scale, **{a: self.state[a] for a, _ in st.update_pairs},
                  **{f"{w}.grad": acc[w] for w in st.weights}}
+        acc.clear()
         out = self._exe["U"].run(feeds, self.comm)
+        del feeds
         for a, b in st.update_pairs:
-            self.state[a] = np.array(out[b], copy=True)
+            self.state[a] = out[b]  # the backend's fresh output array: no copy per step
         if hasattr(self.comm, "flush"):
             self.comm.flush()  # every activation / gradient send of this step has completed
 

@@ -22,10 +22,14 @@ STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
 def predict_training(model: Any, strategy: str, devices: int, *, batch: int, optimizer: str = "sgd",
                      schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None,
                      stages: int | None = None, memory_limit: float | None = None,
-                     overlap: bool = True) -> TrainingPrediction:
+                     overlap: bool = True, overheads: cost.StepOverheads | None = None,
+                     loss: str = "cross_entropy") -> TrainingPrediction:
     """Predicted step time, samples/s and peak memory per rank of training ``model`` so
     (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2).
-    ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM)."""
+    ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM).
+    ``overheads`` (:func:`partitioner.training.overheads.calibrate`): the fixed per-step, per-call
+    and per-node costs (cost rule 7), counted on the step graph built with ``loss``; without them
+    the prediction is compute and communication only."""
     from partitioner.cluster import resolve_cluster
     from partitioner.training.step import _load, default_trainable
 
@@ -35,7 +39,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         raise UsageError("--devices and --batch must be at least 1")
     if strategy == "hybrid" and devices > 1:
         return _hybrid(model, devices, stages or 2, batch=batch, optimizer=optimizer, schedule=schedule,
-                       micro_batches=micro_batches, cluster=cluster)
+                       micro_batches=micro_batches, cluster=cluster, overheads=overheads, loss=loss)
     cl = resolve_cluster(cluster if cluster is not None else f"cpu:{devices}")
     device = cl.devices[0]
     copies = cost.OPTIMIZER_COPIES.get(optimizer, 0)
@@ -45,6 +49,8 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     local = {"data": batch // devices, "pipeline": batch // m}.get(strategy, batch) if devices > 1 else batch
     graph = _load(model, local).graph
     prof = cost.profile(graph, device, set(default_trainable(graph)))
+    if overheads is not None:
+        _count_step_nodes(prof, model, local, loss, optimizer, overheads)
     if strategy == "pipeline" and devices > 1:
         from partitioner.training.pipeline import in_flight, stage_cut
 
@@ -54,6 +60,17 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
     return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap)
+
+
+def _count_step_nodes(prof: Any, model: Any, batch: int, loss: str, optimizer: str,
+                      overheads: cost.StepOverheads) -> None:
+    """Cost rule 7's counts: the step graph's nodes per forward node, the loss's, the optimizer's."""
+    from partitioner.training.optimizers import make_optimizer
+    from partitioner.training.overheads import step_node_counts
+
+    prof.step_nodes, prof.loss_nodes, prof.optimizer_nodes = step_node_counts(
+        model, batch, loss, make_optimizer(optimizer, 1e-3), prof.names)
+    prof.overheads = overheads
 
 
 def _hybrid(model: Any, devices: int, stages: int, **kw: Any) -> TrainingPrediction:

@@ -26,6 +26,9 @@ from partitioner.training.step import TrainingSignature, initial_state, signatur
 BACKENDS = ("onnxruntime", "tvm")
 #: set to 0 to run data-parallel ONNX Runtime ranks with blocking AllReduce (docs/training.md)
 OVERLAP_ENV = "PARTITIONER_TRAIN_OVERLAP"
+#: ONNX Runtime ranks: every segment's session (and a pipeline stage's programs) take their
+#: buffers from one process-wide arena instead of one arena each (docs/training.md, memory)
+SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
 
 
 class _NoComm:
@@ -54,11 +57,12 @@ class StepRunner:
         if backend == "onnxruntime" and buckets > 1 and overlap:  # one bucket: nothing to overlap, no thread hop
             from partitioner.training.overlap import OverlappedExecutable  # AllReduce beside the backward
 
-            self._exe = OverlappedExecutable(self.program, threads=threads)
+            self._exe = OverlappedExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA)
         elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 
-            self._exe = RankExecutable(self.program, threads=threads)
+            # one session (no comm op): its own arena; several segments: the shared one
+            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0)
         else:
             from backends.tvm.build import build_one
             from backends.tvm.executable import TvmRankExecutable

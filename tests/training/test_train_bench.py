@@ -72,3 +72,29 @@ def test_a_model_too_big_for_one_device_trains_on_two_ranks_as_predicted(tmp_pat
         assert m["predicted"] <= float(limit)
         assert 0.75 <= m["ratio"] <= 1.25, m
     assert doc["step_time_s"]["measured"] > 0 and doc["step_time_s"]["predicted"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,optimizer", [("data", "adam"), ("data", "sgd"), ("pipeline", "adam"),
+                                                ("pipeline", "sgd")])
+def test_data_and_pipeline_peak_memory_per_rank_within_25pct(tmp_path, capsys, strategy, optimizer) -> None:
+    """Issue 16: the predicted peak per rank within 25% of the measured one for data and pipeline
+    1F1B x8 too (2 MPI ranks, ONNX Runtime; the mlp 2048 wide: 48 MiB of weights, so the state,
+    gradients and their copies dominate, as the rule counts them; every rank checked, the last
+    pipeline stage included)."""
+    model = models_zoo.build("mlp", batch=32, hidden=2048, in_features=2048)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((128, 2048)).astype(np.float32), y=rng.integers(0, 10, 128))
+    extra = ["--schedule", "1f1b", "--micro-batches", "8"] if strategy == "pipeline" else []
+    rc = main(["train", str(path), "--data", str(tmp_path / "d.npz"), "--optimizer", optimizer, "--batch", "32",
+               "--devices", "2", "--strategy", strategy, *extra, "--no-progress", "--bench", "--json",
+               "-o", str(tmp_path / "run")])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["strategy"] == strategy and len(doc["memory_per_rank"]) == 2
+    weights = sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    for m in doc["memory_per_rank"]:
+        assert m["window_reset"], m
+        assert m["measured"] > weights / 4, m  # a real peak: at least the rank's share of the weights
+        assert 0.75 <= m["ratio"] <= 1.25, m
