@@ -140,8 +140,10 @@ def test_peak_kernels_compute_what_they_claim():
 
 @pytest.mark.parametrize("target_name", list(TARGETS))
 @pytest.mark.parametrize("cin,cout,hw,stride,batch", [(24, 32, 14, 1, 2), (16, 64, 9, 2, 1), (20, 48, 7, 1, 1),
-                                                      (64, 128, 2, 1, 2), (32, 64, 4, 2, 1), (48, 64, 3, 1, 1)],
-                         ids=["1x1", "1x1-stride2", "1x1-w7", "1x1-2x2map", "1x1-stride2-to-2x2", "1x1-3x3map"])
+                                                      (64, 128, 2, 1, 2), (32, 64, 4, 2, 1), (48, 64, 3, 1, 1),
+                                                      (40, 24, 28, 1, 1)],
+                         ids=["1x1", "1x1-stride2", "1x1-w7", "1x1-2x2map", "1x1-stride2-to-2x2", "1x1-3x3map",
+                              "1x1-n24-w28"])
 def test_pointwise_conv_on_gemm_kernel_matches_ort(cin, cout, hw, stride, batch, target_name):
     """A 1x1 convolution (NHWC after the layout phase) is a GEMM over (n, h) x w rows (on narrow
     maps over (n) x (h, w) rows: the 2x2 / 3x3 / stride-2 cases): it takes the packed kernel
@@ -166,4 +168,5 @@ def test_rows_fuse_only_for_narrow_pointwise_convs():
     got = fused([1, 2, 2, 2048, 1, 1, 512], 4)  # (n, h, w, co, kh, kw, ci)
     assert got is not None and got[1] == 4, got  # 4 pixels x 4 vectors
     assert fused([8, 16, 16, 256, 1, 1, 64], 4) is None  # 16-wide rows already get 4 x 4
+    assert fused([1, 28, 28, 24, 1, 1, 144], 4) is None  # 8-row tiles would straddle 28-wide rows
     assert fused([4, 2, 2, 256, 64], 4) is None  # a batched matmul: its batch axes index B

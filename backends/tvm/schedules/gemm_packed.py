@@ -225,13 +225,15 @@ def _fuse_rows(target: Any, exts: list[int], ns: int, plan: tuple[int, int, int,
     (ResNet-50's last stage at 64 px) that allows only 2-row tiles, 2 x 4 vectors = 1.33 FMAs per
     load, against 4 x 4 = 2.0 with the 4 pixels of the map as rows. The fused row index
     ``f`` maps back to ``(f // w, f % w)``; the division is computed once per row tile, outside
-    the k loop. Matrix products (no unit reductions) are never fused (their batch axes index B)."""
+    the k loop. Only tiles of whole output rows (``w`` divides the tile's rows): a tile that
+    straddles a row boundary (8 rows of a 28-wide map) computed wrong values (checked: TVM
+    0.27, N = 24 on a 28x28 map), and wide maps have good tiles without fusing anyway. Matrix products (no unit reductions) are never fused (their batch axes index B)."""
     if ns < 4 or len(exts) - ns < 2 or exts[ns - 3] <= 1:
         return None
     lanes, mr, nr, _ = plan
     fused = exts[:ns - 3] + [exts[ns - 3] * exts[ns - 2]] + exts[ns - 1:]
     alt = _register_tile(target, fused, ns - 1)
-    if alt is None or alt[0] != lanes:
+    if alt is None or alt[0] != lanes or alt[1] % exts[ns - 2]:
         return None
     nv, alt_nv = nr // lanes, alt[2] // lanes
     if alt[1] * alt_nv / (alt[1] + alt_nv) <= mr * nv / (mr + nv):
