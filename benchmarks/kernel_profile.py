@@ -21,7 +21,11 @@ side's fusions differ (ORT folds BN and fuses Relu/Clip/Add into its conv; we fu
 residual add into the conv's epilogue), so a class's time includes what each side fused into it.
 The table gives per class: our ms, ORT's ms, the difference (what to attack first: the largest
 absolute excess) and the ratio; ``--layers`` lists the conv layers with the largest excess
-(class, channels in -> out, output map).
+(class, channels in -> out, output map). ``--baseline MODULE.ATTR=VALUE`` also builds with a
+schedule setting changed (the "before" of a schedule change) and times both builds in
+interleaved rounds, for a before/after ratio per class that a loaded machine's drift does not
+bias. Calls to VM builtins (allocation, shape checks) are class ``other`` on our side: with the
+hook's own ~1-2 us per call they are mostly the measurement's overhead.
 Results: ``benchmarks/results/kernel_profile.json`` (not committed from a loaded machine).
 """
 
@@ -117,32 +121,60 @@ def build_ours(m: onnx.ModelProto, target: Any) -> tuple[Any, dict[str, dict[str
     return tvm.compile(mod, target), infos
 
 
-def profile_ours(ex: Any, feeds: dict[str, np.ndarray], runs: int) -> list[tuple[str, float]]:
-    """(symbol, median thread-CPU seconds) per kernel call site, in call order."""
+def profile_ours(exes: list[Any], feeds: dict[str, np.ndarray], runs: int) -> list[list[tuple[str, float]]]:
+    """Per executable: (symbol, median thread-CPU seconds) per kernel call site, in call order.
+    The executables run in interleaved rounds, so a loaded machine's slow spells hit them alike."""
     import tvm
     from tvm import relax
 
-    vm = relax.VirtualMachine(ex, tvm.cpu())
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    calls: list[tuple[str, float]] = []
-    state: dict[str, float] = {}
+    state: dict[str, Any] = {"calls": []}
 
     def instrument(func: Any, symbol: str, before: bool, ret: Any, *a: Any) -> int:
         if before:
             state["t"] = time.thread_time()
         else:
-            calls.append((str(symbol), time.thread_time() - state["t"]))
+            state["calls"].append((str(symbol), time.thread_time() - state["t"]))
         return 0
 
-    vm["main"](*args)
-    vm.set_instrument(instrument)
-    per_run: list[list[tuple[str, float]]] = []
-    for _ in range(runs):
-        calls.clear()
+    vms = []
+    for ex in exes:
+        vm = relax.VirtualMachine(ex, tvm.cpu())
         vm["main"](*args)
-        per_run.append(list(calls))
-    sites = len(per_run[0])
-    return [(per_run[0][i][0], statistics.median(r[i][1] for r in per_run)) for i in range(sites)]
+        vm.set_instrument(instrument)
+        vms.append(vm)
+    per_run: list[list[list[tuple[str, float]]]] = [[] for _ in vms]
+    for _ in range(runs):
+        for i, vm in enumerate(vms):
+            state["calls"] = []
+            vm["main"](*args)
+            per_run[i].append(state["calls"])
+    return [[(runs_i[0][j][0], statistics.median(r[j][1] for r in runs_i)) for j in range(len(runs_i[0]))]
+            for runs_i in per_run]
+
+
+def with_settings(settings: list[str]) -> Any:
+    """A context manager that sets ``module.ATTR=value`` (a Python literal) for its duration."""
+    import ast
+    import contextlib
+    import importlib
+
+    @contextlib.contextmanager
+    def ctx() -> Any:
+        saved = []
+        for item in settings:
+            target, value = item.split("=", 1)
+            mod_name, attr = target.rsplit(".", 1)
+            mod = importlib.import_module(mod_name)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, ast.literal_eval(value))
+        try:
+            yield
+        finally:
+            for mod, attr, old in reversed(saved):
+                setattr(mod, attr, old)
+
+    return ctx()
 
 
 # ---------------------------------------------------------------- ORT: classes from the ONNX nodes
@@ -250,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="also build with this schedule setting (repeatable; e.g. "
+                         "backends.tvm.schedules.depthwise.PAD_INLINE=False) and time both builds "
+                         "in interleaved rounds: the before/after ratio per class")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
 
@@ -271,11 +307,26 @@ def main(argv: list[str] | None = None) -> int:
                 feeds = pd._feeds(m)
                 print(f"build {key} b{batch}", file=sys.stderr, flush=True)
                 ex, infos = build_ours(m, target)
-                ours = profile_ours(ex, feeds, args.runs)
+                exes = [ex]
+                if args.baseline:
+                    with with_settings(args.baseline):
+                        base_ex, base_infos = build_ours(m, target)
+                    exes.append(base_ex)
+                timed = profile_ours(exes, feeds, args.runs)
                 ort = profile_ort(m, feeds, args.runs, Path(tmp))
-                res = compare(ours, infos, ort, onnx_node_info(m))
+                nodes = onnx_node_info(m)
+                res = compare(timed[0], infos, ort, nodes)
                 print_report(key, batch, res, args.layers)
-                results.append({"model": key, "batch": batch, **res})
+                row = {"model": key, "batch": batch, **res}
+                if args.baseline:
+                    base = compare(timed[1], base_infos, ort, nodes)
+                    print(f"  baseline ({' '.join(args.baseline)}), same rounds: kernels {base['total_ours_ms']:.2f} ms")
+                    print(f"  {'class':10s} {'new ms':>9s} {'base ms':>9s} {'new/base':>8s} {'ORT ms':>9s}")
+                    for c, d in sorted(res["classes"].items(), key=lambda kv: -kv[1]["ours_ms"]):
+                        b = base["classes"].get(c, {}).get("ours_ms", 0.0)
+                        print(f"  {c:10s} {d['ours_ms']:9.3f} {b:9.3f} {d['ours_ms'] / b if b else float('nan'):8.2f} {d['ort_ms']:9.3f}")
+                    row["baseline"] = {"settings": args.baseline, **base}
+                results.append(row)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"target": str(target), "runs": args.runs, "threads": 1,
                                            "rows": results}, indent=1) + "\n")

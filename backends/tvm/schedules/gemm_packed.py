@@ -58,6 +58,8 @@ LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # panels-outer): 512x128x1000 88 vs 73, 512x512x128 105 vs 100, 512^3 101 vs 102, but 2048^3
 # 78 vs 105 (B 16 MiB streamed from L3 per row tile), hence the bound.
 ROWS_OUTER_B_BYTES: int | None = 1 << 20
+#: 1x1 convs on narrow maps take (h, w) as the GEMM's rows (:func:`_fuse_rows`); off: one output row
+FUSE_NARROW_ROWS = True
 
 
 
@@ -228,7 +230,7 @@ def _fuse_rows(target: Any, exts: list[int], ns: int, plan: tuple[int, int, int,
     the k loop. Only tiles of whole output rows (``w`` divides the tile's rows): a tile that
     straddles a row boundary (8 rows of a 28-wide map) computed wrong values (checked: TVM
     0.27, N = 24 on a 28x28 map), and wide maps have good tiles without fusing anyway. Matrix products (no unit reductions) are never fused (their batch axes index B)."""
-    if ns < 4 or len(exts) - ns < 2 or exts[ns - 3] <= 1:
+    if not FUSE_NARROW_ROWS or ns < 4 or len(exts) - ns < 2 or exts[ns - 3] <= 1:
         return None
     lanes, mr, nr, _ = plan
     fused = exts[:ns - 3] + [exts[ns - 3] * exts[ns - 2]] + exts[ns - 1:]
