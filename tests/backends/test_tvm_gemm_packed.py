@@ -170,3 +170,18 @@ def test_rows_fuse_only_for_narrow_pointwise_convs():
     assert fused([8, 16, 16, 256, 1, 1, 64], 4) is None  # 16-wide rows already get 4 x 4
     assert fused([1, 28, 28, 24, 1, 1, 144], 4) is None  # 8-row tiles would straddle 28-wide rows
     assert fused([4, 2, 2, 256, 64], 4) is None  # a batched matmul: its batch axes index B
+
+
+def test_unpadded_pointwise_conv_reads_its_input_directly():
+    """TOPI's conv2d_nhwc builds ``pad_temp`` even without padding: a copy of the whole input.
+    The packed rule inlines it, so the kernel has no ``pad_temp`` block (and still matches ORT)."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"]), helper.make_node("Relu", ["c"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 24, 8, 8])],
+               [numpy_helper.from_array(_w(rng, 32, 24, 1, 1), "w"), numpy_helper.from_array(_w(rng, 32), "b")])
+    _check(m, "host", expect_prepacked=True)
+    target = tvm.target.Target(detect_host_target())
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    kernels = {gv.name_hint: f.script() for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.endswith("_prepacked")}
+    assert kernels and not any('T.sblock("pad_temp")' in body for body in kernels.values()), list(kernels)

@@ -60,6 +60,8 @@ LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 ROWS_OUTER_B_BYTES: int | None = 1 << 20
 #: 1x1 convs on narrow maps take (h, w) as the GEMM's rows (:func:`_fuse_rows`); off: one output row
 FUSE_NARROW_ROWS = True
+#: inline producers that copy a buffer unchanged (:func:`_inline_identity_copies`); off: keep the copy
+INLINE_IDENTITY_COPIES = True
 
 
 
@@ -252,7 +254,7 @@ def _inline_identity_copies(sch: Any, red: Any) -> None:
     materialised as before."""
     from tvm import tirx
 
-    for blk in sch.get_producers(red):
+    for blk in sch.get_producers(red) if INLINE_IDENTITY_COPIES else []:
         stmt = sch.get(blk)
         body = stmt.body
         if any(iv.iter_type != tirx.IterVar.DataPar for iv in stmt.iter_vars) or stmt.init is not None:
