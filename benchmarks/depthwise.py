@@ -4,9 +4,9 @@ and ONNX Runtime, on the depthwise layers of MobileNetV2 (224x224 input, width 1
     python benchmarks/depthwise.py [--threads 1,2] [--repeats 7] [--json FILE]
 
 For each layer: the fused TVM kernel (conv, batch norm, clamp) scheduled by
-:class:`~backends.tvm.schedules.depthwise.Depthwise` and by
-:class:`~backends.tvm.schedules.contraction.Contraction` (and the depthwise rule with its
-padding forced per output row / once, the choice its ``MAX_PAD_RECOPY`` makes), called directly on TVM tensors, and
+:class:`~backends.tvm.schedules.depthwise.Depthwise` (padding inlined, the default) and by
+:class:`~backends.tvm.schedules.contraction.Contraction` (and the depthwise rule with a padded
+copy per output row / once, what it does with ``PAD_INLINE`` off), called directly on TVM tensors, and
 ONNX Runtime on the one-layer ONNX model (whose NCHW layout is ORT's own choice). Times are
 medians over interleaved rounds (wall and, for 1 thread, the calling thread's CPU time, which
 a shared machine's time slicing does not inflate); GB/s counts the input read once and the
@@ -86,10 +86,10 @@ def _kernels(model: Any, target: Any) -> tuple[dict[str, Callable[[], Any]], lis
 
     for name, rule, per_row in (("depthwise", Depthwise(), None), ("pad_per_row", Depthwise(), True),
                                 ("pad_once", Depthwise(), False), ("contraction", Contraction(), None)):
-        dmod.PAD_PER_ROW = per_row
+        dmod.PAD_PER_ROW, dmod.PAD_INLINE = per_row, per_row is None
         with target:
             sch = rule._apply(s_tir.Schedule(func), target)
-        dmod.PAD_PER_ROW = None
+        dmod.PAD_PER_ROW, dmod.PAD_INLINE = None, True
         lib = tvm.compile(sch.mod["main"].with_attr("global_symbol", "main"), target)
         f = lib["main"]
         f(*args)

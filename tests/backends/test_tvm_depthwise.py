@@ -6,8 +6,9 @@ Each case is a depthwise ``Conv`` (groups = channels) -> ``BatchNormalization`` 
 for the host and for an AVX2 target, compared with ONNX Runtime on seeded inputs (rtol 1e-4,
 atol 1e-5). The structure checks: the depthwise conv, its batch norm and the clamp are one
 kernel (``fused_conv2d_..._maximum_minimum``: no NCHW round trip around ReLU6), and that kernel
-was scheduled by the depthwise rule (its (n, h) row loop; the padded rows inside it exactly
-when the rule's recopy bound says so). A NaN
+was scheduled by the depthwise rule (its (n, h) row loop) with the padding inlined into its loads
+(no padded copy); with inlining off, the padded rows are inside the row loop exactly when the
+rule's recopy bound says so. A NaN
 input stays NaN through the fused clamp, as in ONNX Runtime.
 """
 
@@ -81,10 +82,25 @@ def test_depthwise_bn_relu6_matches_ort(n: int, c: int, hw: int, k: int, s: int,
     fused = [name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name]
     assert fused, f"depthwise conv, BN and ReLU6 are not one kernel: {sorted(funcs)}"
     assert not any("transpose" in name and "maximum" in name for name in funcs), sorted(funcs)
-    # the depthwise rule's mark: the (n, h) row loop; stride 2: the padded rows computed inside it
+    # the depthwise rule's mark: the (n, h) row loop, and no padded copy (the pad is inlined)
     body = funcs[fused[0]]
-    loop = body.index("for nn_yy_fused")  # the (n, h) row loop of the depthwise rule
-    per_row = body.index('T.sblock("pad_temp")') > loop
+    assert "for nn_yy_fused" in body, "not scheduled by the depthwise rule"
+    assert 'T.sblock("pad_temp")' not in body, "the padding was not inlined into the conv"
+
+
+@pytest.mark.parametrize("k,s", [(3, 1), (3, 2)], ids=["3x3s1", "3x3s2"])
+def test_padded_copy_when_inlining_is_off(k: int, s: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAD_INLINE off: the padded rows are computed inside the row loop exactly when the rule's
+    recopy bound says so (stride 2), else once before it; both still match ORT."""
+    import backends.tvm.schedules.depthwise as dmod
+
+    monkeypatch.setattr(dmod, "PAD_INLINE", False)
+    m = _model(1, 32, 14, k, s)
+    x = np.random.default_rng(2).standard_normal((1, 32, 14, 14)).astype(np.float32)
+    got, ref, funcs = _run(m, "host", x)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+    body = funcs[next(n for n in funcs if n.startswith("fused_conv2d") and "maximum_minimum" in n)]
+    per_row = body.index('T.sblock("pad_temp")') > body.index("for nn_yy_fused")
     assert per_row == (k / s <= MAX_PAD_RECOPY), f"padding per row: {per_row} for k={k}, stride={s}"
 
 

@@ -22,7 +22,7 @@ import models_zoo
 from backends.tvm.lower import lower_program
 from backends.tvm.peak import _fma_func, _triad_func
 from backends.tvm.pipeline import run_pipeline
-from backends.tvm.schedules.gemm_packed import micro_tile
+from backends.tvm.schedules.gemm_packed import _fuse_rows, _register_tile, micro_tile
 from backends.tvm.target import detect_host_target
 
 F = TensorProto.FLOAT
@@ -139,14 +139,49 @@ def test_peak_kernels_compute_what_they_claim():
 
 
 @pytest.mark.parametrize("target_name", list(TARGETS))
-@pytest.mark.parametrize("cin,cout,hw,stride,batch", [(24, 32, 14, 1, 2), (16, 64, 9, 2, 1), (20, 48, 7, 1, 1)],
-                         ids=["1x1", "1x1-stride2", "1x1-w7"])
+@pytest.mark.parametrize("cin,cout,hw,stride,batch", [(24, 32, 14, 1, 2), (16, 64, 9, 2, 1), (20, 48, 7, 1, 1),
+                                                      (64, 128, 2, 1, 2), (32, 64, 4, 2, 1), (48, 64, 3, 1, 1),
+                                                      (40, 24, 28, 1, 1)],
+                         ids=["1x1", "1x1-stride2", "1x1-w7", "1x1-2x2map", "1x1-stride2-to-2x2", "1x1-3x3map",
+                              "1x1-n24-w28"])
 def test_pointwise_conv_on_gemm_kernel_matches_ort(cin, cout, hw, stride, batch, target_name):
-    """A 1x1 convolution (NHWC after the layout phase) is a GEMM over (n, h) x w rows: it takes
-    the packed kernel (weights packed at build time) with its bias + relu fused."""
+    """A 1x1 convolution (NHWC after the layout phase) is a GEMM over (n, h) x w rows (on narrow
+    maps over (n) x (h, w) rows: the 2x2 / 3x3 / stride-2 cases): it takes the packed kernel
+    (weights packed at build time) with its bias + relu fused."""
     rng = np.random.default_rng(cin + cout)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[stride, stride]),
              helper.make_node("Relu", ["c"], ["y"])]
     m = _model(nodes, [helper.make_tensor_value_info("x", F, [batch, cin, hw, hw])],
                [numpy_helper.from_array(_w(rng, cout, cin, 1, 1), "w"), numpy_helper.from_array(_w(rng, cout), "b")])
     _check(m, target_name, expect_prepacked=True)
+
+
+def test_rows_fuse_only_for_narrow_pointwise_convs():
+    """(h, w) become the GEMM's rows when that gives a tile with more FMAs per load: a 2x2 map
+    (2-row tiles otherwise), not a 16-wide one, never a matrix product without unit reductions."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})  # 16 lanes, 32 registers
+
+    def fused(exts: list[int], ns: int):
+        plan = _register_tile(target, exts, ns)
+        return _fuse_rows(target, exts, ns, plan)
+
+    got = fused([1, 2, 2, 2048, 1, 1, 512], 4)  # (n, h, w, co, kh, kw, ci)
+    assert got is not None and got[1] == 4, got  # 4 pixels x 4 vectors
+    assert fused([8, 16, 16, 256, 1, 1, 64], 4) is None  # 16-wide rows already get 4 x 4
+    assert fused([1, 28, 28, 24, 1, 1, 144], 4) is None  # 8-row tiles would straddle 28-wide rows
+    assert fused([4, 2, 2, 256, 64], 4) is None  # a batched matmul: its batch axes index B
+
+
+def test_unpadded_pointwise_conv_reads_its_input_directly():
+    """TOPI's conv2d_nhwc builds ``pad_temp`` even without padding: a copy of the whole input.
+    The packed rule inlines it, so the kernel has no ``pad_temp`` block (and still matches ORT)."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"]), helper.make_node("Relu", ["c"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 24, 8, 8])],
+               [numpy_helper.from_array(_w(rng, 32, 24, 1, 1), "w"), numpy_helper.from_array(_w(rng, 32), "b")])
+    _check(m, "host", expect_prepacked=True)
+    target = tvm.target.Target(detect_host_target())
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    kernels = {gv.name_hint: f.script() for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.endswith("_prepacked")}
+    assert kernels and not any('T.sblock("pad_temp")' in body for body in kernels.values()), list(kernels)

@@ -27,12 +27,21 @@ depthwise kernel, written as TVM schedule primitives)::
 
 Every load is a contiguous vector over channels, every input row is read from memory once per
 output row that needs it (``kh / s`` times, from cache after the first), and the output is
-written once with its epilogue applied. The padded rows are computed per output row when that
-copies each input row at most :data:`MAX_PAD_RECOPY` times (``kh / stride``: stride-2 layers);
-for stride 1 (3 copies of each row) the padded input is written once before the loop, as a
-parallel vectorised copy (measured on Zen 4, thread CPU time, MobileNetV2's layers: per row
-0.67x the time of pad-once at stride 2, 1.1-1.3x at stride 1). ``WR`` (:func:`row_tile`) is the largest divisor of
+written once with its epilogue applied. ``WR`` (:func:`row_tile`) is the largest divisor of
 the output width up to 8: 8 independent accumulators hide the FMA latency.
+
+Padding (:data:`PAD_INLINE`, the default): the pad block is inlined into the conv, so each tap
+loads ``x`` directly under a bounds check (``if_then_else`` on the row and column only: one
+scalar test per vector load, the same for every channel lane) and no padded copy is written.
+Measured on Zen 4 (1 thread, thread CPU time, each kernel's median over interleaved rounds in one
+process, MobileNetV2's 3x3 layers at 28-56 px, 7 px for 576 channels): 0.45-0.87x the time of
+the copying variants below at batch 8 and 0.5-0.8x at batch 1; a padded copy costs a full write
+and re-read of the input, and the conv's own loads are L1/L2-bound, not ALU-bound. When the
+inline fails (a pad the rule does not recognise) or :data:`PAD_INLINE` is off, the padded rows
+are computed per output row when that copies each input row at most :data:`MAX_PAD_RECOPY` times
+(``kh / stride``: stride-2 layers); for stride 1 the padded input is written once before the
+loop, as a parallel vectorised copy (measured: per row 0.67x the time of pad-once at stride 2,
+1.1-1.3x at stride 1).
 
 Threads: the ``(n, h)`` loop is parallel only when the layer has at least
 :func:`~backends.tvm.schedules.threads.parallel_min_flops` FLOPs (below, the fork/join costs
@@ -53,8 +62,11 @@ from .vector import const_extent, largest_divisor, vector_lanes
 MAX_ROW_TILE = 8
 #: pad per output row when that copies each input row at most this many times (kh / stride)
 MAX_PAD_RECOPY = 1.5
-#: None: by :data:`MAX_PAD_RECOPY`; True/False forces it (benchmarks/depthwise.py compares)
+#: None: by :data:`MAX_PAD_RECOPY`; True/False forces it (benchmarks/depthwise.py compares);
+#: used only when the padding is not inlined
 PAD_PER_ROW: bool | None = None
+#: inline the padding into the conv's loads (module docstring, "Padding")
+PAD_INLINE: bool = True
 
 
 def row_tile(width: int) -> int:
@@ -71,7 +83,9 @@ class Depthwise(TryRule):
         if found is None:
             return None
         root, red, loops, exts, stride = found
+        inlined = PAD_INLINE and _inline_pads(sch, red)
         per_row = PAD_PER_ROW if PAD_PER_ROW is not None else exts[4] / stride <= MAX_PAD_RECOPY
+        per_row = per_row and not inlined
         lanes = vector_lanes(target, 32)
         c = exts[3]
         if c % lanes:
@@ -160,6 +174,18 @@ def _match_depthwise(sch: Any) -> tuple[Any, Any, list[Any], list[int], int] | N
     if len(coef) != 2:
         return None
     return root, red, loops, exts, int(coef[0])
+
+
+def _inline_pads(sch: Any, red: Any) -> bool:
+    """Inline the pad producers of ``red`` into it; True when there was one and every one
+    inlined (a failed ``compute_inline`` changes nothing: TVM checks a primitive before it acts)."""
+    pads = [b for b in sch.get_producers(red) if _is_pad(sch, b)]
+    try:
+        for blk in pads:
+            sch.compute_inline(blk)
+    except Exception:  # noqa: BLE001 - e.g. a pad read by another block too
+        return False
+    return bool(pads)
 
 
 def _is_pad(sch: Any, blk: Any) -> bool:

@@ -4,7 +4,8 @@ Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] *
 (or ``B[b.., j, k]``: a transposed operand), i.e. ONNX ``MatMul`` / ``Gemm`` (any ``transB``),
 batched MatMul (attention's QK^T and PV), and NHWC 1x1 convolutions
 ``out[n, h, w, co] += x[n, h*s, w*s, ci] * W[0, 0, ci, co]`` (reductions of extent 1 besides
-``ci``; rows = output width, (n, h) = batch), with N a
+``ci``; rows = output width, (n, h) = batch; on narrow maps rows = (h, w), n = batch:
+:func:`_fuse_rows`), with N a
 multiple of the vector width (or of half of it) and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
 with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
 activation, residual add) are fused as in Contraction.
@@ -57,6 +58,10 @@ LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # panels-outer): 512x128x1000 88 vs 73, 512x512x128 105 vs 100, 512^3 101 vs 102, but 2048^3
 # 78 vs 105 (B 16 MiB streamed from L3 per row tile), hence the bound.
 ROWS_OUTER_B_BYTES: int | None = 1 << 20
+#: 1x1 convs on narrow maps take (h, w) as the GEMM's rows (:func:`_fuse_rows`); off: one output row
+FUSE_NARROW_ROWS = True
+#: inline producers that copy a buffer unchanged (:func:`_inline_identity_copies`); off: keep the copy
+INLINE_IDENTITY_COPIES = True
 
 
 
@@ -117,6 +122,7 @@ class GemmPacked(CPUScheduleRule):
         red = _float32_reduction(sch, root)
         if red is None:
             return None
+        _inline_identity_copies(sch, red)  # a 1x1 conv's pad_temp with no padding: a full copy
         stmt = sch.get(red)
         ivs = list(stmt.iter_vars)
         loops = sch.get_loops(red)
@@ -132,21 +138,19 @@ class GemmPacked(CPUScheduleRule):
         out = stmt.writes[0]
         if not (_uses(out.region[-1].min, vj) and _uses(out.region[-2].min, vi)):
             return None
-        roles = _operand_roles(stmt, out, vi, vj, vk)
-        if roles is None:
+        b_idx, b_transposed = _operand_roles(stmt, out, vi, vj, vk) or (None, False)
+        if b_idx is None:
             return None
-        b_idx, b_transposed = roles
 
         exts = [const_extent(sch, lp) for lp in loops]
-        if any(e is None for e in exts):
-            return None
-        if any(e != 1 for e in exts[ns:-1]):
+        if any(e is None for e in exts) or any(e != 1 for e in exts[ns:-1]):
             return None
         k, n = exts[-1], exts[ns - 1]
         plan = _register_tile(target, exts, ns)
         if plan is None:
             return None
-        lanes, mr, nr, flops = plan
+        fuse_rows = _fuse_rows(target, exts, ns, plan)
+        lanes, mr, nr, flops = fuse_rows or plan
 
         b_buf = stmt.reads[b_idx].source
         b_is_param = any(p.same_as(b_buf) for p in func.params)
@@ -159,6 +163,9 @@ class GemmPacked(CPUScheduleRule):
             sch.annotate(pack, LAYOUT_REWRITE, True)
         # 2. accumulators + tiling
         wb = sch.cache_write(red, 0, "local")
+        if fuse_rows is not None:  # a 1x1 conv on a narrow map: rows = h x w (see _fuse_rows)
+            sch.fuse(*sch.get_loops(red)[ns - 3:ns - 1])
+            ns -= 1
         loops = sch.get_loops(red)
         b_loops, li, lj, unit_r, lk = loops[:ns - 2], loops[ns - 2], loops[ns - 1], loops[ns:-1], loops[-1]
         io, ii = sch.split(li, factors=[None, mr])
@@ -211,6 +218,59 @@ def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int
     if m * n * k < 2 * 2 * lanes * 4 or mr * (nr // lanes) < 4:
         return None
     return lanes, mr, nr, 2.0 * batch * m * n * k
+
+
+def _fuse_rows(target: Any, exts: list[int], ns: int, plan: tuple[int, int, int, float]) -> tuple[int, int, int, float] | None:
+    """The register tile with the output's two row axes fused into one, when that tile has more
+    FMAs per load than ``plan``'s; else None.
+
+    Shapes it is for: NHWC 1x1 convolutions (unit kh/kw reductions, spatial (n, h, w, co)) on
+    narrow maps, where the rows of the GEMM are one output row of ``w`` pixels: on a 2x2 map
+    (ResNet-50's last stage at 64 px) that allows only 2-row tiles, 2 x 4 vectors = 1.33 FMAs per
+    load, against 4 x 4 = 2.0 with the 4 pixels of the map as rows. The fused row index
+    ``f`` maps back to ``(f // w, f % w)``; the division is computed once per row tile, outside
+    the k loop. Only tiles of whole output rows (``w`` divides the tile's rows): a tile that
+    straddles a row boundary (8 rows of a 28-wide map) computed wrong values (checked: TVM
+    0.27, N = 24 on a 28x28 map), and wide maps have good tiles without fusing anyway. Matrix products (no unit reductions) are never fused (their batch axes index B)."""
+    if not FUSE_NARROW_ROWS or ns < 4 or len(exts) - ns < 2 or exts[ns - 3] <= 1:
+        return None
+    lanes, mr, nr, _ = plan
+    fused = exts[:ns - 3] + [exts[ns - 3] * exts[ns - 2]] + exts[ns - 1:]
+    alt = _register_tile(target, fused, ns - 1)
+    if alt is None or alt[0] != lanes or alt[1] % exts[ns - 2]:
+        return None
+    nv, alt_nv = nr // lanes, alt[2] // lanes
+    if alt[1] * alt_nv / (alt[1] + alt_nv) <= mr * nv / (mr + nv):
+        return None
+    return alt
+
+
+def _inline_identity_copies(sch: Any, red: Any) -> None:
+    """Inline the producers of ``red`` that copy a buffer element for element (same shape, same
+    indices): TOPI's ``conv2d_nhwc`` always builds ``pad_temp``, which for a 1x1 conv without
+    padding is a copy of the whole input, written and read back per call (mobilenet's 1x1 convs
+    with 16-32 input channels at batch 8 spent about as long in that copy as in the GEMM).
+    Inlined, the GEMM reads the input directly; other producers (transposes, real padding) stay
+    materialised as before."""
+    from tvm import tirx
+
+    for blk in sch.get_producers(red) if INLINE_IDENTITY_COPIES else []:
+        stmt = sch.get(blk)
+        body = stmt.body
+        if any(iv.iter_type != tirx.IterVar.DataPar for iv in stmt.iter_vars) or stmt.init is not None:
+            continue
+        load = body.value if isinstance(body, tirx.BufferStore) else None
+        if type(load).__name__ not in ("BufferLoad", "TensorLoad"):  # 0.27 loads are TensorLoad
+            continue
+        src, dst = getattr(load, "buffer", None) or load.source, body.buffer
+        same_shape = [str(d) for d in src.shape] == [str(d) for d in dst.shape]
+        same_index = len(body.indices) == len(load.indices) and all(
+            a.same_as(b) for a, b in zip(body.indices, load.indices))
+        if same_shape and same_index:
+            try:
+                sch.compute_inline(blk)
+            except Exception:  # noqa: BLE001 - TVM refused (e.g. read elsewhere): keep the copy
+                pass
 
 
 def _float32_reduction(sch: Any, root: Any) -> Any:

@@ -1,0 +1,337 @@
+"""Where a model's time goes, per kernel class: our default build against ONNX Runtime, 1 thread.
+
+    python benchmarks/kernel_profile.py [--models mobilenet,resnet50] [--batches 1,8] [--runs 15]
+                                        [--layers 12] [--json FILE]
+
+For each model (the ``benchmarks/per_device.py`` sizes) and batch:
+
+- ours: the ``scheduled`` pipeline built once; every kernel call of a run is timed with the
+  calling thread's CPU time (``time.thread_time``) from a VM instrument hook (before/after each
+  call), so a loaded machine's time slicing matters less and each kernel runs in the cache state
+  the model leaves it. A kernel's time is its median over ``--runs`` runs.
+- ONNX Runtime: one session (``intra_op_num_threads`` = 1, all graph optimisations), its node
+  profiler (``enable_profiling``), median per node over the same number of runs. ORT reports
+  wall time per node; with 1 thread and a core free it is the CPU time.
+
+Kernel classes (the same rule on both sides, from the convolution's shape, not from names):
+``stem`` (a conv with 3 input channels), ``depthwise`` (groups = channels), ``conv1x1``,
+``conv3x3`` (and ``convKxK``), ``gemm`` (MatMul/Gemm), ``pool``, ``layout`` (transposes, ORT's
+NCHWc reorders) and ``other`` (elementwise kernels that were not fused, softmax, ...). Each
+side's fusions differ (ORT folds BN and fuses Relu/Clip/Add into its conv; we fuse BN, clamp and
+residual add into the conv's epilogue), so a class's time includes what each side fused into it.
+The table gives per class: our ms, ORT's ms, the difference (what to attack first: the largest
+absolute excess) and the ratio; ``--layers`` lists the conv layers with the largest excess
+(class, channels in -> out, output map). ``--baseline MODULE.ATTR=VALUE`` also builds with a
+schedule setting changed (the "before" of a schedule change) and times both builds in
+interleaved rounds, for a before/after ratio per class that a loaded machine's drift does not
+bias. Calls to VM builtins (allocation, shape checks) are class ``other`` on our side: with the
+hook's own ~1-2 us per call they are mostly the measurement's overhead.
+Results: ``benchmarks/results/kernel_profile.json`` (not committed from a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "kernel_profile.json"
+
+
+def _per_device() -> Any:
+    spec = importlib.util.spec_from_file_location("per_device", ROOT / "benchmarks" / "per_device.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def conv_class(ci: int, co: int, k: int, groups: int) -> str:
+    """The class of a convolution from its shape (module docstring)."""
+    if groups > 1 and groups == ci:
+        return "depthwise"
+    if ci == 3:
+        return "stem"
+    return f"conv{k}x{k}"
+
+
+# ---------------------------------------------------------------- ours: classes from the TIR
+def tir_kernel_info(func: Any, name: str) -> dict[str, Any]:
+    """Class, layer key and FLOPs of one PrimFunc, read from its reduction block's iterators:
+    conv2d_nhwc is (n, h, w, co, ry, rx, ci), group_conv2d_nhwc (n, h, w, c, ry, rx, 1)."""
+    from tvm import s_tir, tirx
+
+    try:
+        sch = s_tir.Schedule(func)
+        stmts = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    except Exception:  # no root block (a packed/extern function)
+        stmts = []
+    blocks = [b for b in stmts if any(iv.iter_type == tirx.IterVar.CommReduce for iv in b.iter_vars)]
+    low = name.lower()
+    info: dict[str, Any] = {"class": "other", "layer": "[ours] " + re.sub(r"\d+$", "", name)[:40].rstrip("_"), "flops": 0.0}
+    if "transpose" in low and not blocks:
+        info["class"] = "layout"
+        info["layer"] = None
+    if not blocks:
+        return info
+    exts = [int(iv.dom.extent) for iv in blocks[0].iter_vars]
+    flops = 2.0
+    for e in exts:
+        flops *= e
+    info["flops"] = flops
+    if "conv2d" in low and len(exts) == 7:
+        n, h, w, co, ry, rx, rc = exts
+        groups = co if rc == 1 else 1  # one input channel per group: depthwise
+        ci = co if groups > 1 else rc
+        info["class"] = conv_class(ci, co, ry, groups)
+        info["layer"] = f"{info['class']} {ci}->{co} @{h}x{w}"
+    elif "matmul" in low or "dense" in low:
+        info["class"], info["layer"] = "gemm", None
+    elif "pool" in low:
+        info["class"], info["layer"] = "pool", None
+    return info
+
+
+def build_ours(m: onnx.ModelProto, target: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The compiled VM executable and the info of every PrimFunc by symbol."""
+    import tvm
+    from tvm import tirx
+
+    from backends.tvm.lower import lower_program
+    from backends.tvm.pipeline import run_pipeline
+
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    infos = {gv.name_hint: tir_kernel_info(f, gv.name_hint) for gv, f in mod.functions_items()
+             if isinstance(f, tirx.PrimFunc)}
+    return tvm.compile(mod, target), infos
+
+
+def profile_ours(exes: list[Any], feeds: dict[str, np.ndarray], runs: int) -> list[list[tuple[str, float]]]:
+    """Per executable: (symbol, median thread-CPU seconds) per kernel call site, in call order.
+    The executables run in interleaved rounds, so a loaded machine's slow spells hit them alike."""
+    import tvm
+    from tvm import relax
+
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    state: dict[str, Any] = {"calls": []}
+
+    def instrument(func: Any, symbol: str, before: bool, ret: Any, *a: Any) -> int:
+        if before:
+            state["t"] = time.thread_time()
+        else:
+            state["calls"].append((str(symbol), time.thread_time() - state["t"]))
+        return 0
+
+    vms = []
+    for ex in exes:
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        vm["main"](*args)
+        vm.set_instrument(instrument)
+        vms.append(vm)
+    per_run: list[list[list[tuple[str, float]]]] = [[] for _ in vms]
+    for _ in range(runs):
+        for i, vm in enumerate(vms):
+            state["calls"] = []
+            vm["main"](*args)
+            per_run[i].append(state["calls"])
+    return [[(runs_i[0][j][0], statistics.median(r[j][1] for r in runs_i)) for j in range(len(runs_i[0]))]
+            for runs_i in per_run]
+
+
+def with_settings(settings: list[str]) -> Any:
+    """A context manager that sets ``module.ATTR=value`` (a Python literal) for its duration."""
+    import ast
+    import contextlib
+    import importlib
+
+    @contextlib.contextmanager
+    def ctx() -> Any:
+        saved = []
+        for item in settings:
+            target, value = item.split("=", 1)
+            mod_name, attr = target.rsplit(".", 1)
+            mod = importlib.import_module(mod_name)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, ast.literal_eval(value))
+        try:
+            yield
+        finally:
+            for mod, attr, old in reversed(saved):
+                setattr(mod, attr, old)
+
+    return ctx()
+
+
+# ---------------------------------------------------------------- ORT: classes from the ONNX nodes
+def onnx_node_info(m: onnx.ModelProto) -> dict[str, dict[str, Any]]:
+    """Class and layer key of every node of the (shape-inferred) model, by node name."""
+    shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+              for vi in list(m.graph.value_info) + list(m.graph.output) + list(m.graph.input)}
+    inits = {t.name: list(t.dims) for t in m.graph.initializer}
+    out: dict[str, dict[str, Any]] = {}
+    for node in m.graph.node:
+        info: dict[str, Any] = {"class": "other", "layer": f"[ORT] {node.op_type}"}
+        if node.op_type == "Conv":
+            w = inits.get(node.input[1]) or shapes.get(node.input[1])
+            groups = next((a.i for a in node.attribute if a.name == "group"), 1)
+            co, cig, k = w[0], w[1], w[2]
+            ci = cig * groups
+            y = shapes.get(node.output[0], [0, 0, 0, 0])
+            info["class"] = conv_class(ci, co, k, groups)
+            info["layer"] = f"{info['class']} {ci}->{co} @{y[2]}x{y[3]}"
+        elif node.op_type in ("MatMul", "Gemm"):
+            info["class"], info["layer"] = "gemm", None
+        elif "Pool" in node.op_type:
+            info["class"], info["layer"] = "pool", None
+        elif node.op_type == "Transpose":
+            info["class"], info["layer"] = "layout", None
+        out[node.name] = info
+    return out
+
+
+def profile_ort(m: onnx.ModelProto, feeds: dict[str, np.ndarray], runs: int, tmp: Path) -> list[tuple[str, str, float]]:
+    """(node name, op, median seconds) per node ORT ran."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp / "ort_prof")
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    for _ in range(2):
+        sess.run(None, feeds)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    sess2 = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess2.run(None, feeds)
+    for _ in range(runs):
+        sess2.run(None, feeds)
+    events = json.loads(Path(sess2.end_profiling()).read_text())
+    per_node: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            per_node[(e["name"][:-len("_kernel_time")], e["args"].get("op_name", ""))].append(e["dur"] * 1e-6)
+    out = []
+    for (name, op), durs in per_node.items():
+        # the first call of each node is the warm-up run: drop it when there are more
+        out.append((name, op, statistics.median(durs[1:] if len(durs) > runs else durs)))
+    return out
+
+
+def ort_class(name: str, op: str, nodes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    if name in nodes:
+        return nodes[name]
+    if op in ("ReorderInput", "ReorderOutput", "Transpose"):
+        return {"class": "layout", "layer": None}
+    base = next((n for n in nodes if name.startswith(n)), None)
+    return nodes[base] if base else {"class": "other", "layer": f"[ORT] {op}"}
+
+
+def compare(ours: list[tuple[str, float]], infos: dict[str, dict[str, Any]],
+            ort: list[tuple[str, str, float]], nodes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    cls: dict[str, dict[str, float]] = defaultdict(lambda: {"ours_ms": 0.0, "ort_ms": 0.0, "flops": 0.0})
+    layers: dict[str, dict[str, float]] = defaultdict(lambda: {"ours_ms": 0.0, "ort_ms": 0.0, "n": 0})
+    for sym, t in ours:
+        info = infos.get(sym, {"class": "other", "layer": None, "flops": 0.0})
+        cls[info["class"]]["ours_ms"] += 1e3 * t
+        cls[info["class"]]["flops"] += info["flops"]
+        if info["layer"]:
+            layers[info["layer"]]["ours_ms"] += 1e3 * t
+    for name, op, t in ort:
+        info = ort_class(name, op, nodes)
+        cls[info["class"]]["ort_ms"] += 1e3 * t
+        if info["layer"]:
+            layers[info["layer"]]["ort_ms"] += 1e3 * t
+            layers[info["layer"]]["n"] += 1
+    for d in list(cls.values()) + list(layers.values()):
+        d["excess_ms"] = d["ours_ms"] - d["ort_ms"]
+        d["ratio"] = d["ours_ms"] / d["ort_ms"] if d["ort_ms"] else float("inf")
+    return {"classes": dict(cls), "layers": dict(layers),
+            "total_ours_ms": sum(d["ours_ms"] for d in cls.values()),
+            "total_ort_ms": sum(d["ort_ms"] for d in cls.values())}
+
+
+def print_report(key: str, batch: int, res: dict[str, Any], n_layers: int) -> None:
+    print(f"\n{key} b{batch}: kernels ours {res['total_ours_ms']:.2f} ms, ORT nodes {res['total_ort_ms']:.2f} ms"
+          f" (x{res['total_ours_ms'] / max(res['total_ort_ms'], 1e-9):.2f})")
+    print(f"  {'class':10s} {'ours ms':>9s} {'ORT ms':>9s} {'excess':>9s} {'ratio':>6s}")
+    for c, d in sorted(res["classes"].items(), key=lambda kv: -kv[1]["excess_ms"]):
+        print(f"  {c:10s} {d['ours_ms']:9.3f} {d['ort_ms']:9.3f} {d['excess_ms']:9.3f} {d['ratio']:6.2f}")
+    print("  layers with the largest excess (all layers of that shape together):")
+    for lay, d in sorted(res["layers"].items(), key=lambda kv: -kv[1]["excess_ms"])[:n_layers]:
+        print(f"    {lay:28s} {d['ours_ms']:8.3f} {d['ort_ms']:8.3f} {d['excess_ms']:8.3f} x{d['ratio']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mobilenet,resnet50")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="also build with this schedule setting (repeatable; e.g. "
+                         "backends.tvm.schedules.depthwise.PAD_INLINE=False) and time both builds "
+                         "in interleaved rounds: the before/after ratio per class")
+    ap.add_argument("--json", default=str(RESULTS))
+    args = ap.parse_args(argv)
+
+    from backends.tvm.executable import configure_threads
+    from backends.tvm.target import resolve_target
+
+    configure_threads(1)
+    target = resolve_target(None)
+    pd = _per_device()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in args.models.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                m, _ = pd.model_for(key, batch, {})
+                if m is None:
+                    continue
+                for i, node in enumerate(m.graph.node):
+                    node.name = node.name or f"node{i}_{node.op_type}"
+                feeds = pd._feeds(m)
+                print(f"build {key} b{batch}", file=sys.stderr, flush=True)
+                ex, infos = build_ours(m, target)
+                exes = [ex]
+                if args.baseline:
+                    with with_settings(args.baseline):
+                        base_ex, base_infos = build_ours(m, target)
+                    exes.append(base_ex)
+                timed = profile_ours(exes, feeds, args.runs)
+                ort = profile_ort(m, feeds, args.runs, Path(tmp))
+                nodes = onnx_node_info(m)
+                res = compare(timed[0], infos, ort, nodes)
+                print_report(key, batch, res, args.layers)
+                row = {"model": key, "batch": batch, **res}
+                if args.baseline:
+                    base = compare(timed[1], base_infos, ort, nodes)
+                    print(f"  baseline ({' '.join(args.baseline)}), same rounds: kernels {base['total_ours_ms']:.2f} ms")
+                    print(f"  {'class':10s} {'new ms':>9s} {'base ms':>9s} {'new/base':>8s} {'ORT ms':>9s}")
+                    for c, d in sorted(res["classes"].items(), key=lambda kv: -kv[1]["ours_ms"]):
+                        b = base["classes"].get(c, {}).get("ours_ms", 0.0)
+                        print(f"  {c:10s} {d['ours_ms']:9.3f} {b:9.3f} {d['ours_ms'] / b if b else float('nan'):8.2f} {d['ort_ms']:9.3f}")
+                    row["baseline"] = {"settings": args.baseline, **base}
+                results.append(row)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"target": str(target), "runs": args.runs, "threads": 1,
+                                           "rows": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
