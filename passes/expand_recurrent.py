@@ -439,8 +439,8 @@ class _Expansion:
             else:
                 f, g, hact = acts
                 rec = self._recurrent(h, rt_full)  # rule 7: x_t is added per gate, in the gate kernels
-                gi, go, gf, gc = (self._gate(x_t, k) if rec is None else em.op("Add", self._gate(rec, k), self._gate(x_t, k))
-                                  for k in range(4))
+                gi, go, gf, gc = (self._gate(x_t, k) if rec is None
+                                  else em.op("Add", self._gate(rec, k), self._gate(x_t, k)) for k in range(4))
                 if peep is not None and c is not None:
                     gi = em.op("Add", gi, em.op("Mul", peep[0], c))
                     gf = em.op("Add", gf, em.op("Mul", peep[2], c))

@@ -51,7 +51,8 @@ def _numpy_ops() -> dict[str, Any]:
         "relax.not_equal": lambda c, a: np.not_equal(*a), "relax.where": lambda c, a: np.where(*a),
         "relax.logical_and": lambda c, a: np.logical_and(*a), "relax.logical_or": lambda c, a: np.logical_or(*a),
         "relax.logical_not": lambda c, a: np.logical_not(*a), "relax.shape_to_tensor": lambda c, a: a[0],
-        "relax.permute_dims": lambda c, a: np.transpose(a[0], None if c.attrs.axes is None else [int(x) for x in c.attrs.axes]),
+        "relax.permute_dims": lambda c, a: np.transpose(
+            a[0], None if c.attrs.axes is None else [int(x) for x in c.attrs.axes]),
         "relax.reshape": _reshape, "relax.expand_dims": _reshape, "relax.squeeze": _reshape,
         "relax.take": lambda c, a: np.take(a[0], a[1], axis=int(c.attrs.axis) if c.attrs.axis is not None else None,
                                            mode=take_modes.get(str(c.attrs.mode), "raise")),

@@ -129,7 +129,8 @@ def scatter_slices_to_concat(program: onnx.ModelProto) -> onnx.ModelProto:
             mask = np.zeros([n if d == axis else 1 for d in range(rank)], dtype=bool)
             mask[(slice(None),) * axis + (slice(k, k + m),)] = True
             inits += [numpy_helper.from_array(pads, f"{base}.pads"), numpy_helper.from_array(mask, f"{base}.mask")]
-            nodes.append(helper.make_node("Pad", [node.input[2], f"{base}.pads"], [f"{base}.padded"], name=f"{base}.pad"))
+            nodes.append(helper.make_node("Pad", [node.input[2], f"{base}.pads"], [f"{base}.padded"],
+                                          name=f"{base}.pad"))
             nodes.append(helper.make_node("Where", [f"{base}.mask", f"{base}.padded", node.input[0]], [node.output[0]],
                                           name=base))
             continue
