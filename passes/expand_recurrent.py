@@ -35,6 +35,17 @@ Rules:
    ``Clip`` and ``Where``, which are written in the form the model's default opset expects: below
    opset 10 a slice is a ``Gather`` of the index range (TVM's importer refuses the attribute form
    of ``Slice``) and below opset 9 ``Where`` is a multiply-add with a 0/1 mask.
+7. LSTM steps read their input projection with one ``Gather`` of a constant step index from
+   the ``[T, B, 4H]`` view of the projection, and add it gate by gate to the gate's ``Slice`` of
+   ``H_{t-1}·Rᵀ`` (GRU and RNN keep the ``Split`` of rule 2 and add ``x_t`` to the whole GEMM).
+   TVM then fuses the ``Gather`` and the slices into the step's two gate kernels (an injective op
+   cannot join the GEMM's kernel, an elementwise one can): no ``Split`` copy of the projection and
+   no ``T`` step tensors; the index is a kernel argument, not a constant baked into the kernel,
+   so every step runs the same two compiled kernels (a ``Slice`` at ``t*B`` made ``2T`` distinct
+   kernels and a 3-5x longer build). The sums are the same numbers as before.
+8. A ``Concat`` of more than :data:`CONCAT_FANIN` step outputs (``Y``) is a two-level tree of
+   about ``sqrt(T)`` groups: TVM's ``concatenate`` selects each element's input through a chain
+   of conditions over all its inputs, so a flat 128-way ``Concat`` of ``Y`` cost ~10x a copy.
 
 Invariant: the graph computes what the recurrent node computed, up to float rounding (the
 tests hold it to ONNX Runtime at 1e-5); the graph's inputs and outputs are unchanged. Shapes of
@@ -43,6 +54,7 @@ the new values are left to the next shape inference.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -50,6 +62,9 @@ import onnx_ir as ir
 
 from passes.registry import register
 
+# rule 8: a Concat of more inputs is built as a tree (TVM's concatenate picks each element's input
+# with a chain of selects over all inputs: 128 steps cost ~10x a plain copy)
+CONCAT_FANIN = 16
 RECURRENT_OPS: frozenset[str] = frozenset({"LSTM", "GRU", "RNN"})
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 DEFAULT_ACTIVATIONS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
@@ -306,19 +321,30 @@ class _Expansion:
             self._rows = self.em.reshape(x, [self.T * self.B, self.I])
         return self._rows
 
+    def _projection_rows(self, d: int, bias: ir.Value | None) -> ir.Value:
+        """``X·W[d]ᵀ + bias`` for every step at once (one GEMM): ``[T*B, G*H]``."""
+        y = self.em.op("MatMul", self._x_rows(), self.w.transposed(1, d))
+        return y if bias is None else self.em.op("Add", y, bias)
+
     def _projection(self, d: int, bias: ir.Value | None) -> list[ir.Value]:
-        """``X·W[d]ᵀ + bias`` for every step at once (one GEMM), split into ``T`` step inputs
-        ``[B, G*H]`` by one ``Split`` (a per-step ``Gather`` would be one more kernel a step)."""
+        """The projection split into ``T`` step inputs ``[B, G*H]`` by one ``Split`` (a per-step
+        ``Gather`` would be one more kernel a step)."""
         em = self.em
-        y = em.op("MatMul", self._x_rows(), self.w.transposed(1, d))
-        if bias is not None:
-            y = em.op("Add", y, bias)
+        y = self._projection_rows(d, bias)
         if self.T == 1:
             return [y]
         sizes = [self.B] * self.T
         if em.opset >= 13:
             return list(em.tape.op_multi_out("Split", [y, em.ints(sizes)], {"axis": 0}, num_outputs=self.T))
         return list(em.tape.op_multi_out("Split", [y], {"axis": 0, "split": sizes}, num_outputs=self.T))
+
+    def _lstm_steps(self, d: int, bias: ir.Value | None) -> list[ir.Value]:
+        """Rule 7: the projection viewed as ``[T, B, 4H]`` and one ``Gather`` of a constant index per step."""
+        if self.T == 1:
+            return [self._projection_rows(d, bias)]
+        em = self.em
+        rows = em.reshape(self._projection_rows(d, bias), [self.T, self.B, self.G * self.hidden])
+        return [em.op("Gather", rows, em.const(t, np.int64), axis=0) for t in range(self.T)]
 
     def _biases(self, d: int) -> tuple[ir.Value | None, ir.Value | None]:
         """(bias added to the input projection, GRU's Rbh when linear_before_reset)."""
@@ -352,12 +378,22 @@ class _Expansion:
     def _gate(self, g: ir.Value, k: int) -> ir.Value:
         return self.em.slice(g, 1, k * self.hidden, (k + 1) * self.hidden)
 
+    def _concat(self, values: list[ir.Value], axis: int) -> ir.Value:
+        """Rule 8: ``Concat`` of many values as a two-level tree of about ``sqrt(n)`` groups."""
+        n = len(values)
+        if n <= CONCAT_FANIN:
+            return self.em.op("Concat", *values, axis=axis)
+        size = math.isqrt(n - 1) + 1
+        groups = [values[i:i + size] for i in range(0, n, size)]
+        parts = [g[0] if len(g) == 1 else self.em.op("Concat", *g, axis=axis) for g in groups]
+        return self.em.op("Concat", *parts, axis=axis)
+
     def _direction(self, d: int, masks: list[tuple[ir.Value, ir.Value]] | None, want_y: bool
                    ) -> tuple[list[ir.Value] | None, ir.Value, ir.Value | None]:
         em, H = self.em, self.hidden
         acts = self.acts[d]
         bias, rbh = self._biases(d)
-        steps = self._projection(d, bias)
+        steps = self._lstm_steps(d, bias) if self.op == "LSTM" else self._projection(d, bias)
         h = self._initial(5, d)
         c = self._initial(6, d) if self.op == "LSTM" else None
         zeros = em.const(np.zeros((self.B, H), dtype=self.dtype)) if masks is not None else None
@@ -402,8 +438,9 @@ class _Expansion:
                 new_c = None
             else:
                 f, g, hact = acts
-                gates = self._add(x_t, self._recurrent(h, rt_full))
-                gi, go, gf, gc = (self._gate(gates, k) for k in range(4))
+                rec = self._recurrent(h, rt_full)  # rule 7: x_t is added per gate, in the gate kernels
+                gi, go, gf, gc = (self._gate(x_t, k) if rec is None
+                                  else em.op("Add", self._gate(rec, k), self._gate(x_t, k)) for k in range(4))
                 if peep is not None and c is not None:
                     gi = em.op("Add", gi, em.op("Mul", peep[0], c))
                     gf = em.op("Add", gf, em.op("Mul", peep[2], c))
@@ -440,10 +477,10 @@ class _Expansion:
         result: dict[int, ir.Value] = {}
         if want[0]:
             if self.layout == 0:  # [T, D, B, H]
-                ys = [em.op("Concat", *[em.reshape(y, [1, 1, B, H]) for y in seq], axis=0) for seq, _, _ in per_dir]
+                ys = [self._concat([em.reshape(y, [1, 1, B, H]) for y in seq], 0) for seq, _, _ in per_dir]
                 result[0] = ys[0] if len(ys) == 1 else em.op("Concat", *ys, axis=1)
             else:  # [B, T, D, H]
-                ys = [em.op("Concat", *[em.reshape(y, [B, 1, 1, H]) for y in seq], axis=1) for seq, _, _ in per_dir]
+                ys = [self._concat([em.reshape(y, [B, 1, 1, H]) for y in seq], 1) for seq, _, _ in per_dir]
                 result[0] = ys[0] if len(ys) == 1 else em.op("Concat", *ys, axis=2)
         for k, pick in ((1, 1), (2, 2)):
             if not want[k] or (k == 2 and self.op != "LSTM"):

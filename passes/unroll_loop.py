@@ -30,12 +30,17 @@ Rules:
    scan output then has no rows and the ``Loop`` stays.
 5. The rewrite is done on the ``ModelProto`` (a copy of nodes with nested subgraphs is plain
    there) and the model is rebuilt only when a ``Loop`` was unrolled.
+6. A scan output of more than :data:`CONCAT_FANIN` rows is concatenated as a two-level tree of
+   about ``sqrt(N)`` groups: TVM's ``concatenate`` picks each element's input through a chain of
+   selects over all its inputs (a flat ``Concat`` of 128 rows cost ~10x a copy, and an ``N``-deep
+   select chain is what TVM's schedule then analyses).
 
 Invariant: for the bound inputs, the graph computes the same outputs under the same names.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -233,7 +238,28 @@ def unroll(graph: onnx.GraphProto, at: int, steps: int, k: int) -> list[onnx.Nod
         for i, name in enumerate(rows[s]):
             parts.append(f"{out}__row{i}")
             nodes.append(helper.make_node("Unsqueeze", [name, axes], [parts[-1]]))
-        nodes.append(helper.make_node("Concat", parts, [out], axis=0))
+        nodes.extend(_concat_tree(parts, out))
+    return nodes
+
+
+CONCAT_FANIN = 16
+
+
+def _concat_tree(parts: list[str], out: str) -> list[onnx.NodeProto]:
+    """Rule 6: ``Concat(parts, axis=0) -> out``, as a two-level tree when there are more than
+    :data:`CONCAT_FANIN` parts."""
+    if len(parts) <= CONCAT_FANIN:
+        return [helper.make_node("Concat", parts, [out], axis=0)]
+    size = math.isqrt(len(parts) - 1) + 1
+    nodes, groups = [], []
+    for g, i in enumerate(range(0, len(parts), size)):
+        chunk = parts[i:i + size]
+        if len(chunk) == 1:
+            groups.append(chunk[0])
+            continue
+        groups.append(f"{out}__rows{g}")
+        nodes.append(helper.make_node("Concat", chunk, [groups[-1]], axis=0))
+    nodes.append(helper.make_node("Concat", groups, [out], axis=0))
     return nodes
 
 

@@ -3,7 +3,8 @@ of passes (like ``tvm.relax.backend.cpu_generic.pipeline``).
 
 Phases, in order (:func:`passes`):
 
-1. ``simplify``: ``DecomposeOpsForInference`` (batch norm -> scale/shift, so it fuses into
+1. ``simplify``: :mod:`backends.tvm.fold_small_constants` (small constant arithmetic in numpy),
+   ``DecomposeOpsForInference`` (batch norm -> scale/shift, so it fuses into
    the conv epilogue), ``CanonicalizeBindings``.
 2. ``layout`` (CPU only): ``ConvertLayout`` conv2d -> NHWC data / HWIO weights. Channels
    become the innermost axis, so conv, depthwise conv and pooling vectorise over channels and
@@ -43,7 +44,10 @@ def _is_cpu(target: Any) -> bool:
 def simplify_passes(target: Any) -> list[Any]:
     from tvm import relax
 
-    return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
+    from .fold_small_constants import fold_small_constants_pass
+
+    # importer's constant index arithmetic folded in numpy: FoldConstant compiles each call (fold_small_constants.py)
+    return [fold_small_constants_pass(), relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
 
 
 def layout_passes(target: Any) -> list[Any]:
@@ -106,9 +110,11 @@ def legalize_passes(target: Any) -> list[Any]:
     if not _is_cpu(target):
         return [relax.get_pipeline("zero")]
     from .fold_batchnorm import fold_batchnorm_pass
+    from .fold_small_constants import fold_small_constants_pass
 
+    # conv weights' layout transposes (from ConvertLayout) folded in numpy, not compiled one by one;
     # batch norm's (x - mean) / sd * gamma + beta: folded into the conv weights + one add
-    return [relax.transform.FoldConstant(), fold_batchnorm_pass(),
+    return [fold_small_constants_pass(), relax.transform.FoldConstant(), fold_batchnorm_pass(),
             relax.transform.LegalizeOps(customize_legalize_map=_fast_math_map()), relax.get_pipeline("zero")]
 
 

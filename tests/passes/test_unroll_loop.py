@@ -70,7 +70,7 @@ def _ort(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-@pytest.mark.parametrize("limit,scan", [(5, True), (1, True), (4, False)])
+@pytest.mark.parametrize("limit,scan", [(5, True), (1, True), (4, False), (40, True)])  # 40 rows: a Concat tree (rule 6)
 def test_counter_loop_is_unrolled_and_matches_ort(limit, scan):
     m = _counter_loop(limit, scan=scan)
     prepared = run_pipeline(load(m))
@@ -83,6 +83,8 @@ def test_counter_loop_is_unrolled_and_matches_ort(limit, scan):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
     if scan:
         assert want[1].shape == (limit, 2, 3)
+    if limit > 16:
+        assert max(len(n.inputs) for n in prepared.graph if n.op_type == "Concat") <= 16
 
 
 def test_loop_that_stops_on_data_is_left_and_refused_by_name():
