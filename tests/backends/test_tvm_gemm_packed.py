@@ -185,3 +185,17 @@ def test_unpadded_pointwise_conv_reads_its_input_directly():
     kernels = {gv.name_hint: f.script() for gv, f in mod.functions_items()
                if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.endswith("_prepacked")}
     assert kernels and not any('T.sblock("pad_temp")' in body for body in kernels.values()), list(kernels)
+
+
+def test_prepacked_weight_beside_a_scatter_with_reduction():
+    # TOPI writes ScatterElements with a reduction (a MaxPool gradient in a training graph) as one
+    # opaque block under the root, which TVM 0.27's SplitLayoutRewritePreproc refuses; the
+    # pipeline must still pack the weight of the GEMM beside it (and build the scatter as is)
+    rng = np.random.default_rng(11)
+    idx = rng.integers(0, 48 * 64, size=(4096,)).astype(np.int64)  # repeated positions: the adds accumulate
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Reshape", ["mm", "flat"], ["v"]),
+             helper.make_node("ScatterElements", ["v", "idx", "u"], ["y"], axis=0, reduction="add")]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [48, 64]), helper.make_tensor_value_info("u", F, [4096])],
+               [numpy_helper.from_array(_w(rng, 64, 64), "w"), numpy_helper.from_array(idx, "idx"),
+                numpy_helper.from_array(np.array([-1], np.int64), "flat")])
+    _check(m, "host", expect_prepacked=True)
