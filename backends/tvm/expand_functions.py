@@ -123,10 +123,17 @@ def _local_call(node: ir.Node, opset: int, model_opsets: dict[str, int],
     if body is None or len(node.inputs) > len(body.input) or len(node.outputs) > len(body.output):
         return None
     # a context-dependent body may declare outputs the node omits and the body never computes
+    # (Attention's present_key/value beside a requested qk_matmul_output): an omitted output
+    # (no name, no use) gets a placeholder constant, which nothing reads
     made = {o for n in body.node for o in n.output} | set(body.input)
     keep = list(body.output)[:len(node.outputs)]
-    if any(o not in made for o in keep):
-        return None
+    for i, (o, v) in enumerate(zip(keep, node.outputs)):
+        if o in made:
+            continue
+        if v.name or v.uses() or v.is_graph_output():
+            return None
+        keep[i] = f"{o}__omitted"
+        body.node.append(onnx.helper.make_node("Constant", [], [keep[i]], value_float=0.0))
     del body.output[:]
     body.output.extend(keep)
     name = f"{node.op_type}{suffix}"

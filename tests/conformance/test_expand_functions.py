@@ -90,6 +90,22 @@ def test_attention_is_expanded_context_dependently() -> None:
     np.testing.assert_allclose(_ort(out, feeds)[0], _ort(m, feeds)[0], rtol=1e-5, atol=1e-6)
 
 
+
+def test_attention_with_omitted_middle_outputs_is_expanded() -> None:
+    # outputs Y, '', '', qk_matmul_output: the body declares present_key/value but never
+    # computes them when the node omits them
+    shape = [1, 2, 4, 8]
+    q, k, v = (helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv")
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+    qk = helper.make_tensor_value_info("qk", TensorProto.FLOAT, [1, 2, 4, 4])
+    m = _model([helper.make_node("Attention", ["q", "k", "v"], ["y", "", "", "qk"])], [q, k, v], [y, qk])
+    out, ops = expand_nodes(m)
+    assert ops == ("Attention",) and "Attention" not in {n.op_type for n in out.graph.node}
+    rng = np.random.default_rng(2)
+    feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in "qkv"}
+    for got, want in zip(_ort(out, feeds), _ort(m, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
 def test_fold_expanded_replaces_shape_but_not_a_graph_output() -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 4])
