@@ -19,6 +19,17 @@ Rules:
    tensor). No pickle: ``Broadcast`` sends a small int64 header (ndim, shape, dtype) before the data.
 6. ``comm_s`` accumulates the seconds spent inside the comm ops (posting sends, waiting for
    receives and collectives; not ``flush``), for the worker's ``--profile``.
+7. A deterministic AllReduce of at least ``SHM_MIN_BYTES`` over a group whose ranks all share one
+   node goes through an MPI-3 shared-memory window (:class:`_ShmReducer`) instead of rule 4's
+   gather: each rank copies its array into its slot, reduces its ``1/R`` of the elements over
+   every slot in group order (the same additions as :func:`reduce_arrays`, so the result is
+   bit-identical) and copies the reduced parts out; three barriers (with rule 3's deadline)
+   separate the phases. For the gradient buckets of a training step (16-25 MiB) that is about
+   half the time and CPU of the gather (the gather's transport copies every byte twice and the
+   reduction copies and adds again; measured on 2 ranks of 2 cores: 16 MiB 16.5 -> 7.5 ms).
+   Smaller arrays keep the gather (three barriers cost more than a small message). The window
+   holds the largest array reduced so far (one slot per rank), kept for the communicator's
+   life; ``$PARTITIONER_SHM_ALLREDUCE=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ TIMEOUT_ENV = "PARTITIONER_COMM_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0
 _HEADER = 16  # int64 slots: [ndim, dtype code, dims...]
 _MPI_OPS = ("sum", "max", "min", "prod")
+SHM_ENV = "PARTITIONER_SHM_ALLREDUCE"
+#: rule 7: arrays from this size reduce through shared memory (below it the gather is faster)
+SHM_MIN_BYTES = 1 << 20
 
 
 def default_timeout() -> float:
@@ -92,6 +106,8 @@ class MPICommunicator:
         self._groups: dict[tuple[int, ...], Any] = {}
         self.bytes_sent = 0
         self.comm_s = 0.0
+        self._shm: dict[tuple[int, ...], _ShmReducer | None] = {}  # rule 7, per group (None: not one node)
+        self.use_shm = os.environ.get(SHM_ENV, "1") != "0"
         for g in groups:
             self._create_group(tuple(int(r) for r in g))
         # a private duplicate for the runtime's own traffic (outputs to rank 0), apart from program tags
@@ -201,12 +217,27 @@ class MPICommunicator:
         what = self._enter("allreduce", f"on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
         if self.deterministic:
+            shm = self._shm_reducer(group, sub, x)
+            if shm is not None:
+                return shm.allreduce(np.asarray(x), reduction, what)
             return reduce_arrays(list(self._gather_all(x, sub, what)), reduction)
         x = np.asarray(x, order="C")
         out = np.empty_like(x)
         op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN, "prod": self.MPI.PROD}[reduction]
         self._wait(sub.Iallreduce(x, out, op=op), what)
         return out
+
+    def _shm_reducer(self, group: Sequence[int], sub: Any, x: Any) -> _ShmReducer | None:
+        """Rule 7's reducer of ``group`` when ``x`` qualifies (every member decides alike: the
+        same array size on every rank, the same environment), else None."""
+        nbytes = int(getattr(x, "nbytes", 0))
+        if not self.use_shm or nbytes < SHM_MIN_BYTES or sub.Get_size() < 2:
+            return None
+        key = tuple(int(r) for r in group)
+        if key not in self._shm:  # collective over the group, at its first large AllReduce
+            node = sub.Split_type(self.MPI.COMM_TYPE_SHARED)
+            self._shm[key] = _ShmReducer(self, node) if node.Get_size() == sub.Get_size() else None
+        return self._shm[key]
 
     @_timed
     def allgather(self, x: np.ndarray, group: Sequence[int], axis: int, tag: int) -> np.ndarray:
@@ -289,3 +320,55 @@ class MPICommunicator:
 
     def abort(self, code: int = 1) -> None:
         self.world.Abort(code)
+
+
+class _ShmReducer:
+    """Rule 7: the AllReduce of one group whose ranks share a node, through a shared window."""
+
+    def __init__(self, owner: MPICommunicator, node: Any) -> None:
+        self.owner, self.node = owner, node
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        self.win: Any = None
+        self.capacity = 0
+        self.slots: list[memoryview] = []
+        self.calls = 0  # AllReduces run through the window (the tests read it)
+
+    def _reserve(self, nbytes: int) -> None:
+        """Grow the window to ``nbytes`` per slot (collective: every member reduces the same
+        sizes in the same order)."""
+        if nbytes <= self.capacity:
+            return
+        if self.win is not None:
+            self.win.Free()
+        self.win = self.owner.MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
+        self.capacity = nbytes
+        self.slots = [self.win.Shared_query(k)[0] for k in range(self.size)]
+
+    def _barrier(self, what: str) -> None:
+        self.owner._wait(self.node.Ibarrier(), what)
+
+    def allreduce(self, x: np.ndarray, reduction: str, what: str) -> np.ndarray:
+        self.calls += 1
+        flat = np.ascontiguousarray(x).reshape(-1)
+        n = flat.size
+        self._reserve(flat.nbytes)
+        slots = [np.frombuffer(m, dtype=flat.dtype, count=n) for m in self.slots]
+        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[reduction]
+        mine = slots[self.rank]
+        # the last barrier of the previous call guarantees no member still reads this slot
+        np.copyto(mine, flat)
+        self._barrier(what)
+        lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
+        # reduce_arrays' order (slot 0, then + slot 1, ...): bit-identical to the gather path;
+        # only this rank reads part [lo, hi) of its own slot, so it is written in place
+        part = mine[lo:hi]
+        fn(slots[0][lo:hi], slots[1][lo:hi], out=part)
+        for k in range(2, self.size):
+            fn(part, slots[k][lo:hi], out=part)
+        self._barrier(what)
+        out = np.empty(n, dtype=flat.dtype)
+        for k in range(self.size):
+            a, b = k * n // self.size, (k + 1) * n // self.size
+            out[a:b] = slots[k][a:b]
+        self._barrier(what)  # every member has its copy: the slots may be written again
+        return out.reshape(np.shape(x))
