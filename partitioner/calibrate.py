@@ -19,8 +19,10 @@ What is measured, and how:
    chain of Relus with and without one-rank AllReduces between them.
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
    micro-kernels (:func:`micro_kernels`: a dense GEMM, a 3×3 and a 1×1 conv, a depthwise conv, an
-   elementwise chain, softmax + layer norm, max + global average pool, transpose + concat) at one
-   to four representative sizes, median of N runs. efficiency(kernel) = roofline time at
+   elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
+   the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
+   classes ``gemm_backward`` and ``conv_backward``) at one to four representative sizes, median
+   of N runs. efficiency(kernel) = roofline time at
    efficiency 1 (against the GEMM rate of 1. and the bandwidth of 2., fusion rules of
    :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
    efficiency(class) = geometric mean over the class's kernels. It is
@@ -173,7 +175,32 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
            [("Transpose", ["x"], ["t"], {"perm": [0, 2, 3, 1]}), ("Concat", ["x", "z"], ["c"], {"axis": 1})],
            ["t", "c"]),
     ]
-    return ks
+    return ks + backward_kernels()
+
+
+def backward_kernels() -> list[MicroKernel]:
+    """The training probes (classes ``gemm_backward`` and ``conv_backward``, read by the training
+    cost model's rule 1 for the backward's contractions, :func:`partitioner.cost.training.backward_class`):
+    the forward set's GEMM and 3x3 convs in the forms the gradient rules emit
+    (:mod:`partitioner.training.rules.linear`): the weight gradient ``Gemm(x, dy, transA=1)`` and
+    the input gradient ``Gemm(dy, W, transB=1)``; the input gradient ``ConvTranspose(dy, W)`` and
+    the weight gradient as one Conv over ``x`` [C, N, H, W] with the output gradient [M, N, H, W]
+    as its kernel (the whole map is the window: a kernel shape no forward conv has). A weight
+    gradient sums over the batch, so these take a batch of 4 where the forward probes take 1."""
+    return [
+        _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
+           [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
+        _k("gemm_dgrad_128x256x256", "gemm_backward", {"dy": (128, 256)}, {"w": (256, 256)},
+           [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
+        _k("convT3x3_64c_28_b4", "conv_backward", {"dy": (4, 64, 28, 28)}, {"w": (64, 64, 3, 3)},
+           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _k("conv_wgrad3x3_64c_28_b4", "conv_backward", {"x": (64, 4, 28, 28), "dy": (64, 4, 28, 28)}, {},
+           [("Conv", ["x", "dy"], ["dw"], {"pads": [1, 1, 1, 1]})], ["dw"]),
+        _k("convT3x3_256c_7_b4", "conv_backward", {"dy": (4, 256, 7, 7)}, {"w": (256, 256, 3, 3)},
+           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _k("conv_wgrad3x3_256c_7_b4", "conv_backward", {"x": (256, 4, 7, 7), "dy": (256, 4, 7, 7)}, {},
+           [("Conv", ["x", "dy"], ["dw"], {"pads": [1, 1, 1, 1]})], ["dw"]),
+    ]
 
 
 def launch_chain(length: int) -> MicroKernel:

@@ -54,6 +54,10 @@ SELF_LINK_NAME = "self"
 
 
 OP_CLASSES = ("gemm", "conv", "depthwise_conv", "elementwise", "norm", "reduction", "pool", "data_movement")
+#: the training probes' classes (calibrate.backward_kernels): the backward's contractions run at
+#: these efficiencies in the training cost model (cost/training.py rule 1), never in inference
+BACKWARD_CLASSES = ("gemm_backward", "conv_backward")
+CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 
@@ -168,9 +172,9 @@ class Cluster:
                 if not (getattr(d, fname) >= 0 and math.isfinite(getattr(d, fname))):
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be >= 0")
             for cls_name, v in d.efficiency_by_class.items():
-                if cls_name not in OP_CLASSES:
+                if cls_name not in CALIBRATED_CLASSES:
                     raise ClusterError(f"{where}: device {d.name!r}: efficiency_by_class has unknown class "
-                                       f"{cls_name!r}; use {', '.join(OP_CLASSES)}")
+                                       f"{cls_name!r}; use {', '.join(CALIBRATED_CLASSES)}")
                 if not (isinstance(v, (int, float)) and 0 < v <= MAX_CLASS_EFFICIENCY):
                     raise ClusterError(f"{where}: device {d.name!r}: efficiency_by_class[{cls_name!r}] must be "
                                        f"in (0, {MAX_CLASS_EFFICIENCY:g}]")
@@ -529,9 +533,9 @@ def local_cluster(n: int | None = None, quiet: bool = False) -> Cluster:
 def _thread_eff(d: dict[str, Any], where: str) -> dict[str, float]:
     """A device's ``thread_efficiency_by_class``: op class -> a number in [0, 1]."""
     raw = d.get("thread_efficiency_by_class") or {}
-    if not isinstance(raw, dict) or any(k not in OP_CLASSES or not isinstance(v, (int, float)) or not 0 <= v <= 1
-                                        for k, v in raw.items()):
-        raise ClusterError(f"{where}: thread_efficiency_by_class must map op classes ({', '.join(OP_CLASSES)}) "
+    if not isinstance(raw, dict) or any(k not in CALIBRATED_CLASSES or not isinstance(v, (int, float))
+                                        or not 0 <= v <= 1 for k, v in raw.items()):
+        raise ClusterError(f"{where}: thread_efficiency_by_class must map op classes ({', '.join(CALIBRATED_CLASSES)}) "
                            "to numbers in [0, 1]")
     return {k: float(v) for k, v in raw.items()}
 

@@ -5,11 +5,21 @@ rank's batch, finds the stages or the tensor pairs as the runtime does, and call
 
 Rules (``tests/training/test_training_cost.py`` checks them):
 
-1. Forward time per node: the roofline model (:func:`partitioner.cost.roofline.graph_op_times`)
-   on the cluster's first device at the batch a rank runs (the local batch for ``data``, the
-   micro-batch for ``pipeline``, the whole batch for ``tensor``). Backward time per node: the
-   forward time x ``BACKWARD_FACTOR[op class]`` (contractions 2: one product per operand
-   gradient; the rest 1).
+1. Forward and backward time per forward node: the roofline model
+   (:func:`partitioner.cost.roofline.op_time`) on the cluster's first device at the batch a rank
+   runs (the local batch for ``data``, the micro-batch for ``pipeline``, the whole batch for
+   ``tensor``), applied to the nodes the training step really runs (:func:`step_times`): each
+   node of the step graph built at that batch counts for the forward node it is (a rewritten
+   node, BatchNormalization's training-mode expansion, for the node it replaces) or
+   differentiates (``training.forward_node``); the loss's nodes count as the last node's
+   forward. A backward contraction (the weight gradient's Gemm with a transposed operand, the
+   input gradient's ConvTranspose, the weight gradient's Conv whose kernel is the output
+   gradient) runs at the efficiency the calibration measured for such kernels
+   (``<class>_backward``: :func:`partitioner.calibrate.micro_kernels`' backward probes), not the
+   forward one: those kernels run at other rates than the forward's (the zoo resnet's step took
+   9x its forward on ONNX Runtime where its FLOPs are 3x). Without a step graph (or for a node
+   the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
+   class]`` (contractions 2: one product per operand gradient; the rest 1).
 2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
    gradient and the optimizer's state copies (``OPTIMIZER_COPIES``: SGD 0, momentum 1, Adam 2).
 3. Memory per rank, as the runtime holds it at a step's peak (measured by ``train --bench``:
@@ -159,14 +169,19 @@ class _Profile:
         return (calls - 1) * o.per_call_s + o.call(nodes, arrays, output_bytes)
 
 
-def profile(graph: Any, device: Any, trainable: set[str]) -> _Profile:
-    """Rule 1 on a forward graph whose shapes are bound at the rank's batch."""
+def profile(graph: Any, device: Any, trainable: set[str], step: Any = None) -> _Profile:
+    """Rule 1 on a forward graph whose shapes are bound at the rank's batch; ``step``: the
+    training step's graph built at that batch (:func:`step_times`), else the factor rule."""
     from partitioner.cost.ops import nbytes, op_class
     from partitioner.cost.roofline import graph_op_times
 
     nodes = list(graph)
     times = np.array(graph_op_times(graph, device), dtype=np.float64)
     factor = np.array([BACKWARD_FACTOR.get(op_class(n), 1.0) for n in nodes])
+    backward = times * factor
+    if step is not None:
+        times, backward = step_times(step, device, [n.name or f"node{i}" for i, n in enumerate(nodes)],
+                                     times, backward)
     seen: set[str] = set()
     weight = np.zeros(len(nodes))
     tensors = np.zeros(len(nodes))
@@ -177,8 +192,61 @@ def profile(graph: Any, device: Any, trainable: set[str]) -> _Profile:
                 weight[i] += nbytes(v)
                 tensors[i] += 1
     act = np.array([sum(nbytes(o) for o in n.outputs) for n in nodes], dtype=np.float64)
-    return _Profile(times, times * factor, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph,
+    return _Profile(times, backward, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph,
                     weight_tensors=tensors)
+
+
+FORWARD_NODE_KEY = "training.forward_node"  # partitioner.training.autodiff's metadata
+REWRITE_KEY = "training.rewrite_of"  # partitioner.training.batchnorm's metadata
+
+
+def backward_class(device: Any, op_class: str) -> str:
+    """Rule 1: the class whose efficiency a backward node of ``op_class`` runs at:
+    ``<class>_backward`` when the device's calibration measured it, else the class itself."""
+    key = f"{op_class}_backward"
+    return key if key in getattr(device, "efficiency_by_class", {}) else op_class
+
+
+def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
+               backward: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 1 from the step graph ``step`` (an onnx-ir graph): (forward, backward) seconds per
+    forward node ``names``; a forward node the step graph does not name keeps ``forward`` /
+    ``backward`` (the factor rule); step nodes of no known forward node are spread evenly."""
+    from partitioner.cost.ops import op_class
+    from partitioner.cost.roofline import fused_nodes, op_time
+    from partitioner.cost.workdepth import constant_values, node_costs
+
+    nodes = list(step)
+    index = {n: i for i, n in enumerate(names)}
+    rewrite = {n.name: n.metadata_props.get(REWRITE_KEY) for n in nodes if n.metadata_props.get(REWRITE_KEY)}
+    fwd, bwd = np.zeros(len(names)), np.zeros(len(names))
+    seen_f, seen_b = np.zeros(len(names), bool), np.zeros(len(names), bool)
+    other = loss = 0.0
+    fused = fused_nodes(step)
+    for node, c in zip(nodes, node_costs(step, constant_values(step))):
+        key = node.metadata_props.get(FORWARD_NODE_KEY)
+        is_backward = key is not None and key not in ("loss", "optimizer")
+        cls = backward_class(device, op_class(node)) if is_backward else op_class(node)
+        t = op_time(c, device, "float32", cls, node in fused)
+        if key == "optimizer":
+            continue  # rule 2 (the optimizer's own formula)
+        if key == "loss":
+            loss += t
+            continue
+        target = key if is_backward else node.name
+        i = index.get(rewrite.get(target, target))
+        if i is None:
+            other += t
+        elif is_backward:
+            bwd[i] += t
+            seen_b[i] = True
+        else:
+            fwd[i] += t
+            seen_f[i] = True
+    fwd = np.where(seen_f, fwd, forward)
+    fwd[-1] += loss
+    bwd = np.where(seen_b | seen_f, bwd, backward)
+    return fwd, bwd + other / max(1, len(names))
 
 
 def _state_arrays(tensors: float, copies: int) -> float:

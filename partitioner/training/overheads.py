@@ -236,15 +236,16 @@ def _call_cost(costs: StepOverheads, program: onnx.ModelProto) -> float:
     return costs.call(len(g.node), len(g.input) + len(g.output), float(out))
 
 
-def step_node_counts(model: Any, batch: int, loss: str, optimizer: Any, names: list[str]
+def step_node_counts(model: Any, batch: int, loss: str, optimizer: Any, names: list[str], step: Any = None
                      ) -> tuple[np.ndarray, int, int]:
     """The training step's nodes per forward node (its own node and its backward nodes; a
     rewritten node, such as BatchNormalization's expansion, spread evenly), the loss's nodes and
     the optimizer's; ``names``: the forward graph's node names in order
-    (:func:`partitioner.cost.training.profile`)."""
+    (:func:`partitioner.cost.training.profile`); ``step``: that step, when already built."""
     from partitioner.training.step import build_training_graph
 
-    step = build_training_graph(model, loss=loss, optimizer=optimizer, batch=batch)
+    if step is None:
+        step = build_training_graph(model, loss=loss, optimizer=optimizer, batch=batch)
     index = {n: i for i, n in enumerate(names)}
     counts = np.zeros(len(names))
     loss_nodes = optimizer_nodes = other = 0

@@ -48,9 +48,10 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         raise UsageError(f"--batch {batch} does not split into {m} equal micro-batches")
     local = {"data": batch // devices, "pipeline": batch // m}.get(strategy, batch) if devices > 1 else batch
     graph = _load(model, local).graph
-    prof = cost.profile(graph, device, set(default_trainable(graph)))
+    step = _step_graph(model, local, loss, optimizer)
+    prof = cost.profile(graph, device, set(default_trainable(graph)), step.graph if step is not None else None)
     if overheads is not None:
-        _count_step_nodes(prof, model, local, loss, optimizer, overheads)
+        _count_step_nodes(prof, model, local, loss, optimizer, overheads, step)
     if strategy == "pipeline" and devices > 1:
         from partitioner.training.pipeline import in_flight, stage_cut
 
@@ -62,14 +63,28 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap)
 
 
+def _step_graph(model: Any, batch: int, loss: str, optimizer: str) -> ir.Model | None:
+    """The 1-rank training step at ``batch`` whose nodes cost rule 1 times (None when the
+    step cannot be built with ``loss``, e.g. a loss that does not fit the model's output: the
+    prediction then falls back to the factor rule; ``train`` itself refuses such a run)."""
+    from partitioner.core.errors import InputError
+    from partitioner.training.optimizers import make_optimizer
+    from partitioner.training.step import build_training_graph
+
+    try:
+        return build_training_graph(model, loss=loss, optimizer=make_optimizer(optimizer, 1e-3), batch=batch)
+    except (UsageError, InputError):
+        return None
+
+
 def _count_step_nodes(prof: Any, model: Any, batch: int, loss: str, optimizer: str,
-                      overheads: cost.StepOverheads) -> None:
+                      overheads: cost.StepOverheads, step: ir.Model | None = None) -> None:
     """Cost rule 7's counts: the step graph's nodes per forward node, the loss's, the optimizer's."""
     from partitioner.training.optimizers import make_optimizer
     from partitioner.training.overheads import step_node_counts
 
     prof.step_nodes, prof.loss_nodes, prof.optimizer_nodes = step_node_counts(
-        model, batch, loss, make_optimizer(optimizer, 1e-3), prof.names)
+        model, batch, loss, make_optimizer(optimizer, 1e-3), prof.names, step)
     prof.overheads = overheads
 
 

@@ -182,3 +182,90 @@ def test_data_parallel_overlap_is_simulated_beside_the_blocking_step(monkeypatch
         hidden[bucket] = saved / b["comm_s"]  # the share of the AllReduce hidden
     assert hidden[default] < 0.05  # one bucket: ready only when the backward is done
     assert hidden[64 * 1024] > 0.1  # the last layers' buckets reduce while the backward goes on
+
+
+def _two_convs(batch: int = 4, c: int = 32, hw: int = 16) -> onnx.ModelProto:
+    """x -> Conv(w1) -> Conv(w2) -> y: the backward needs dW1, dW2 and dx of the second conv only
+    (x is data)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) * 0.1).astype(np.float32), n)
+             for n in ("w1", "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["h", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
+    g = helper.make_graph(nodes, "two_convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, c, hw, hw])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, c, hw, hw])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_backward_contractions_run_at_the_calibrated_backward_efficiency() -> None:
+    """Rule 1: the backward is costed from the step graph's own nodes; its contractions (here the
+    weight gradients of both convs and the input gradient of the second, each with the forward
+    conv's FLOPs) run at ``conv_backward``'s efficiency when the device has one. Halving it from
+    the conv efficiency adds exactly those three contractions' time at the conv efficiency (they
+    are compute bound), and leaves the forward as it was."""
+    import dataclasses
+
+    from partitioner.cluster import cpu_cluster, replicate
+
+    model = _two_convs()
+    base = cpu_cluster(1)
+    e = 0.5
+    dev = dataclasses.replace(base.devices[0], efficiency_by_class={"conv": e})
+    slow = dataclasses.replace(dev, efficiency_by_class={"conv": e, "conv_backward": e / 2})
+    same, half = (predict_training(model, "single", 1, batch=4, loss="mse",
+                                   cluster=replicate(dataclasses.replace(base, devices=[d]), 1)) for d in (dev, slow))
+    conv_flops = 2 * 4 * 32 * 32 * 9 * 16 * 16  # one 3x3 conv, 32 -> 32 channels, 16x16, batch 4
+    peak = dev.peak("float32")
+    assert half.breakdown["forward_s"] == pytest.approx(same.breakdown["forward_s"], rel=1e-12)
+    extra = half.breakdown["backward_s"] - same.breakdown["backward_s"]
+    assert extra == pytest.approx(3 * conv_flops / (peak * e), rel=1e-6)
+
+
+def test_step_graph_costing_counts_every_step_node_once(mlp) -> None:
+    """Rule 1's attribution: forward + backward + the loss over all forward nodes equals the
+    roofline of every node of the step graph but the optimizer's (each counted once, none lost),
+    on a device with no backward class (so each node runs at its own class's efficiency)."""
+    import onnx_ir as ir
+
+    from partitioner.cluster import cpu_cluster
+    from partitioner.cost.roofline import graph_op_times
+    from partitioner.cost.training import profile, step_times
+    from partitioner.training.optimizers import make_optimizer
+    from partitioner.training.step import _load, build_training_graph, default_trainable
+
+    device = cpu_cluster(1).devices[0]
+    step = build_training_graph(mlp, loss="cross_entropy", optimizer=make_optimizer("sgd", 1e-3), batch=32)
+    graph = _load(mlp, 32).graph
+    prof = profile(graph, device, set(default_trainable(graph)), step.graph)
+    times = graph_op_times(step.graph, device)
+    kept = sum(t for n, t in zip(step.graph, times) if n.metadata_props.get("training.forward_node") != "optimizer")
+    assert float(prof.forward.sum() + prof.backward.sum()) == pytest.approx(kept, rel=1e-9)
+    assert isinstance(step, ir.Model)
+    # without the step graph: the factor rule (rule 1's fallback), a different figure
+    old = profile(graph, device, set(default_trainable(graph)))
+    assert float(old.backward.sum()) != pytest.approx(float(prof.backward.sum()), rel=1e-3)
+
+
+def test_backward_probes_do_the_forward_convs_and_gemms_work() -> None:
+    """The calibration's training probes (calibrate.backward_kernels): each gradient form has
+    the FLOPs of the forward kernel it differentiates (hand-counted here), so their efficiency is
+    comparable with the forward classes'; a cluster file may carry their classes."""
+    from partitioner.calibrate import backward_kernels, kernel_model, kernel_roof
+    from partitioner.cluster import Cluster, Device, cpu_cluster
+
+    peak = 1e11
+    dev = Device("probe", "cpu", {"float32": peak}, 1e9, 1e15)  # bandwidth high: compute bound
+    flops = {"gemm": 2 * 128 * 256 * 256, "conv64": 2 * 4 * 64 * 64 * 9 * 28 * 28,
+             "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7}
+    for k in backward_kernels():
+        want = flops["gemm" if k.op_class == "gemm_backward" else "conv64" if "64c" in k.name else "conv256"]
+        roof, launches = kernel_roof(kernel_model(k), dev)
+        assert roof == pytest.approx(want / peak, rel=1e-6), k.name
+        assert launches == 1
+    c = cpu_cluster(1)
+    doc = c.to_json()
+    doc["devices"][0]["efficiency_by_class"] = {"gemm": 0.9, "gemm_backward": 0.7, "conv_backward": 0.3}
+    back = Cluster.from_json(doc)
+    assert back.devices[0].class_efficiency("conv_backward") == 0.3
