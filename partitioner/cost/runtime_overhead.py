@@ -44,10 +44,6 @@ class StepOverheads:
     comm_op_s: float
     step_sync_s: float
 
-    def rank_seconds(self, microbatches: int, comm_ops_per_run: float) -> float:
-        """Rules 2–3 for one rank over one step (rule 1 is in the kernels, rule 4 once per step)."""
-        return microbatches * (self.call_s + comm_ops_per_run * self.comm_op_s)
-
     def to_json(self) -> dict[str, float]:
         return {"launch_s": self.launch_s, "call_s": self.call_s, "comm_op_s": self.comm_op_s,
                 "step_sync_s": self.step_sync_s}

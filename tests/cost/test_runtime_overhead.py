@@ -15,7 +15,7 @@ from partitioner.cluster import Cluster, cpu_cluster
 from partitioner.compiler import prepare
 from partitioner.core.errors import ClusterError
 from partitioner.cost.ops import COMM_DOMAIN
-from partitioner.cost.runtime_overhead import step_overheads, step_sync
+from partitioner.cost.runtime_overhead import rank_overhead, step_overheads, step_sync
 from partitioner.cost.threads import THREAD_EFFICIENCY, class_thread_speedup
 from partitioner.partition import partition
 
@@ -66,7 +66,7 @@ def test_step_ends_with_a_barrier_of_the_link_alpha() -> None:
     assert sim.step_latency == pytest.approx(max(sim.compute_time) + alpha, rel=1e-6)
     o = step_overheads(c, 2)
     assert o.step_sync_s == pytest.approx(alpha) and o.call_s == c.devices[0].call_overhead_s
-    assert o.rank_seconds(4, 2) == pytest.approx(4 * (o.call_s + 2 * o.comm_op_s))
+    assert rank_overhead(c.devices[0], 4, 2) == pytest.approx(4 * (o.call_s + 2 * o.comm_op_s))
 
 
 def test_threads_speed_up_only_the_classes_that_use_them() -> None:
