@@ -8,7 +8,9 @@ Each configuration is ``partitioner train --bench`` (:func:`partitioner.training
 on seeded random data: 2 epochs of ``--steps`` steps, epoch 1 discarded (warm-up), the median
 step of epoch 2; memory per rank = the training steps' peak RSS minus the RSS before the program
 loads (docs/training.md). The prediction is :func:`partitioner.training.plan.predict_training`
-on ``cpu:<ranks>`` (the calibrated figures when ``partitioner calibrate`` has run); the 2-thread
+on ``cpu:<ranks>`` with this machine's cached calibration for the backend, made first (a full
+``partitioner calibrate --backend B``) when there is none or when it has no training probes
+(:func:`calibration`; the figures used are recorded as ``calibration``); the 2-thread
 run has no predicted time (the cost model has no intra-op thread model). A plan the model does
 not admit (tensor on resnet: no MLP pair) is recorded with its reason. The predicted step holds
 this machine's fixed costs (Python driver, per program call, per node, per returned byte, per
@@ -137,6 +139,29 @@ def run_case(name: str, backend: str, steps: int, quick: bool) -> dict:
     return results
 
 
+def calibration(backend: str) -> dict:
+    """The cached calibration the predictions use (``cpu:<ranks>`` reads it), made first when
+    there is none or when it predates the training probes (no ``gemm_backward`` /
+    ``conv_backward``: the backward would run at the forward classes' rates, cost rule 1): a full
+    ``partitioner calibrate --backend B`` (about a minute). Returns the figures the JSON records."""
+    from partitioner.calibrate import calibrate_and_cache
+    from partitioner.calibrate_cache import cache_path, load_cached
+    from partitioner.cluster import BACKWARD_CLASSES
+
+    doc = load_cached(backend)
+    classes = (((doc or {}).get("cluster") or {}).get("devices") or [{}])[0].get("efficiency_by_class") or {}
+    if doc is None or any(c not in classes for c in BACKWARD_CLASSES):
+        print(f"calibrating the {backend} backend (training probes included) into {cache_path(backend)} ...",
+              flush=True)
+        calibrate_and_cache(backend, quick=False)
+        doc = load_cached(backend) or {}
+    dev = ((doc.get("cluster") or {}).get("devices") or [{}])[0]
+    cal = doc.get("calibration") or {}
+    return {"file": str(cache_path(backend)), "efficiency_by_class": dev.get("efficiency_by_class"),
+            "peak_flops": dev.get("peak_flops"), "memory_bandwidth": dev.get("memory_bandwidth"),
+            "seconds": cal.get("seconds")}
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
@@ -191,6 +216,7 @@ def main() -> int:
 
     steps = 4 if args.quick else args.steps
     args.results_dir.mkdir(parents=True, exist_ok=True)
+    cal = calibration(args.backend)
     for name in args.models.split(","):
         before = _load()
         results = run_case(name, args.backend, steps, args.quick)
@@ -202,6 +228,7 @@ def main() -> int:
                "versions": {"onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
                "load_average_before_after": [before[:1], after[:1]],
                "loaded": any(x[0] > 0.5 for x in (before, after) if x),
+               "calibration": cal,
                "results": results,
                "note": ("threads = the backend's intra-op threads per rank; MPI ranks are pinned to half the cores "
                         "each; pipeline = 1F1B with 8 micro-batches; predicted = training cost model on cpu:<ranks>; "

@@ -1,0 +1,46 @@
+"""``benchmarks/train_step.py``'s calibration step: the predictions of the table must use a
+calibration that holds the training probes' classes (cost rule 1), so the script recalibrates a
+cache that predates them, and leaves one that has them alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_step_script", ROOT / "benchmarks" / "train_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_cache_without_the_training_probes_is_recalibrated(tmp_path, monkeypatch) -> None:
+    import partitioner.calibrate as calibrate
+    from partitioner.calibrate_cache import save_cached
+    from partitioner.cluster import cpu_cluster
+
+    monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))
+    one = cpu_cluster(1)
+    old = dataclasses.replace(one.devices[0], efficiency_by_class={"gemm": 0.9, "conv": 0.8})
+    save_cached(dataclasses.replace(one, devices=[old]).to_json(), {"seconds": 1.0}, "onnxruntime")
+    calls = []
+
+    def fake(backend: str, quick: bool = True, thread_probe=None):
+        calls.append((backend, quick))
+        new = dataclasses.replace(old, efficiency_by_class={"gemm": 0.9, "conv": 0.8, "gemm_backward": 0.7,
+                                                            "conv_backward": 0.3})
+        save_cached(dataclasses.replace(one, devices=[new]).to_json(), {"seconds": 2.0}, backend)
+
+    monkeypatch.setattr(calibrate, "calibrate_and_cache", fake)
+    script = _script()
+    got = script.calibration("onnxruntime")
+    assert calls == [("onnxruntime", False)]  # a full calibration, once
+    assert got["efficiency_by_class"]["conv_backward"] == pytest.approx(0.3)
+    again = script.calibration("onnxruntime")
+    assert calls == [("onnxruntime", False)] and again["seconds"] == 2.0  # up to date: not redone
