@@ -44,3 +44,16 @@ def test_a_cache_without_the_training_probes_is_recalibrated(tmp_path, monkeypat
     assert got["efficiency_by_class"]["conv_backward"] == pytest.approx(0.3)
     again = script.calibration("onnxruntime")
     assert calls == [("onnxruntime", False)] and again["seconds"] == 2.0  # up to date: not redone
+
+
+def test_a_failed_calibration_is_said_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    import partitioner.calibrate as calibrate
+
+    monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))
+
+    def broken(backend: str, quick: bool = True, thread_probe=None):
+        raise calibrate.CalibrationError("probe 4 failed: no compiler")
+
+    monkeypatch.setattr(calibrate, "calibrate_and_cache", broken)
+    got = _script().calibration("tvm")
+    assert "probe 4 failed" in got["error"]
