@@ -29,8 +29,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    buffers: ONNX Runtime's arena keeps the last call's outputs) + ``G`` + stashed activations
    (every forward value's bytes at the rank's batch, times the micro-batches in flight:
    ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``). ``data`` adds
-   ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, AllReduced
-   into a new array, scaled and split: 5 copies between the program's segments). ``pipeline``
+   ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, copied into
+   the MPI communicator's shared-memory slot, AllReduced into a new array and split: 5 copies
+   between the program's segments). ``pipeline``
    adds ``PIPELINE_GRADIENT_COPIES`` = 3 ``G`` (the backward's gradient outputs, the
    accumulator over the micro-batches, the weight-sized temporaries of the backward and update
    programs in the rank's one shared arena; measured: 2.4 G with SGD, 3.65 G with Adam on the
@@ -45,8 +46,8 @@ Rules (``tests/training/test_training_cost.py`` checks them):
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
-     weights' bytes (each bucket's concatenation, its ``* 1/R`` scale and its split back: read and
-     write), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
+     weights' bytes (each bucket's concatenation and its split back: read and write; the mean's
+     ``1/R`` scales the loss gradient, step rule 5), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
      overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
      backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
@@ -98,8 +99,8 @@ BUCKET_COPIES = 5
 #: pipeline: gradient-sized buffers beside the state's three copies (rule 3)
 PIPELINE_GRADIENT_COPIES = 3
 #: data parallel: weight-sized memory passes (read and write) the buckets add to a step: the
-#: concatenation, the ``* 1/R`` scale and the split back (rule 4)
-BUCKET_PASSES = 3
+#: concatenation and the split back (rule 4)
+BUCKET_PASSES = 2
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "Momentum": 1, "AdamW": 2}
 
 

@@ -18,9 +18,12 @@ Rules of the builder (numbered; the tests check each):
 5. With ``world_size > 1`` (data parallelism), the gradients are flattened and concatenated into
    buckets of at most ``bucket_bytes`` (in the order the backward pass finishes them, last layer
    first; the loss rides in the first bucket), each bucket goes through one
-   ``partitioner.comm.AllReduce`` (sum) over all ranks and a multiply by ``1/world_size``, and is
-   split back before the optimizer: every rank applies the same mean gradient of the global
-   batch and reports the global loss. One collective per bucket instead of one per weight (a
+   ``partitioner.comm.AllReduce`` (sum) over all ranks and is split back before the optimizer:
+   every rank applies the same mean gradient of the global batch and reports the global loss.
+   The ``1/world_size`` of the mean is applied to the loss gradient's seed (and to the local loss
+   in the bucket) before the backward pass, an activation-sized multiply, instead of to every
+   reduced bucket, a weight-sized pass per step (exact for a power-of-two world: the same
+   products). One collective per bucket instead of one per weight (a
    step of the zoo mlp on 2 MPI ranks went from 9 AllReduces to 1). Each bucket's flatten,
    concat and AllReduce sit right after the node that finishes its last gradient, so the
    AllReduce can overlap the rest of the backward pass (:mod:`partitioner.training.overlap`
@@ -220,6 +223,8 @@ def build_training_graph(
     labels = ir.Value(name=spec.name, shape=ir.Shape(spec.shape), type=ir.TensorType(spec.dtype))
     graph.inputs.append(labels)
     loss_value, dout = emit_loss(loss, em, out_value, labels)
+    if world_size > 1 and not gradients_only:  # rule 5: every gradient comes out already / R
+        dout = em.op("Mul", dout, em.scalar(1.0 / world_size))
     grads = backward(graph, loss_value, {out_value.name: dout}, w_values, em)
 
     em.tag = "optimizer"
@@ -369,13 +374,15 @@ def _allreduce_buckets(em: Emitter, grads: dict[str, ir.Value], loss: ir.Value, 
     for b, members in enumerate(buckets):
         parts = [em.op("Reshape", grads[w.name], em.ints([-1])) for w in members]
         sizes = [int(np.prod(shape_of(w))) for w in members]
-        if b == 0:
-            parts.append(em.op("Reshape", loss, em.ints([1])))
+        scaled = []
+        if b == 0:  # the local loss / R: the bucket's sum is the global mean
+            scaled = [em.op("Mul", loss, em.scalar(1.0 / world_size))]
+            parts.append(em.op("Reshape", scaled[0], em.ints([1])))
             sizes.append(1)
         flat = em.op("Concat", *parts, axis=0) if len(parts) > 1 else parts[0]
-        mean = _allreduce_mean(em, flat, world_size, f"bucket{b}", ir.Shape([sum(sizes)]), dtype)
-        _start_early(em.graph, [p.producer() for p in parts] + ([flat.producer()] if len(parts) > 1 else [])
-                     + [mean.producer().inputs[0].producer()],
+        mean = _allreduce_sum(em, flat, world_size, f"bucket{b}", ir.Shape([sum(sizes)]), dtype)
+        _start_early(em.graph, [v.producer() for v in scaled] + [p.producer() for p in parts]
+                     + ([flat.producer()] if len(parts) > 1 else []) + [mean.producer()],
                      [grads[w.name] for w in members] + ([loss] if b == 0 else []), order)
         pieces = em.op("Split", mean, em.ints(sizes), axis=0, _outputs=len(sizes))
         pieces = pieces if isinstance(pieces, tuple) else (pieces,)
@@ -398,10 +405,11 @@ def _start_early(graph: ir.Graph, nodes: list[ir.Node], needs: list[ir.Value], o
     graph.insert_after(anchor, nodes)
 
 
-def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, shape: ir.Shape, dtype: ir.DataType,
-                    name: str | None = None) -> ir.Value:
-    """Rule 5: ``AllReduce(sum)`` over every rank, then ``* 1/world_size``. The comm output's
-    type and shape are set here (ONNX inference does not know the comm domain)."""
+def _allreduce_sum(em: Emitter, g: ir.Value, world_size: int, tag_name: str, shape: ir.Shape,
+                   dtype: ir.DataType) -> ir.Value:
+    """Rule 5: ``AllReduce(sum)`` over every rank of gradients already scaled by ``1/world_size``
+    (the mean). The comm output's type and shape are set here (ONNX inference does not know the
+    comm domain)."""
     from partitioner.core.comm_ops import DOMAIN
 
     em._count += 1
@@ -412,7 +420,7 @@ def _allreduce_mean(em: Emitter, g: ir.Value, world_size: int, tag_name: str, sh
     node.outputs[0].shape = ir.Shape(shape)
     node.outputs[0].type = ir.TensorType(dtype)
     em.graph.append(node)
-    return em.op("Mul", node.outputs[0], em.scalar(1.0 / world_size), _name=name)
+    return node.outputs[0]
 
 
 def initial_state(model: ir.Model | onnx.ModelProto) -> dict[str, np.ndarray]:

@@ -113,3 +113,15 @@ def test_python_iterator_data_trains_like_the_same_arrays() -> None:
     a = train(model, {"x": x, "y": y}, **common)
     b = train(model, ((x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)), **common)
     assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
+
+
+def test_the_mean_is_taken_before_the_backward_not_over_the_reduced_buckets() -> None:
+    """Step rule 5: the 1/R of the gradient mean scales the loss gradient's seed (activation
+    sized), so each reduced bucket goes straight to its split: no weight-sized multiply per step
+    after the AllReduce. (The 2-rank weights matching 1 rank above check that the mean is kept.)"""
+    model = models_zoo.build("mlp", batch=8, hidden=16, in_features=8)
+    step = build_training_graph(model, optimizer=SGD(lr=0.1), batch=4, world_size=2)
+    reduced = [n.outputs[0] for n in step.graph if n.op_type == "AllReduce"]
+    assert reduced
+    for v in reduced:
+        assert {u.op_type for u, _ in v.uses()} <= {"Split", "Reshape"}, [u.op_type for u, _ in v.uses()]
