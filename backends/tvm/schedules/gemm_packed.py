@@ -62,9 +62,6 @@ ROWS_OUTER_B_BYTES: int | None = 1 << 20
 FUSE_NARROW_ROWS = True
 #: inline producers that copy a buffer unchanged (:func:`_inline_identity_copies`); off: keep the copy
 INLINE_IDENTITY_COPIES = True
-#: fold multi-use epilogues (GELU's ``x * (erf(x / sqrt 2) + 1)``) into the write-back
-#: (:func:`_inline_epilogue_chain`); off: only single-consumer chains fold (the old rule)
-INLINE_EPILOGUE_CHAIN = True
 
 
 
@@ -181,7 +178,7 @@ class GemmPacked(CPUScheduleRule):
             sch.parallel(outer)
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
         names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}
-        _inline_epilogue_chain(sch, wb, func)  # then folds the chain into wb
+        Contraction._inline_epilogue(sch, wb)
         sch.unroll(ii)
         sch.unroll(jj)
         sch.vectorize(jv)
@@ -274,47 +271,6 @@ def _inline_identity_copies(sch: Any, red: Any) -> None:
                 sch.compute_inline(blk)
             except Exception:  # noqa: BLE001 - TVM refused (e.g. read elsewhere): keep the copy
                 pass
-
-
-def _inline_epilogue_chain(sch: Any, wb: Any, func: Any) -> None:
-    """Inline every intermediate elementwise block after the write-back ``wb`` into its one
-    consumer, so that the whole epilogue becomes one block, then fold it into the accumulator
-    tile's write-back (``Contraction._inline_epilogue``, one consumer at a time).
-
-    Shapes it is for: GEMMs whose fused epilogue uses the product twice, i.e. exact GELU as
-    bert/gpt export it, ``y = x * (erf(x / sqrt 2) + 1) * 0.5`` with ``x = A @ B + bias``
-    (also ``x * sigmoid(x)``). The write-back then has two consumers (the divide and the
-    multiply), which ``Contraction._inline_epilogue`` (one consumer at a time) cannot fold:
-    the epilogue stayed as 4-5 separate parallel passes over M x N intermediates (bert/gpt
-    fc1 at batch 8: 512 x 512 floats each). After this, the chain reads ``x`` twice in one
-    block and folds into the write-back: erf is computed on the tile while it is in
-    registers.
-
-    Rules: only blocks downstream of ``wb`` (never A/B producers: inlining those would
-    recompute them in the k loop); only blocks with exactly one consumer (no expression is
-    computed twice) that write an intermediate buffer (not a function parameter: the
-    kernel's output stays stored); a block TVM refuses to inline (a reduction, a non-trivial
-    index map) stays as it was."""
-    params = list(func.params)  # 0.27: the parameters are the buffers
-    order: list[Any] = []
-    frontier = list(sch.get_consumers(wb))
-    while frontier:
-        blk = frontier.pop(0)
-        if any(sch.get(blk).same_as(sch.get(b)) for b in order):
-            continue
-        order.append(blk)
-        frontier.extend(sch.get_consumers(blk))
-    for blk in order if INLINE_EPILOGUE_CHAIN else []:
-        stmt = sch.get(blk)
-        if any(w.source.same_as(p) for w in stmt.writes for p in params):
-            continue
-        if len(sch.get_consumers(blk)) != 1:
-            continue
-        try:
-            sch.compute_inline(blk)
-        except Exception:  # noqa: BLE001 - TVM refused this block: keep it
-            pass
-    Contraction._inline_epilogue(sch, wb)
 
 
 def _float32_reduction(sch: Any, root: Any) -> Any:
