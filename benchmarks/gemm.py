@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(json.loads(path.read_text())))
         return 0
     only = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    labels = [f"{s}^3" for s in SQUARE] + [z[0] for z in ZOO]
+    if only and not any(o in lab for o in only for lab in labels):
+        print(f"gemm: --shapes {args.shapes!r} matches no row (rows: {', '.join(labels)})", file=sys.stderr)
+        return 2
     data = run([int(t) for t in args.threads.split(",")], args.repeats, args.quick, only or None)
     data["loaded"] = bool(args.loaded)
     path.parent.mkdir(parents=True, exist_ok=True)
