@@ -5,10 +5,11 @@ Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] *
 batched MatMul (attention's QK^T and PV), and NHWC 1x1 convolutions
 ``out[n, h, w, co] += x[n, h*s, w*s, ci] * W[0, 0, ci, co]`` (reductions of extent 1 besides
 ``ci``; rows = output width, (n, h) = batch; on narrow maps rows = (h, w), n = batch:
-:func:`_fuse_rows`), with N a
-multiple of the vector width (or of half of it) and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
-with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
-activation, residual add) are fused as in Contraction.
+:func:`_fuse_rows`), with at least 2 x 2 x lanes x rows of FMAs (smaller products stay
+with :class:`~backends.tvm.schedules.contraction.Contraction`). An N that is not a multiple of
+the vector width (or of half of it) is padded: zero columns in the packed B, only the real
+columns written (:func:`_padded_n`). Producers/epilogues (bias, activation, residual add, and
+chains that read the result twice such as GELU) are fused as in Contraction.
 
 Schedule (the BLIS/MLAS structure, written as TVM schedule primitives)::
 
