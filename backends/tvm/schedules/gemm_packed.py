@@ -66,6 +66,8 @@ INLINE_IDENTITY_COPIES = True
 #: N that no vector width divides (8210 classes): pad it in the packed B (:func:`_padded_n`); off:
 #: such GEMMs go to Contraction
 PAD_N = True
+#: M = 1-3 takes an M-row tile (:func:`micro_tile` rule 4); off: the 8-row partial tile
+SMALL_M_TILE = True
 
 
 
@@ -85,17 +87,24 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        6 x 16).
     3. No divisor of ``m`` qualifies (a prime M): MR = min(8, max) with NV = 2 (or 1), and the
        last row tile is partial (a predicate on its rows): correct, but such tiles ran 30-50%
-       slower, hence rule 1 first."""
+       slower, hence rule 1 first.
+    4. Tiny M (a batch-1 classifier head, M = 1-3, where M x the widest NV < 8): rule 1 asks
+       only for M x widest NV accumulators, so the tile is all M rows x the widest NV instead
+       of rule 3's 8-row tile with 7 rows predicated off in the k loop (``SMALL_M_TILE``).
+       Such products stream B once and are bound by memory, not by FMA latency."""
     if n % lanes != 0:
         return None
     vectors = n // lanes
     best: tuple[tuple[float, int, int], int, int] | None = None
+    # FMAs in flight the output allows: 8 (rule 1), fewer when M is tiny (rule 4)
+    widest = max(d for d in range(1, min(6, vectors) + 1) if vectors % d == 0)
+    need = min(8, m * vectors) if SMALL_M_TILE is False else min(8, m * vectors, m * widest)
     for nv in range(1, min(6, vectors) + 1):
         if vectors % nv:
             continue
         max_rows = (registers - nv - 1) // nv
         for mr in range(1, min(max_rows, m) + 1):
-            if m % mr or mr * nv < min(8, m * vectors):
+            if m % mr or mr * nv < need:
                 continue
             key = (mr * nv / (mr + nv), mr * nv, -mr)
             if best is None or key > best[0]:
