@@ -58,8 +58,9 @@ def _w(rng, *shape):
 
 
 @pytest.mark.parametrize("target_name", list(TARGETS))
-@pytest.mark.parametrize("m,k,n,lead", [(64, 96, 1002, ()), (40, 37, 113, ()), (24, 64, 10, ()), (16, 48, 50, (3,))],
-                         ids=["n1002", "n113-odd-mk", "n10", "n50-3d"])
+@pytest.mark.parametrize("m,k,n,lead", [(64, 96, 1002, ()), (40, 37, 113, ()), (24, 64, 10, ()), (16, 48, 50, (3,)),
+                                        (1, 640, 100, ()), (1, 200, 48, ())],
+                         ids=["n1002", "n113-odd-mk", "n10", "n50-3d", "gemv-n100", "gemv-n48"])
 def test_matmul_with_odd_n_is_packed_and_matches_ort(m, k, n, lead, target_name):
     rng = np.random.default_rng(n)
     model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [helper.make_tensor_value_info("x", F, [*lead, m, k])],

@@ -209,12 +209,21 @@ class GemmPacked(CPUScheduleRule):
 
 def _plan(target: Any, exts: list[int], ns: int) -> tuple[tuple[int, int, int, float] | None, int | None]:
     """The register tile (:func:`_register_tile`) and, when N had to be padded for it, the padded
-    N (:func:`_padded_n`), else None."""
+    N (:func:`_padded_n`), else None.
+
+    Last resort, a whole 4-vector panel: a tiny-M product whose padded N still gives fewer than
+    4 accumulators (a batch-1 head with 100 classes: 1 row x 13 half-width vectors, widest NV 1)
+    pads N to a multiple of 4 full vectors (100 -> 128): such GEMVs read B once and are bound
+    by memory; the Contraction rule ran heldout_mbv2's 1x640x100 head at ~6 GFLOP/s."""
     plan = _register_tile(target, exts, ns)
     if plan is not None or not PAD_N:
         return plan, None
-    n_pad = _padded_n(vector_lanes(target, 32), exts[ns - 1])
-    return _register_tile(target, exts[:ns - 1] + [n_pad] + exts[ns:], ns), n_pad
+    lanes, n = vector_lanes(target, 32), exts[ns - 1]
+    for n_pad in (_padded_n(lanes, n), -(-n // (4 * lanes)) * 4 * lanes):
+        plan = _register_tile(target, exts[:ns - 1] + [n_pad] + exts[ns:], ns)
+        if plan is not None:
+            return plan, n_pad
+    return None, None
 
 
 def _padded_n(lanes: int, n: int) -> int:
