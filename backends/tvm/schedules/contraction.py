@@ -233,8 +233,8 @@ def inline_epilogue_chain(sch: Any, wb: Any) -> None:
             order.append(blk)
             frontier.extend(sch.get_consumers(blk))
     for blk in order:
-        writes = sch.get(blk).writes
-        if len(sch.get_consumers(blk)) != 1 or not all(any(w.source.same_as(a) for a in allocated) for w in writes):
+        internal = all(any(w.source.same_as(a) for a in allocated) for w in sch.get(blk).writes)
+        if len(sch.get_consumers(blk)) != 1 or not internal:
             continue
         try:
             sch.compute_inline(blk)

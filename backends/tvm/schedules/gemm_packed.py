@@ -168,7 +168,8 @@ class GemmPacked(CPUScheduleRule):
         b_buf = stmt.reads[b_idx].source
         b_is_param = any(p.same_as(b_buf) for p in func.params)
         # 1. pack B into panels Bp[.., j // nr, k, j % nr] (zero columns up to n_pad)
-        pack = _pack_b(sch, red, b_idx, nr, b_transposed, None if n_pad is None else [1] * (ns - 1) + [nr] + [1] * (len(exts) - ns))
+        padding = None if n_pad is None else [1] * (ns - 1) + [nr] + [1] * (len(exts) - ns)
+        pack = _pack_b(sch, red, b_idx, nr, b_transposed, padding)
         if b_is_param:
             sch.annotate(pack, LAYOUT_REWRITE, True)
         # 2. accumulators + tiling
@@ -261,7 +262,8 @@ def _pack_b(sch: Any, red: Any, b_idx: int, nr: int, transposed: bool, padding: 
         pack = sch.cache_read(red, b_idx, "global")
     else:
         sch.pad_einsum(red, padding)
-        pack = next(p for p in sch.get_producers(red) if any(r.source.same_as(b_src) for r in sch.get(p).reads))
+        pack = next(p for p in sch.get_producers(red)
+                    if any(r.source.same_as(b_src) for r in sch.get(p).reads))
     sch.transform_layout(pack, ("write", 0), _pack_map(rank, nr, transposed=transposed))
     return pack
 
