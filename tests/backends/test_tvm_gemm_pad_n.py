@@ -101,3 +101,19 @@ def test_padded_n_rule(lanes, n):
     assert n_pad >= n and n_pad % step == 0 and n_pad - n < 4 * lanes
     if n >= 16 * 4 * lanes:  # large N: whole 4-vector panels, at most N/16 wasted
         assert n_pad % (4 * lanes) == 0 and (n_pad - n) * 16 <= n
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize("cout,hw,stride", [(255, 10, 1), (21, 2, 1), (100, 9, 2)],
+                         ids=["yolo-head-255", "21-on-2x2", "100-stride2"])
+def test_pointwise_conv_with_odd_channels_is_packed(cout, hw, stride, target_name):
+    """A 1x1 convolution is a GEMM with N = output channels: a detector head's 255 channels
+    (3 x (80 + 5)), 21 or 100 classes take the padded packed kernel (input read through a
+    reindexed copy for pad_einsum, inlined back), bias + sigmoid fused."""
+    rng = np.random.default_rng(cout)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[stride, stride]),
+             helper.make_node("Sigmoid", ["c"], ["y"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 32, hw, hw])],
+                   [numpy_helper.from_array(_w(rng, cout, 32, 1, 1), "w"),
+                    numpy_helper.from_array(_w(rng, cout), "b")])
+    _build_and_check(model, target_name, expect_prepacked=True)

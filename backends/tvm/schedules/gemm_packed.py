@@ -66,6 +66,8 @@ INLINE_IDENTITY_COPIES = True
 #: N that no vector width divides (8210 classes): pad it in the packed B (:func:`_padded_n`); off:
 #: such GEMMs go to Contraction
 PAD_N = True
+#: 1x1 convs with such an N too (their input read through a reindexed copy, :func:`_pack_b`)
+PAD_POINTWISE_CONV = True
 #: M = 1-3 takes an M-row tile (:func:`micro_tile` rule 4); off: the 8-row partial tile
 SMALL_M_TILE = True
 
@@ -261,7 +263,15 @@ def _pack_b(sch: Any, red: Any, b_idx: int, nr: int, transposed: bool, padding: 
     if padding is None:
         pack = sch.cache_read(red, b_idx, "global")
     else:
+        # a 1x1 conv reads x[n, h + kh, w + kw, ci], not an einsum index: read it through a
+        # reindexed copy (pure block vars) for pad_einsum, then inline that copy back
+        out = sch.get(red).writes[0].source
+        copies = [sch.reindex(red, ("read", i)) for i, r in enumerate(sch.get(red).reads)
+                  if PAD_POINTWISE_CONV and len(padding) > len(r.region) + 1
+                  and not r.source.same_as(b_src) and not r.source.same_as(out)]
         sch.pad_einsum(red, padding)
+        for blk in copies:
+            sch.compute_inline(blk)
         pack = next(p for p in sch.get_producers(red)
                     if any(r.source.same_as(b_src) for r in sch.get(p).reads))
     sch.transform_layout(pack, ("write", 0), _pack_map(rank, nr, transposed=transposed))
