@@ -264,7 +264,8 @@ def _pack_b(sch: Any, red: Any, b_idx: int, nr: int, transposed: bool, padding: 
         pack = sch.cache_read(red, b_idx, "global")
     else:
         # a 1x1 conv reads x[n, h + kh, w + kw, ci], not an einsum index: read it through a
-        # reindexed copy (pure block vars) for pad_einsum, then inline that copy back
+        # reindexed copy (pure block vars) for pad_einsum, then inline that copy back. A conv's
+        # input has fewer dims than block iters - 1 (its unit kh, kw); a matmul's A has exactly that
         out = sch.get(red).writes[0].source
         copies = [sch.reindex(red, ("read", i)) for i, r in enumerate(sch.get(red).reads)
                   if PAD_POINTWISE_CONV and len(padding) > len(r.region) + 1
