@@ -1,6 +1,6 @@
 """fp32 GEMM speed against the measured peak: our build, TVM's previous default, ONNX Runtime, numpy.
 
-    python benchmarks/gemm.py [--quick] [--threads 1,2] [--repeats 15]
+    python benchmarks/gemm.py [--quick] [--threads 1,2] [--repeats 15] [--shapes '512^3,gpt head']
     python benchmarks/gemm.py --markdown [--json FILE]      # render the saved table
 
 Rows: square GEMMs 256^3..2048^3 and the weight GEMMs of the zoo's bert/gpt at batch 8 (the
@@ -134,7 +134,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[
             {name: statistics.median(s) for name, s in cpu.items()})
 
 
-def run(threads_list: list[int], repeats: int, quick: bool) -> dict[str, Any]:
+def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     import onnxruntime as ort
     import tvm
     from threadpoolctl import threadpool_limits
@@ -148,6 +148,8 @@ def run(threads_list: list[int], repeats: int, quick: bool) -> dict[str, Any]:
     peak_before = measure_peak(target, quick=quick)
     rng = np.random.default_rng(0)
     shapes = [(f"{s}^3", (), s, s, s, True) for s in (SQUARE[:3] if quick else SQUARE)] + ZOO
+    if only:
+        shapes = [s for s in shapes if any(o in s[0] for o in only)]
     rows = []
     for label, batch, m, k, n, const in shapes:
         a = rng.standard_normal((*batch, m, k), dtype=np.float32)
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="square sizes up to 1024, shorter peak probe")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--shapes", default="", help="comma-separated substrings of row labels to run "
+                    "(e.g. '512^3,gpt head'; default: all rows)")
     ap.add_argument("--loaded", action="store_true", help="mark the figures as measured on a shared machine")
     ap.add_argument("--markdown", action="store_true", help="print the saved table as markdown")
     ap.add_argument("--json", default=str(RESULTS), help=f"results file (default {RESULTS.relative_to(ROOT)})")
@@ -240,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(markdown(json.loads(path.read_text())))
         return 0
-    data = run([int(t) for t in args.threads.split(",")], args.repeats, args.quick)
+    only = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    labels = [f"{s}^3" for s in SQUARE] + [z[0] for z in ZOO]
+    if only and not any(o in lab for o in only for lab in labels):
+        print(f"gemm: --shapes {args.shapes!r} matches no row (rows: {', '.join(labels)})", file=sys.stderr)
+        return 2
+    data = run([int(t) for t in args.threads.split(",")], args.repeats, args.quick, only or None)
     data["loaded"] = bool(args.loaded)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))

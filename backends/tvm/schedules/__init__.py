@@ -4,8 +4,8 @@ A rule takes one PrimFunc and returns a scheduled ``tvm.s_tir.Schedule`` or ``No
 mine); :func:`default_rules` lists them in priority order and :func:`apply_default_schedules`
 runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
 
-0. :class:`GemmPacked` - matrix products (MatMul, Gemm, batched MatMul) with N a multiple of
-   the vector width: packed B (constant weights packed at build time), register-blocked
+0. :class:`GemmPacked` - matrix products (MatMul, Gemm, batched MatMul; N padded to the vector
+   width when needed): packed B (constant weights packed at build time), register-blocked
    micro-kernel sized to the target's vector registers.
 1. :class:`Depthwise` - NHWC depthwise convolutions (groups = channels): output rows in
    parallel, channels in vectors, padded rows computed next to their use, BN/clamp fused.

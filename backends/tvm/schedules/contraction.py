@@ -38,6 +38,9 @@ MAX_ACCUMULATORS = 24  # of the 32 AVX-512 vector registers, leave some for oper
 # ResNet stages) the tile also spans the next outer spatial axis and more channel vectors
 # (:func:`_narrow_tile`).
 NARROW_ROWS = 6
+#: fold multi-use epilogues (GELU's ``x * (erf(x / sqrt 2) + 1)``, SiLU, HardSwish) into the
+#: write-back (:func:`inline_epilogue_chain`); off: only single-consumer chains fold (the old rule)
+INLINE_EPILOGUE_CHAIN = True
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -175,7 +178,10 @@ class Contraction(TryRule):
 
     @staticmethod
     def _inline_epilogue(sch: Any, wb: Any) -> None:
-        """Fold the elementwise consumers of the write-back block into it, in order."""
+        """Fold the elementwise consumers of the write-back block into it, in order (first
+        :func:`inline_epilogue_chain`, so that an epilogue that uses the result twice is one
+        consumer)."""
+        inline_epilogue_chain(sch, wb)
         while True:
             consumers = sch.get_consumers(wb)
             if len(consumers) != 1:
@@ -197,6 +203,43 @@ class Contraction(TryRule):
                 sch.vectorize(v)
             else:
                 sch.vectorize(loops[-1])
+
+
+def inline_epilogue_chain(sch: Any, wb: Any) -> None:
+    """Inline every intermediate block after the write-back ``wb`` into its one consumer, so
+    that an epilogue which reads the kernel's result twice becomes a single consumer of ``wb``
+    (which ``Contraction._inline_epilogue`` then folds into the write-back).
+
+    Shapes it is for: matmuls and convolutions whose fused epilogue uses the result twice:
+    exact GELU as bert/gpt export it, ``y = x * (erf(x / sqrt 2) + 1) * 0.5``; SiLU,
+    ``x * sigmoid(x)`` (YOLO-style detectors); HardSwish written as ``x * clip(x + 3) / 6``
+    (PP-LCNet / MobileNetV3 exports). The write-back then has two consumers, which the
+    one-consumer-at-a-time folding cannot take: the epilogue stayed as separate passes over
+    output-sized intermediates (bert/gpt fc1 at batch 8: four passes over 512 x 512 floats).
+    After this the chain is one block reading ``x`` twice, computed on the register tile.
+
+    Rules: only blocks downstream of ``wb`` (never the operands' producers: inlining those
+    would recompute them inside the reduction loop); only blocks with exactly one consumer (no
+    expression is computed twice) that write a buffer allocated in the function (never its
+    output); a block TVM refuses to inline (a reduction, a non-trivial index map) stays."""
+    if not INLINE_EPILOGUE_CHAIN:
+        return
+    allocated = list(sch.get(sch.get_sblock("root")).alloc_buffers)
+    order: list[Any] = []
+    frontier = list(sch.get_consumers(wb))
+    while frontier:
+        blk = frontier.pop(0)
+        if not any(sch.get(blk).same_as(sch.get(b)) for b in order):
+            order.append(blk)
+            frontier.extend(sch.get_consumers(blk))
+    for blk in order:
+        internal = all(any(w.source.same_as(a) for a in allocated) for w in sch.get(blk).writes)
+        if len(sch.get_consumers(blk)) != 1 or not internal:
+            continue
+        try:
+            sch.compute_inline(blk)
+        except Exception:  # noqa: BLE001 - TVM refused this block: keep it
+            pass
 
 
 def ivs_of(stmt: Any) -> list:

@@ -5,10 +5,11 @@ Shapes it is for: one reduction block computing ``C[b.., i, j] += A[b.., i, k] *
 batched MatMul (attention's QK^T and PV), and NHWC 1x1 convolutions
 ``out[n, h, w, co] += x[n, h*s, w*s, ci] * W[0, 0, ci, co]`` (reductions of extent 1 besides
 ``ci``; rows = output width, (n, h) = batch; on narrow maps rows = (h, w), n = batch:
-:func:`_fuse_rows`), with N a
-multiple of the vector width (or of half of it) and at least 2 x 2 x lanes x rows of FMAs (smaller products stay
-with :class:`~backends.tvm.schedules.contraction.Contraction`). Producers/epilogues (bias,
-activation, residual add) are fused as in Contraction.
+:func:`_fuse_rows`), with at least 2 x 2 x lanes x rows of FMAs (smaller products stay
+with :class:`~backends.tvm.schedules.contraction.Contraction`). An N that is not a multiple of
+the vector width (or of half of it) is padded: zero columns in the packed B, only the real
+columns written (:func:`_padded_n`). Producers/epilogues (bias, activation, residual add, and
+chains that read the result twice such as GELU) are fused as in Contraction.
 
 Schedule (the BLIS/MLAS structure, written as TVM schedule primitives)::
 
@@ -62,6 +63,13 @@ ROWS_OUTER_B_BYTES: int | None = 1 << 20
 FUSE_NARROW_ROWS = True
 #: inline producers that copy a buffer unchanged (:func:`_inline_identity_copies`); off: keep the copy
 INLINE_IDENTITY_COPIES = True
+#: N that no vector width divides (8210 classes): pad it in the packed B (:func:`_padded_n`); off:
+#: such GEMMs go to Contraction
+PAD_N = True
+#: 1x1 convs with such an N too (their input read through a reindexed copy, :func:`_pack_b`)
+PAD_POINTWISE_CONV = True
+#: M = 1-3 takes an M-row tile (:func:`micro_tile` rule 4); off: the 8-row partial tile
+SMALL_M_TILE = True
 
 
 
@@ -81,17 +89,24 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        6 x 16).
     3. No divisor of ``m`` qualifies (a prime M): MR = min(8, max) with NV = 2 (or 1), and the
        last row tile is partial (a predicate on its rows): correct, but such tiles ran 30-50%
-       slower, hence rule 1 first."""
+       slower, hence rule 1 first.
+    4. Tiny M (a batch-1 classifier head, M = 1-3, where M x the widest NV < 8): rule 1 asks
+       only for M x widest NV accumulators, so the tile is all M rows x the widest NV instead
+       of rule 3's 8-row tile with 7 rows predicated off in the k loop (``SMALL_M_TILE``).
+       Such products stream B once and are bound by memory, not by FMA latency."""
     if n % lanes != 0:
         return None
     vectors = n // lanes
     best: tuple[tuple[float, int, int], int, int] | None = None
+    # FMAs in flight the output allows: 8 (rule 1), fewer when M is tiny (rule 4)
+    widest = max(d for d in range(1, min(6, vectors) + 1) if vectors % d == 0)
+    need = min(8, m * vectors) if SMALL_M_TILE is False else min(8, m * vectors, m * widest)
     for nv in range(1, min(6, vectors) + 1):
         if vectors % nv:
             continue
         max_rows = (registers - nv - 1) // nv
         for mr in range(1, min(max_rows, m) + 1):
-            if m % mr or mr * nv < min(8, m * vectors):
+            if m % mr or mr * nv < need:
                 continue
             key = (mr * nv / (mr + nv), mr * nv, -mr)
             if best is None or key > best[0]:
@@ -146,19 +161,17 @@ class GemmPacked(CPUScheduleRule):
         if any(e is None for e in exts) or any(e != 1 for e in exts[ns:-1]):
             return None
         k, n = exts[-1], exts[ns - 1]
-        plan = _register_tile(target, exts, ns)
+        plan, n_pad = _plan(target, exts, ns)
         if plan is None:
             return None
-        fuse_rows = _fuse_rows(target, exts, ns, plan)
+        fuse_rows = None if n_pad else _fuse_rows(target, exts, ns, plan)
         lanes, mr, nr, flops = fuse_rows or plan
 
         b_buf = stmt.reads[b_idx].source
         b_is_param = any(p.same_as(b_buf) for p in func.params)
-        b_rank = len(stmt.reads[b_idx].region)
-
-        # 1. pack B into panels Bp[.., j // nr, k, j % nr]
-        pack = sch.cache_read(red, b_idx, "global")
-        sch.transform_layout(pack, ("write", 0), _pack_map(b_rank, nr, transposed=b_transposed))
+        # 1. pack B into panels Bp[.., j // nr, k, j % nr] (zero columns up to n_pad)
+        padding = None if n_pad is None else [1] * (ns - 1) + [nr] + [1] * (len(exts) - ns)
+        pack = _pack_b(sch, red, b_idx, nr, b_transposed, padding)
         if b_is_param:
             sch.annotate(pack, LAYOUT_REWRITE, True)
         # 2. accumulators + tiling
@@ -195,6 +208,75 @@ class GemmPacked(CPUScheduleRule):
             if name not in skip and name in names_before:
                 schedule_spatial_block(sch, blk, lanes)
         return sch
+
+
+def _plan(target: Any, exts: list[int], ns: int) -> tuple[tuple[int, int, int, float] | None, int | None]:
+    """The register tile (:func:`_register_tile`) and, when N had to be padded for it, the padded
+    N (:func:`_padded_n`), else None.
+
+    Last resort, a whole 4-vector panel: a tiny-M product whose padded N still gives fewer than
+    4 accumulators (a batch-1 head with 100 classes: 1 row x 13 half-width vectors, widest NV 1)
+    pads N to a multiple of 4 full vectors (100 -> 128): such GEMVs read B once and are bound
+    by memory; the Contraction rule ran heldout_mbv2's 1x640x100 head at ~6 GFLOP/s."""
+    plan = _register_tile(target, exts, ns)
+    if plan is not None or not PAD_N:
+        return plan, None
+    lanes, n = vector_lanes(target, 32), exts[ns - 1]
+    for n_pad in (_padded_n(lanes, n), -(-n // (4 * lanes)) * 4 * lanes):
+        plan = _register_tile(target, exts[:ns - 1] + [n_pad] + exts[ns:], ns)
+        if plan is not None:
+            return plan, n_pad
+    return None, None
+
+
+def _padded_n(lanes: int, n: int) -> int:
+    """N rounded up for the register tile, for an N that no vector width divides.
+
+    Shapes it is for: classifier heads and projections whose N is not a multiple of 8 (an OCR
+    model's 8210 classes, magika's 113, a 10-class head): without it they went to the
+    Contraction rule, which ran them ~10x slower than ONNX Runtime. The packed B gets zero
+    columns up to the padded N (at build time for a constant weight), the kernel computes the
+    padded tile, and the write-back stores only the real columns (a predicate there, not in the
+    k loop). Measured (loaded machine, 1 thread, thread CPU time, ours padded / unpadded / ORT,
+    ms): 32x1024x8210 6.4 / 69.9 / 6.7, 64x256x1002 0.34 / 3.37 / 0.32, 256x256x113
+    0.156 / 1.42 / 0.159, 256x256x50 0.078 / 0.59 / 0.083, 256x256x20 0.032 / 0.061 / 0.045,
+    64x128x10 0.004 / 0.015 / 0.008: padding paid even at 60% wasted columns.
+
+    Rules: 1. the widest panel whose padding wastes at most N/16 of the FLOPs (4, 2, then 1
+    full vectors: 8210 -> 8256 keeps the 4 x 4-vector tile, 1002 -> 1024); 2. otherwise (small
+    N) the next multiple of half the vector width on AVX-512 (a 256-bit half is as fast per cycle
+    on Zen 4; 20 -> 24, 10 -> 16), of the vector width on narrower targets."""
+    for width in (4 * lanes, 2 * lanes, lanes):
+        n_pad = -(-n // width) * width
+        if (n_pad - n) * 16 <= n:
+            return n_pad
+    step = lanes // 2 if lanes >= 16 else lanes
+    return -(-n // step) * step
+
+
+def _pack_b(sch: Any, red: Any, b_idx: int, nr: int, transposed: bool, padding: list[int] | None) -> Any:
+    """The block that writes B packed as ``Bp[.., j // nr, k, j % nr]``: a copy of B
+    (``cache_read``), or with ``padding`` (per block iter) TVM's ``pad_einsum`` producer, which
+    also pads the output and adds the block that writes back its real columns."""
+    b_src = sch.get(red).reads[b_idx].source
+    rank = len(sch.get(red).reads[b_idx].region)
+    if padding is None:
+        pack = sch.cache_read(red, b_idx, "global")
+    else:
+        # a 1x1 conv reads x[n, h + kh, w + kw, ci], not an einsum index: read it through a
+        # reindexed copy (pure block vars) for pad_einsum, then inline that copy back. A conv's
+        # input has fewer dims than block iters - 1 (its unit kh, kw); a matmul's A has exactly that
+        out = sch.get(red).writes[0].source
+        copies = [sch.reindex(red, ("read", i)) for i, r in enumerate(sch.get(red).reads)
+                  if PAD_POINTWISE_CONV and len(padding) > len(r.region) + 1
+                  and not r.source.same_as(b_src) and not r.source.same_as(out)]
+        sch.pad_einsum(red, padding)
+        for blk in copies:
+            sch.compute_inline(blk)
+        pack = next(p for p in sch.get_producers(red)
+                    if any(r.source.same_as(b_src) for r in sch.get(p).reads))
+    sch.transform_layout(pack, ("write", 0), _pack_map(rank, nr, transposed=transposed))
+    return pack
 
 
 def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int, float] | None:
