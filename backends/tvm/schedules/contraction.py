@@ -38,6 +38,9 @@ MAX_ACCUMULATORS = 24  # of the 32 AVX-512 vector registers, leave some for oper
 # ResNet stages) the tile also spans the next outer spatial axis and more channel vectors
 # (:func:`_narrow_tile`).
 NARROW_ROWS = 6
+#: direct convolutions read their constant weights from co-blocked panels packed at build time
+#: (:func:`_pack_conv_weights`); off: the HWIO weights are read in place
+PACK_CONV_WEIGHTS = True
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -86,6 +89,7 @@ class Contraction(TryRule):
             col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
             hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
 
+        pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
         wb = sch.cache_write(red, 0, "local")
         loops = sch.get_loops(red)
@@ -125,10 +129,10 @@ class Contraction(TryRule):
             self._vectorize_tail(sch, init, vec)
         self._vectorize_tail(sch, wb, vec)
         # Everything else (padding, transposes, epilogue blocks that did not inline).
-        red_name = str(sch.get(red).name_hint)
+        skip = {str(sch.get(b).name_hint) for b in (red, wb) + ((pack,) if pack is not None else ())}
         for b in sch.get_child_blocks(root):
             name = str(sch.get(b).name_hint)
-            if name in (red_name, str(sch.get(wb).name_hint)) or name not in names_before:
+            if name in skip or name not in names_before:
                 continue
             schedule_spatial_block(sch, b, lanes)
         return sch
@@ -197,6 +201,48 @@ class Contraction(TryRule):
                 sch.vectorize(v)
             else:
                 sch.vectorize(loops[-1])
+
+
+def _pack_conv_weights(sch: Any, red: Any, stmt: Any, vec_pos: int, r_idx: list[int], panel: int) -> Any:
+    """Pack a direct convolution's constant HWIO weights into panels of ``panel`` output
+    channels, ``Wp[co // panel, kh, kw, ci, co % panel]``, folded at build time (the block is
+    annotated like :mod:`gemm_packed`'s packs); returns the pack block, or None when nothing is
+    packed.
+
+    Shapes it is for: convolutions (three reduction axes kh, kw, ci; a rank-4 weight that is a
+    parameter of the function and reads no output pixel) scheduled by this rule, i.e. the
+    3x3 / KxK / strided convs GemmPacked does not take. In HWIO, one tile's weight panel is
+    ``kh*kw*ci`` rows of ``panel`` floats, ``4*co`` bytes apart: with 512 output channels a 2 KiB
+    stride, so the rows of the 4608-row panel of a 3x3 512 -> 512 conv fall into 1/16 of the
+    L2's sets (8-way, 64 B lines, 2048 sets): only ~64 KiB of the 1 MiB L2 holds them and every
+    row tile reads the panel again from L3. Packed, the panel is contiguous: it streams, and
+    stays in L2 between row tiles when it fits."""
+    if not PACK_CONV_WEIGHTS or len(r_idx) != 3:
+        return None
+    ivs = list(stmt.iter_vars)
+    vec_var = ivs[vec_pos].var
+    pixel_vars = [iv.var for iv in ivs[:vec_pos]]
+    params = list(sch.mod["main"].params)
+    for idx, read in enumerate(stmt.reads):
+        region = read.region
+        if len(region) != 4 or not _uses(region[-1].min, vec_var):
+            continue
+        if any(_uses(r.min, v) for r in region for v in pixel_vars):
+            continue
+        if not any(p.same_as(read.source) for p in params):
+            return None
+        if any(int(d) % panel for d in read.source.shape[-1:]):
+            return None
+        from tvm import tirx
+
+        from .gemm_packed import LAYOUT_REWRITE
+
+        pack = sch.cache_read(red, idx, "global")
+        sch.transform_layout(pack, ("write", 0), tirx.IndexMap.from_func(
+            lambda h, w, i, o: (tirx.floordiv(o, panel), h, w, i, tirx.floormod(o, panel)), ndim=4))
+        sch.annotate(pack, LAYOUT_REWRITE, True)
+        return pack
+    return None
 
 
 def ivs_of(stmt: Any) -> list:
