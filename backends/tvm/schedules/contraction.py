@@ -14,9 +14,11 @@ Schedule (the classic register-blocked GEMM applied to the block's own loop nest
 ``vec_axis`` is the output's innermost axis (channels in NHWC, columns of a matmul), split
 into ``nj`` vectors of ``V`` lanes; ``row_axis`` is the next spatial axis that has extent > 1
 (output width, matmul rows), blocked by ``ni``. The weight panel of one ``vec_axis`` tile
-stays in L2 while every row tile streams past it. Producers are materialised and scheduled
-as injective loops (a transposed operand becomes contiguous once instead of gathered in the
-inner loop).
+stays in L2 while every row tile streams past it (a convolution's constant weights are packed
+into contiguous panels at build time: :func:`_pack_conv_weights`). Producers are materialised
+and scheduled as injective loops (a transposed operand becomes contiguous once instead of
+gathered in the inner loop), except copies that change nothing (the ``pad_temp`` TOPI writes
+for a convolution without padding), which are inlined (:data:`INLINE_IDENTITY_COPIES`).
 
 Applies only when every read of the reduction block either does not use the vector axis or
 uses it in its last (contiguous) dimension; otherwise the inner loop would gather, so the
@@ -41,6 +43,10 @@ NARROW_ROWS = 6
 #: direct convolutions read their constant weights from co-blocked panels packed at build time
 #: (:func:`_pack_conv_weights`); off: the HWIO weights are read in place
 PACK_CONV_WEIGHTS = True
+#: producers that copy a buffer unchanged (TOPI's ``pad_temp`` of a conv without padding) are
+#: inlined, as in GemmPacked (``gemm_packed._inline_identity_copies``, which also reads its own
+#: knob); off: the copy is materialised
+INLINE_IDENTITY_COPIES = True
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -76,6 +82,11 @@ class Contraction(TryRule):
         if found is None:
             return None
         root, red, stmt, loops, s_idx, r_idx, vec_pos = found
+        if INLINE_IDENTITY_COPIES:  # a valid (unpadded) conv's pad_temp: a full copy per call
+            from .gemm_packed import _inline_identity_copies
+
+            _inline_identity_copies(sch, red)
+            stmt = sch.get(red)
 
         bits = stmt.writes[0].source.dtype.bits
         lanes = vector_lanes(target, bits)
