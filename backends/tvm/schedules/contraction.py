@@ -47,9 +47,11 @@ PACK_CONV_WEIGHTS = True
 #: inlined, as in GemmPacked (``gemm_packed._inline_identity_copies``, which also reads its own
 #: knob); off: the copy is materialised
 INLINE_IDENTITY_COPIES = True
-#: convolutions with fewer than 4 input channels (RGB stems) take one channel vector per tile
-#: (:func:`_stem_vectors`); off: two
+#: convolutions with fewer than 4 input channels (RGB stems) and a large kernel take one channel
+#: vector per tile (:func:`_stem_vectors`); off: two
 STEM_ONE_VECTOR = True
+#: ... when the tile's weight panel is larger than this (a quarter of a 32 KiB L1)
+STEM_PANEL_BYTES = 8192
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -220,18 +222,23 @@ class Contraction(TryRule):
 
 def _stem_vectors(exts: list, r_idx: list[int], vec: int, nj: int) -> int:
     """Channel vectors per register tile for a convolution whose input-channel reduction (the
-    innermost) has fewer than 4 iterations, else ``nj`` unchanged.
+    innermost) has fewer than 4 iterations and whose per-tile weight panel
+    (``kh*kw*ci*nj*vec`` floats) exceeds :data:`STEM_PANEL_BYTES`: 1; else ``nj`` unchanged.
 
-    Shapes it is for: RGB stems (ResNet's 7x7 stride-2 3 -> 64, MobileNet's 3x3 stride-2
-    3 -> 32, any batch) on maps of width >= :data:`NARROW_ROWS` (narrower maps take
-    :func:`_narrow_tile`). Their reduction is ``kh*kw*3`` steps with the same weight panel
-    for every tile: with 2 vectors that panel is ``kh*kw*3*32`` floats (18.8 KiB for 7x7), which
-    with the input rows a tile reads (~10 KiB) overflowed the 32 KiB L1; with 1 vector (9.4 KiB)
-    it stays. Measured (1 thread, thread CPU time, whole models, old and new interleaved):
-    resnet18's stem 0.84x the old time at batch 1 and 8, resnet50's (32x32 map) 0.95x."""
-    if STEM_ONE_VECTOR and len(r_idx) == 3 and exts[r_idx[-1]] < 4 and vec > 1:
-        return 1
-    return nj
+    Shapes it is for: large-kernel RGB stems (ResNet's 7x7 stride-2 3 -> 64, any batch) on maps
+    of width >= :data:`NARROW_ROWS` (narrower maps take :func:`_narrow_tile`). Every tile reads
+    the whole panel: with 2 vectors 7*7*3*32 floats = 18.8 KiB, which with the input rows a
+    tile reads (~10 KiB) overflowed the 32 KiB L1; with 1 vector (9.4 KiB) it stays. Measured
+    (1 thread, thread CPU time, whole models, old and new interleaved): resnet18's stem 0.84x the
+    old time at batch 1 and 8, resnet50's (32x32 map) 0.95x (b1) and 0.86x (b8). A 3x3 stem's
+    panel is small (3x3x3x32: 3.4 KiB) and one vector there only halves the FMAs per load:
+    MobileNet's 3 -> 32 stem ran 1.58x slower, hence the bound."""
+    if not STEM_ONE_VECTOR or len(r_idx) != 3 or exts[r_idx[-1]] >= 4 or vec <= 1 or nj <= 1:
+        return nj
+    panel = 4 * nj * vec
+    for i in r_idx:
+        panel *= exts[i]
+    return 1 if panel > STEM_PANEL_BYTES else nj
 
 
 def _pack_conv_weights(sch: Any, red: Any, stmt: Any, vec_pos: int, r_idx: list[int], panel: int) -> Any:
