@@ -2,6 +2,7 @@
 one layer at a time: our builds against ONNX Runtime, in one process, 1 thread.
 
     python benchmarks/conv_layers.py [--batches 1,8] [--variants direct,im2col] [--repeats 7] [--json FILE]
+                                     [--only resnet18] [--layers 512x4,256x7] [--baseline MODULE.ATTR=VALUE]
 
 Each layer is a one-node-chain ONNX model (Conv with bias, Relu; seeded random He-scaled
 weights) built through the ``scheduled`` pipeline once per variant (``direct``: the default
@@ -12,6 +13,9 @@ time slicing matters less; ``pct_peak`` = FLOPs / time / the measured one-core F
 The model's NCHW input and output are transposed to and from NHWC inside our build, so on layers
 with few FLOPs per output byte (1x1 convs with K <= 64, the 3-channel stem) the ratio to ORT
 includes those copies, which a whole model pays once.
+``--baseline MODULE.ATTR=VALUE`` (repeatable) also builds each ``direct`` layer with those
+schedule settings (variant ``base``: the "before" of a schedule change), timed in the same
+interleaved rounds; ``--layers CIxSIZE,..`` keeps only those layers.
 Results: ``benchmarks/results/conv_layers.json`` (not committed from a loaded machine).
 """
 
@@ -81,7 +85,17 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
     return {n: statistics.median(v) for n, v in cpu.items()}
 
 
-def run(batches: list[int], variants: list[str], repeats: int, only: str | None) -> dict[str, Any]:
+def _kernel_profile() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_profile", ROOT / "benchmarks" / "kernel_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(batches: list[int], variants: list[str], repeats: int, only: str | None,
+        baseline: list[str] | None = None, layers: list[str] | None = None) -> dict[str, Any]:
     import onnxruntime as ort
     import tvm
 
@@ -94,7 +108,7 @@ def run(batches: list[int], variants: list[str], repeats: int, only: str | None)
     peak = measure_fma_peak(target, seconds=0.02, repeats=5)[0]
     rows = []
     for model_name, ci, hw, co, k, s in LAYERS:
-        if only and only not in model_name:
+        if (only and only not in model_name) or (layers and f"{ci}x{hw}" not in layers):
             continue
         for batch in batches:
             m = layer_model(ci, hw, co, k, s, batch)
@@ -105,8 +119,13 @@ def run(batches: list[int], variants: list[str], repeats: int, only: str | None)
             ref = sess.run(None, {"x": x})[0]
             tx = tvm.runtime.tensor(x)
             fns: dict[str, Callable[[], Any]] = {"ort": lambda: sess.run(None, {"x": x})}
-            for v in variants:
-                f = tvm_build(m, target, v)
+            builds = list(variants) + (["base"] if baseline else [])
+            for v in builds:
+                if v == "base":
+                    with _kernel_profile().with_settings(baseline):
+                        f = tvm_build(m, target, "direct")
+                else:
+                    f = tvm_build(m, target, v)
                 res = f(tx)
                 got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
                 np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"{model_name} {v}")
@@ -122,7 +141,8 @@ def run(batches: list[int], variants: list[str], repeats: int, only: str | None)
             print(f"{model_name:9s} {ci:4d}x{hw:3d}x{hw:<3d} -> {co:4d} k{k} s{s} b{batch}: " + "  ".join(
                 f"{n}={t * 1e6:8.1f}us ({row['pct_peak'][n]:3.0f}%, x{row['vs_ort'][n]:.2f})" for n, t in times.items()),
                 flush=True)
-    return {"target": str(target), "peak_flops_per_core": peak, "repeats": repeats, "rows": rows}
+    return {"target": str(target), "peak_flops_per_core": peak, "repeats": repeats, "baseline": baseline or [],
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="direct,im2col")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--only", default=None, help="only layers of this model")
+    ap.add_argument("--layers", default=None, help="only these layers, as CIxSIZE (e.g. 512x4,256x7)")
+    ap.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="also build with this schedule setting (variant 'base'), same rounds")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
-    data = run([int(b) for b in args.batches.split(",")], args.variants.split(","), args.repeats, args.only)
+    data = run([int(b) for b in args.batches.split(",")], args.variants.split(","), args.repeats, args.only,
+               args.baseline, args.layers.split(",") if args.layers else None)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     return 0

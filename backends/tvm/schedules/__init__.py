@@ -7,8 +7,9 @@ runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
 0. :class:`GemmPacked` - matrix products (MatMul, Gemm, batched MatMul; N padded to the vector
    width when needed): packed B (constant weights packed at build time), register-blocked
    micro-kernel sized to the target's vector registers.
-1. :class:`Depthwise` - NHWC depthwise convolutions (groups = channels): output rows in
-   parallel, channels in vectors, padded rows computed next to their use, BN/clamp fused.
+1. :class:`Depthwise` - NHWC depthwise convolutions (groups = channels) and NHWC max/average
+   pooling: output rows in parallel, channels in vectors, padding inlined into the loads,
+   BN/clamp fused.
 2. :class:`Contraction` - one reduction block (conv2d incl. depthwise/grouped, matmul, batch
    matmul, pooling, global pooling) with injective producers/consumers: register tiling,
    vectorised over the output's innermost axis, parallel over outer tiles, fused epilogue.
