@@ -51,8 +51,11 @@ def test_threshold_decides_parallel_loops(threshold: float, parallel: bool, rest
     x = np.random.default_rng(0).standard_normal((1, 16, 12, 12)).astype(np.float32)
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    # ``*_weight_prepack`` kernels pack constant weights once at build time (folded, never run
+    # per call): the threshold is about the kernels a run executes
     convs = [f.script() for gv, f in mod.functions_items()
-             if isinstance(f, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint]
+             if isinstance(f, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint
+             and not gv.name_hint.endswith("_weight_prepack")]
     assert convs and all(("T.parallel" in s) == parallel for s in convs)
     vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
     res = vm["main"](tvm.runtime.tensor(x))
