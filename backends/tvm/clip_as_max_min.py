@@ -72,7 +72,7 @@ def constant_first(func: Any) -> Any:
 
 def function_pass(name: str, rewrite: Any) -> Any:
     """A module pass named ``name`` that replaces every Relax function ``f`` of a module with
-    ``rewrite(f)`` (also used by :mod:`backends.tvm.fold_batchnorm`)."""
+    ``rewrite(f)`` (also used by :mod:`backends.tvm.fold_batchnorm` and :func:`backends.tvm.pipeline.legalize_passes`)."""
     import tvm
     from tvm import relax
 

@@ -31,8 +31,8 @@ Rules:
    ~1e-6 in float32 for F(4x4, 3x3) on unit-scale data, checked against ONNX Runtime in tests).
 4. Transposed convolutions whose kernel equals their stride (U-Net's 2x2/2 upsampling) are
    always rewritten as one GEMM + pixel shuffle (:func:`conv_transpose_as_matmul`, knob
-   :data:`CONV_TRANSPOSE_AS_MATMUL`), in every build: the pipeline's batch-norm folding pass
-   (:func:`backends.tvm.fold_batchnorm.fold_batchnorm_pass`) runs it.
+   :data:`CONV_TRANSPOSE_AS_MATMUL`), in every build: the pipeline runs it after ``FoldConstant``
+   and before batch-norm folding and ``LegalizeOps`` (:func:`backends.tvm.pipeline.legalize_passes`).
 """
 
 from __future__ import annotations

@@ -122,11 +122,7 @@ def _bound_value(func: Any, expr: Any) -> Any:
 
 
 def fold_batchnorm_pass() -> Any:
-    """:func:`fold_batchnorm` over every Relax function of a module, after
-    :func:`~backends.tvm.conv_algorithms.conv_transpose_as_matmul` (the other constant-weight
-    conv rewrite that must run after ``FoldConstant`` and before ``LegalizeOps``: this pass is
-    the pipeline's one hook there)."""
+    """:func:`fold_batchnorm` over every Relax function of a module."""
     from .clip_as_max_min import function_pass
-    from .conv_algorithms import conv_transpose_as_matmul
 
-    return function_pass("FoldBatchNormAffine", lambda f: fold_batchnorm(conv_transpose_as_matmul(f)))
+    return function_pass("FoldBatchNormAffine", fold_batchnorm)

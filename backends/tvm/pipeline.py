@@ -109,12 +109,16 @@ def legalize_passes(target: Any) -> list[Any]:
 
     if not _is_cpu(target):
         return [relax.get_pipeline("zero")]
+    from .clip_as_max_min import function_pass
+    from .conv_algorithms import conv_transpose_as_matmul
     from .fold_batchnorm import fold_batchnorm_pass
     from .fold_small_constants import fold_small_constants_pass
 
     # conv weights' layout transposes (from ConvertLayout) folded in numpy, not compiled one by one;
+    # non-overlapping ConvTranspose (constant weight) as one GEMM + pixel shuffle;
     # batch norm's (x - mean) / sd * gamma + beta: folded into the conv weights + one add
-    return [fold_small_constants_pass(), relax.transform.FoldConstant(), fold_batchnorm_pass(),
+    return [fold_small_constants_pass(), relax.transform.FoldConstant(),
+            function_pass("ConvTransposeAsMatmul", conv_transpose_as_matmul), fold_batchnorm_pass(),
             relax.transform.LegalizeOps(customize_legalize_map=_fast_math_map()), relax.get_pipeline("zero")]
 
 
