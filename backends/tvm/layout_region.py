@@ -34,10 +34,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# A tail shorter than this is left in the block: at ~500 bindings ConvertLayout spends well
-# under a second on it (measured ~6.6e-7 s x bindings^2 on SLANet's decoder), and a model's
-# usual convolution-free tail (a classifier head, a box decoder) is a few dozen bindings.
-TAIL_MIN = 512
+# A tail up to this length is left in the block: ConvertLayout then costs at most ~11 s (measured
+# ~6.6e-7 s x bindings^2 on SLANet's decoder). The corpus' LSTM models (ddddocr_ocr,
+# hey_mycroft: ~1950-binding tails after their convolutions) keep their one block: split at 512,
+# ddddocr_ocr ran 45.3 ms against 44.3 ms unsplit (paired, 4 rounds, load ~1.2). SLANet's tail is
+# ~30k bindings.
+TAIL_MIN = 4096
 
 
 def _region_end(block: Any, ops: frozenset[str]) -> int:

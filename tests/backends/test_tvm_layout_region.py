@@ -105,7 +105,7 @@ def test_split_function_keeps_its_tail_in_a_dataflow_block():
     assert isinstance(mod, tvm.IRModule)
 
 
-def _build_and_compare(m: onnx.ModelProto, tmp_path) -> None:
+def _build_and_compare(m: onnx.ModelProto, tmp_path, tol: float = 1e-5) -> None:
     from partitioner.compiler import compile as compile_artifact, load_artifact
     from partitioner.runtime.launch import run_in_process
 
@@ -113,7 +113,7 @@ def _build_and_compare(m: onnx.ModelProto, tmp_path) -> None:
     want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     art = compile_artifact(m, "cpu:1", backend="tvm", out_dir=tmp_path / "art", jobs=1, progress=False)
     got, _ = run_in_process(load_artifact(art.root), {"x": x}, timeout=300)
-    np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["y"], want, rtol=tol, atol=tol)
 
 
 def test_split_build_matches_ort(monkeypatch, tmp_path):
@@ -133,4 +133,7 @@ def test_unsplit_build_matches_ort(tmp_path):
 
 @pytest.mark.slow
 def test_long_tail_build_matches_ort(tmp_path):
-    _build_and_compare(_model(STEPS), tmp_path)
+    """At the default threshold. Tolerance 1e-4: the output is ~4 in magnitude after ~4000 chained
+    float32 Add/Mul, whose rounding differs from ORT's (not traced: evaluation order or a fused
+    multiply-add) and accumulates to ~1e-5 absolute; 1e-5 held for a 276-step chain."""
+    _build_and_compare(_model(STEPS), tmp_path, tol=1e-4)
