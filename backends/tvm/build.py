@@ -108,7 +108,16 @@ def build_one(
     options: dict[str, Any] | None = None,
     report: Callable[[str], None] = lambda stage: None,
 ) -> dict[str, Any]:
-    """Build one rank with an already-resolved target dict; ``report(stage)`` tracks progress."""
+    """Build one rank with an already-resolved target dict; ``report(stage)`` tracks progress.
+    The build runs on a thread with a large stack (:mod:`backends.tvm.deep_stack`: TVM's passes
+    recurse along the graph; an unrolled decoder overflowed the main thread's 8 MiB)."""
+    from . import deep_stack
+
+    return deep_stack.run(_build_one, program, out_path, tdict, options, report)
+
+
+def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], options: dict[str, Any] | None,
+               report: Callable[[str], None]) -> dict[str, Any]:
     import tvm
 
     options = dict(options or {})

@@ -128,8 +128,7 @@ class OneHotAsSelect(_Rewrite):
         if axis != -1 or depth_a is None or values is None or depth_a.size != 1 or values.size != 2:
             return False
         depth, values = int(depth_a.reshape(-1)[0]), values.reshape(-1)
-        k = list(graph).index(n)
-        p = f"{n.outputs[0].name}__onehot{k}"
+        p = f"{n.outputs[0].name}__onehot"  # output names are unique (SSA); no graph scan per node
         c = {s: _const(graph, f"{p}_{s}", a) for s, a in (
             ("depth", np.array(depth, np.int64)), ("zero", np.array(0, np.int64)),
             ("range", np.arange(depth, dtype=np.int64)), ("on", values[1:2].reshape(())),

@@ -9,6 +9,8 @@ Phases, in order (:func:`passes`):
 2. ``layout`` (CPU only): ``ConvertLayout`` conv2d -> NHWC data / HWIO weights. Channels
    become the innermost axis, so conv, depthwise conv and pooling vectorise over channels and
    a 1x1 conv is a plain GEMM; weights are transposed once, at compile time, by FoldConstant.
+   A long convolution-free tail of a block (an unrolled decoder) is kept out of ConvertLayout,
+   whose time is quadratic in the block's length (:mod:`backends.tvm.layout_region`).
    Then, when the build asks for it (option ``conv_algorithm``), convolutions are rewritten to
    im2col+GEMM or Winograd (:mod:`backends.tvm.conv_algorithms`).
 3. ``legalize``: on the CPU, inference batch norms become an add after the conv whose weights
@@ -58,10 +60,11 @@ def layout_passes(target: Any) -> list[Any]:
     if not _is_cpu(target):
         return []
     from .clip_as_max_min import clamp_passes
+    from .layout_region import convert_layout_pass
 
     # negative squeeze axes crash ConvertLayout with std::bad_alloc (backends/tvm/normalize_axes.py);
     # Clip's selects become maximum/minimum around ConvertLayout, which sees through those
-    return [normalize_axes_pass(), *clamp_passes([relax.transform.ConvertLayout(CONV_LAYOUT), relax.transform.Normalize()])]
+    return [normalize_axes_pass(), *clamp_passes([convert_layout_pass(CONV_LAYOUT), relax.transform.Normalize()])]
 
 
 def _fast_math_map() -> dict[str, Any]:

@@ -117,3 +117,45 @@ def test_counter_loop_compiles_for_tvm_and_matches_ort(tmp_path):
     np.testing.assert_allclose(res.outputs["y"], want[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.outputs["y_rows"], want[1], rtol=1e-5, atol=1e-6)
     assert res.check.ok
+
+
+def _invariant_loop(steps: int) -> onnx.ModelProto:
+    """A counter ``Loop`` of ``steps`` steps whose body carries a weight ``w`` through unchanged (as
+    Paddle2ONNX carries decoder weights) and uses ``Transpose(w)`` and a ``Constant``: both
+    loop-invariant; ``acc' = tanh(acc @ Transpose(w) * c)``."""
+    body = h.make_graph(
+        [h.make_node("Transpose", ["w_in"], ["wt"], perm=[1, 0]),
+         h.make_node("Constant", [], ["c"], value=nh.from_array(np.array(0.9, np.float32))),
+         h.make_node("MatMul", ["acc_in", "wt"], ["mm"]), h.make_node("Mul", ["mm", "c"], ["pre"]),
+         h.make_node("Tanh", ["pre"], ["acc_out"]),
+         h.make_node("Add", ["i_in", "one"], ["i_out"]), h.make_node("Less", ["i_out", "lim"], ["cond_out"])],
+        "body",
+        [h.make_tensor_value_info("iter", T.INT64, []), h.make_tensor_value_info("cond_in", T.BOOL, []),
+         h.make_tensor_value_info("i_in", T.INT64, []), h.make_tensor_value_info("w_in", T.FLOAT, [3, 3]),
+         h.make_tensor_value_info("acc_in", T.FLOAT, [2, 3])],
+        [h.make_tensor_value_info("cond_out", T.BOOL, []), h.make_tensor_value_info("i_out", T.INT64, []),
+         h.make_tensor_value_info("w_in", T.FLOAT, [3, 3]), h.make_tensor_value_info("acc_out", T.FLOAT, [2, 3])],
+        [_i64(1, "one")])
+    rng = np.random.default_rng(2)
+    g = h.make_graph(
+        [h.make_node("Loop", ["M", "", "i0", "w", "x"], ["i_f", "w_f", "acc_f"], name="decoder_loop", body=body),
+         h.make_node("Relu", ["acc_f"], ["y"])],
+        "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 3])], [h.make_tensor_value_info("y", T.FLOAT, [2, 3])],
+        [_i64(1024, "M"), _i64(0, "i0"), _i64(steps, "lim"),
+         nh.from_array(rng.standard_normal((3, 3)).astype(np.float32) * 0.5, "w")])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_loop_invariant_body_nodes_are_emitted_once():
+    """Rule 4b: 30 steps give one Transpose and one Constant c, not 30 of each, and no Identity per
+    step for the passed-through weight; the outputs match ORT on the original loop."""
+    m = _invariant_loop(30)
+    out, done = unroll_loops_proto(onnx.load_from_string(m.SerializeToString()))
+    assert done == 1
+    ops = [n.op_type for n in out.graph.node]
+    assert ops.count("Tanh") == 30
+    assert ops.count("Transpose") == 1
+    assert [n.output[0] for n in out.graph.node if n.op_type == "Identity" and "w" in n.input] == ["w_f"]
+    assert sum(1 for n in out.graph.node if n.op_type == "Constant" and n.output[0].startswith("c__")) == 1
+    x = np.random.default_rng(3).standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_allclose(_ort(out, {"x": x})[0], _ort(m, {"x": x})[0], rtol=1e-6, atol=1e-6)

