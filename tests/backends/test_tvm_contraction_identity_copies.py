@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
-from tvm import relax
 
-from backends.tvm.lower import lower_program
-from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import contraction as C
 from backends.tvm.schedules import gemm_packed
-from backends.tvm.target import detect_host_target
+from tvm_build_check import build_and_compare
 
 
 def _conv(ci: int, co: int, hw: int, k: int, s: int, batch: int) -> onnx.ModelProto:
@@ -35,14 +31,7 @@ def _conv(ci: int, co: int, hw: int, k: int, s: int, batch: int) -> onnx.ModelPr
 
 
 def _conv_kernel(m: onnx.ModelProto) -> str:
-    x = np.random.default_rng(0).standard_normal(
-        [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
-    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    target = tvm.target.Target(detect_host_target())
-    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
-    res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
-    got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    mod = build_and_compare(m)
     return next(f.script() for f in mod.functions.values()
                 if isinstance(f, tvm.tirx.PrimFunc) and "conv2d_nhwc_update" in f.script())
 

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
-from tvm import relax
 
 from backends.tvm import conv_algorithms as CA
-from backends.tvm.lower import lower_program
-from backends.tvm.pipeline import run_pipeline
-from backends.tvm.target import detect_host_target
+from tvm_build_check import build_and_compare
 
 
 def _model(ci: int, co: int, hw: int, k: int, s: int, batch: int, bias: bool = True, pad: int = 0,
@@ -42,14 +38,7 @@ def _model(ci: int, co: int, hw: int, k: int, s: int, batch: int, bias: bool = T
 
 def _check(m: onnx.ModelProto) -> bool:
     """Build and compare with ORT; True when the build still has a conv2d_transpose kernel."""
-    x = np.random.default_rng(0).standard_normal(
-        [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
-    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    target = tvm.target.Target(detect_host_target())
-    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
-    res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
-    got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    mod = build_and_compare(m)
     return any("conv2d_transpose" in gv.name_hint for gv in mod.get_global_vars())
 
 

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
-from tvm import relax
 
-from backends.tvm.lower import lower_program
-from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import injective as I
 from backends.tvm.schedules.vector import vector_lanes
 from backends.tvm.target import detect_host_target
+from tvm_build_check import build_and_compare
 
 
 def _model(c: int, hw: int, batch: int) -> onnx.ModelProto:
@@ -33,14 +30,7 @@ def _model(c: int, hw: int, batch: int) -> onnx.ModelProto:
 
 def _build_and_check(m: onnx.ModelProto) -> list[tuple[int, int]]:
     """Build, compare with ORT; (extent, kind) of the loops around every ``pad_temp`` block."""
-    x = np.random.default_rng(0).standard_normal(
-        [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
-    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    target = tvm.target.Target(detect_host_target())
-    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
-    res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
-    got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    mod = build_and_compare(m)
     from tvm import s_tir
 
     loops = []

@@ -14,16 +14,12 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
-from tvm import relax
 
-from backends.tvm.lower import lower_program
-from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import depthwise as D
-from backends.tvm.target import detect_host_target
+from tvm_build_check import build_and_compare
 
 
 def _pool_model(op: str, c: int, hw: int, k: int, s: int, p: int, batch: int, **attrs: Any) -> onnx.ModelProto:
@@ -39,14 +35,7 @@ def _pool_model(op: str, c: int, hw: int, k: int, s: int, p: int, batch: int, **
 
 def _check(m: onnx.ModelProto) -> str:
     """Build, compare with ORT; the pool kernel's TIR."""
-    x = np.random.default_rng(0).standard_normal(
-        [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
-    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    target = tvm.target.Target(detect_host_target())
-    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
-    res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
-    got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    mod = build_and_compare(m)
     return next(f.script() for gv, f in mod.functions_items()
                 if isinstance(f, tvm.tirx.PrimFunc) and "pool" in gv.name_hint)
 

@@ -1,0 +1,29 @@
+"""Shared by the schedule-rule tests: build a one-input ONNX model through the TVM backend's
+scheduled pipeline, run it, and compare with ONNX Runtime (seeded input, rtol 1e-4, atol 1e-5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import tvm
+from tvm import relax
+
+from backends.tvm.lower import lower_program
+from backends.tvm.pipeline import run_pipeline
+from backends.tvm.target import detect_host_target
+
+
+def build_and_compare(m: onnx.ModelProto) -> Any:
+    """The scheduled Relax module of ``m``, after checking its output against ORT's."""
+    x = np.random.default_rng(0).standard_normal(
+        [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    target = tvm.target.Target(detect_host_target())
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
+    got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    return mod
