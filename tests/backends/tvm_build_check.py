@@ -16,12 +16,13 @@ from backends.tvm.pipeline import run_pipeline
 from backends.tvm.target import detect_host_target
 
 
-def build_and_compare(m: onnx.ModelProto) -> Any:
-    """The scheduled Relax module of ``m``, after checking its output against ORT's."""
+def build_and_compare(m: onnx.ModelProto, target: Any = None) -> Any:
+    """The scheduled Relax module of ``m`` for ``target`` (default: this host), after checking its
+    output against ORT's."""
     x = np.random.default_rng(0).standard_normal(
         [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    target = tvm.target.Target(detect_host_target())
+    target = target or tvm.target.Target(detect_host_target())
     mod = run_pipeline(lower_program(m).mod, "scheduled", target)
     res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
