@@ -1,4 +1,4 @@
-"""Runtime benchmark: zoo ResNet-18 and BERT (batch 8) on 2 ranks, data and pipeline (8 micro-batches),
+"""Runtime benchmark: zoo ResNet-18, BERT and MobileNet (batch 8) on 2 ranks, data and pipeline (8 micro-batches),
 each row with the cost model's predicted step time and per-rank peak memory beside the measured ones.
 
 For each (model, strategy) it compiles an artifact for ``cpu:2`` (this machine's calibrated figures:
@@ -29,7 +29,7 @@ each row). One command (``make runtime-table``), then it regenerates the README:
     .venv/bin/python benchmarks/bench_runtime.py --recalibrate && .venv/bin/python benchmarks/readme_tables.py
 
     .venv/bin/python benchmarks/bench_runtime.py [--backend tvm|onnxruntime] [--baseline single]
-        [--repeat N] [--min-seconds S] [--rounds R] [--models resnet,bert] [--strategies data,pipeline]
+        [--repeat N] [--min-seconds S] [--rounds R] [--models resnet,bert,mobilenet] [--strategies data,pipeline]
         [--no-overhead | --only-overhead] [--recalibrate] [--markdown]
 """
 
@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = {"resnet": {"batch": 8}, "bert": {"batch": 8}}
+CASES = {"resnet": {"batch": 8}, "bert": {"batch": 8}, "mobilenet": {"batch": 8}}
 STRATEGIES = {"data": {}, "pipeline": {"microbatches": 8}}
 OVERHEAD_MODEL = {"batch": 64, "layers": 2, "hidden": 16, "in_features": 16, "out_features": 8}
 OVERHEAD_MICROBATCHES = 64
@@ -214,7 +214,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--min-seconds", type=float, default=0.5,
                     help="each timed variant runs at least this long (by the predicted step)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (min/median/max; >= 3)")
-    ap.add_argument("--models", default="resnet,bert")
+    ap.add_argument("--models", default="resnet,bert,mobilenet")
     ap.add_argument("--strategies", default="data,pipeline")
     ap.add_argument("--recalibrate", action="store_true", help="calibrate the backend again before compiling")
     ap.add_argument("--overhead", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
