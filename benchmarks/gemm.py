@@ -12,9 +12,9 @@ per_device sizes: seq 64, hidden 128; M = 512) plus their batched attention prod
 - ``ort``: ONNX Runtime, a one-node MatMul model with the same constant weight;
 - ``numpy``: ``a @ b`` (its BLAS; threads set by threadpoolctl).
 
-Each implementation is called in interleaved rounds (round r times every implementation once,
-each call repeated to ~10 ms), and its time is the median over rounds, so machine load hits all
-of them alike. "% of peak" = 2MNK / time / (threads x the FMA peak of one core), the peak being
+Each implementation is called in interleaved rounds (round r times every implementation once
+at every thread count, each call repeated to ~10 ms), and its time is the median over rounds, so
+machine load hits all of them, and the 1- and 2-thread figures of one row, alike. "% of peak" = 2MNK / time / (threads x the FMA peak of one core), the peak being
 measured by :mod:`backends.tvm.peak` in the same process, before and after the rows (the larger
 median is used; the peak is timed by the thread's CPU clock). On 1 thread the calling thread's
 CPU time is recorded too (``thread_cpu_s``, ``pct_of_peak_cpu``): every implementation runs on
@@ -123,38 +123,58 @@ def _calls_for(fn: Callable[[], Any], budget: float = 0.01) -> int:
     return max(1, int(budget / dt))
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], ...]:
-    """(median wall, best wall, median thread-CPU, low-percentile call) seconds per call of each
-    function over ``repeats`` interleaved rounds. The thread-CPU time is the calling thread's: on
-    one thread every implementation here runs on it, so it is the time the call would take on a
-    quiet machine (a shared machine's time slicing does not count). The last is the
-    :data:`CALL_PERCENTILE` percentile of the single calls' wall times (docstring of the module:
-    the load-robust estimate for 2 threads)."""
-    reps = {name: _calls_for(f) for name, f in fns.items()}
-    wall: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[float]] = {name: [] for name in fns}
-    calls: dict[str, list[float]] = {name: [] for name in fns}
+def _interleaved(fns: dict[int, dict[str, Callable[[], Any]]], repeats: int) -> dict[int, tuple[dict[str, float], ...]]:
+    """Per thread count: (median wall, best wall, median thread-CPU, low-percentile call) seconds
+    per call of each function over ``repeats`` rounds. Each round times every implementation at
+    every thread count (the pools reconfigured in between), so a slow spell of a shared machine
+    hits the 1- and 2-thread figures alike and the scaling is a paired ratio. The thread-CPU
+    time is the calling thread's: on one thread every implementation here runs on it, so it is
+    the time the call would take on a quiet machine (a shared machine's time slicing does not
+    count). The last is the :data:`CALL_PERCENTILE` percentile of the single calls' wall times
+    (module docstring: the load-robust estimate for 2 threads)."""
+    from threadpoolctl import threadpool_limits
+
+    from backends.tvm.executable import configure_threads
+
+    reps: dict[int, dict[str, int]] = {}
+    samples: dict[int, dict[str, tuple[list[float], list[float], list[float]]]] = {}
+    for threads, group in fns.items():
+        configure_threads(threads)
+        with threadpool_limits(threads):
+            reps[threads] = {name: _calls_for(f) for name, f in group.items()}
+        samples[threads] = {name: ([], [], []) for name in group}
     for _ in range(repeats):
-        for name, f in fns.items():
-            time.sleep(SETTLE_S)
-            c0, t0 = time.thread_time(), time.perf_counter()
-            last = t0
-            for _ in range(reps[name]):
-                f()
-                now = time.perf_counter()
-                calls[name].append(now - last)
-                last = now
-            wall[name].append((last - t0) / reps[name])
-            cpu[name].append((time.thread_time() - c0) / reps[name])
-    return ({name: statistics.median(s) for name, s in wall.items()}, {name: min(s) for name, s in wall.items()},
-            {name: statistics.median(s) for name, s in cpu.items()},
-            {name: float(np.percentile(s, CALL_PERCENTILE)) for name, s in calls.items()})
+        for threads, group in fns.items():
+            configure_threads(threads)
+            with threadpool_limits(threads):
+                for name, f in group.items():
+                    _time_block(f, reps[threads][name], samples[threads][name])
+    return {t: ({n: statistics.median(w) for n, (w, _, _) in by.items()},
+                {n: min(w) for n, (w, _, _) in by.items()},
+                {n: statistics.median(c) for n, (_, c, _) in by.items()},
+                {n: float(np.percentile(calls, CALL_PERCENTILE)) for n, (_, _, calls) in by.items()})
+            for t, by in samples.items()}
+
+
+def _time_block(f: Callable[[], Any], reps: int, out: tuple[list[float], list[float], list[float]]) -> None:
+    """Call ``f`` ``reps`` times after :data:`SETTLE_S` of sleep; append the block's wall and
+    thread-CPU time per call and every single call's wall time to ``out``."""
+    wall, cpu, calls = out
+    time.sleep(SETTLE_S)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    last = t0
+    for _ in range(reps):
+        f()
+        now = time.perf_counter()
+        calls.append(now - last)
+        last = now
+    wall.append((last - t0) / reps)
+    cpu.append((time.thread_time() - c0) / reps)
 
 
 def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     import onnxruntime as ort
     import tvm
-    from threadpoolctl import threadpool_limits
 
     from backends.tvm.executable import configure_threads
     from backends.tvm.peak import measure_peak
@@ -184,18 +204,18 @@ def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | No
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=tol, err_msg=f"{label} {name}")
             err[name] = float(np.max(np.abs(got - ref)))
         feeds = {"a": a} if const else {"a": a, "b": b}
+        fns: dict[int, dict[str, Callable[[], Any]]] = {}
         for threads in threads_list:
-            configure_threads(threads)
             so = ort.SessionOptions()
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-            fns = {name: (lambda fn=fn: fn(*targs)) for name, fn in builds.items()}
-            fns["ort"] = lambda: sess.run(None, feeds)
-            with threadpool_limits(threads):
-                fns["numpy"] = lambda: a @ b
-                times, best, cpu, low = _interleaved(fns, repeats)
-            flops = 2.0 * int(np.prod(batch or (1,))) * m * n * k
+            fns[threads] = {name: (lambda fn=fn: fn(*targs)) for name, fn in builds.items()}
+            fns[threads]["ort"] = lambda sess=sess: sess.run(None, feeds)
+            fns[threads]["numpy"] = lambda: a @ b
+        timed = _interleaved(fns, repeats)
+        flops = 2.0 * int(np.prod(batch or (1,))) * m * n * k
+        for threads, (times, best, cpu, low) in timed.items():
             rows.append({"shape": label, "batch": list(batch), "m": m, "k": k, "n": n, "constant_b": const,
                          "threads": threads, "flops": flops, "times_s": times, "best_s": best, "call_p_s": low,
                          "max_abs_err": err,
