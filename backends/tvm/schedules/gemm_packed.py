@@ -34,7 +34,9 @@ Constant weights: when B is a parameter of the kernel (a weight after Relax's im
 block is annotated ``meta_schedule.layout_rewrite_preproc``; the pipeline then runs
 ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (:func:`prepack_passes`), so the packed copy
 is computed once at build time and the kernel reads ``Bp`` directly. When B is an activation
-(batched attention products), packing runs per call (K x N copies against M x N x K FMAs).
+(batched attention products), packing runs per call (K x N copies against M x N x K FMAs), as a
+vectorised copy (:func:`_schedule_runtime_packs`) unless it is an identity copy, which Relax
+turns into a free reshape.
 
 Threads: the outer loop is parallel only when the product has at least
 :func:`~backends.tvm.schedules.threads.parallel_min_flops` (below that the fork/join of TVM's
