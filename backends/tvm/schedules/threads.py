@@ -38,7 +38,17 @@ unchanged, 3 us) and leaves the core when the run is over;
 the next fork waits for a wake-up slice (hot probe: ~2 ms in 2 of 3 runs, against 3 us with
 TVM's default, which instead burns the core meanwhile). Not measured yet on a quiet machine
 (the case the default is for): ``benchmarks/gemm.py --threads 1,2`` there, with and without
-``TVM_THREAD_POOL_SPIN_COUNT=300000``, decides the value.
+``TVM_THREAD_POOL_SPIN_COUNT=300000``, decides the value. Session 8, three alternating pairs of
+processes at load ~4.4: no consistent difference between the two.
+
+What this rule cannot change: the pool's split is static (``TVMBackendParallelLaunch`` hands
+chunk i of a parallel loop to worker i), so when another process holds the second core the
+calling thread waits for the worker's chunk, and a 2-thread kernel takes its 1-thread time (both
+chunks on one core) instead of half of it; ONNX Runtime's calling thread instead runs the work
+items no worker has claimed. When both cores are free the zoo's GEMMs scale 84-103% per core
+(docs/gemm.md, "2 threads (session 8)": 10th percentile of single calls, load ~3.6), and whole
+models (resnet18 at batch 1 and 8, bert, gpt) 78-89% summed per kernel; nothing here depends on
+the batch.
 """
 
 from __future__ import annotations

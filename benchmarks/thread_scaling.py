@@ -1,0 +1,148 @@
+"""Which kernels of a model pay on 2 threads: per kernel call site, 1 against 2 threads.
+
+    python benchmarks/thread_scaling.py [--models bert,gpt] [--batches 1,8] [--runs 20]
+                                        [--percentile 10] [--top 12] [--json FILE]
+
+For each model (the ``benchmarks/per_device.py`` sizes) and batch, our ``scheduled`` build is run
+``--runs`` times on 1 thread and on 2, alternating run by run (TVM's pool reconfigured in
+between), and every kernel call is timed in wall time by a VM instrument hook. A call site's time
+is the ``--percentile``-th percentile of its calls over the runs (default 10): on a shared
+machine most 2-thread calls wait for the second core, and the fast tenth are the calls in which
+both threads ran (docs/gemm.md, "2 threads (session 8)"), so the figures estimate a quiet
+machine's, optimistically, for 1 and 2 threads alike. Printed per model: the sum over call sites
+on 1 and 2 threads and its scaling (1-thread time / (2 x 2-thread time)), then the call sites
+that lose most (2-thread time - half the 1-thread time), with their kernel class
+(``benchmarks/kernel_profile.py``'s classes) and per-site scaling. A kernel at ~50% ran on one
+thread (below ``threads.parallel_min_flops``, a memory-bound or serial kernel, a VM builtin), or
+its second thread did not get a core during any of the fast calls. Results:
+``benchmarks/results/thread_scaling.json`` (not committed from a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "thread_scaling.json"
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def time_calls(ex: Any, feeds: dict[str, np.ndarray], runs: int) -> dict[int, list[list[tuple[str, float]]]]:
+    """Per thread count (1, 2): per run, (symbol, wall seconds) of every kernel call in order."""
+    import tvm
+    from tvm import relax
+
+    from backends.tvm.executable import configure_threads
+
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    state: dict[str, Any] = {"calls": []}
+
+    def instrument(func: Any, symbol: str, before: bool, ret: Any, *a: Any) -> int:
+        if before:
+            state["t"] = time.perf_counter()
+        else:
+            state["calls"].append((str(symbol), time.perf_counter() - state["t"]))
+        return 0
+
+    vm.set_instrument(instrument)
+    per: dict[int, list[list[tuple[str, float]]]] = {1: [], 2: []}
+    for _ in range(runs):
+        for threads in per:
+            configure_threads(threads)
+            state["calls"] = []
+            vm["main"](*args)  # warm-up after the reconfiguration, not recorded
+            state["calls"] = []
+            vm["main"](*args)
+            per[threads].append(state["calls"])
+    return per
+
+
+def summarise(per: dict[int, list[list[tuple[str, float]]]], infos: dict[str, dict[str, Any]],
+              percentile: float) -> dict[str, Any]:
+    """Sum and per-symbol figures (seconds) from :func:`time_calls`' samples."""
+    sites = [call[0] for call in per[1][0]]
+    by_symbol: dict[str, dict[str, Any]] = {}
+    total = {1: 0.0, 2: 0.0}
+    for j, symbol in enumerate(sites):
+        entry = by_symbol.setdefault(symbol, {"class": infos.get(symbol, {}).get("class", "builtin"),
+                                              "calls": 0, "t1_s": 0.0, "t2_s": 0.0})
+        entry["calls"] += 1
+        for threads in (1, 2):
+            value = float(np.percentile([run[j][1] for run in per[threads]], percentile))
+            entry[f"t{threads}_s"] += value
+            total[threads] += value
+    for entry in by_symbol.values():
+        entry["scaling"] = entry["t1_s"] / (2 * entry["t2_s"]) if entry["t2_s"] else None
+        entry["loss_s"] = entry["t2_s"] - entry["t1_s"] / 2
+    return {"t1_s": total[1], "t2_s": total[2], "scaling": total[1] / (2 * total[2]) if total[2] else None,
+            "kernels": dict(sorted(by_symbol.items(), key=lambda kv: -kv[1]["loss_s"]))}
+
+
+def print_report(key: str, batch: int, res: dict[str, Any], top: int, percentile: float) -> None:
+    print(f"== {key} b{batch}: sum of per-call p{percentile:g}: 1 thread {res['t1_s'] * 1e3:.3f} ms, "
+          f"2 threads {res['t2_s'] * 1e3:.3f} ms, scaling {100 * (res['scaling'] or 0):.0f}%")
+    for symbol, e in list(res["kernels"].items())[:top]:
+        print(f"  {symbol[:48]:48s} {e['class']:10s} x{e['calls']:<3d} 1t {e['t1_s'] * 1e3:8.3f} "
+              f"2t {e['t2_s'] * 1e3:8.3f} scaling {100 * (e['scaling'] or 0):4.0f}%  loss {e['loss_s'] * 1e3:.3f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="bert,gpt")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--runs", type=int, default=20, help="runs per thread count (default 20)")
+    ap.add_argument("--percentile", type=float, default=10.0, help="per-call percentile (default 10)")
+    ap.add_argument("--top", type=int, default=12, help="call sites listed per model (default 12)")
+    ap.add_argument("--json", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    pd = _load("per_device")
+    models = [k for k in args.models.split(",") if k]
+    bad = [k for k in models if k not in pd.MODELS and k not in pd.HELDOUT_KEYS and not k.endswith(".onnx")]
+    if bad or not 0 < args.percentile <= 100 or args.runs < 1:
+        print(f"thread_scaling: bad arguments (unknown models: {', '.join(bad) or '-'}; --percentile in "
+              f"(0, 100], --runs >= 1); models: {', '.join([*pd.MODELS, *pd.HELDOUT_KEYS])} or an .onnx file",
+              file=sys.stderr)
+        return 2
+
+    from backends.tvm.executable import configure_threads
+    from backends.tvm.target import resolve_target
+
+    configure_threads(1)
+    target, kp = resolve_target(None), _load("kernel_profile")
+    results = []
+    for key in models:
+        for batch in (int(b) for b in args.batches.split(",")):
+            m, _ = pd.model_for(key, batch, {})
+            if m is None:
+                continue
+            print(f"build {key} b{batch}", file=sys.stderr, flush=True)
+            ex, infos = kp.build_ours(m, target)
+            res = summarise(time_calls(ex, pd._feeds(m), args.runs), infos, args.percentile)
+            print_report(key, batch, res, args.top, args.percentile)
+            results.append({"model": key, "batch": batch, **res})
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": vars(args), "rows": results}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
