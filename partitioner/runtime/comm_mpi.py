@@ -242,12 +242,11 @@ class MPICommunicator:
         step's gradient bucket), each result shaped like its input."""
         what = self._enter("allreduce", f"of {len(xs)} arrays on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
-        if self.deterministic and len({np.asarray(x).dtype for x in xs}) == 1:
-            shm = self._shm_reducer(group, sub, sum(int(np.asarray(x).nbytes) for x in xs))
-            if shm is not None:
-                return shm.allreduce_list([np.asarray(x) for x in xs], reduction, what)
-        flat = np.concatenate([np.reshape(x, -1) for x in xs]) if len(xs) > 1 else np.reshape(xs[0], -1)
-        out = self._allreduce(flat, group, sub, reduction, what)
+        xs = [np.asarray(x) for x in xs]
+        shm = self._shm_reducer(group, sub, sum(x.nbytes for x in xs)) if self.deterministic else None
+        if shm is not None and len({x.dtype for x in xs}) == 1:
+            return shm.allreduce_list(xs, reduction, what)
+        out = self._allreduce(np.concatenate([np.reshape(x, -1) for x in xs]), group, sub, reduction, what)
         return [p.reshape(np.shape(x)) for p, x in zip(np.split(out, np.cumsum([np.size(x) for x in xs])[:-1]), xs)]
 
     def _shm_reducer(self, group: Sequence[int], sub: Any, x: Any) -> _ShmReducer | None:
