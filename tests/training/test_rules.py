@@ -200,9 +200,12 @@ GEMM_FORM = ("Conv", "Conv_stride_pad", "Conv_dilation", "Conv_1x1_stride", "Con
 def test_conv_weight_gradient_forms(case: str, monkeypatch) -> None:
     """linear.py's GEMM weight gradient rule: a one-group 2-D Conv of at most 9 kernel offsets
     takes dW as a MatMul over an im2col (no Conv in its backward: the input gradient is a
-    ConvTranspose); with the rule off, as a Conv again. Both forms against finite differences."""
+    ConvTranspose), by default; with the rule off, as a Conv again. Both forms against finite
+    differences."""
     from partitioner.training.rules import linear
 
+    model, _, _ = _model(case)  # the default: the GEMM form
+    assert any(n.op_type == "MatMul" for n in gradients(model, _feeds(case), "mse", _trainable(case))[2].graph.node)
     for on in (True, False):
         monkeypatch.setattr(linear, "GEMM_WEIGHT_GRAD", on)
         model, _, _ = _model(case)
