@@ -183,10 +183,13 @@ def backward_kernels() -> list[MicroKernel]:
     cost model's rule 1 for the backward's contractions, :func:`partitioner.cost.training.backward_class`):
     the forward set's GEMM and 3x3 convs in the forms the gradient rules emit
     (:mod:`partitioner.training.rules.linear`): the weight gradient ``Gemm(x, dy, transA=1)`` and
-    the input gradient ``Gemm(dy, W, transB=1)``; the input gradient ``ConvTranspose(dy, W)`` and
-    the weight gradient as one Conv over ``x`` [C, N, H, W] with the output gradient [M, N, H, W]
-    as its kernel (the whole map is the window: a kernel shape no forward conv has). A weight
-    gradient sums over the batch, so these take a batch of 4 where the forward probes take 1."""
+    the input gradient ``Gemm(dy, W, transB=1)``; the 3x3 convs' input gradient
+    ``ConvTranspose(dy, W)`` (``conv_backward``) and their weight gradient, the GEMM rule's one
+    MatMul ``dY [M, N*H*W] @ cols [N*H*W, C*9]`` (``gemm_backward``: a MatMul, as the cost model
+    classes it; the im2col's slices and transposes are data movement, costed apart). A weight
+    gradient sums over the batch, so these take a batch of 4 where the forward probes take 1.
+    The Conv-form weight gradient the rules keep for grouped, 1-D/3-D and large kernels (7x7
+    stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
@@ -194,12 +197,12 @@ def backward_kernels() -> list[MicroKernel]:
            [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
         _k("convT3x3_64c_28_b4", "conv_backward", {"dy": (4, 64, 28, 28)}, {"w": (64, 64, 3, 3)},
            [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
-        _k("conv_wgrad3x3_64c_28_b4", "conv_backward", {"x": (64, 4, 28, 28), "dy": (64, 4, 28, 28)}, {},
-           [("Conv", ["x", "dy"], ["dw"], {"pads": [1, 1, 1, 1]})], ["dw"]),
+        _k("wgrad_im2col3x3_64c_28_b4", "gemm_backward", {"dy": (64, 4 * 28 * 28), "cols": (4 * 28 * 28, 64 * 9)},
+           {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
         _k("convT3x3_256c_7_b4", "conv_backward", {"dy": (4, 256, 7, 7)}, {"w": (256, 256, 3, 3)},
            [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
-        _k("conv_wgrad3x3_256c_7_b4", "conv_backward", {"x": (256, 4, 7, 7), "dy": (256, 4, 7, 7)}, {},
-           [("Conv", ["x", "dy"], ["dw"], {"pads": [1, 1, 1, 1]})], ["dw"]),
+        _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
+           {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
     ]
 
 

@@ -31,7 +31,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``). ``data`` adds
    ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, copied into
    the MPI communicator's shared-memory slot, AllReduced into a new array and split: 5 copies
-   between the program's segments). ``pipeline``
+   between the program's segments); ``LIST_BUCKET_COPIES`` = 3 for ranks that AllReduce each
+   bucket as a list (ONNX Runtime, :mod:`partitioner.training.buckets`: the gradients returned,
+   the slot, the reduced arrays; no concatenation, no split). ``pipeline``
    adds ``PIPELINE_GRADIENT_COPIES`` = 3 ``G`` (the backward's gradient outputs, the
    accumulator over the micro-batches, the weight-sized temporaries of the backward and update
    programs in the rank's one shared arena; measured: 2.4 G with SGD, 3.65 G with Adam on the
@@ -47,7 +49,8 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
      weights' bytes (each bucket's concatenation and its split back: read and write; the mean's
-     ``1/R`` scales the loss gradient, step rule 5), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
+     ``1/R`` scales the loss gradient, step rule 5; none with ``list_buckets``: ONNX Runtime
+     ranks AllReduce the gradients as they lie, :mod:`partitioner.training.buckets`), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
      overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
      backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
@@ -96,6 +99,8 @@ BACKWARD_FACTOR = {"gemm": 2.0, "conv": 2.0, "depthwise_conv": 2.0}
 BUCKET_BYTES = 25 * 2**20
 #: data parallel: weight-sized copies between the step's segments (rule 3)
 BUCKET_COPIES = 5
+#: data parallel with list AllReduces (no concatenation, no split; rule 3)
+LIST_BUCKET_COPIES = 3
 #: pipeline: gradient-sized buffers beside the state's three copies (rule 3)
 PIPELINE_GRADIENT_COPIES = 3
 #: data parallel: weight-sized memory passes (read and write) the buckets add to a step: the
@@ -278,8 +283,9 @@ def _optimizer_time(weight_bytes: float, copies: int, device: Any) -> float:
 
 
 def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
-                   device: Any, overlap: bool = True) -> TrainingPrediction:
-    """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch)."""
+                   device: Any, overlap: bool = True, list_buckets: bool = False) -> TrainingPrediction:
+    """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch); ``list_buckets``:
+    the buckets are AllReduced as lists (rules 3 and 4)."""
     from partitioner.cost.comm import collective_time
 
     w = float(p.weight.sum())
@@ -291,7 +297,7 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
         comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
         overlapped = overlapped_backward(p, devices, cluster)
         buckets = len(gradient_buckets(p))
-        passes = BUCKET_PASSES * 2 * w / device.memory_bandwidth
+        passes = 0.0 if list_buckets else BUCKET_PASSES * 2 * w / device.memory_bandwidth
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
              "optimizer_s": _optimizer_time(w, copies, device) + passes, "comm_s": comm,
              "fixed_s": _whole_step_fixed(p, copies, buckets)}
@@ -302,7 +308,7 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
         step = parts["step_with_overlap_s"] if overlap else step
     mem = resident_bytes(w, copies, float(p.activation.sum()))
     if strategy == "data" and devices > 1:
-        mem += BUCKET_COPIES * w
+        mem += (LIST_BUCKET_COPIES if list_buckets else BUCKET_COPIES) * w
     return TrainingPrediction(strategy, devices, batch, step, batch / step, [mem] * devices, parts)
 
 

@@ -30,6 +30,12 @@ Rules:
    Smaller arrays keep the gather (three barriers cost more than a small message). The window
    holds the largest array reduced so far (one slot per rank), kept for the communicator's
    life; ``$PARTITIONER_SHM_ALLREDUCE=0`` turns the path off.
+8. :meth:`MPICommunicator.allreduce_list` reduces several arrays of one dtype (a data-parallel
+   training step's gradient bucket, :mod:`partitioner.training.buckets`) as one collective: on
+   rule 7's path each array is copied into the slot at its offset and its reduced elements are
+   copied out into an array of its own shape, so the bucket is never concatenated or split (two
+   weight-sized passes fewer per step; the same additions, so bit-identical to rule 7 on the
+   concatenation); otherwise the arrays are concatenated and reduced as one (rule 4).
 """
 
 from __future__ import annotations
@@ -215,7 +221,9 @@ class MPICommunicator:
     @_timed
     def allreduce(self, x: np.ndarray, group: Sequence[int], reduction: str, tag: int) -> np.ndarray:
         what = self._enter("allreduce", f"on group {list(group)} tag {tag}")
-        sub = self.group_comm(group, tag)
+        return self._allreduce(x, group, self.group_comm(group, tag), reduction, what)
+
+    def _allreduce(self, x: np.ndarray, group: Sequence[int], sub: Any, reduction: str, what: str) -> np.ndarray:
         if self.deterministic:
             shm = self._shm_reducer(group, sub, x)
             if shm is not None:
@@ -227,10 +235,25 @@ class MPICommunicator:
         self._wait(sub.Iallreduce(x, out, op=op), what)
         return out
 
+    @_timed
+    def allreduce_list(self, xs: Sequence[np.ndarray], group: Sequence[int], reduction: str,
+                       tag: int) -> list[np.ndarray]:
+        """Rule 8: the AllReduce of several arrays of one dtype as one collective (a training
+        step's gradient bucket), each result shaped like its input."""
+        what = self._enter("allreduce", f"of {len(xs)} arrays on group {list(group)} tag {tag}")
+        sub = self.group_comm(group, tag)
+        xs = [np.asarray(x) for x in xs]
+        shm = self._shm_reducer(group, sub, sum(x.nbytes for x in xs)) if self.deterministic else None
+        if shm is not None and len({x.dtype for x in xs}) == 1:
+            return shm.allreduce_list(xs, reduction, what)
+        out = self._allreduce(np.concatenate([np.reshape(x, -1) for x in xs]), group, sub, reduction, what)
+        return [p.reshape(np.shape(x)) for p, x in zip(np.split(out, np.cumsum([np.size(x) for x in xs])[:-1]), xs)]
+
     def _shm_reducer(self, group: Sequence[int], sub: Any, x: Any) -> _ShmReducer | None:
-        """Rule 7's reducer of ``group`` when ``x`` qualifies (every member decides alike: the
-        same array size on every rank, the same environment), else None."""
-        nbytes = int(getattr(x, "nbytes", 0))
+        """Rule 7's reducer of ``group`` when ``x`` (an array or a byte count)
+        qualifies (every member decides alike: the same size on every rank, the same
+        environment), else None."""
+        nbytes = int(x) if isinstance(x, int) else int(getattr(x, "nbytes", 0))
         if not self.use_shm or nbytes < SHM_MIN_BYTES or sub.Get_size() < 2:
             return None
         key = tuple(int(r) for r in group)
@@ -348,15 +371,23 @@ class _ShmReducer:
         self.owner._wait(self.node.Ibarrier(), what)
 
     def allreduce(self, x: np.ndarray, reduction: str, what: str) -> np.ndarray:
+        return self.allreduce_list([x], reduction, what)[0]
+
+    def allreduce_list(self, xs: Sequence[np.ndarray], reduction: str, what: str) -> list[np.ndarray]:
+        """Rule 7 over the arrays ``xs`` (one dtype) laid end to end in the slot (rule 8): each is
+        copied in from where it lies and its reduced elements out into an array of its shape."""
         self.calls += 1
-        flat = np.ascontiguousarray(x).reshape(-1)
-        n = flat.size
-        self._reserve(flat.nbytes)
-        slots = [np.frombuffer(m, dtype=flat.dtype, count=n) for m in self.slots]
+        dtype = np.result_type(*xs)
+        sizes = [int(np.size(x)) for x in xs]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        n = int(offsets[-1])
+        self._reserve(n * dtype.itemsize)
+        slots = [np.frombuffer(m, dtype=dtype, count=n) for m in self.slots]
         fn = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[reduction]
         mine = slots[self.rank]
         # the last barrier of the previous call guarantees no member still reads this slot
-        np.copyto(mine, flat)
+        for x, a, b in zip(xs, offsets[:-1], offsets[1:]):
+            np.copyto(mine[a:b], np.reshape(x, -1))
         self._barrier(what)
         lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
         # reduce_arrays' order (slot 0, then + slot 1, ...): bit-identical to the gather path;
@@ -366,9 +397,13 @@ class _ShmReducer:
         for k in range(2, self.size):
             fn(part, slots[k][lo:hi], out=part)
         self._barrier(what)
-        out = np.empty(n, dtype=flat.dtype)
-        for k in range(self.size):
-            a, b = k * n // self.size, (k + 1) * n // self.size
-            out[a:b] = slots[k][a:b]
+        outs = []
+        for x, a, b in zip(xs, offsets[:-1], offsets[1:]):
+            out = np.empty(b - a, dtype=dtype)
+            for k in range(self.size):  # the reduced elements of [a, b) lie in the slots of their owners
+                ka, kb = max(a, k * n // self.size), min(b, (k + 1) * n // self.size)
+                if ka < kb:
+                    out[ka - a:kb - a] = slots[k][ka:kb]
+            outs.append(out.reshape(np.shape(x)))
         self._barrier(what)  # every member has its copy: the slots may be written again
-        return out.reshape(np.shape(x))
+        return outs

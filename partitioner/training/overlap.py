@@ -11,9 +11,9 @@ Rules:
    segment waits only for the AllReduce outputs it reads. ONNX Runtime and the communicators'
    blocking calls (mpi4py, the in-process queues) release the GIL, so the reduction of bucket b
    runs while the backward computes the next buckets' gradients.
-3. Used for programs with more than one bucket (:class:`~partitioner.training.runner.StepRunner`):
+3. Overlap is on for programs with more than one bucket (:class:`~partitioner.training.runner.StepRunner`):
    a single bucket's AllReduce follows the whole backward, so there is nothing to overlap and a
-   thread hand-off would only add latency.
+   thread hand-off would only add latency (``overlap=False``: every AllReduce runs inline).
 4. The AllReduces run one at a time, in program order, on that one thread: every rank issues
    them in the same order (MPI's collective ordering), and the communicator is used by one
    thread at a time (the step has no other comm op).
@@ -22,6 +22,10 @@ Rules:
    the tests check that bucket 0 is handed off before the backward's last segment starts. How
    much of the reduction really runs beside the backward depends on the cores free for the comm
    thread; measure it with ``train --bench`` on a quiet machine.
+6. A run of consecutive AllReduce steps with one tag (a bucket rewritten by
+   :func:`partitioner.training.buckets.unbucket`) is one collective over the list of its inputs
+   (``comm.allreduce_list``, :mod:`partitioner.runtime.comm_mpi` rule 8; a communicator without
+   it gets the concatenation AllReduced and split here).
 """
 
 from __future__ import annotations
@@ -36,21 +40,35 @@ import numpy as np
 from backends.onnxruntime import RankExecutable
 from partitioner.core import comm_ops
 from partitioner.core.segments import CommStep
+from partitioner.training.buckets import bucket_runs
 
 
 class OverlappedExecutable(RankExecutable):
     """:class:`~backends.onnxruntime.RankExecutable` with rule 2's asynchronous AllReduce (the
-    AllReduce ops of one program only: the steps' other comm ops run inline)."""
+    AllReduce ops of one program only: the steps' other comm ops run inline) and rule 6's bucket
+    runs; ``overlap=False`` runs every AllReduce inline (rule 3)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
+        self.overlap = overlap
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce") if overlap else None
         self.timeline: list[tuple[str, int, float, float]] = []
+        tags = [s.op.tag if isinstance(s, CommStep) and s.op.op_type == "AllReduce" else None for s, _ in self.steps]
+        self.runs = bucket_runs(tags)
 
-    def _comm(self, step: CommStep, inputs: list[np.ndarray | None], comm: Any) -> list[np.ndarray]:
+    def _comm(self, steps: list[CommStep], inputs: list[np.ndarray], comm: Any) -> list[np.ndarray]:
         t0 = time.perf_counter()
-        out = comm_ops.execute(step.op, inputs, comm)
-        self.timeline.append(("allreduce", step.index, t0, time.perf_counter()))
+        op = steps[0].op
+        if len(steps) == 1:
+            out = comm_ops.execute(op, inputs, comm)
+        elif hasattr(comm, "allreduce_list"):
+            out = comm.allreduce_list(inputs, op.group, op.attrs["reduction"], op.tag)
+        else:  # rule 6 without a list collective: one AllReduce of the concatenation
+            flat = comm.allreduce(np.concatenate([np.reshape(x, -1) for x in inputs]), op.group,
+                                  op.attrs["reduction"], op.tag)
+            ends = np.cumsum([np.size(x) for x in inputs])[:-1]
+            out = [p.reshape(np.shape(x)) for p, x in zip(np.split(flat, ends), inputs)]
+        self.timeline.append(("allreduce", steps[0].index, t0, time.perf_counter()))
         return out
 
     def run(self, feeds: Mapping[str, np.ndarray], comm: comm_ops.Communicator) -> dict[str, np.ndarray]:
@@ -65,20 +83,26 @@ class OverlappedExecutable(RankExecutable):
                     env[n] = fut.result()[k]  # re-raises the comm thread's error here
 
         try:
-            for step, run in self.steps:
-                if isinstance(step, CommStep):
+            for a, b in self.runs:
+                step, run = self.steps[a]
+                if not isinstance(step, CommStep):
                     need(step.inputs)
-                    if step.op.op_type == "AllReduce":
-                        now = time.perf_counter()
-                        self.timeline.append(("submit", step.index, now, now))
-                        fut = self._pool.submit(self._comm, step, [env.get(i) for i in step.op.inputs], comm)
-                        pending.update({o: (fut, k) for k, o in enumerate(step.outputs)})
-                        continue
+                    env.update(zip(step.outputs, self._segment(step, run, env)))
+                    continue
+                steps = [s for s, _ in self.steps[a:b]]
+                names = [n for s in steps for n in s.inputs]
+                need(names)
+                outputs = [o for s in steps for o in s.outputs]
+                if step.op.op_type == "AllReduce" and self._pool is not None:
+                    now = time.perf_counter()
+                    self.timeline.append(("submit", step.index, now, now))
+                    fut = self._pool.submit(self._comm, steps, [env[i] for i in names], comm)
+                    pending.update({o: (fut, k) for k, o in enumerate(outputs)})
+                elif step.op.op_type == "AllReduce":
+                    env.update(zip(outputs, self._comm(steps, [env[i] for i in names], comm)))
+                else:
                     env.update(zip(step.outputs, comm_ops.execute(step.op, [env.get(i) for i in step.op.inputs],
                                                                   comm)))
-                    continue
-                need(step.inputs)
-                env.update(zip(step.outputs, self._segment(step, run, env)))
             need(list(pending))
         finally:
             for fut, _ in pending.values():

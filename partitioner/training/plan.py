@@ -26,7 +26,9 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
                      loss: str = "cross_entropy") -> TrainingPrediction:
     """Predicted step time, samples/s and peak memory per rank of training ``model`` so
     (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2).
-    ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM).
+    ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM);
+    ONNX Runtime ranks also AllReduce their buckets as lists (:mod:`partitioner.training.buckets`,
+    when ``LIST_ALLREDUCE`` is on: no concatenation and split passes, 2 weight copies fewer).
     ``overheads`` (:func:`partitioner.training.overheads.calibrate`): the fixed per-step, per-call
     and per-node costs (cost rule 7), counted on the step graph built with ``loss``; without them
     the prediction is compute and communication only."""
@@ -60,7 +62,10 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
-    return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap)
+    from partitioner.training.buckets import LIST_ALLREDUCE
+
+    return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap,
+                               list_buckets=overlap and LIST_ALLREDUCE)
 
 
 def _step_graph(model: Any, batch: int, loss: str, optimizer: str) -> ir.Model | None:

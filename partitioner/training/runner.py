@@ -21,6 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from partitioner.core.errors import UsageError
+from partitioner.training import buckets as _buckets
 from partitioner.training.step import TrainingSignature, initial_state, signature, step_program
 
 BACKENDS = ("onnxruntime", "tvm")
@@ -54,10 +55,13 @@ class StepRunner:
         self.steps = 0
         buckets = sum(1 for n in self.program.graph.node if n.op_type == "AllReduce")
         overlap = os.environ.get(OVERLAP_ENV, "1") != "0"  # 0: blocking AllReduce (to measure the gain)
-        if backend == "onnxruntime" and buckets > 1 and overlap:  # one bucket: nothing to overlap, no thread hop
+        if backend == "onnxruntime" and buckets and (overlap and buckets > 1 or _buckets.LIST_ALLREDUCE):
             from partitioner.training.overlap import OverlappedExecutable  # AllReduce beside the backward
 
-            self._exe = OverlappedExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA)
+            program = _buckets.unbucket(self.program) if _buckets.LIST_ALLREDUCE else self.program  # buckets rule 1
+            # one bucket: nothing to overlap, no thread hop (overlap rule 3)
+            self._exe = OverlappedExecutable(program, threads=threads, shared_arena=SHARED_ARENA,
+                                             overlap=overlap and buckets > 1)
         elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 

@@ -72,6 +72,10 @@ CASES: dict[str, tuple[str, dict[str, np.ndarray], dict, tuple[int, ...]]] = {
     "Conv_depthwise": ("Conv", {"x": _r(2, 4, 6, 6), "w": _r(4, 1, 3, 3)},
                        {"group": 4, "strides": [2, 2], "pads": [1, 1, 1, 1]}, (2, 4, 3, 3)),
     "Conv1d": ("Conv", {"x": _r(2, 3, 9), "w": _r(4, 3, 3)}, {"strides": [2]}, (2, 4, 4)),
+    "Conv_1x1_stride": ("Conv", {"x": _r(2, 3, 7, 7), "w": _r(4, 3, 1, 1)}, {"strides": [2, 2]}, (2, 4, 4, 4)),
+    "Conv_3x1_dilation_pad": ("Conv", {"x": _r(2, 3, 8, 6), "w": _r(4, 3, 3, 1)},
+                              {"dilations": [2, 1], "pads": [2, 0, 1, 1], "strides": [1, 2]}, (2, 4, 7, 4)),
+    "Conv_5x5": ("Conv", {"x": _r(1, 2, 8, 8), "w": _r(3, 2, 5, 5)}, {"pads": [2, 2, 2, 2]}, (1, 3, 8, 8)),
     "ConvTranspose": ("ConvTranspose", {"x": _r(2, 3, 4, 4), "w": _r(3, 2, 3, 3), "b": _r(2)},
                       {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}, (2, 2, 8, 8)),
     "ConvTranspose_groups": ("ConvTranspose", {"x": _r(1, 4, 3, 3), "w": _r(4, 1, 2, 2)},
@@ -133,6 +137,7 @@ NO_RELAX = {
     "Conv1d": "Relax has no gradient for conv1d",
     "Expand": "Relax has no gradient for broadcast_to",
     "Conv_dilation": "Relax's conv2d gradient builds a conv2d_transpose with output padding >= stride and fails",
+    "Conv_3x1_dilation_pad": "Relax's conv2d gradient builds a conv2d_transpose with output padding >= stride and fails",
     "Slice": "Relax has no gradient for strided_slice",
     "Squeeze": "Relax has no gradient for squeeze",
     "Sum": "imported as stack, which has no Relax gradient",
@@ -186,6 +191,30 @@ def test_rule_matches_finite_differences(case: str) -> None:
     assert any(np.abs(g).max() > 0 for g in grads.values()), "every gradient is zero: the check would be vacuous"
     bad = finite_differences(prog, _feeds(case), weights, grads)
     assert not bad, f"{case}: " + "; ".join(bad[:5])
+
+
+GEMM_FORM = ("Conv", "Conv_stride_pad", "Conv_dilation", "Conv_1x1_stride", "Conv_3x1_dilation_pad")
+
+
+@pytest.mark.parametrize("case", GEMM_FORM)
+def test_conv_weight_gradient_forms(case: str, monkeypatch) -> None:
+    """linear.py's GEMM weight gradient rule: a one-group 2-D Conv of at most 9 kernel offsets
+    takes dW as a MatMul over an im2col (no Conv in its backward: the input gradient is a
+    ConvTranspose), by default; with the rule off, as a Conv again. Both forms against finite
+    differences."""
+    from partitioner.training.rules import linear
+
+    model, _, _ = _model(case)  # the default: the GEMM form
+    assert any(n.op_type == "MatMul" for n in gradients(model, _feeds(case), "mse", _trainable(case))[2].graph.node)
+    for on in (True, False):
+        monkeypatch.setattr(linear, "GEMM_WEIGHT_GRAD", on)
+        model, _, _ = _model(case)
+        loss, grads, prog, weights = gradients(model, _feeds(case), "mse", _trainable(case))
+        convs = sum(1 for n in prog.graph.node if n.op_type == "Conv")
+        assert convs == (1 if on else 2), (on, convs)  # the forward Conv (+ the weight gradient's with the rule off)
+        assert any(n.op_type == "MatMul" for n in prog.graph.node) == on
+        bad = finite_differences(prog, _feeds(case), weights, grads)
+        assert not bad, f"{case} (GEMM form {on}): " + "; ".join(bad[:5])
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_RELAX else pytest.param(c, marks=pytest.mark.slow)

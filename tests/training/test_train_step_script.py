@@ -35,7 +35,8 @@ def test_a_cache_without_the_training_probes_is_recalibrated(tmp_path, monkeypat
         calls.append((backend, quick))
         new = dataclasses.replace(old, efficiency_by_class={"gemm": 0.9, "conv": 0.8, "gemm_backward": 0.7,
                                                             "conv_backward": 0.3})
-        save_cached(dataclasses.replace(one, devices=[new]).to_json(), {"seconds": 2.0}, backend)
+        save_cached(dataclasses.replace(one, devices=[new]).to_json(),
+                    {"seconds": 2.0, "kernels": [{"kernel": k.name} for k in calibrate.backward_kernels()]}, backend)
 
     monkeypatch.setattr(calibrate, "calibrate_and_cache", fake)
     script = _script()
@@ -57,3 +58,27 @@ def test_a_failed_calibration_is_said_and_the_run_goes_on(tmp_path, monkeypatch)
     monkeypatch.setattr(calibrate, "calibrate_and_cache", broken)
     got = _script().calibration("tvm")
     assert "probe 4 failed" in got["error"]
+
+
+def test_a_cache_without_todays_training_probes_is_recalibrated(tmp_path, monkeypatch) -> None:
+    """A cache with the backward classes but measured with other probes (the conv weight
+    gradient's Conv form, before the GEMM form replaced it) is made again."""
+    import partitioner.calibrate as calibrate
+    from partitioner.calibrate_cache import save_cached
+    from partitioner.cluster import cpu_cluster
+
+    monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))
+    one = cpu_cluster(1)
+    dev = dataclasses.replace(one.devices[0], efficiency_by_class={"gemm": 0.9, "conv": 0.8, "gemm_backward": 0.7,
+                                                                   "conv_backward": 0.3})
+    old_probes = [{"kernel": "conv_wgrad3x3_64c_28_b4"}, {"kernel": "gemm_wgrad_128x256x256"}]
+    save_cached(dataclasses.replace(one, devices=[dev]).to_json(), {"seconds": 1.0, "kernels": old_probes}, "onnxruntime")
+    calls = []
+
+    def fake(backend: str, quick: bool = True, thread_probe=None):
+        calls.append(backend)
+        save_cached(dataclasses.replace(one, devices=[dev]).to_json(),
+                    {"seconds": 2.0, "kernels": [{"kernel": k.name} for k in calibrate.backward_kernels()]}, backend)
+
+    monkeypatch.setattr(calibrate, "calibrate_and_cache", fake)
+    assert _script().calibration("onnxruntime")["seconds"] == 2.0 and calls == ["onnxruntime"]

@@ -164,9 +164,11 @@ def test_data_parallel_overlap_is_simulated_beside_the_blocking_step(monkeypatch
     import inspect
 
     from partitioner.cost import training as cost
+    from partitioner.training import buckets
     from partitioner.training.step import build_training_graph
 
     assert inspect.signature(build_training_graph).parameters["bucket_bytes"].default == cost.BUCKET_BYTES
+    monkeypatch.setattr(buckets, "LIST_ALLREDUCE", False)  # both forms pay the concatenation and split
     model = models_zoo.build("mlp", batch=32, hidden=128, in_features=128)  # 4 weights of 64 KiB
     hidden, default = {}, cost.BUCKET_BYTES
     for bucket in (default, 64 * 1024):
@@ -200,11 +202,12 @@ def _two_convs(batch: int = 4, c: int = 32, hw: int = 16) -> onnx.ModelProto:
 
 
 def test_backward_contractions_run_at_the_calibrated_backward_efficiency() -> None:
-    """Rule 1: the backward is costed from the step graph's own nodes; its contractions (here the
-    weight gradients of both convs and the input gradient of the second, each with the forward
-    conv's FLOPs) run at ``conv_backward``'s efficiency when the device has one. Halving it from
-    the conv efficiency adds exactly those three contractions' time at the conv efficiency (they
-    are compute bound), and leaves the forward as it was."""
+    """Rule 1: the backward is costed from the step graph's own nodes; its contractions run at
+    their backward class's efficiency when the device has one: the second conv's input gradient
+    (a ConvTranspose) at ``conv_backward``, both convs' weight gradients (the GEMM rule's MatMul,
+    rules/linear.py) at ``gemm_backward``, each with the forward conv's FLOPs. Halving one class
+    from the forward efficiency adds exactly those contractions' time at it (they are compute
+    bound), and leaves the forward as it was."""
     import dataclasses
 
     from partitioner.cluster import cpu_cluster, replicate
@@ -212,15 +215,16 @@ def test_backward_contractions_run_at_the_calibrated_backward_efficiency() -> No
     model = _two_convs()
     base = cpu_cluster(1)
     e = 0.5
-    dev = dataclasses.replace(base.devices[0], efficiency_by_class={"conv": e})
-    slow = dataclasses.replace(dev, efficiency_by_class={"conv": e, "conv_backward": e / 2})
-    same, half = (predict_training(model, "single", 1, batch=4, loss="mse",
-                                   cluster=replicate(dataclasses.replace(base, devices=[d]), 1)) for d in (dev, slow))
+    dev = dataclasses.replace(base.devices[0], efficiency_by_class={"conv": e, "gemm": e})
     conv_flops = 2 * 4 * 32 * 32 * 9 * 16 * 16  # one 3x3 conv, 32 -> 32 channels, 16x16, batch 4
     peak = dev.peak("float32")
-    assert half.breakdown["forward_s"] == pytest.approx(same.breakdown["forward_s"], rel=1e-12)
-    extra = half.breakdown["backward_s"] - same.breakdown["backward_s"]
-    assert extra == pytest.approx(3 * conv_flops / (peak * e), rel=1e-6)
+    for cls, count in (("conv_backward", 1), ("gemm_backward", 2)):
+        slow = dataclasses.replace(dev, efficiency_by_class={"conv": e, "gemm": e, cls: e / 2})
+        same, half = (predict_training(model, "single", 1, batch=4, loss="mse",
+                                       cluster=replicate(dataclasses.replace(base, devices=[d]), 1)) for d in (dev, slow))
+        assert half.breakdown["forward_s"] == pytest.approx(same.breakdown["forward_s"], rel=1e-12)
+        extra = half.breakdown["backward_s"] - same.breakdown["backward_s"]
+        assert extra == pytest.approx(count * conv_flops / (peak * e), rel=1e-6), cls
 
 
 def test_step_graph_costing_counts_every_step_node_once(mlp) -> None:
@@ -260,7 +264,7 @@ def test_backward_probes_do_the_forward_convs_and_gemms_work() -> None:
     flops = {"gemm": 2 * 128 * 256 * 256, "conv64": 2 * 4 * 64 * 64 * 9 * 28 * 28,
              "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7}
     for k in backward_kernels():
-        want = flops["gemm" if k.op_class == "gemm_backward" else "conv64" if "64c" in k.name else "conv256"]
+        want = flops["conv64" if "64c" in k.name else "conv256" if "256c" in k.name else "gemm"]
         roof, launches = kernel_roof(kernel_model(k), dev)
         assert roof == pytest.approx(want / peak, rel=1e-6), k.name
         assert launches == 1
