@@ -1,7 +1,7 @@
 """Where a model's time goes, per kernel class: our default build against ONNX Runtime, 1 thread.
 
     python benchmarks/kernel_profile.py [--models mobilenet,resnet50] [--batches 1,8] [--runs 15]
-                                        [--layers 12] [--json FILE]
+                                        [--layers 12] [--baseline MODULE.ATTR=VALUE] [--scaling] [--json FILE]
 
 For each model (the ``benchmarks/per_device.py`` sizes) and batch:
 
@@ -26,6 +26,9 @@ schedule setting changed (the "before" of a schedule change) and times both buil
 interleaved rounds, for a before/after ratio per class that a loaded machine's drift does not
 bias. Calls to VM builtins (allocation, shape checks) are class ``other`` on our side: with the
 hook's own ~1-2 us per call they are mostly the measurement's overhead.
+``--scaling`` answers another question, whether each kernel of our build gains from a second
+thread: per kernel call, its wall time on 1 and 2 threads, the minimum over ``--runs``
+alternating runs (:func:`thread_scaling`); no ORT side.
 Results: ``benchmarks/results/kernel_profile.json`` (not committed from a loaded machine).
 """
 
@@ -151,6 +154,59 @@ def profile_ours(exes: list[Any], feeds: dict[str, np.ndarray], runs: int) -> li
             per_run[i].append(state["calls"])
     return [[(runs_i[0][j][0], statistics.median(r[j][1] for r in runs_i)) for j in range(len(runs_i[0]))]
             for runs_i in per_run]
+
+
+def thread_scaling(ex: Any, infos: dict[str, dict[str, Any]], feeds: dict[str, np.ndarray],
+                   runs: int) -> list[dict[str, Any]]:
+    """Per kernel call site of our build: its wall time on 1 and on 2 threads (``--scaling``).
+
+    The two thread counts alternate run by run (``configure_threads`` between runs, one warm-up
+    run after each switch), each call timed with ``time.perf_counter`` from the VM hook, and a
+    call's time is its *minimum* over ``runs``: on a shared machine a 2-thread kernel is slowed
+    whenever another process holds the second core (TVM splits a parallel loop statically, so
+    the kernel waits for the slower half), and the minimum is the run where both cores were
+    free. A ratio near 1.0 for a kernel that takes > 50 us means its parallel split does not
+    pay (or the loop is serial: ``threads.worth_parallel``); the sum over kernels is the
+    2-thread speed-up of the kernel time, free of the fork/join of idle gaps between runs."""
+    import tvm
+    from tvm import relax
+
+    from backends.tvm.executable import configure_threads
+
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    state: dict[str, Any] = {"calls": []}
+
+    def instrument(func: Any, symbol: str, before: bool, ret: Any, *a: Any) -> int:
+        if before:
+            state["t"] = time.perf_counter()
+        else:
+            state["calls"].append((str(symbol), time.perf_counter() - state["t"]))
+        return 0
+
+    vm.set_instrument(instrument)
+    best: dict[int, list[float]] = {}
+    for _ in range(runs):
+        for threads in (1, 2):
+            configure_threads(threads)
+            vm["main"](*args)
+            state["calls"] = []
+            vm["main"](*args)
+            times = [t for _, t in state["calls"]]
+            best[threads] = [min(a, b) for a, b in zip(best.get(threads, times), times)]
+    configure_threads(1)
+    return [{"symbol": sym, "layer": infos.get(sym, {}).get("layer") or infos.get(sym, {}).get("class"),
+             "t1_ms": 1e3 * t1, "t2_ms": 1e3 * t2}
+            for (sym, _), t1, t2 in zip(state["calls"], best[1], best[2]) if not sym.startswith("vm.builtin")]
+
+
+def print_scaling(key: str, batch: int, rows: list[dict[str, Any]], n: int) -> None:
+    t1, t2 = sum(r["t1_ms"] for r in rows), sum(r["t2_ms"] for r in rows)
+    print(f"\n{key} b{batch}: kernel time 1 thread {t1:.2f} ms, 2 threads {t2:.2f} ms (speed-up {t1 / t2:.2f}x)")
+    print("  kernels that gain least from the second thread (by time lost against a perfect split):")
+    for r in sorted(rows, key=lambda r: -(r["t2_ms"] - r["t1_ms"] / 2))[:n]:
+        print(f"    {r['symbol'][:44]:44s} {str(r['layer'])[:28]:28s} {r['t1_ms']:8.3f} {r['t2_ms']:8.3f}"
+              f" x{r['t2_ms'] / max(r['t1_ms'], 1e-9):.2f}")
 
 
 def with_settings(settings: list[str]) -> Any:
@@ -286,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also build with this schedule setting (repeatable; e.g. "
                          "backends.tvm.schedules.depthwise.PAD_INLINE=False) and time both builds "
                          "in interleaved rounds: the before/after ratio per class")
+    ap.add_argument("--scaling", action="store_true",
+                    help="instead: per kernel, wall time on 1 vs 2 threads (min over --runs; no ORT)")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
 
@@ -307,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                 feeds = pd._feeds(m)
                 print(f"build {key} b{batch}", file=sys.stderr, flush=True)
                 ex, infos = build_ours(m, target)
+                if args.scaling:
+                    rows = thread_scaling(ex, infos, feeds, args.runs)
+                    print_scaling(key, batch, rows, args.layers)
+                    results.append({"model": key, "batch": batch, "scaling": rows})
+                    continue
                 exes = [ex]
                 if args.baseline:
                     with with_settings(args.baseline):
@@ -328,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["baseline"] = {"settings": args.baseline, **base}
                 results.append(row)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"target": str(target), "runs": args.runs, "threads": 1,
+    Path(args.json).write_text(json.dumps({"target": str(target), "runs": args.runs, "threads": "1,2" if args.scaling else 1,
                                            "rows": results}, indent=1) + "\n")
     return 0
 

@@ -8,7 +8,8 @@ atol 1e-5). The structure checks: the depthwise conv, its batch norm and the cla
 kernel (``fused_conv2d_..._maximum_minimum``: no NCHW round trip around ReLU6), and that kernel
 was scheduled by the depthwise rule (its (n, h) row loop) with the padding inlined into its loads
 (no padded copy); with inlining off, the padded rows are inside the row loop exactly when the
-rule's recopy bound says so. A NaN
+rule's recopy bound says so. Maps of 3 or more column tiles run their first and last tile in
+loops of their own (``SPLIT_BORDER``; on both targets, borders wider than a tile included). A NaN
 input stays NaN through the fused clamp, as in ONNX Runtime.
 """
 
@@ -116,3 +117,30 @@ def test_nan_stays_nan_through_the_fused_clamp() -> None:
 def test_row_tile() -> None:
     assert [row_tile(w) for w in (112, 56, 28, 14, 7, 13, 1)] == [8, 8, 7, 7, 7, 1, 1]
     assert Depthwise() is not None
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize(
+    "n,c,hw,k,s,dil,tiles",
+    [(1, 32, 28, 3, 1, 1, 4),    # MobileNet 28x28: 4 tiles of 7
+     (2, 16, 24, 5, 1, 1, 3),    # 5x5, pad 2: the border is 2 of the tile's 8 columns
+     (1, 16, 56, 3, 2, 1, 4),    # stride 2, 56 -> 28
+     (1, 16, 26, 3, 1, 2, 13),   # dilation 2 (pad 2) on tiles of 2 columns
+     (1, 16, 13, 5, 1, 1, 13)],  # tiles of 1 column, a 2-column border: the second tile keeps its check
+    ids=["3x3s1-28", "5x5-b2", "3x3s2-56", "dil2-26", "5x5-w13"],
+)
+def test_border_tiles_split_from_the_interior(n: int, c: int, hw: int, k: int, s: int, dil: int, tiles: int,
+                                              target_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPLIT_BORDER: the column-tile loop runs as [0, 1), [1, tiles - 1), [tiles - 1, tiles);
+    the result matches ORT (also where the border is wider than one tile); off: one loop."""
+    import backends.tvm.schedules.depthwise as dmod
+
+    m = _model(n, c, hw, k, s, dil)
+    x = np.random.default_rng(3).standard_normal((n, c, hw, hw)).astype(np.float32)
+    interior = f"in range(T.int64(1), T.int64({tiles - 1})):"
+    for split in (True, False):
+        monkeypatch.setattr(dmod, "SPLIT_BORDER", split)
+        got, ref, funcs = _run(m, target_name, x)
+        np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+        body = funcs[next(name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name)]
+        assert (interior in body) == split, f"split={split}: interior loop {interior!r} present: {interior in body}"

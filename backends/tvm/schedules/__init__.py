@@ -19,6 +19,9 @@ runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
 Invariant: schedules only reorder/split/annotate loops (TVM checks each primitive), so a
 scheduled function computes the same values as the unscheduled one up to float rounding
 order; a rule that cannot apply returns ``None`` and leaves the function to the next rule.
+One step is not a TVM primitive: the depthwise rule's border split
+(``depthwise._split_border_columns``) rewrites one loop as three loops over consecutive ranges
+with the same body, which runs the same iterations in the same order.
 """
 
 from __future__ import annotations
