@@ -13,7 +13,7 @@ Schedule, per row (the output's leading axes fused into one loop)::
     for row in (parallel if rows x D >= threads.PARALLEL_MIN_ELEMENTS else serial):
         for each reduction (in order):                  # the row is read from memory once and
             acc[A] = init                                # stays in L1 for the later passes
-            for o in D / A: for a in vectorize(A):       # A = k x lanes independent accumulators
+            for o in D / A: for a in vectorize(A):       # A = the vector width (rule 3)
                 acc[a] = acc[a] (+|max) f(x[row, o*A + a])
             r[row] = reduce(acc[0..A))                   # A -> 1, once per row
         per-row scalars (mean) and per-element intermediates (softmax's exp) at the row
@@ -30,12 +30,13 @@ Rules:
 2. Spatial intermediates with a single consumer (softmax's ``x - max``) are inlined; those read
    twice (softmax's ``exp``, read by the sum and by the normalisation) stay materialised per row,
    so ``exp`` is computed once.
-3. A reduction is split by ``A`` = the largest of 4, 2, 1 times the vector width that divides
-   ``D`` (then half and a quarter of the width, :func:`accumulator_width`), and ``rfactor`` turns
-   the ``A`` lanes into independent vector accumulators (several vectors hide the add latency);
-   when none divides ``D`` (softmax over 65 or 197 keys) the reduction stays scalar.
-   The order of the additions changes (``A`` partial sums), so results match the scalar chain up
-   to float rounding.
+3. A reduction is split by ``A`` = the vector width (else half or a quarter of it, at least 4
+   lanes) when ``A`` divides ``D`` (:func:`accumulator_width`), and ``rfactor`` turns the ``A``
+   lanes into one vector of partial sums: D/A vector adds, then A scalar adds per row. One
+   vector, not several: the A-to-1 step is scalar, so for the rows here (D/A = 4-48) more
+   lanes cost more in that step than they hide in add latency. When no width divides ``D``
+   (softmax over 65 or 197 keys) the reduction stays scalar. The order of the additions
+   changes (A partial sums), so results match the scalar chain up to float rounding.
 4. The row loop runs in parallel only when the function touches at least
    ``threads.PARALLEL_MIN_ELEMENTS`` elements (the memory-bound threshold of
    :mod:`.threads`): a bert b1 LayerNorm (8K elements, ~2 us) is cheaper than one fork/join.
