@@ -59,13 +59,28 @@ def test_rows_reduce_in_vectors_and_match_ort(op: str, shape: list[int], monkeyp
     assert scripts and not any(_has_vector_partial_sums(s) for s in scripts)
 
 
-def test_rows_no_vector_divides_stay_scalar_and_match_ort() -> None:
-    """Softmax over 65 keys (a ViT with a class token): no vector width divides the row, so the
-    reductions stay scalar, and the numbers still match."""
+@pytest.mark.parametrize("d", [65, 50])
+def test_rows_no_vector_divides_reduce_in_scalar_partials(d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Softmax over 65 keys (a ViT with a class token) or 50: no vector width divides the row,
+    so each reduction takes a divisor of D as independent scalar partial sums (rule 3b), and the
+    numbers still match; with ``SCALAR_PARTIALS`` off, one scalar chain (no partial-sum block)."""
     lanes = vector_lanes(tvm.target.Target(detect_host_target()))
-    assert R.accumulator_width(65, lanes) == 0
-    scripts = _row_kernels(build_and_compare(_model("Softmax", [1, 2, 65, 65])))
-    assert scripts and not any(_has_vector_partial_sums(s) for s in scripts)
+    assert R.accumulator_width(d, lanes) == 0
+    width = R.scalar_partials(d, lanes)
+    assert 4 <= width <= lanes and d % width == 0
+    scripts = _row_kernels(build_and_compare(_model("Softmax", [1, 2, d, d])))
+    assert scripts and all("_rf" in s and not _has_vector_partial_sums(s) for s in scripts)
+    monkeypatch.setattr(R, "SCALAR_PARTIALS", False)
+    scripts = _row_kernels(build_and_compare(_model("Softmax", [1, 2, d, d])))
+    assert scripts and not any("_rf" in s for s in scripts)
+
+
+def test_prime_rows_keep_one_chain_and_match_ort() -> None:
+    """197 tokens (ViT-B/16's 14x14 patches + class token) is prime: nothing to split."""
+    lanes = vector_lanes(tvm.target.Target(detect_host_target()))
+    assert R.accumulator_width(197, lanes) == 0 and R.scalar_partials(197, lanes) == 0
+    scripts = _row_kernels(build_and_compare(_model("Softmax", [1, 1, 8, 197])))
+    assert scripts and not any("_rf" in s for s in scripts)
 
 
 @pytest.mark.parametrize("shape", [[1, 64, 128], [8, 64, 128]], ids=["b1", "b8"])

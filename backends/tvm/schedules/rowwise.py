@@ -34,9 +34,14 @@ Rules:
    lanes) when ``A`` divides ``D`` (:func:`accumulator_width`), and ``rfactor`` turns the ``A``
    lanes into one vector of partial sums: D/A vector adds, then A scalar adds per row. One
    vector, not several: the A-to-1 step is scalar, so for the rows here (D/A = 4-48) more
-   lanes cost more in that step than they hide in add latency. When no width divides ``D``
-   (softmax over 65 or 197 keys) the reduction stays scalar. The order of the additions
+   lanes cost more in that step than they hide in add latency. The order of the additions
    changes (A partial sums), so results match the scalar chain up to float rounding.
+   3b. When no vector width divides ``D`` (softmax over the 65 keys of a ViT with a class token;
+   50 for ViT-B/32 at 224), the partial sums are the largest divisor of ``D`` between 4 and the
+   vector width (:func:`scalar_partials`), scalar and unrolled: for 65, 13 independent chains
+   of 5 adds instead of one of 65 (a vector split with a tail is scalarised by TVM, and
+   ``rfactor`` over an imperfect split loses its bounds predicate under the row loop). A prime
+   ``D`` (197 tokens) keeps one scalar chain. Knob :data:`SCALAR_PARTIALS`.
 4. The row loop runs in parallel only when the function touches at least
    ``threads.PARALLEL_MIN_ELEMENTS`` elements (the memory-bound threshold of
    :mod:`.threads`): a bert b1 LayerNorm (8K elements, ~2 us) is cheaper than one fork/join.
@@ -60,6 +65,8 @@ from .vector import const_extent, vector_lanes
 
 #: schedule LayerNorm/softmax-style functions with this rule; off: dlight's CPU Reduction does
 ROWWISE = True
+#: rows no vector width divides reduce into scalar partial sums (rule 3b); off: one scalar chain
+SCALAR_PARTIALS = True
 
 
 def accumulator_width(d: int, lanes: int) -> int:
@@ -118,13 +125,23 @@ def _inline_single_use(sch: Any, root: Any, out_name: str) -> None:
             pass
 
 
+def scalar_partials(d: int, lanes: int) -> int:
+    """Rule 3b: the largest divisor of ``d`` in [4, lanes] (independent scalar partial sums for a
+    row no vector width divides); 0 when there is none (a prime ``d``)."""
+    return next((w for w in range(lanes, 3, -1) if d % w == 0), 0)
+
+
 def _rfactor(sch: Any, block: Any, lanes: int) -> Any:
     """Rule 3: split the reduction of ``block`` (still in its own loop nest) into ``A`` partial
     sums; the partial-sum block, or None when the reduction stays scalar."""
     loop = sch.get_loops(block)[-1]
     width = accumulator_width(const_extent(sch, loop), lanes)
     if not width:
-        return None
+        partials = scalar_partials(const_extent(sch, loop), lanes) if SCALAR_PARTIALS else 0
+        if not partials:
+            return None
+        _, inner = sch.split(loop, factors=[None, partials])
+        return ("scalar", sch.rfactor(inner, factor_axis=0))
     _, inner = sch.split(loop, factors=[None, width])
     return sch.rfactor(inner, factor_axis=0)
 
@@ -137,6 +154,14 @@ def _vectorize_partial_sums(sch: Any, rf: Any) -> bool:
         sch.reorder(inner[1], inner[0])
     sch.vectorize(sch.get_loops(rf)[-1])
     return len(inner) == 2
+
+
+def _unroll_partial_sums(sch: Any, rf: Any) -> None:
+    """Rule 3b: the scalar partial sums' lanes innermost and unrolled (independent chains)."""
+    inner = sch.get_loops(rf)[1:]
+    if len(inner) == 2:
+        sch.reorder(inner[1], inner[0])
+    sch.unroll(sch.get_loops(rf)[-1])
 
 
 def _hoist_init(sch: Any, rf: Any) -> None:
@@ -186,8 +211,12 @@ def _schedule(sch: Any, root: Any, out: Any, d: int, lanes: int) -> Any:
     producers = [b for b in sch.get_child_blocks(root) if sch.get(b).name_hint != out_name]
     for b in reversed(producers):
         sch.compute_at(b, rows, preserve_unit_loops=False)
+    scalar = [rf[1] for rf in partial if isinstance(rf, tuple)]
+    partial = [rf for rf in partial if not isinstance(rf, tuple)]
+    for rf in scalar:
+        _unroll_partial_sums(sch, rf)
     hoist = [rf for rf in partial if _vectorize_partial_sums(sch, rf)]
-    rf_names = {sch.get(rf).name_hint for rf in partial}
+    rf_names = {sch.get(rf).name_hint for rf in partial + scalar}
     for b in producers:
         stmt = sch.get(b)
         if not _reduce_vars(stmt) and stmt.name_hint not in rf_names and len(sch.get_loops(b)) > 1 and width:
