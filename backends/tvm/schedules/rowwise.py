@@ -87,7 +87,7 @@ def _matches(sch: Any, blocks: list[Any], out: Any) -> int | None:
     out_ivs = sch.get(out).iter_vars
     if not out_ivs or _reduce_vars(sch.get(out)):
         return None
-    d = const_extent_of(out_ivs[-1].dom.extent)
+    d = _int_or_none(out_ivs[-1].dom.extent)
     if d is None or d < 2:
         return None
     n_red = 0
@@ -98,7 +98,7 @@ def _matches(sch: Any, blocks: list[Any], out: Any) -> int | None:
             continue
         if any(iv.iter_type not in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce) for iv in stmt.iter_vars):
             return None
-        if len(red) != 1 or not stmt.iter_vars[-1].same_as(red[0]) or const_extent_of(red[0].dom.extent) != d:
+        if len(red) != 1 or not stmt.iter_vars[-1].same_as(red[0]) or _int_or_none(red[0].dom.extent) != d:
             return None
         if len(stmt.iter_vars) != len(out_ivs):
             return None
@@ -106,7 +106,8 @@ def _matches(sch: Any, blocks: list[Any], out: Any) -> int | None:
     return d if n_red else None
 
 
-def const_extent_of(ext: Any) -> int | None:
+def _int_or_none(ext: Any) -> int | None:
+    """An extent expression as an int, None when it is symbolic."""
     try:
         return int(ext)
     except (TypeError, ValueError):
@@ -131,19 +132,21 @@ def scalar_partials(d: int, lanes: int) -> int:
     return next((w for w in range(lanes, 3, -1) if d % w == 0), 0)
 
 
-def _rfactor(sch: Any, block: Any, lanes: int) -> Any:
-    """Rule 3: split the reduction of ``block`` (still in its own loop nest) into ``A`` partial
-    sums; the partial-sum block, or None when the reduction stays scalar."""
+def _rfactor(sch: Any, block: Any, lanes: int) -> tuple[Any, bool] | None:
+    """Rules 3/3b: split the reduction of ``block`` (still in its own loop nest) into partial
+    sums; (the partial-sum block, True when they are vector lanes), or None: one scalar chain."""
     loop = sch.get_loops(block)[-1]
-    width = accumulator_width(const_extent(sch, loop), lanes)
+    d = const_extent(sch, loop)
+    width = accumulator_width(d, lanes)
+    if not width and SCALAR_PARTIALS:
+        width = scalar_partials(d, lanes)
+        vector = False
+    else:
+        vector = True
     if not width:
-        partials = scalar_partials(const_extent(sch, loop), lanes) if SCALAR_PARTIALS else 0
-        if not partials:
-            return None
-        _, inner = sch.split(loop, factors=[None, partials])
-        return ("scalar", sch.rfactor(inner, factor_axis=0))
+        return None
     _, inner = sch.split(loop, factors=[None, width])
-    return sch.rfactor(inner, factor_axis=0)
+    return sch.rfactor(inner, factor_axis=0), vector
 
 
 def _vectorize_partial_sums(sch: Any, rf: Any) -> bool:
@@ -194,6 +197,7 @@ class Rowwise(CPUScheduleRule):
 
 
 def _schedule(sch: Any, root: Any, out: Any, d: int, lanes: int) -> Any:
+    """The module docstring's schedule on a matched function (rules 2-4); None for one row."""
     out_name = sch.get(out).name_hint
     _inline_single_use(sch, root, out_name)
     out = sch.get_sblock(out_name)
@@ -208,15 +212,14 @@ def _schedule(sch: Any, root: Any, out: Any, d: int, lanes: int) -> Any:
         sch.vectorize(v)
     reductions = [b for b in sch.get_child_blocks(root) if _reduce_vars(sch.get(b))]
     partial = [rf for rf in (_rfactor(sch, b, lanes) for b in reductions) if rf is not None]
+    rf_names = {sch.get(rf).name_hint for rf, _ in partial}
     producers = [b for b in sch.get_child_blocks(root) if sch.get(b).name_hint != out_name]
     for b in reversed(producers):
         sch.compute_at(b, rows, preserve_unit_loops=False)
-    scalar = [rf[1] for rf in partial if isinstance(rf, tuple)]
-    partial = [rf for rf in partial if not isinstance(rf, tuple)]
-    for rf in scalar:
-        _unroll_partial_sums(sch, rf)
-    hoist = [rf for rf in partial if _vectorize_partial_sums(sch, rf)]
-    rf_names = {sch.get(rf).name_hint for rf in partial + scalar}
+    for rf, vector in partial:
+        if not vector:
+            _unroll_partial_sums(sch, rf)
+    hoist = [rf for rf, vector in partial if vector and _vectorize_partial_sums(sch, rf)]
     for b in producers:
         stmt = sch.get(b)
         if not _reduce_vars(stmt) and stmt.name_hint not in rf_names and len(sch.get_loops(b)) > 1 and width:
