@@ -88,3 +88,26 @@ def test_rows_parallel_only_above_the_element_threshold(shape: list[int]) -> Non
     (script,) = _row_kernels(build_and_compare(_model("LayerNormalization", shape)))
     elements = int(np.prod(shape))
     assert ("T.parallel" in script) == (elements >= threads.PARALLEL_MIN_ELEMENTS)
+
+
+def test_symbolic_row_count_is_scheduled_serial_and_matches_ort() -> None:
+    """A LayerNorm over ``(n, 128)`` with ``n`` symbolic (a dynamic batch): the rule applies,
+    the rows stay serial (rule 4: size unknown), and n = 37 rows match ORT's LayerNormalization."""
+    import onnxruntime as ort
+    from tvm import te, tirx, topi
+
+    target = tvm.target.Target(detect_host_target())
+    n = tirx.Var("n", "int64")
+    x, g, b = (te.placeholder(s, "float32", name=k) for k, s in (("x", (n, 128)), ("g", (128,)), ("b", (128,))))
+    func = te.create_prim_func([x, g, b, topi.nn.layer_norm(x, g, b, axis=[1], epsilon=1e-5)])
+    with target:
+        sch = R.Rowwise().apply(func, target, False)
+    assert sch is not None and "T.parallel" not in sch.mod.script()
+    assert _has_vector_partial_sums(sch.mod.script())
+    m = _model("LayerNormalization", [37, 128])
+    xs = np.random.default_rng(0).standard_normal((37, 128)).astype(np.float32)
+    gs, bs = (numpy_helper.to_array(t) for t in m.graph.initializer)
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": xs})[0]
+    out = tvm.runtime.tensor(np.zeros_like(xs))
+    tvm.compile(sch.mod, target)["main"](*(tvm.runtime.tensor(a) for a in (xs, gs, bs)), out)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)

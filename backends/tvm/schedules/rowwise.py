@@ -45,6 +45,7 @@ Rules:
 4. The row loop runs in parallel only when the function touches at least
    ``threads.PARALLEL_MIN_ELEMENTS`` elements (the memory-bound threshold of
    :mod:`.threads`): a bert b1 LayerNorm (8K elements, ~2 us) is cheaper than one fork/join.
+   A symbolic row count (a dynamic batch) stays serial: the size is unknown at build time.
 
 :data:`ROWWISE` off: the rule declines and dlight's ``Reduction`` schedules these functions
 (the old behaviour).
