@@ -15,7 +15,7 @@ runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
    vectorised over the output's innermost axis, parallel over outer tiles, fused epilogue.
 3. :class:`Rowwise` - LayerNorm / softmax: reductions over a row's last axis with vector
    accumulators, then the row's elementwise write, one row at a time.
-4. dlight's CPU ``Reduction`` - the other reduction functions (rows that do not vectorise...).
+4. dlight's CPU ``Reduction`` - reduction functions that Rowwise does not match.
 5. :class:`Injective` - elementwise chains, transposes, padding: parallel + vectorised.
 
 Invariant: schedules only reorder/split/annotate loops (TVM checks each primitive), so a
