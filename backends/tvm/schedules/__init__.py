@@ -13,8 +13,10 @@ runs ``dlight.ApplyDefaultSchedule`` with them over every PrimFunc of a module:
 2. :class:`Contraction` - one reduction block (conv2d incl. depthwise/grouped, matmul, batch
    matmul, pooling, global pooling) with injective producers/consumers: register tiling,
    vectorised over the output's innermost axis, parallel over outer tiles, fused epilogue.
-3. dlight's CPU ``Reduction`` - softmax / layer norm style functions.
-4. :class:`Injective` - elementwise chains, transposes, padding: parallel + vectorised.
+3. :class:`Rowwise` - LayerNorm / softmax: reductions over a row's last axis with vector
+   accumulators, then the row's elementwise write, one row at a time.
+4. dlight's CPU ``Reduction`` - reduction functions that Rowwise does not match.
+5. :class:`Injective` - elementwise chains, transposes, padding: parallel + vectorised.
 
 Invariant: schedules only reorder/split/annotate loops (TVM checks each primitive), so a
 scheduled function computes the same values as the unscheduled one up to float rounding
@@ -32,16 +34,17 @@ from .contraction import Contraction
 from .depthwise import Depthwise
 from .gemm_packed import GemmPacked
 from .injective import Injective
+from .rowwise import Rowwise
 from .vector import vector_lanes
 
-__all__ = ["Contraction", "Depthwise", "GemmPacked", "Injective", "apply_default_schedules", "default_rules", "vector_lanes"]
+__all__ = ["Contraction", "Depthwise", "GemmPacked", "Injective", "Rowwise", "apply_default_schedules", "default_rules", "vector_lanes"]
 
 
 def default_rules(target: Any) -> list[Any]:
     """The CPU rules, most specific first."""
     from tvm.s_tir import dlight as dl
 
-    return [GemmPacked(), Depthwise(), Contraction(), dl.cpu.Reduction(), Injective()]
+    return [GemmPacked(), Depthwise(), Contraction(), Rowwise(), dl.cpu.Reduction(), Injective()]
 
 
 def apply_default_schedules(mod: Any, target: Any) -> Any:
