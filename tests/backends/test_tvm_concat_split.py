@@ -28,11 +28,14 @@ def _model(widths: tuple[int, ...], c: int = 8, hw: int = 6, batch: int = 2) -> 
         outs.append(f"r{i}")
     wt = (rng.standard_normal((4, sum(widths), 1, 1)) * np.sqrt(2.0 / sum(widths))).astype(np.float32)
     inits.append(numpy_helper.from_array(wt, "wy"))
-    nodes += [helper.make_node("Concat", outs, ["cat"], axis=1),  # a conv after it: the concat stays NHWC
+    # a conv after the concat: the concat stays NHWC
+    nodes += [helper.make_node("Concat", outs, ["cat"], axis=1),
               helper.make_node("Conv", ["cat", "wy"], ["y"], kernel_shape=[1, 1])]
-    g = helper.make_graph(nodes, "cat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, c, hw, hw])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, c, hw, hw])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    g = helper.make_graph(nodes, "cat", [x], [y], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return onnx.shape_inference.infer_shapes(model)
 
 
 def _concat_vector_loops(mod: tvm.IRModule) -> list[int]:
@@ -41,7 +44,8 @@ def _concat_vector_loops(mod: tvm.IRModule) -> list[int]:
             if isinstance(f, tvm.tirx.PrimFunc) and "concatenate" in gv.name_hint]
 
 
-@pytest.mark.parametrize("widths", [(24, 24, 24, 24), (40, 24), (16, 16), (3, 5)], ids=["4x24", "40+24", "16+16", "3+5"])
+@pytest.mark.parametrize("widths", [(24, 24, 24, 24), (40, 24), (16, 16), (3, 5)],
+                         ids=["4x24", "40+24", "16+16", "3+5"])
 def test_channel_concats_match_ort(widths: tuple[int, ...]) -> None:
     build_and_compare(_model(widths))
 

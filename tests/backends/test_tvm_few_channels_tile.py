@@ -25,27 +25,28 @@ def _model(ci: int, co: int, hw: int, batch: int) -> onnx.ModelProto:
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("Conv", ["r", "w2"], ["y"], kernel_shape=[1, 1])]
-    g = helper.make_graph(nodes, "c", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])
+    g = helper.make_graph(nodes, "c", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                           [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2")])
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return onnx.shape_inference.infer_shapes(model)
 
 
-def _accumulators(mod: tvm.IRModule, co: int) -> int:
-    """Lanes of the register tile of the 3x3 conv (unrolled x vectorised loops around its update
-    block), divided by the vector width of the tile: its number of vector accumulators."""
+def _accumulators(mod: tvm.IRModule) -> int:
+    """Vector accumulators of the 3x3 conv's register tile: the product of the unrolled loops
+    (pixels x channel vectors) around its update block."""
     from tvm import s_tir
 
+    unrolled = int(tvm.tirx.ForKind.UNROLLED)
     for gv, f in mod.functions.items():
-        if isinstance(f, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint and "conv2d_nhwc_update" in f.script():
-            sch = s_tir.Schedule(f)
-            loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nhwc_update"))]
-            if int(loops[-1].extent) == 4 or co % int(loops[-1].extent):  # the 1x1 conv to 4 channels
-                continue
-            if sum(int(lp.extent) for lp in loops if lp.extent.value == 3) < 2:  # not the 3x3 one
-                continue
-            unrolled = [int(lp.extent) for lp in loops if int(lp.kind) == int(tvm.tirx.ForKind.UNROLLED)]
-            return int(np.prod(unrolled))
+        if not isinstance(f, tvm.tirx.PrimFunc) or "conv2d" not in gv.name_hint:
+            continue
+        if "conv2d_nhwc_update" not in f.script():
+            continue
+        sch = s_tir.Schedule(f)
+        loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nhwc_update"))]
+        if sum(1 for lp in loops if int(lp.extent) == 3 and int(lp.kind) != unrolled) >= 2:  # ry, rx: the 3x3
+            return int(np.prod([int(lp.extent) for lp in loops if int(lp.kind) == unrolled]))
     raise AssertionError("no 3x3 conv update block found")
 
 
@@ -60,6 +61,6 @@ def test_24_channels_take_more_accumulators(monkeypatch: pytest.MonkeyPatch) -> 
     if 24 % lanes == 0:
         pytest.skip(f"{lanes}-lane vectors divide 24: full vectors, rule not used")
     m = _model(12, 24, 16, 2)
-    assert _accumulators(build_and_compare(m), 24) >= 16  # twice the 8 of one narrow vector x 8 pixels
+    assert _accumulators(build_and_compare(m)) >= 16  # twice the 8 of one narrow vector x 8 pixels
     monkeypatch.setattr(C, "FEW_CHANNELS_ACCUMULATORS", 0)
-    assert _accumulators(build_and_compare(m), 24) < 16
+    assert _accumulators(build_and_compare(m)) < 16

@@ -102,8 +102,9 @@ def schedule_concat_block(sch: Any, block: Any, lanes: int) -> bool:
     divides every input's width, and its outer loop partitioned (TVM's ``loop_partition``) at
     the input boundaries: in each part the input is fixed, the simplifier drops the conditions
     at lowering, and the part is a contiguous vector copy. The loops outside run in parallel
-    as in :func:`schedule_spatial_block`. Measured (1 thread, thread CPU time, interleaved, four
-    8x32x32x24 inputs): 290 -> 77 us."""
+    as in :func:`schedule_spatial_block`. Measured (1 thread, thread CPU time, 15 interleaved
+    rounds, hot cache, batch 8): 4 x 24 channels on 32x32 285 -> 88 us, 4 x 32 324 -> 127,
+    16 + 16 on 64x64 304 -> 99."""
     bounds = _concat_bounds(sch, block)
     loops = sch.get_loops(block)
     ext = const_extent(sch, loops[-1])
@@ -131,6 +132,11 @@ def _concat_bounds(sch: Any, block: Any) -> list[int]:
 
     stmt = sch.get(block)
     body, var = stmt.body, stmt.iter_vars[-1].var
+    loops = sch.get_loops(block)
+    dom = stmt.iter_vars[-1].dom.extent
+    if (len(loops) != len(stmt.iter_vars) or not isinstance(dom, tirx.IntImm)
+            or const_extent(sch, loops[-1]) != int(dom)):
+        return []  # loops already transformed: not the one-loop-per-axis nest this rule splits
     if not isinstance(body, tirx.BufferStore) or not body.indices[-1].same_as(var):
         return []
     bounds, value = [], body.value
