@@ -106,13 +106,14 @@ class Contraction(TryRule):
         if any(e is None for e in exts):
             return None
 
-        vec, nj, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
-        nj = _stem_vectors(exts, r_idx, vec, nj)
+        vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
+        nj = _stem_vectors(exts, r_idx, vec, nj_default)
         col_pos, hi = None, 1
         if vec > 1 and row_pos is not None and ni < NARROW_ROWS:
             col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
             hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
-        elif 1 < vec < lanes and row_pos is not None and ni * nj < FEW_CHANNELS_ACCUMULATORS:
+        elif (1 < vec < lanes and row_pos is not None and nj == nj_default
+              and ni * nj < FEW_CHANNELS_ACCUMULATORS):
             col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
             hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
 
@@ -398,11 +399,13 @@ def _few_channels_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: in
     the weight loads; ``hi`` divides it) and up to 4 channel vectors (3 for 24 channels);
     chosen like :func:`_narrow_tile`: most FMAs per load, P·nj / (P + nj) with P = ``hi * ni``
     pixels, then most accumulators, then fewest rows, within :data:`MAX_ACCUMULATORS` and the
-    register file. Channels a multiple of the full width (16 -> 16 at 64x64, U-Net) are left
-    alone: a 2-row tile there ran 0.97-1.03x (each FMA needs its own pixel broadcast whatever
-    the tile). Measured (conv 3x3 + bias + ReLU, batch 8, 1 thread, thread CPU time, median of
-    41 interleaved runs, new / off): 12 -> 24 on 32x32 0.73, 24 -> 24 0.85, 6 -> 12 0.80,
-    24 -> 40 on 16x16 0.93, 16 -> 8 on 32x32 0.97."""
+    register file. Not for a stem whose weight panel :func:`_stem_vectors` cut to one vector
+    (its panel would overflow L1 again). Channels a multiple of the full width (16 -> 16 at
+    64x64, U-Net) are left alone: a 2-row tile there ran 1.00-1.03x (each FMA needs its own
+    pixel broadcast whatever the tile). Measured (conv 3x3 + bias + ReLU, batch 8, 1 thread,
+    thread CPU time, median of 41 interleaved runs, new / off): 12 -> 24 on 32x32 0.73,
+    24 -> 24 0.85, 6 -> 12 0.80, 24 -> 40 on 16x16 0.93, 16 -> 8 on 32x32 0.97; in heldout_mbv2
+    (kernel_profile, 21 runs) its 3x3 stride-2 stem 3 -> 24 on 48x48 0.74 (b1), 0.67 (b8)."""
     his = [1] + ([c for c in (2, 3, 4) if exts[col_pos] % c == 0] if col_pos is not None else [])
     vectors = exts[s_idx[-1]] // vec
     best = (0.0, 0, 0, 1, 1)
