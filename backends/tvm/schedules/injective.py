@@ -17,10 +17,17 @@ width (24, 40, 56, 72 or 120 channels on AVX-512) is split by that narrower vect
 conv 3x3 + bias + ReLU, 24 -> 24 channels on 32x32, batch 8, interleaved with its unpadded
 twin on a 34x34 input): the padded conv took 2054 us against 1123 us without padding, the
 difference being the scalar pad copy with its bounds check per element.
+
+A concatenation along the innermost axis (an NHWC channel concat: Inception's branch outputs)
+runs one loop per input (:data:`SPLIT_CONCAT`, :func:`schedule_concat_block`): in each, the
+input is known and the copy is a plain vector load/store. Before, TOPI's chain of
+``if_then_else`` on the channel index was vectorised as a select of every input's load per
+vector.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -33,6 +40,9 @@ PARALLEL_MIN = 16384
 SHORT_INNER = 4
 #: vectorise an innermost extent by lanes/2 or lanes/4 when the full width does not divide it
 NARROW_VECTORS = True
+#: a concat along the innermost axis runs one vectorised loop per input
+#: (:func:`schedule_concat_block`); off: one loop with a select per element
+SPLIT_CONCAT = True
 
 
 def _is_spatial(sch: Any, block: Any) -> bool:
@@ -45,6 +55,8 @@ def schedule_spatial_block(sch: Any, block: Any, lanes: int, parallel: bool = Tr
     """Vectorise the innermost loop of ``block`` and parallelise its outer loops (in place)."""
     loops = sch.get_loops(block)
     if not loops:
+        return
+    if SPLIT_CONCAT and parallel and schedule_concat_block(sch, block, lanes):
         return
     total = 1
     for lp in loops:
@@ -76,6 +88,65 @@ def schedule_spatial_block(sch: Any, block: Any, lanes: int, parallel: bool = Tr
         return
     fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
     sch.parallel(fused)
+
+
+def schedule_concat_block(sch: Any, block: Any, lanes: int) -> bool:
+    """Schedule ``block`` as a concatenation along its innermost axis, one loop per input; False
+    (nothing changed) when it is not one or its input widths share no vector width >= 4.
+
+    Shapes it is for: TOPI's ``concatenate`` on the last axis (channel concats in NHWC:
+    Inception's 4 branches of 24-64 channels, U-Net's skip concats), whose value is a chain
+    ``if_then_else(k <= c, x_j[.., c - k], ...)``. Vectorised as one loop, every vector
+    selects between the loads of all inputs (and a 16-lane vector straddles two 24-channel
+    inputs). Here the channel loop is split by the widest vector (lanes, lanes/2, lanes/4) that
+    divides every input's width, and its outer loop partitioned (TVM's ``loop_partition``) at
+    the input boundaries: in each part the input is fixed, the simplifier drops the conditions
+    at lowering, and the part is a contiguous vector copy. The loops outside run in parallel
+    as in :func:`schedule_spatial_block`. Measured (1 thread, thread CPU time, 15 interleaved
+    rounds, hot cache, batch 8): 4 x 24 channels on 32x32 285 -> 88 us, 4 x 32 324 -> 127,
+    16 + 16 on 64x64 304 -> 99."""
+    bounds = _concat_bounds(sch, block)
+    loops = sch.get_loops(block)
+    ext = const_extent(sch, loops[-1])
+    if not bounds or ext is None:
+        return False
+    edges = [0, *bounds, ext]
+    widths = [b - a for a, b in zip(edges, edges[1:])]
+    common = math.gcd(*widths)
+    vec = next((v for v in (lanes, lanes // 2, lanes // 4) if v >= 4 and common % v == 0), 0)
+    if not vec or min(widths) <= 0:
+        return False
+    co, cv = sch.split(loops[-1], factors=[None, vec])
+    sch.vectorize(cv)
+    sch.loop_partition(co, factors=[w // vec for w in widths[:-1]] + [None])
+    outer = list(loops[:-1])
+    if outer and _product(sch, outer) * ext >= PARALLEL_MIN:
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    return True
+
+
+def _concat_bounds(sch: Any, block: Any) -> list[int]:
+    """The innermost-axis offsets where the concat ``block`` switches input, ascending ([] when
+    its value is not a chain ``if_then_else(k <= v, .., ..)`` on its last block variable)."""
+    from tvm import ir, tirx
+
+    stmt = sch.get(block)
+    body, var = stmt.body, stmt.iter_vars[-1].var
+    loops = sch.get_loops(block)
+    dom = stmt.iter_vars[-1].dom.extent
+    if (len(loops) != len(stmt.iter_vars) or not isinstance(dom, tirx.IntImm)
+            or const_extent(sch, loops[-1]) != int(dom)):
+        return []  # loops already transformed: not the one-loop-per-axis nest this rule splits
+    if not isinstance(body, tirx.BufferStore) or not body.indices[-1].same_as(var):
+        return []
+    bounds, value = [], body.value
+    while isinstance(value, ir.Call) and value.op.name.endswith("if_then_else"):
+        cond = value.args[0]
+        if not (isinstance(cond, tirx.LE) and isinstance(cond.a, tirx.IntImm) and cond.b.same_as(var)):
+            return []
+        bounds.append(int(cond.a.value))
+        value = value.args[2]
+    return sorted(set(bounds))
 
 
 def _narrow_vector(ext: int, lanes: int) -> int:
