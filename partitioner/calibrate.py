@@ -18,7 +18,9 @@ What is measured, and how:
    beside the transfer (the call out of the compiled program into the comm handler), from a
    chain of Relus with and without one-rank AllReduces between them.
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
-   micro-kernels (:func:`micro_kernels`: a dense GEMM, a 3×3 and a 1×1 conv, a depthwise conv, an
+   micro-kernels (:func:`micro_kernels`: a dense GEMM in cache, one out of cache (class
+   ``gemm_large``) and a batch-1 GEMV (class ``gemv``), read by the roofline's working-set rule
+   for ``gemm`` ops, :mod:`partitioner.cost.roofline` rule 5; a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
    the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
    classes ``gemm_backward`` and ``conv_backward``) at one to four representative sizes, median
@@ -56,6 +58,7 @@ from typing import Any
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
 from partitioner.core.errors import PartitionerError
 from partitioner.core.machine import machine_info
+from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -137,18 +140,28 @@ def _k(name: str, cls: str, inputs: dict[str, tuple[int, ...]], weights: dict[st
                        tuple((op, tuple(i), tuple(o), tuple(a.items())) for op, i, o, a in nodes), tuple(outputs))
 
 
+def _matmul_kernel(cls: str, mkn: tuple[int, int, int]) -> MicroKernel:
+    """A ``MatMul`` of an ``M x K`` input by a ``K x N`` weight (name ``gemm_MxKxN``, or
+    ``gemv_...`` for the ``gemv`` class)."""
+    m, k, n = mkn
+    name = f"{'gemv' if cls == 'gemv' else 'gemm'}_{m}x{k}x{n}"
+    return _k(name, cls, {"x": (m, k)}, {"w": (k, n)}, [("MatMul", ["x", "w"], ["y"], {})], ["y"])
+
+
 def micro_kernels(quick: bool) -> list[MicroKernel]:
     """The calibration set: one to four representative sizes per class (never a zoo model).
 
-    Sizes are those of the layers in small CNNs and transformers: a compute-bound GEMM and a
-    batch-1 (weight-bound) one; a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    Sizes are those of the layers in small CNNs and transformers: a compute-bound GEMM whose
+    operands fit L2 (``gemm``: 128x256x256, 512 KiB), one whose operands do not (``gemm_large``:
+    256x1024x1024, 6 MiB, the size of the training benchmark's 1024-wide layers) and a batch-1
+    weight-bound one (``gemv``: 1x256x512; a class of its own because it runs from cache at
+    several times the DRAM roof, and averaged into ``gemm`` it priced large GEMMs 1.5x too fast); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
     16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
     changes only how long each kernel is timed, not the set."""
     ks = [
-        _k("gemm_128x256x256", "gemm", {"x": (128, 256)}, {"w": (256, 256)},
-           [("MatMul", ["x", "w"], ["y"], {})], ["y"]),
-        _k("gemv_1x256x512", "gemm", {"x": (1, 256)}, {"w": (256, 512)},
-           [("MatMul", ["x", "w"], ["y"], {})], ["y"]),
+        _matmul_kernel("gemm", GEMM_PROBE),
+        _matmul_kernel("gemm_large", GEMM_LARGE_PROBE),
+        _matmul_kernel("gemv", (1, 256, 512)),
         _k("conv7x7s2_3c_96", "conv", {"x": (1, 3, 96, 96)}, {"w": (32, 3, 7, 7), "b": (32,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [3, 3, 3, 3], "strides": [2, 2]})], ["y"]),
         _k("conv3x3_32c_16", "conv", {"x": (1, 32, 16, 16)}, {"w": (32, 32, 3, 3), "b": (32,)},

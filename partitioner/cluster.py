@@ -57,7 +57,10 @@ OP_CLASSES = ("gemm", "conv", "depthwise_conv", "elementwise", "norm", "reductio
 #: the training probes' classes (calibrate.backward_kernels): the backward's contractions run at
 #: these efficiencies in the training cost model (cost/training.py rule 1), never in inference
 BACKWARD_CLASSES = ("gemm_backward", "conv_backward")
-CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES
+#: the GEMM probes' own classes (calibrate.micro_kernels): an out-of-cache GEMM and a GEMV, read
+#: by the roofline's working-set rule for ``gemm`` ops (cost/roofline.py rule 5), never an op's class
+GEMM_SIZE_CLASSES = ("gemm_large", "gemv")
+CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 
