@@ -155,7 +155,10 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
     operands fit L2 (``gemm``: 128x256x256, 512 KiB), one whose operands do not (``gemm_large``:
     256x1024x1024, 6 MiB, the size of the training benchmark's 1024-wide layers) and a batch-1
     weight-bound one (``gemv``: 1x256x512; a class of its own because it runs from cache at
-    several times the DRAM roof, and averaged into ``gemm`` it priced large GEMMs 1.5x too fast); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    several times the DRAM roof, and averaged into ``gemm`` it priced large GEMMs 1.5x too fast);
+    3x3 convs on a 4x4 and a 2x2 map (classes ``conv_px16``, ``conv_px4``: a ResNet's last
+    stages on small images, whose per-image GEMMs have 16 and 4 columns; batch 4, since a CPU
+    backend's per-image GEMM re-reads the weights per image; read by the roofline's rule 6); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
     16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
     changes only how long each kernel is timed, not the set."""
     ks = [
@@ -169,6 +172,10 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
         _k("conv3x3_64c_28", "conv", {"x": (1, 64, 28, 28)}, {"w": (64, 64, 3, 3), "b": (64,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
         _k("conv3x3_256c_7", "conv", {"x": (1, 256, 7, 7)}, {"w": (256, 256, 3, 3), "b": (256,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
+        _k("conv3x3_256c_4_b4", "conv_px16", {"x": (4, 256, 4, 4)}, {"w": (256, 256, 3, 3), "b": (256,)},
+           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
+        _k("conv3x3_512c_2_b4", "conv_px4", {"x": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3), "b": (512,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
         _k("conv1x1_128c_28", "conv", {"x": (1, 128, 28, 28)}, {"w": (128, 128, 1, 1), "b": (128,)},
            [("Conv", ["x", "w", "b"], ["y"], {})], ["y"]),
@@ -202,7 +209,9 @@ def backward_kernels() -> list[MicroKernel]:
     classes it; the im2col's slices and transposes are data movement, costed apart). A weight
     gradient sums over the batch, so these take a batch of 4 where the forward probes take 1.
     The Conv-form weight gradient the rules keep for grouped, 1-D/3-D and large kernels (7x7
-    stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate."""
+    stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate. The
+    ConvTranspose again on a 4x4 and a 2x2 map (``conv_backward_px16``, ``conv_backward_px4``:
+    the small-map probes of the forward set, for the roofline's rule 6)."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
@@ -213,6 +222,10 @@ def backward_kernels() -> list[MicroKernel]:
         _k("wgrad_im2col3x3_64c_28_b4", "gemm_backward", {"dy": (64, 4 * 28 * 28), "cols": (4 * 28 * 28, 64 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
         _k("convT3x3_256c_7_b4", "conv_backward", {"dy": (4, 256, 7, 7)}, {"w": (256, 256, 3, 3)},
+           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _k("convT3x3_256c_4_b4", "conv_backward_px16", {"dy": (4, 256, 4, 4)}, {"w": (256, 256, 3, 3)},
+           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _k("convT3x3_512c_2_b4", "conv_backward_px4", {"dy": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3)},
            [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),

@@ -60,7 +60,10 @@ BACKWARD_CLASSES = ("gemm_backward", "conv_backward")
 #: the GEMM probes' own classes (calibrate.micro_kernels): an out-of-cache GEMM and a GEMV, read
 #: by the roofline's working-set rule for ``gemm`` ops (cost/roofline.py rule 5), never an op's class
 GEMM_SIZE_CLASSES = ("gemm_large", "gemv")
-CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES
+#: the small-map conv probes' classes (calibrate.micro_kernels, backward_kernels), read by the
+#: roofline's output-pixels rule for ``conv`` and ``conv_backward`` ops (cost/roofline.py rule 6)
+CONV_SIZE_CLASSES = ("conv_px16", "conv_px4", "conv_backward_px16", "conv_backward_px4")
+CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 

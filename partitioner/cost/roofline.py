@@ -35,6 +35,19 @@ Rules:
    A backward contraction (``gemm_backward``) keeps its own probe's efficiency times the same
    working-set ratio e(ws) / e(``GEMM_PROBE``), its probes being ``GEMM_PROBE``-sized. Without
    ``gemm_large`` (an older calibration) the class value is used as is.
+6. Convolutions by output pixels per image (:func:`op_efficiency`, ``CONV_COLUMNS`` on; when the
+   calibration measured the small-map probes): a CPU backend runs a conv as one GEMM per image
+   whose column count is the image's output pixels (``OpCost.columns``; a ConvTranspose's, its
+   input's), and a GEMM of a few columns wastes most of each vector strip and re-streams the
+   weights per image. Measured (ONNX Runtime, the zoo resnet-18 at 64x64, batch 16): layer4's
+   3x3 convs (2x2 maps) at 14 GFLOP/s and their ConvTransposes at 8, against 85-87 for layer2-3's
+   convs, where the class value priced them all alike (stage 1 of the pipeline, layer3-4, then
+   measured 2.1-2.4x stage 0, priced near equal). Calibration times a 3x3 conv and its
+   ConvTranspose on a 4x4 map (classes ``<c>_px16``) and on a 2x2 map (``<c>_px4``) beside the
+   class's own probes, whose smallest map is 7x7 (``CONV_REF_COLUMNS`` = 49). A ``conv`` or
+   ``conv_backward`` op of ``P`` columns runs at the piecewise log-linear interpolation in
+   ``log P`` over the points (4, ``<c>_px4``), (16, ``<c>_px16``), (49, the class value), clamped
+   to the end points outside them; from 49 columns up (every probe of the class) the class value.
 """
 
 from __future__ import annotations
@@ -57,6 +70,12 @@ GEMM_PROBE = (128, 256, 256)
 GEMM_LARGE_PROBE = (256, 1024, 1024)
 #: rule 5 on (off: every gemm op at its class value, as before the working-set probes)
 GEMM_WORKING_SET = True
+#: rule 6: the columns of the small-map conv probes (4x4 and 2x2 maps) by class suffix, and of
+#: the smallest map among the classes' own probes (7x7)
+CONV_SMALL_PROBES = {"px16": 16, "px4": 4}
+CONV_REF_COLUMNS = 49
+#: rule 6 on (off: every conv at its class value)
+CONV_COLUMNS = True
 
 
 def gemm_probe_bytes(mkn: tuple[int, int, int]) -> float:
@@ -85,6 +104,8 @@ def op_efficiency(cost: OpCost, device: Device, dtype: str = "float32", op_class
     """The efficiency an op of ``cost`` and ``op_class`` runs at on ``device`` (rules 1 and 5)."""
     eff = device.class_efficiency(op_class)
     table = device.efficiency_by_class
+    if op_class in ("conv", "conv_backward"):
+        return _conv_efficiency(cost, table, op_class, eff)
     if not GEMM_WORKING_SET or op_class not in ("gemm", "gemm_backward") or "gemm_large" not in table \
             or "gemm" not in table:
         return eff
@@ -95,6 +116,22 @@ def op_efficiency(cost: OpCost, device: Device, dtype: str = "float32", op_class
     small, large = table["gemm"], table["gemm_large"]
     at_ws = math.exp((1 - t) * math.log(small) + t * math.log(large))
     return eff * at_ws / small
+
+
+def _conv_efficiency(cost: OpCost, table: dict[str, float], op_class: str, eff: float) -> float:
+    """Rule 6: ``eff`` (the class value) at ``cost.columns`` output pixels per image."""
+    points = sorted((cols, table[f"{op_class}_{suffix}"]) for suffix, cols in CONV_SMALL_PROBES.items()
+                    if f"{op_class}_{suffix}" in table)
+    if not CONV_COLUMNS or not points or cost.columns <= 0 or cost.columns >= CONV_REF_COLUMNS:
+        return eff
+    points.append((CONV_REF_COLUMNS, eff))
+    if cost.columns <= points[0][0]:
+        return points[0][1]
+    for (c0, e0), (c1, e1) in zip(points, points[1:]):
+        if cost.columns <= c1:
+            t = math.log(cost.columns / c0) / math.log(c1 / c0)
+            return math.exp((1 - t) * math.log(e0) + t * math.log(e1))
+    return eff
 
 
 def is_compute_bound(cost: OpCost, device: Device, dtype: str = "float32") -> bool:

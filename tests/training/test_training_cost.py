@@ -262,9 +262,11 @@ def test_backward_probes_do_the_forward_convs_and_gemms_work() -> None:
     peak = 1e11
     dev = Device("probe", "cpu", {"float32": peak}, 1e9, 1e15)  # bandwidth high: compute bound
     flops = {"gemm": 2 * 128 * 256 * 256, "conv64": 2 * 4 * 64 * 64 * 9 * 28 * 28,
-             "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7}
+             "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7, "conv256_4": 2 * 4 * 256 * 256 * 9 * 4 * 4,
+             "conv512_2": 2 * 4 * 512 * 512 * 9 * 2 * 2}
     for k in backward_kernels():
-        want = flops["conv64" if "64c" in k.name else "conv256" if "256c" in k.name else "gemm"]
+        want = flops["conv256_4" if "256c_4" in k.name else "conv512_2" if "512c_2" in k.name
+                     else "conv64" if "64c" in k.name else "conv256" if "256c" in k.name else "gemm"]
         roof, launches = kernel_roof(kernel_model(k), dev)
         assert roof == pytest.approx(want / peak, rel=1e-6), k.name
         assert launches == 1
