@@ -211,7 +211,12 @@ def backward_kernels() -> list[MicroKernel]:
     The Conv-form weight gradient the rules keep for grouped, 1-D/3-D and large kernels (7x7
     stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate. The
     ConvTranspose again on a 4x4 and a 2x2 map (``conv_backward_px16``, ``conv_backward_px4``:
-    the small-map probes of the forward set, for the roofline's rule 6)."""
+    the small-map probes of the forward set, for the roofline's rule 6). And the forward 3x3
+    convs as a training step runs them (class ``conv_train``, read by the training cost model's
+    rule 1 for its forward convs; ``conv_train_px16``, ``conv_train_px4`` on 4x4 and 2x2 maps):
+    the weights are a graph input there (the step's state), which ONNX Runtime cannot prepack
+    for its NCHWc kernels (measured: a 512-channel 3x3 conv on 2x2 maps at 101 GFLOP/s with
+    constant weights, 11 with the weights as an input)."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
@@ -227,6 +232,10 @@ def backward_kernels() -> list[MicroKernel]:
            [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
         _k("convT3x3_512c_2_b4", "conv_backward_px4", {"dy": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3)},
            [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        *[_k(f"conv3x3_{c}c_{hw}_b4_win", cls, {"x": (4, c, hw, hw), "w": (c, c, 3, 3)}, {},
+             [("Conv", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"])
+          for c, hw, cls in ((64, 28, "conv_train"), (256, 7, "conv_train"), (256, 4, "conv_train_px16"),
+                             (512, 2, "conv_train_px4"))],
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
     ]

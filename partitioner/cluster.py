@@ -62,8 +62,12 @@ BACKWARD_CLASSES = ("gemm_backward", "conv_backward")
 GEMM_SIZE_CLASSES = ("gemm_large", "gemv")
 #: the small-map conv probes' classes (calibrate.micro_kernels, backward_kernels), read by the
 #: roofline's output-pixels rule for ``conv`` and ``conv_backward`` ops (cost/roofline.py rule 6)
-CONV_SIZE_CLASSES = ("conv_px16", "conv_px4", "conv_backward_px16", "conv_backward_px4")
-CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES
+CONV_SIZE_CLASSES = ("conv_px16", "conv_px4", "conv_backward_px16", "conv_backward_px4", "conv_train_px16",
+                     "conv_train_px4")
+#: the training probes' forward conv with its weights as an input, as a training step runs it
+#: (calibrate.backward_kernels; cost/training.py rule 1)
+TRAIN_FORWARD_CLASSES = ("conv_train",)
+CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES + TRAIN_FORWARD_CLASSES
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 

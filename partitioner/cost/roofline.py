@@ -48,6 +48,8 @@ Rules:
    ``conv_backward`` op of ``P`` columns runs at the piecewise log-linear interpolation in
    ``log P`` over the points (4, ``<c>_px4``), (16, ``<c>_px16``), (49, the class value), clamped
    to the end points outside them; from 49 columns up (every probe of the class) the class value.
+   The same for ``conv_train`` (a training step's forward convs, weights as inputs:
+   :mod:`partitioner.cost.training` rule 1).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def op_efficiency(cost: OpCost, device: Device, dtype: str = "float32", op_class
     """The efficiency an op of ``cost`` and ``op_class`` runs at on ``device`` (rules 1 and 5)."""
     eff = device.class_efficiency(op_class)
     table = device.efficiency_by_class
-    if op_class in ("conv", "conv_backward"):
+    if op_class in ("conv", "conv_backward", "conv_train"):
         return _conv_efficiency(cost, table, op_class, eff)
     if not GEMM_WORKING_SET or op_class not in ("gemm", "gemm_backward") or "gemm_large" not in table \
             or "gemm" not in table:
