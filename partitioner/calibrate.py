@@ -20,10 +20,12 @@ What is measured, and how:
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
    micro-kernels (:func:`micro_kernels`: a dense GEMM in cache, one out of cache (class
    ``gemm_large``) and a batch-1 GEMV (class ``gemv``), read by the roofline's working-set rule
-   for ``gemm`` ops, :mod:`partitioner.cost.roofline` rule 5; a 3×3 and a 1×1 conv, a depthwise conv, an
+   for ``gemm`` ops, :mod:`partitioner.cost.roofline` rule 5; a 3×3 and a 1×1 conv, 3×3 convs on
+   4×4 and 2×2 maps (``conv_px16``, ``conv_px4``: rule 6), a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
    the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
-   classes ``gemm_backward`` and ``conv_backward``) at one to four representative sizes, median
+   classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), and the 3×3
+   convs with their weights as an input, ``conv_train``) at one to four representative sizes, median
    of N runs. efficiency(kernel) = roofline time at
    efficiency 1 (against the GEMM rate of 1. and the bandwidth of 2., fusion rules of
    :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
