@@ -18,10 +18,9 @@ What is measured, and how:
    beside the transfer (the call out of the compiled program into the comm handler), from a
    chain of Relus with and without one-rank AllReduces between them.
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
-   micro-kernels (:func:`micro_kernels`: a dense GEMM in cache, one out of cache (class
-   ``gemm_large``) and a batch-1 GEMV (class ``gemv``), read by the roofline's working-set rule
-   for ``gemm`` ops, :mod:`partitioner.cost.roofline` rule 5; a 3×3 and a 1×1 conv, 3×3 convs on
-   4×4 and 2×2 maps (``conv_px16``, ``conv_px4``: rule 6), a depthwise conv, an
+   micro-kernels (:func:`micro_kernels`: a dense GEMM and a batch-1 GEMV in cache, a GEMM out
+   of cache (class ``gemm_large``, read by the roofline's working-set rule for ``gemm`` ops,
+   :mod:`partitioner.cost.roofline` rule 5); a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
    the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
    classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), and the 3×3
@@ -144,29 +143,27 @@ def _k(name: str, cls: str, inputs: dict[str, tuple[int, ...]], weights: dict[st
 
 def _matmul_kernel(cls: str, mkn: tuple[int, int, int]) -> MicroKernel:
     """A ``MatMul`` of an ``M x K`` input by a ``K x N`` weight (name ``gemm_MxKxN``, or
-    ``gemv_...`` for the ``gemv`` class)."""
+    ``gemv_...`` when M is 1)."""
     m, k, n = mkn
-    name = f"{'gemv' if cls == 'gemv' else 'gemm'}_{m}x{k}x{n}"
+    name = f"{'gemv' if m == 1 else 'gemm'}_{m}x{k}x{n}"
     return _k(name, cls, {"x": (m, k)}, {"w": (k, n)}, [("MatMul", ["x", "w"], ["y"], {})], ["y"])
 
 
 def micro_kernels(quick: bool) -> list[MicroKernel]:
     """The calibration set: one to four representative sizes per class (never a zoo model).
 
-    Sizes are those of the layers in small CNNs and transformers: a compute-bound GEMM whose
-    operands fit L2 (``gemm``: 128x256x256, 512 KiB), one whose operands do not (``gemm_large``:
-    256x1024x1024, 6 MiB, the size of the training benchmark's 1024-wide layers) and a batch-1
-    weight-bound one (``gemv``: 1x256x512; a class of its own because it runs from cache at
-    several times the DRAM roof, and averaged into ``gemm`` it priced large GEMMs 1.5x too fast);
-    3x3 convs on a 4x4 and a 2x2 map (classes ``conv_px16``, ``conv_px4``: a ResNet's last
-    stages on small images, whose per-image GEMMs have 16 and 4 columns; batch 4, since a CPU
-    backend's per-image GEMM re-reads the weights per image; read by the roofline's rule 6); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    Sizes are those of the layers in small CNNs and transformers: a compute-bound GEMM and a
+    batch-1 (weight-bound) one whose operands fit L2 (class ``gemm``: 128x256x256 and 1x256x512,
+    512 KiB each), and a GEMM whose operands do not (``gemm_large``: 256x1024x1024, 6 MiB: the
+    in-cache pair runs from cache, the GEMV at several times the DRAM roof, and alone it priced
+    the training benchmark's 1024-wide layers 1.5x too fast; rule 5 of the roofline
+    interpolates between the two by working set); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
     16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
     changes only how long each kernel is timed, not the set."""
     ks = [
         _matmul_kernel("gemm", GEMM_PROBE),
         _matmul_kernel("gemm_large", GEMM_LARGE_PROBE),
-        _matmul_kernel("gemv", (1, 256, 512)),
+        _matmul_kernel("gemm", (1, 256, 512)),
         _k("conv7x7s2_3c_96", "conv", {"x": (1, 3, 96, 96)}, {"w": (32, 3, 7, 7), "b": (32,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [3, 3, 3, 3], "strides": [2, 2]})], ["y"]),
         _k("conv3x3_32c_16", "conv", {"x": (1, 32, 16, 16)}, {"w": (32, 32, 3, 3), "b": (32,)},
@@ -174,10 +171,6 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
         _k("conv3x3_64c_28", "conv", {"x": (1, 64, 28, 28)}, {"w": (64, 64, 3, 3), "b": (64,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
         _k("conv3x3_256c_7", "conv", {"x": (1, 256, 7, 7)}, {"w": (256, 256, 3, 3), "b": (256,)},
-           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
-        _k("conv3x3_256c_4_b4", "conv_px16", {"x": (4, 256, 4, 4)}, {"w": (256, 256, 3, 3), "b": (256,)},
-           [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
-        _k("conv3x3_512c_2_b4", "conv_px4", {"x": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3), "b": (512,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"]),
         _k("conv1x1_128c_28", "conv", {"x": (1, 128, 28, 28)}, {"w": (128, 128, 1, 1), "b": (128,)},
            [("Conv", ["x", "w", "b"], ["y"], {})], ["y"]),
@@ -212,8 +205,10 @@ def backward_kernels() -> list[MicroKernel]:
     gradient sums over the batch, so these take a batch of 4 where the forward probes take 1.
     The Conv-form weight gradient the rules keep for grouped, 1-D/3-D and large kernels (7x7
     stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate. The
-    ConvTranspose again on a 4x4 and a 2x2 map (``conv_backward_px16``, ``conv_backward_px4``:
-    the small-map probes of the forward set, for the roofline's rule 6). And the forward 3x3
+    ConvTranspose again on a 4x4 and a 2x2 map (``conv_backward_px16``, ``conv_backward_px4``,
+    batch 4: for the roofline's rule 6; the same convs forward with constant weights ran at the
+    ``conv`` class value, 0.90-1.12 of the GEMM rate over four loaded calibrations on ONNX
+    Runtime, so inference has no small-map probes). And the forward 3x3
     convs as a training step runs them (class ``conv_train``, read by the training cost model's
     rule 1 for its forward convs; ``conv_train_px16``, ``conv_train_px4`` on 4x4 and 2x2 maps):
     the weights are a graph input there (the step's state), which ONNX Runtime cannot prepack

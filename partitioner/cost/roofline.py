@@ -22,19 +22,20 @@ Rules:
    Runtime's Conv/Gemm+activation fusions do; it is a model, not a copy of either.
 5. GEMM efficiency by working set (:func:`op_efficiency`; when the calibration measured the
    ``gemm_large`` probe): a contraction's efficiency depends on whether its operands stay in
-   cache. Calibration times two compute-bound GEMMs, ``GEMM_PROBE`` (128x256x256, 512 KiB of
-   operands: in L2) at class ``gemm`` and ``GEMM_LARGE_PROBE`` (256x1024x1024, 6 MiB: out of
-   L2) at class ``gemm_large``. A compute-bound ``gemm`` op whose bytes (A, B and C) are ``ws``
-   runs at the log-linear interpolation of the two in ``log ws``, clamped to the nearer probe
-   outside their range. Measured on the 2-core EPYC with ONNX Runtime: the in-cache probe at
-   1.11 of the 1024^3 numpy rate, the zoo mlp's 1024-wide layers at batch 1024 (12 MiB) at
-   0.88, where the old class value (the geometric mean with the GEMV probe) priced them at 1.33.
-   A memory-bound ``gemm`` op (below the device's ridge point: batch-1 layers) runs at the
-   ``gemv`` probe's efficiency (1x256x512, a weight-streaming product, measured apart because it
-   runs from cache at several times the DRAM roof and would otherwise inflate the GEMM class).
-   A backward contraction (``gemm_backward``) keeps its own probe's efficiency times the same
-   working-set ratio e(ws) / e(``GEMM_PROBE``), its probes being ``GEMM_PROBE``-sized. Without
-   ``gemm_large`` (an older calibration) the class value is used as is.
+   cache. The ``gemm`` class value is measured on in-cache probes (``GEMM_PROBE``, 128x256x256,
+   and a 1x256x512 GEMV: 512 KiB of operands each, in L2; the GEMV runs from cache at several
+   times the DRAM roof), ``gemm_large`` on ``GEMM_LARGE_PROBE`` (256x1024x1024, 6 MiB: out of
+   L2). A compute-bound ``gemm`` op whose bytes (A, B and C) are ``ws`` runs at the log-linear
+   interpolation of the two in ``log ws`` (the class value at ``GEMM_PROBE``'s bytes), clamped
+   to the nearer end outside their range; a memory-bound one (below the ridge point) at the
+   class value. Measured on the 2-core EPYC with ONNX Runtime: the zoo mlp's 1024-wide layers at
+   batch 1024 (12 MiB) ran at 0.88 of the 1024^3 numpy rate where the class value priced them at
+   1.33; the out-of-cache probe measured 0.67-0.99 over five loaded calibrations. A backward
+   contraction (``gemm_backward``, whose probes are ``GEMM_PROBE``-sized, in cache) interpolates
+   the same way from its own class value to ``gemm_large``: out of cache, the operands' traffic
+   sets the rate whichever operand is transposed. Without ``gemm_large`` (an older calibration)
+   the class value is used as is. Inference ops of the zoo models (at most
+   512 KiB) keep the class value: the inference cost table is unchanged by this rule.
 6. Convolutions by output pixels per image (:func:`op_efficiency`, ``CONV_COLUMNS`` on; when the
    calibration measured the small-map probes): a CPU backend runs a conv as one GEMM per image
    whose column count is the image's output pixels (``OpCost.columns``; a ConvTranspose's, its
@@ -42,14 +43,16 @@ Rules:
    weights per image. Measured (ONNX Runtime, the zoo resnet-18 at 64x64, batch 16): layer4's
    3x3 convs (2x2 maps) at 14 GFLOP/s and their ConvTransposes at 8, against 85-87 for layer2-3's
    convs, where the class value priced them all alike (stage 1 of the pipeline, layer3-4, then
-   measured 2.1-2.4x stage 0, priced near equal). Calibration times a 3x3 conv and its
-   ConvTranspose on a 4x4 map (classes ``<c>_px16``) and on a 2x2 map (``<c>_px4``) beside the
-   class's own probes, whose smallest map is 7x7 (``CONV_REF_COLUMNS`` = 49). A ``conv`` or
-   ``conv_backward`` op of ``P`` columns runs at the piecewise log-linear interpolation in
+   measured 2.1-2.4x stage 0, priced near equal). Calibration times the training step's forms
+   of a 3x3 conv (its ConvTranspose; the forward conv with its weights as an input) on a 4x4 map
+   (classes ``<c>_px16``) and on a 2x2 map (``<c>_px4``) beside the class's own probes, whose
+   smallest map is 7x7 (``CONV_REF_COLUMNS`` = 49). A ``conv_backward`` or ``conv_train`` op of
+   ``P`` columns runs at the piecewise log-linear interpolation in
    ``log P`` over the points (4, ``<c>_px4``), (16, ``<c>_px16``), (49, the class value), clamped
-   to the end points outside them; from 49 columns up (every probe of the class) the class value.
-   The same for ``conv_train`` (a training step's forward convs, weights as inputs:
-   :mod:`partitioner.cost.training` rule 1).
+   to the end points outside them; from 49 columns up (every probe of the class) the class value
+   (``conv_train``: a training step's forward convs, :mod:`partitioner.cost.training` rule 1).
+   Inference convs (constant weights) have no small-map term: the same convs with constant
+   weights ran at the ``conv`` class value on the small maps (0.90-1.12 of the GEMM rate).
 """
 
 from __future__ import annotations
@@ -106,18 +109,14 @@ def op_efficiency(cost: OpCost, device: Device, dtype: str = "float32", op_class
     """The efficiency an op of ``cost`` and ``op_class`` runs at on ``device`` (rules 1 and 5)."""
     eff = device.class_efficiency(op_class)
     table = device.efficiency_by_class
-    if op_class in ("conv", "conv_backward", "conv_train"):
+    if op_class in ("conv_backward", "conv_train"):
         return _conv_efficiency(cost, table, op_class, eff)
     if not GEMM_WORKING_SET or op_class not in ("gemm", "gemm_backward") or "gemm_large" not in table \
-            or "gemm" not in table:
+            or not is_compute_bound(cost, device, dtype):
         return eff
-    if not is_compute_bound(cost, device, dtype):
-        return table["gemv"] if op_class == "gemm" and "gemv" in table else eff
     lo, hi = math.log(gemm_probe_bytes(GEMM_PROBE)), math.log(gemm_probe_bytes(GEMM_LARGE_PROBE))
     t = min(max((math.log(max(cost.bytes, 1.0)) - lo) / (hi - lo), 0.0), 1.0)
-    small, large = table["gemm"], table["gemm_large"]
-    at_ws = math.exp((1 - t) * math.log(small) + t * math.log(large))
-    return eff * at_ws / small
+    return math.exp((1 - t) * math.log(eff) + t * math.log(table["gemm_large"]))
 
 
 def _conv_efficiency(cost: OpCost, table: dict[str, float], op_class: str, eff: float) -> float:

@@ -1,7 +1,8 @@
 """The roofline's conv output-pixels rule (partitioner/cost/roofline.py rule 6).
 
 The tests that price a small-map conv fail without the rule (``CONV_COLUMNS`` off, or before it
-existed: every conv was priced at its class value whatever its map size)."""
+existed: every conv was priced at its class value whatever its map size). Inference convs
+(class ``conv``) have no small-map term."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from partitioner.cost import roofline
 from partitioner.cost.ops import OpCost, op_cost
 from partitioner.cost.roofline import CONV_REF_COLUMNS, op_efficiency
 
-TABLE = {"conv": 1.0, "conv_px16": 0.8, "conv_px4": 0.5, "conv_backward": 0.9, "conv_backward_px16": 0.6,
-         "conv_backward_px4": 0.25}
+TABLE = {"conv": 1.0, "conv_train": 1.0, "conv_train_px16": 0.8, "conv_train_px4": 0.5, "conv_backward": 0.9,
+         "conv_backward_px16": 0.6, "conv_backward_px4": 0.25}
 DEV = Device("d", "cpu", {"float32": 1e11}, 1e9, 2.5e10, 1.0, 0.0, dict(TABLE))
 
 
@@ -42,9 +43,9 @@ def test_conv_rules_record_the_per_image_columns():
 
 
 def test_small_maps_run_at_their_probes():
-    assert op_efficiency(cost_with(4), DEV, "float32", "conv") == pytest.approx(0.5)
-    assert op_efficiency(cost_with(16), DEV, "float32", "conv") == pytest.approx(0.8)
-    assert op_efficiency(cost_with(1), DEV, "float32", "conv") == pytest.approx(0.5)  # clamped
+    assert op_efficiency(cost_with(4), DEV, "float32", "conv_train") == pytest.approx(0.5)
+    assert op_efficiency(cost_with(16), DEV, "float32", "conv_train") == pytest.approx(0.8)
+    assert op_efficiency(cost_with(1), DEV, "float32", "conv_train") == pytest.approx(0.5)  # clamped
     assert op_efficiency(cost_with(4), DEV, "float32", "conv_backward") == pytest.approx(0.25)
     # between the 4x4 probe and the class's smallest map (7x7): log-linear in the columns
     mid = math.sqrt(16 * CONV_REF_COLUMNS)
@@ -55,10 +56,11 @@ def test_small_maps_run_at_their_probes():
         max(node.flops / (1e11 * 0.25), node.bytes / (2.5e10 * 0.25)))
 
 
-def test_large_maps_off_or_unprobed_keep_the_class_value(monkeypatch):
-    assert op_efficiency(cost_with(49), DEV, "float32", "conv") == 1.0
-    assert op_efficiency(cost_with(0), DEV, "float32", "conv") == 1.0  # no columns (a fallback cost)
-    bare = Device("d", "cpu", {"float32": 1e11}, 1e9, 2.5e10, 1.0, 0.0, {"conv": 1.0})
-    assert op_efficiency(cost_with(4), bare, "float32", "conv") == 1.0
+def test_large_maps_inference_off_or_unprobed_keep_the_class_value(monkeypatch):
+    assert op_efficiency(cost_with(49), DEV, "float32", "conv_train") == 1.0
+    assert op_efficiency(cost_with(0), DEV, "float32", "conv_train") == 1.0  # no columns (a fallback cost)
+    assert op_efficiency(cost_with(4), DEV, "float32", "conv") == 1.0  # inference convs: no small-map term
+    bare = Device("d", "cpu", {"float32": 1e11}, 1e9, 2.5e10, 1.0, 0.0, {"conv_backward": 0.9})
+    assert op_efficiency(cost_with(4), bare, "float32", "conv_backward") == 0.9
     monkeypatch.setattr(roofline, "CONV_COLUMNS", False)
     assert op_efficiency(cost_with(4), DEV, "float32", "conv_backward") == pytest.approx(0.9)

@@ -15,7 +15,7 @@ from partitioner.cost.ops import OpCost
 from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE, gemm_probe_bytes, op_efficiency, op_time
 
 PEAK, BW = 1e11, 2.5e10  # ridge point 4 FLOP/byte
-TABLE = {"gemm": 1.1, "gemm_large": 0.88, "gemv": 1.6, "gemm_backward": 1.05}
+TABLE = {"gemm": 1.1, "gemm_large": 0.88, "gemm_backward": 1.05}
 DEV = Device("d", "cpu", {"float32": PEAK}, 1e9, BW, 1.0, 1e-6, dict(TABLE))
 
 
@@ -45,16 +45,19 @@ def test_compute_bound_gemm_interpolates_by_working_set():
     assert op_efficiency(matmul_cost(64, 64, 64), DEV, "float32", "gemm") == pytest.approx(1.1)
 
 
-def test_memory_bound_gemm_runs_at_the_gemv_probe():
+def test_memory_bound_gemm_keeps_the_class_value():
     gemv = matmul_cost(1, 1024, 1024)  # 2 MFLOP over 4 MiB: far below the ridge
-    assert op_efficiency(gemv, DEV, "float32", "gemm") == pytest.approx(1.6)
-    assert op_time(gemv, DEV, "float32", "gemm") == pytest.approx(gemv.bytes / (BW * 1.6) + 1e-6)
+    assert op_efficiency(gemv, DEV, "float32", "gemm") == pytest.approx(1.1)
+    assert op_time(gemv, DEV, "float32", "gemm") == pytest.approx(gemv.bytes / (BW * 1.1) + 1e-6)
 
 
-def test_backward_gemm_keeps_its_probe_times_the_working_set_ratio():
+def test_backward_gemm_interpolates_from_its_probe_to_the_large_one():
     mlp = matmul_cost(1024, 1024, 1024)
-    assert op_efficiency(mlp, DEV, "float32", "gemm_backward") == pytest.approx(1.05 * 0.88 / 1.1)
+    assert op_efficiency(mlp, DEV, "float32", "gemm_backward") == pytest.approx(0.88)
     assert op_efficiency(matmul_cost(*GEMM_PROBE), DEV, "float32", "gemm_backward") == pytest.approx(1.05)
+    mid = math.sqrt(gemm_probe_bytes(GEMM_PROBE) * gemm_probe_bytes(GEMM_LARGE_PROBE))
+    cost = OpCost(1e9, mid, 0.0, 1.0)
+    assert op_efficiency(cost, DEV, "float32", "gemm_backward") == pytest.approx(math.sqrt(1.05 * 0.88))
     assert op_efficiency(mlp, DEV, "float32", "conv") == 1.0  # other classes: untouched
 
 
@@ -70,7 +73,7 @@ def test_calibration_probes_and_cluster_files_carry_the_size_classes():
     from partitioner.calibrate import micro_kernels
 
     classes = {k.name: k.op_class for k in micro_kernels(quick=True)}
-    assert classes["gemm_128x256x256"] == "gemm" and classes["gemv_1x256x512"] == "gemv"
+    assert classes["gemm_128x256x256"] == "gemm" and classes["gemv_1x256x512"] == "gemm"
     assert classes["gemm_256x1024x1024"] == "gemm_large"
     doc = cpu_cluster(1).to_json()
     doc["devices"][0]["efficiency_by_class"] = dict(TABLE)
