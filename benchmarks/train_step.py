@@ -143,19 +143,19 @@ def calibration(backend: str) -> dict:
     """The cached calibration the predictions use (``cpu:<ranks>`` reads it), made first when
     there is none or when it predates the training probes (no ``gemm_backward`` /
     ``conv_backward``: the backward would run at the forward classes' rates, cost rule 1) or
-    lacks one of today's probes (the conv weight gradient's GEMM form, say): a full
+    lacks one of today's probes (the conv weight gradient's GEMM form, the out-of-cache GEMM, say): a full
     ``partitioner calibrate --backend B`` (about a minute). Returns the figures the JSON records."""
     from partitioner.calibrate import calibrate_and_cache
     from partitioner.calibrate_cache import cache_path, load_cached
     from partitioner.cluster import BACKWARD_CLASSES
 
-    from partitioner.calibrate import backward_kernels
+    from partitioner.calibrate import micro_kernels
 
     doc = load_cached(backend)
     classes = (((doc or {}).get("cluster") or {}).get("devices") or [{}])[0].get("efficiency_by_class") or {}
     probed = {k.get("kernel") for k in ((doc or {}).get("calibration") or {}).get("kernels") or []}
     if doc is None or any(c not in classes for c in BACKWARD_CLASSES) or \
-            any(k.name not in probed for k in backward_kernels()):
+            any(k.name not in probed for k in micro_kernels(quick=False)):
         print(f"calibrating the {backend} backend (training probes included) into {cache_path(backend)} ...",
               flush=True)
         try:

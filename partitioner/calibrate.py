@@ -18,10 +18,13 @@ What is measured, and how:
    beside the transfer (the call out of the compiled program into the comm handler), from a
    chain of Relus with and without one-rank AllReduces between them.
 4. Per-op-class efficiency (:func:`measure_backend`): the backend builds and runs, on one thread,
-   micro-kernels (:func:`micro_kernels`: a dense GEMM, a 3×3 and a 1×1 conv, a depthwise conv, an
+   micro-kernels (:func:`micro_kernels`: a dense GEMM and a batch-1 GEMV in cache, a GEMM out
+   of cache (class ``gemm_large``, read by the roofline's working-set rule for ``gemm`` ops,
+   :mod:`partitioner.cost.roofline` rule 5); a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
    the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
-   classes ``gemm_backward`` and ``conv_backward``) at one to four representative sizes, median
+   classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), and the 3×3
+   convs with their weights as an input, ``conv_train``) at one to four representative sizes, median
    of N runs. efficiency(kernel) = roofline time at
    efficiency 1 (against the GEMM rate of 1. and the bandwidth of 2., fusion rules of
    :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
@@ -56,6 +59,7 @@ from typing import Any
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
 from partitioner.core.errors import PartitionerError
 from partitioner.core.machine import machine_info
+from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -137,18 +141,29 @@ def _k(name: str, cls: str, inputs: dict[str, tuple[int, ...]], weights: dict[st
                        tuple((op, tuple(i), tuple(o), tuple(a.items())) for op, i, o, a in nodes), tuple(outputs))
 
 
+def _matmul_kernel(cls: str, mkn: tuple[int, int, int]) -> MicroKernel:
+    """A ``MatMul`` of an ``M x K`` input by a ``K x N`` weight (name ``gemm_MxKxN``, or
+    ``gemv_...`` when M is 1)."""
+    m, k, n = mkn
+    name = f"{'gemv' if m == 1 else 'gemm'}_{m}x{k}x{n}"
+    return _k(name, cls, {"x": (m, k)}, {"w": (k, n)}, [("MatMul", ["x", "w"], ["y"], {})], ["y"])
+
+
 def micro_kernels(quick: bool) -> list[MicroKernel]:
     """The calibration set: one to four representative sizes per class (never a zoo model).
 
     Sizes are those of the layers in small CNNs and transformers: a compute-bound GEMM and a
-    batch-1 (weight-bound) one; a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    batch-1 (weight-bound) one whose operands fit L2 (class ``gemm``: 128x256x256 and 1x256x512,
+    512 KiB each), and a GEMM whose operands do not (``gemm_large``: 256x1024x1024, 6 MiB: the
+    in-cache pair runs from cache, the GEMV at several times the DRAM roof, and alone it priced
+    the training benchmark's 1024-wide layers 1.5x too fast; rule 5 of the roofline
+    interpolates between the two by working set); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
     16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
     changes only how long each kernel is timed, not the set."""
     ks = [
-        _k("gemm_128x256x256", "gemm", {"x": (128, 256)}, {"w": (256, 256)},
-           [("MatMul", ["x", "w"], ["y"], {})], ["y"]),
-        _k("gemv_1x256x512", "gemm", {"x": (1, 256)}, {"w": (256, 512)},
-           [("MatMul", ["x", "w"], ["y"], {})], ["y"]),
+        _matmul_kernel("gemm", GEMM_PROBE),
+        _matmul_kernel("gemm_large", GEMM_LARGE_PROBE),
+        _matmul_kernel("gemm", (1, 256, 512)),
         _k("conv7x7s2_3c_96", "conv", {"x": (1, 3, 96, 96)}, {"w": (32, 3, 7, 7), "b": (32,)},
            [("Conv", ["x", "w", "b"], ["y"], {"pads": [3, 3, 3, 3], "strides": [2, 2]})], ["y"]),
         _k("conv3x3_32c_16", "conv", {"x": (1, 32, 16, 16)}, {"w": (32, 32, 3, 3), "b": (32,)},
@@ -189,7 +204,16 @@ def backward_kernels() -> list[MicroKernel]:
     classes it; the im2col's slices and transposes are data movement, costed apart). A weight
     gradient sums over the batch, so these take a batch of 4 where the forward probes take 1.
     The Conv-form weight gradient the rules keep for grouped, 1-D/3-D and large kernels (7x7
-    stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate."""
+    stem) has no probe: it runs at ``conv_backward``, the ConvTranspose's rate. The
+    ConvTranspose again on a 4x4 and a 2x2 map (``conv_backward_px16``, ``conv_backward_px4``,
+    batch 4: for the roofline's rule 6; the same convs forward with constant weights ran at the
+    ``conv`` class value, 0.90-1.12 of the GEMM rate over four loaded calibrations on ONNX
+    Runtime, so inference has no small-map probes). And the forward 3x3
+    convs as a training step runs them (class ``conv_train``, read by the training cost model's
+    rule 1 for its forward convs; ``conv_train_px16``, ``conv_train_px4`` on 4x4 and 2x2 maps):
+    the weights are a graph input there (the step's state), which ONNX Runtime cannot prepack
+    for its NCHWc kernels (measured: a 512-channel 3x3 conv on 2x2 maps at 101 GFLOP/s with
+    constant weights, 11 with the weights as an input)."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
@@ -201,6 +225,14 @@ def backward_kernels() -> list[MicroKernel]:
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
         _k("convT3x3_256c_7_b4", "conv_backward", {"dy": (4, 256, 7, 7)}, {"w": (256, 256, 3, 3)},
            [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _k("convT3x3_256c_4_b4", "conv_backward_px16", {"dy": (4, 256, 4, 4)}, {"w": (256, 256, 3, 3)},
+           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _k("convT3x3_512c_2_b4", "conv_backward_px4", {"dy": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3)},
+           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        *[_k(f"conv3x3_{c}c_{hw}_b4_win", cls, {"x": (4, c, hw, hw), "w": (c, c, 3, 3)}, {},
+             [("Conv", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"])
+          for c, hw, cls in ((64, 28, "conv_train"), (256, 7, "conv_train"), (256, 4, "conv_train_px16"),
+                             (512, 2, "conv_train_px4"))],
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
     ]

@@ -57,7 +57,16 @@ OP_CLASSES = ("gemm", "conv", "depthwise_conv", "elementwise", "norm", "reductio
 #: the training probes' classes (calibrate.backward_kernels): the backward's contractions run at
 #: these efficiencies in the training cost model (cost/training.py rule 1), never in inference
 BACKWARD_CLASSES = ("gemm_backward", "conv_backward")
-CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES
+#: the out-of-cache GEMM probe's class (calibrate.micro_kernels), read by the roofline's
+#: working-set rule for ``gemm`` ops (cost/roofline.py rule 5), never an op's class
+GEMM_SIZE_CLASSES = ("gemm_large",)
+#: the small-map conv probes' classes (calibrate.backward_kernels), read by the roofline's
+#: output-pixels rule for ``conv_backward`` and ``conv_train`` ops (cost/roofline.py rule 6)
+CONV_SIZE_CLASSES = ("conv_backward_px16", "conv_backward_px4", "conv_train_px16", "conv_train_px4")
+#: the training probes' forward conv with its weights as an input, as a training step runs it
+#: (calibrate.backward_kernels; cost/training.py rule 1)
+TRAIN_FORWARD_CLASSES = ("conv_train",)
+CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES + TRAIN_FORWARD_CLASSES
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 

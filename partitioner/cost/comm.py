@@ -23,6 +23,16 @@ spans nodes uses the inter-node level (the slowest spanned), except that allredu
 hierarchical scheme (reduce-scatter inside each node, allreduce across nodes on n/p_local bytes,
 allgather inside each node) and keeps it when cheaper.
 
+Shared-memory AllReduce (:func:`shm_allreduce_time`, ``SHM_ALLREDUCE`` on): an AllReduce of at
+least ``SHM_MIN_BYTES`` over CPU ranks of one node is what the MPI runtime's rule 7 does
+(:mod:`partitioner.runtime.comm_mpi`: each rank copies its array into its slot of a shared window,
+reduces its 1/p of the elements over the p slots, copies the reduced elements out into a new
+array, three barriers), so it is priced as those memory passes at the rank's calibrated memory
+bandwidth plus three α, not as an α-β link: per rank, copy in (read n, write n), reduce (read n,
+write n/p), copy out (read n, write n into a fresh array) = (5 + 1/p)·n bytes. Measured before
+this rule: 16 MiB on 2 ranks of the 2-core EPYC took ~7.5 ms where the α-β link (~5 GB/s)
+priced 2.5 ms.
+
 ``bytes_per_level`` counts the bytes put on the wire by all ranks of the group together, per link
 level (a flat collective spanning nodes charges all its bytes to the inter-node level).
 """
@@ -37,6 +47,10 @@ if TYPE_CHECKING:  # annotations only: cluster.py builds on cost/, not the rever
     from partitioner.cluster import Cluster, LinkLevel
 from partitioner.core.errors import PlanError
 
+#: the shared-memory AllReduce rule on (module docstring; off: every AllReduce on the α-β link)
+SHM_ALLREDUCE = True
+#: the runtime's threshold for it (partitioner.runtime.comm_mpi.SHM_MIN_BYTES: no import, layering)
+SHM_MIN_BYTES = 1 << 20
 COLLECTIVES = ("send", "allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
 
 
@@ -296,6 +310,18 @@ def hierarchical_allreduce(nbytes: float, by_node: Sequence[Sequence[int]], intr
                     {k: v for k, v in per.items() if v > 0})
 
 
+def shm_allreduce_time(nbytes: float, group: Sequence[int], cluster: Cluster) -> float | None:
+    """Seconds of the shared-memory AllReduce (module docstring) of ``nbytes`` over ``group``, or
+    None where the runtime does not take that path (rule off, under ``SHM_MIN_BYTES``, not all
+    CPU ranks of one node)."""
+    if not SHM_ALLREDUCE or nbytes < SHM_MIN_BYTES or len(cluster.ranks_by_node(group)) != 1 \
+            or any(cluster.devices[r].kind != "cpu" for r in group):
+        return None
+    p = len(group)
+    bandwidth = min(cluster.devices[r].memory_bandwidth * cluster.devices[r].efficiency for r in group)
+    return 3 * cluster.levels[0].alpha_s + (5 + 1 / p) * nbytes / bandwidth
+
+
 def collective_time(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster,
                     gamma: float | None = None) -> CommCost:
     """Cost of one collective of ``kind`` over global ``ranks`` (``n`` as in the module docstring).
@@ -318,6 +344,9 @@ def collective_time(kind: str, nbytes: float, ranks: Sequence[int], cluster: Clu
     if gamma is None:
         gamma = reduction_gamma(cluster, group)
     level = cluster.group_level(group)
+    shm = shm_allreduce_time(nbytes, group, cluster) if kind == "allreduce" else None
+    if shm is not None:
+        return CommCost(shm, "shm", {level.name: float(nbytes) * p})
     t, alg = _flat(kind, nbytes, p, level, gamma)
     best = CommCost(t, alg, {level.name: wire_bytes(kind, alg, nbytes, p)})
     if kind == "allreduce" and level is not cluster.levels[0]:

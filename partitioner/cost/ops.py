@@ -40,7 +40,7 @@ ArgMax/ArgMin), ``pool`` (Max/Average/Lp pools and their global forms), ``data_m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnx_ir as ir
 
@@ -58,6 +58,9 @@ class OpCost:
     bytes_written: float
     depth: float
     elements: float = 0.0
+    #: convolutions only: the output pixels per image (ConvTranspose: its input's), the column
+    #: count of the per-image GEMM a CPU backend runs them as (0 otherwise; roofline rule 6)
+    columns: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -168,7 +171,7 @@ def _conv(node: ir.Node) -> OpCost:
     if _in(node, 2) is not None:
         flops += out_elems
     depth = _clog2(cin_g) + sum(_clog2(k) for k in kernel)
-    return _cost(node, flops, max(1, depth))
+    return replace(_cost(node, flops, max(1, depth)), columns=float(spatial))
 
 
 def _conv_transpose(node: ir.Node) -> OpCost:
@@ -182,7 +185,7 @@ def _conv_transpose(node: ir.Node) -> OpCost:
     if _in(node, 2) is not None:
         flops += math.prod(y)
     depth = _clog2(cin / group) + sum(_clog2(k) for k in kernel)
-    return _cost(node, flops, max(1, depth))
+    return replace(_cost(node, flops, max(1, depth)), columns=float(in_spatial))
 
 
 def _matmul(node: ir.Node) -> OpCost:

@@ -20,10 +20,44 @@ Rules:
    compute op (class gemm, conv, depthwise_conv, elementwise, norm or pool) and read by nothing
    else (not a graph output either). This follows what the TVM backend's FuseOps and ONNX
    Runtime's Conv/Gemm+activation fusions do; it is a model, not a copy of either.
+5. GEMM efficiency by working set (:func:`op_efficiency`; when the calibration measured the
+   ``gemm_large`` probe): a contraction's efficiency depends on whether its operands stay in
+   cache. The ``gemm`` class value is measured on in-cache probes (``GEMM_PROBE``, 128x256x256,
+   and a 1x256x512 GEMV: 512 KiB of operands each, in L2; the GEMV runs from cache at several
+   times the DRAM roof), ``gemm_large`` on ``GEMM_LARGE_PROBE`` (256x1024x1024, 6 MiB: out of
+   L2). A compute-bound ``gemm`` op whose bytes (A, B and C) are ``ws`` runs at the log-linear
+   interpolation of the two in ``log ws`` (the class value at ``GEMM_PROBE``'s bytes), clamped
+   to the nearer end outside their range; a memory-bound one (below the ridge point) at the
+   class value. Measured on the 2-core EPYC with ONNX Runtime: the zoo mlp's 1024-wide layers at
+   batch 1024 (12 MiB) ran at 0.88 of the 1024^3 numpy rate where the class value priced them at
+   1.33; the out-of-cache probe measured 0.67-0.99 over five loaded calibrations. A backward
+   contraction (``gemm_backward``, whose probes are ``GEMM_PROBE``-sized, in cache) interpolates
+   the same way from its own class value to ``gemm_large``: out of cache, the operands' traffic
+   sets the rate whichever operand is transposed. Without ``gemm_large`` (an older calibration)
+   the class value is used as is. Inference ops of the zoo models (at most
+   512 KiB) keep the class value: the inference cost table is unchanged by this rule.
+6. Convolutions by output pixels per image (:func:`op_efficiency`, ``CONV_COLUMNS`` on; when the
+   calibration measured the small-map probes): a CPU backend runs a conv as one GEMM per image
+   whose column count is the image's output pixels (``OpCost.columns``; a ConvTranspose's, its
+   input's), and a GEMM of a few columns wastes most of each vector strip and re-streams the
+   weights per image. Measured (ONNX Runtime, the zoo resnet-18 at 64x64, batch 16): layer4's
+   3x3 convs (2x2 maps) at 14 GFLOP/s and their ConvTransposes at 8, against 85-87 for layer2-3's
+   convs, where the class value priced them all alike (stage 1 of the pipeline, layer3-4, then
+   measured 2.1-2.4x stage 0, priced near equal). Calibration times the training step's forms
+   of a 3x3 conv (its ConvTranspose; the forward conv with its weights as an input) on a 4x4 map
+   (classes ``<c>_px16``) and on a 2x2 map (``<c>_px4``) beside the class's own probes, whose
+   smallest map is 7x7 (``CONV_REF_COLUMNS`` = 49). A ``conv_backward`` or ``conv_train`` op of
+   ``P`` columns runs at the piecewise log-linear interpolation in
+   ``log P`` over the points (4, ``<c>_px4``), (16, ``<c>_px16``), (49, the class value), clamped
+   to the end points outside them; from 49 columns up (every probe of the class) the class value
+   (``conv_train``: a training step's forward convs, :mod:`partitioner.cost.training` rule 1).
+   Inference convs (constant weights) have no small-map term: the same convs with constant
+   weights ran at the ``conv`` class value on the small maps (0.90-1.12 of the GEMM rate).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from collections.abc import Sequence
@@ -36,6 +70,25 @@ from partitioner.cost.ops import OpCost, op_class
 from partitioner.cost.workdepth import constant_values, node_costs
 
 FUSING_PRODUCERS = frozenset({"gemm", "conv", "depthwise_conv", "elementwise", "norm", "pool"})
+#: rule 5's probes (M, K, N) and their operand bytes (float32 A, B and C, as ``OpCost.bytes``)
+GEMM_PROBE = (128, 256, 256)
+GEMM_LARGE_PROBE = (256, 1024, 1024)
+#: rule 5 on (off: every gemm op at its class value, as before the working-set probes)
+GEMM_WORKING_SET = True
+#: rule 6: the columns of the small-map conv probes (4x4 and 2x2 maps) by class suffix, and of
+#: the smallest map among the classes' own probes (7x7)
+CONV_SMALL_PROBES = {"px16": 16, "px4": 4}
+CONV_REF_COLUMNS = 49
+#: rule 6 on (off: every conv at its class value)
+CONV_COLUMNS = True
+
+
+def gemm_probe_bytes(mkn: tuple[int, int, int]) -> float:
+    """Operand bytes (A, B and C in float32) of an ``M x K x N`` product: rule 5's working set."""
+    m, k, n = mkn
+    return 4.0 * (m * k + k * n + m * n)
+
+
 _GROUP_KEY = "partitioner.fusion_group"  # passes/fusion_groups.FUSION_GROUP_KEY (no import: layering)
 
 
@@ -44,12 +97,42 @@ def op_time(cost: OpCost, device: Device, dtype: str = "float32", op_class: str 
     """Seconds for one execution of an op of ``cost`` on ``device`` (rules 1–3 above)."""
     if cost.flops <= 0 and cost.bytes <= 0:
         return 0.0
-    eff = device.class_efficiency(op_class)
+    eff = op_efficiency(cost, device, dtype, op_class)
     compute = cost.flops / (device.peak(dtype) * eff)
     if fused and op_class == "elementwise":
         return compute
     memory = cost.bytes / (device.memory_bandwidth * eff)
     return max(compute, memory) + (0.0 if fused else device.launch_overhead_s)
+
+
+def op_efficiency(cost: OpCost, device: Device, dtype: str = "float32", op_class: str | None = None) -> float:
+    """The efficiency an op of ``cost`` and ``op_class`` runs at on ``device`` (rules 1 and 5)."""
+    eff = device.class_efficiency(op_class)
+    table = device.efficiency_by_class
+    if op_class in ("conv_backward", "conv_train"):
+        return _conv_efficiency(cost, table, op_class, eff)
+    if not GEMM_WORKING_SET or op_class not in ("gemm", "gemm_backward") or "gemm_large" not in table \
+            or not is_compute_bound(cost, device, dtype):
+        return eff
+    lo, hi = math.log(gemm_probe_bytes(GEMM_PROBE)), math.log(gemm_probe_bytes(GEMM_LARGE_PROBE))
+    t = min(max((math.log(max(cost.bytes, 1.0)) - lo) / (hi - lo), 0.0), 1.0)
+    return math.exp((1 - t) * math.log(eff) + t * math.log(table["gemm_large"]))
+
+
+def _conv_efficiency(cost: OpCost, table: dict[str, float], op_class: str, eff: float) -> float:
+    """Rule 6: ``eff`` (the class value) at ``cost.columns`` output pixels per image."""
+    points = sorted((cols, table[f"{op_class}_{suffix}"]) for suffix, cols in CONV_SMALL_PROBES.items()
+                    if f"{op_class}_{suffix}" in table)
+    if not CONV_COLUMNS or not points or cost.columns <= 0 or cost.columns >= CONV_REF_COLUMNS:
+        return eff
+    points.append((CONV_REF_COLUMNS, eff))
+    if cost.columns <= points[0][0]:
+        return points[0][1]
+    for (c0, e0), (c1, e1) in zip(points, points[1:]):
+        if cost.columns <= c1:
+            t = math.log(cost.columns / c0) / math.log(c1 / c0)
+            return math.exp((1 - t) * math.log(e0) + t * math.log(e1))
+    return eff
 
 
 def is_compute_bound(cost: OpCost, device: Device, dtype: str = "float32") -> bool:

@@ -17,7 +17,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    gradient) runs at the efficiency the calibration measured for such kernels
    (``<class>_backward``: :func:`partitioner.calibrate.micro_kernels`' backward probes), not the
    forward one: those kernels run at other rates than the forward's (the zoo resnet's step took
-   9x its forward on ONNX Runtime where its FLOPs are 3x). Without a step graph (or for a node
+   9x its forward on ONNX Runtime where its FLOPs are 3x). A forward conv of the step runs at
+   ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
+   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``). Without a step graph (or for a node
    the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
    class]`` (contractions 2: one product per operand gradient; the rest 1).
 2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
@@ -206,6 +208,19 @@ FORWARD_NODE_KEY = "training.forward_node"  # partitioner.training.autodiff's me
 REWRITE_KEY = "training.rewrite_of"  # partitioner.training.batchnorm's metadata
 
 
+#: rule 1: a step's forward convs at ``conv_train`` when calibrated (off: at ``conv``)
+TRAIN_FORWARD_PROBES = True
+
+
+def forward_class(device: Any, op_class: str) -> str:
+    """Rule 1: the class a training step's forward node of ``op_class`` runs at: ``conv_train``
+    for a conv when the calibration measured it (the step's weights are graph inputs, which
+    ONNX Runtime does not prepack), else the class itself."""
+    key = f"{op_class}_train"
+    ok = TRAIN_FORWARD_PROBES and op_class == "conv" and key in getattr(device, "efficiency_by_class", {})
+    return key if ok else op_class
+
+
 def backward_class(device: Any, op_class: str) -> str:
     """Rule 1: the class whose efficiency a backward node of ``op_class`` runs at:
     ``<class>_backward`` when the device's calibration measured it, else the class itself."""
@@ -232,7 +247,7 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
     for node, c in zip(nodes, node_costs(step, constant_values(step))):
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         is_backward = key is not None and key not in ("loss", "optimizer")
-        cls = backward_class(device, op_class(node)) if is_backward else op_class(node)
+        cls = backward_class(device, op_class(node)) if is_backward else forward_class(device, op_class(node))
         t = op_time(c, device, "float32", cls, node in fused)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)

@@ -262,9 +262,11 @@ def test_backward_probes_do_the_forward_convs_and_gemms_work() -> None:
     peak = 1e11
     dev = Device("probe", "cpu", {"float32": peak}, 1e9, 1e15)  # bandwidth high: compute bound
     flops = {"gemm": 2 * 128 * 256 * 256, "conv64": 2 * 4 * 64 * 64 * 9 * 28 * 28,
-             "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7}
+             "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7, "conv256_4": 2 * 4 * 256 * 256 * 9 * 4 * 4,
+             "conv512_2": 2 * 4 * 512 * 512 * 9 * 2 * 2}
     for k in backward_kernels():
-        want = flops["conv64" if "64c" in k.name else "conv256" if "256c" in k.name else "gemm"]
+        want = flops["conv256_4" if "256c_4" in k.name else "conv512_2" if "512c_2" in k.name
+                     else "conv64" if "64c" in k.name else "conv256" if "256c" in k.name else "gemm"]
         roof, launches = kernel_roof(kernel_model(k), dev)
         assert roof == pytest.approx(want / peak, rel=1e-6), k.name
         assert launches == 1
@@ -273,3 +275,29 @@ def test_backward_probes_do_the_forward_convs_and_gemms_work() -> None:
     doc["devices"][0]["efficiency_by_class"] = {"gemm": 0.9, "gemm_backward": 0.7, "conv_backward": 0.3}
     back = Cluster.from_json(doc)
     assert back.devices[0].class_efficiency("conv_backward") == 0.3
+
+
+def test_forward_convs_of_a_step_run_at_the_training_form_probe(monkeypatch) -> None:
+    """Rule 1 (``forward_class``): a step's forward convs take their weights as graph inputs and
+    run at ``conv_train`` when the device has it: halving it from ``conv`` adds exactly the two
+    forward convs' time (compute bound, 16x16 maps: no small-map term) and leaves the backward
+    as it was. Fails with ``TRAIN_FORWARD_PROBES`` off (checked: the forward is then unchanged)."""
+    import dataclasses
+
+    from partitioner.cluster import cpu_cluster, replicate
+    from partitioner.cost import training as cost_training
+
+    model = _two_convs()
+    base = cpu_cluster(1)
+    e = 0.5
+    dev = dataclasses.replace(base.devices[0], efficiency_by_class={"conv": e, "gemm": e})
+    slow = dataclasses.replace(dev, efficiency_by_class={"conv": e, "gemm": e, "conv_train": e / 2})
+    conv_flops = 2 * 4 * 32 * 32 * 9 * 16 * 16
+    same, half = (predict_training(model, "single", 1, batch=4, loss="mse",
+                                   cluster=replicate(dataclasses.replace(base, devices=[d]), 1)) for d in (dev, slow))
+    assert half.breakdown["backward_s"] == pytest.approx(same.breakdown["backward_s"], rel=1e-12)
+    extra = half.breakdown["forward_s"] - same.breakdown["forward_s"]
+    assert extra == pytest.approx(2 * conv_flops / (dev.peak("float32") * e), rel=1e-6)
+    assert cost_training.forward_class(slow, "gemm") == "gemm"
+    monkeypatch.setattr(cost_training, "TRAIN_FORWARD_PROBES", False)
+    assert cost_training.forward_class(slow, "conv") == "conv"

@@ -1,0 +1,42 @@
+"""The shared-memory AllReduce rule (partitioner/cost/comm.py, ``SHM_ALLREDUCE``).
+
+Each test that prices the rule fails without it (``SHM_ALLREDUCE`` off, or before it existed:
+every AllReduce was an alpha-beta algorithm on the link)."""
+
+from __future__ import annotations
+
+import pytest
+
+from partitioner.cluster import Cluster, Device, LinkLevel
+from partitioner.cost import comm
+from partitioner.cost.comm import collective_time
+
+BW, ALPHA, BETA = 2.0e10, 3e-6, 2e-10  # link: 5 GB/s
+
+
+def cluster(kind: str = "cpu", nodes: tuple[tuple[int, ...], ...] = ((0, 1),)) -> Cluster:
+    n = sum(len(g) for g in nodes)
+    devs = tuple(Device(f"{kind}{i}", kind, {"float32": 1e11}, 1e9, BW) for i in range(n))
+    levels = (LinkLevel("shm-mpi", ALPHA, BETA), LinkLevel("net", 1e-5, 1e-9))
+    return Cluster("c", devs, nodes, levels[:1] if len(nodes) == 1 else levels)
+
+
+def test_large_allreduce_on_one_node_is_priced_as_memory_passes():
+    n = 16 * 2**20
+    c = collective_time("allreduce", n, [0, 1], cluster())
+    # copy in (2n) + reduce (n read + n/2 written) + copy out (2n) at the memory bandwidth, 3 barriers
+    assert c.algorithm == "shm"
+    assert c.seconds == pytest.approx(3 * ALPHA + (2 * n + 1.5 * n + 2 * n) / BW)
+    assert c.seconds > comm.allreduce_time(n, 2, cluster().levels[0])[0]  # the alpha-beta price was lower
+
+
+def test_where_the_runtime_keeps_the_gather_the_link_prices_it(monkeypatch):
+    n = 16 * 2**20
+    small = collective_time("allreduce", comm.SHM_MIN_BYTES - 4, [0, 1], cluster())
+    assert small.algorithm != "shm"
+    assert collective_time("allreduce", n, [0, 1], cluster("gpu")).algorithm != "shm"
+    assert collective_time("allreduce", n, [0, 1], cluster(nodes=((0,), (1,)))).algorithm != "shm"
+    monkeypatch.setattr(comm, "SHM_ALLREDUCE", False)
+    off = collective_time("allreduce", n, [0, 1], cluster())
+    assert off.seconds == pytest.approx(comm.allreduce_time(n, 2, cluster().levels[0],
+                                                            comm.reduction_gamma(cluster(), [0, 1]))[0])
