@@ -59,6 +59,11 @@ STEM_PANEL_BYTES = 8192
 #: 24, 40) with fewer accumulators than this also spans output rows / more channel vectors
 #: (:func:`_few_channels_tile`); 0 turns it off
 FEW_CHANNELS_ACCUMULATORS = 16
+#: convolutions whose packed weights fit :data:`ROWS_OUTER_WEIGHT_BYTES` run the fused outer loop
+#: pixels first, channel tiles inside (:func:`_parallel_order`); off: channel tiles outermost
+ROWS_OUTER_CONV = True
+#: ... the bound: the L2 of one core (Zen 4: 1 MiB), as ``gemm_packed.ROWS_OUTER_B_BYTES``
+ROWS_OUTER_WEIGHT_BYTES = 1 << 20
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -136,9 +141,9 @@ class Contraction(TryRule):
                 spatial_outer.append(loops[i])
         red_loops = [loops[i] for i in r_idx]
         inner = [lp for lp in (col_inner, row_inner) if lp is not None] + [v_j, v_lane]
-        order = [v_outer, *spatial_outer, *red_loops, *inner]
+        order = [*_parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos), *red_loops, *inner]
         sch.reorder(*order)
-        outer = sch.fuse(v_outer, *spatial_outer) if spatial_outer else v_outer
+        outer = sch.fuse(*order[:len(spatial_outer) + 1]) if spatial_outer else v_outer
         if worth_parallel(_flops(exts)):  # small kernels: the fork/join costs more (threads.py)
             sch.parallel(outer)
 
@@ -417,6 +422,35 @@ def _few_channels_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: in
                 continue
             best = max(best, (acc / (pixels + nj), acc, -hi, hi, nj))
     return best[3], best[4]
+
+
+def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[int], vec_pos: int) -> list:
+    """The loops fused into the parallel outer loop, outermost first: ``[v_outer, *spatial]``
+    (channel tiles outermost), or ``[n, h, v_outer, w tiles]`` (the channel tiles just above the
+    innermost spatial tiles) for a convolution (three reductions) whose weights
+    (``kh*kw*ci*co`` floats) fit :data:`ROWS_OUTER_WEIGHT_BYTES`.
+
+    Shapes it is for: the 3x3 convs of ResNet-style stages with up to 128 channels and RGB stems,
+    at any batch. TVM's pool splits the fused loop statically, chunk i to thread i: with channel
+    tiles outermost, thread 0 wrote channels 0..co/2 of every pixel and thread 1 the rest, while
+    the next kernel (the next conv's pad copy, a pool, an add), split by rows, read each of its
+    rows half from the other core's cache. Pixels outermost, each thread writes whole rows, the
+    rows the next kernel's same thread reads. Channel tiles stay above the width tiles so that
+    one panel serves a whole output row before the next. Not for RGB stems (fewer than 4 input
+    channels): their one-vector panels (:func:`_stem_vectors`) are meant to be reused from L1
+    over the whole map; per row, ResNet-18's 7x7 stem ran 1.09-1.14x slower on one thread
+    (three paired runs, load ~2-3) for a smaller 2-thread gain. The price: each thread reads all the weights per output row instead of half of
+    them, hence the L2 bound (a 3x3 256 -> 256 conv, 2.25 MiB, keeps channel tiles outermost and
+    one weight panel in L2 while the row tiles stream). Measured: see docs/per_device_speed.md,
+    "The quiet run after steps 5-7"."""
+    weight = 4 * exts[vec_pos]
+    for i in r_idx:
+        weight *= exts[i]
+    stem = exts[r_idx[-1]] < 4 if r_idx else False  # RGB input: see below
+    if ROWS_OUTER_CONV and len(r_idx) == 3 and len(spatial_outer) > 1 and weight <= ROWS_OUTER_WEIGHT_BYTES \
+            and not stem:
+        return [*spatial_outer[:-1], v_outer, spatial_outer[-1]]
+    return [v_outer, *spatial_outer]
 
 
 def _flops(exts: list) -> float:

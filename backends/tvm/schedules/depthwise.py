@@ -51,7 +51,8 @@ ResNet-18's 3x3 stride-2 max pool after the stem at batch 8 (56x56x64) ran 3.4x 
 
 Threads: the ``(n, h)`` loop is parallel only when the layer has at least
 :func:`~backends.tvm.schedules.threads.parallel_min_flops` FLOPs (below, the fork/join costs
-more than it saves: :mod:`backends.tvm.schedules.threads`).
+more than it saves: :mod:`backends.tvm.schedules.threads`); a pooling layer also needs
+:data:`POOL_PARALLEL_MIN_ELEMENTS` output elements (:func:`_rows_parallel`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ POOLING: bool = True
 #: with the padding inlined, the first and last column tiles get loops of their own, so that the
 #: interior tiles' loads carry no column bounds check (:func:`_split_border_columns`); off: one loop
 SPLIT_BORDER: bool = True
+#: a pooling layer writing fewer output elements than this runs on one thread
+#: (:func:`_rows_parallel`); 0: pooling follows the FLOP threshold like the convolutions
+POOL_PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
 def row_tile(width: int) -> int:
@@ -113,7 +117,7 @@ class Depthwise(TryRule):
         co, cv = sch.split(lc, factors=[None, lanes])
         sch.reorder(ln, lh, wo, co, ry, rx, *rc, wi, cv)
         row = sch.fuse(ln, lh)
-        if worth_parallel(flops):
+        if _rows_parallel(flops, exts):
             sch.parallel(row)
         sch.reverse_compute_at(wb, co, preserve_unit_loops=True)
         names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}
@@ -138,6 +142,22 @@ class Depthwise(TryRule):
         if inlined and SPLIT_BORDER:
             return _split_border_columns(sch, wo, exts[2] // wr)
         return sch
+
+
+def _rows_parallel(flops: float, exts: list[int]) -> bool:
+    """Whether the ``(n, h)`` loop runs on the thread pool: from ``threads.worth_parallel(flops)``,
+    and for a pooling layer (six loops, no weight) only when it writes at least
+    :data:`POOL_PARALLEL_MIN_ELEMENTS` output elements.
+
+    Shapes it is for: the max pool after ResNet's stem at batch 1 (3x3 stride 2, 112x112x64 ->
+    56x56x64: 3.6 MFLOP, above the 2 MFLOP threshold, but one compare per load, ~25 us on one
+    thread). A pool reads its input once and does no FMAs, so the FLOP threshold (sized for
+    kernels that run at the FMA rate on cached data) overrates its work; on 2 threads it ran at
+    2.5x its 1-thread time (0.024 -> 0.060 ms, quiet machine). 2^18 elements (1 MiB written)
+    keeps that layer on one thread and the same pool at batch 8 (1.6M elements) parallel."""
+    if POOL_PARALLEL_MIN_ELEMENTS and len(exts) == 6:
+        return exts[0] * exts[1] * exts[2] * exts[3] >= POOL_PARALLEL_MIN_ELEMENTS and worth_parallel(flops)
+    return worth_parallel(flops)
 
 
 def _split_border_columns(sch: Any, wo: Any, tiles: int) -> Any:
