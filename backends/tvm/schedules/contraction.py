@@ -428,27 +428,31 @@ def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[i
     """The loops fused into the parallel outer loop, outermost first: ``[v_outer, *spatial]``
     (channel tiles outermost), or ``[n, h, v_outer, w tiles]`` (the channel tiles just above the
     innermost spatial tiles) for a convolution (three reductions) whose weights
-    (``kh*kw*ci*co`` floats) fit :data:`ROWS_OUTER_WEIGHT_BYTES`.
+    (``kh*kw*ci*co`` floats) fit :data:`ROWS_OUTER_WEIGHT_BYTES`, at batch 1.
 
-    Shapes it is for: the 3x3 convs of ResNet-style stages with up to 128 channels and RGB stems,
-    at any batch. TVM's pool splits the fused loop statically, chunk i to thread i: with channel
-    tiles outermost, thread 0 wrote channels 0..co/2 of every pixel and thread 1 the rest, while
-    the next kernel (the next conv's pad copy, a pool, an add), split by rows, read each of its
-    rows half from the other core's cache. Pixels outermost, each thread writes whole rows, the
-    rows the next kernel's same thread reads. Channel tiles stay above the width tiles so that
-    one panel serves a whole output row before the next. Not for RGB stems (fewer than 4 input
-    channels): their one-vector panels (:func:`_stem_vectors`) are meant to be reused from L1
-    over the whole map; per row, ResNet-18's 7x7 stem ran 1.09-1.14x slower on one thread
-    (three paired runs, load ~2-3) for a smaller 2-thread gain. The price: each thread reads all the weights per output row instead of half of
-    them, hence the L2 bound (a 3x3 256 -> 256 conv, 2.25 MiB, keeps channel tiles outermost and
-    one weight panel in L2 while the row tiles stream). Measured: see docs/per_device_speed.md,
+    Shapes it is for: the 3x3 convs of ResNet-style stages with up to 128 channels at batch 1.
+    TVM's pool splits the fused loop statically, chunk i to thread i: with channel tiles
+    outermost, thread 0 wrote channels 0..co/2 of every pixel and thread 1 the rest, while the
+    next kernel (the next conv's pad copy, a pool, an add), split by rows, read each of its rows
+    half from the other core's cache. Pixels outermost, each thread writes whole rows, the rows
+    the next kernel's same thread reads. Channel tiles stay above the width tiles so that one
+    panel serves a whole output row before the next. Not for RGB stems (fewer than 4 input
+    channels): their one-vector panels (:func:`_stem_vectors`) are meant to be reused from L1 over
+    the whole map; per row, ResNet-18's 7x7 stem ran 1.09-1.14x slower on one thread (three paired
+    runs, load ~2-3) for a smaller 2-thread gain. The price: each thread reads all the weights per
+    output row instead of half of them, hence the L2 bound (a 3x3 256 -> 256 conv, 2.25 MiB, keeps
+    channel tiles outermost and one weight panel in L2 while the row tiles stream). Not at batch >
+    1: there the maps no longer fit a core's L2 either way, resnet18 at batch 8 already scaled
+    1.99x with channel tiles outermost, and its 64- and 128-channel convs ran 1.04-1.18x slower on
+    one thread pixels first (one paired run, load ~3). Measured: see docs/per_device_speed.md,
     "The quiet run after steps 5-7"."""
     weight = 4 * exts[vec_pos]
     for i in r_idx:
         weight *= exts[i]
     stem = exts[r_idx[-1]] < 4 if r_idx else False  # RGB input: see below
+    single = exts[0] == 1  # batch 1 (the first loop of an NHWC conv is n)
     if ROWS_OUTER_CONV and len(r_idx) == 3 and len(spatial_outer) > 1 and weight <= ROWS_OUTER_WEIGHT_BYTES \
-            and not stem:
+            and not stem and single:
         return [*spatial_outer[:-1], v_outer, spatial_outer[-1]]
     return [v_outer, *spatial_outer]
 
