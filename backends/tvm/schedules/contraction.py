@@ -11,14 +11,17 @@ Schedule (the classic register-blocked GEMM applied to the block's own loop nest
                 acc[i, j*V+v] += a[..i..] * b[..j*V+v..]
         out[tile] = epilogue(acc)                   # bias/affine/add/relu fused here
 
-``vec_axis`` is the output's innermost axis (channels in NHWC, columns of a matmul), split
-into ``nj`` vectors of ``V`` lanes; ``row_axis`` is the next spatial axis that has extent > 1
-(output width, matmul rows), blocked by ``ni``. The weight panel of one ``vec_axis`` tile
-stays in L2 while every row tile streams past it (a convolution's constant weights are packed
-into contiguous panels at build time: :func:`_pack_conv_weights`). Producers are materialised
-and scheduled as injective loops (a transposed operand becomes contiguous once instead of
-gathered in the inner loop), except copies that change nothing (the ``pad_temp`` TOPI writes
-for a convolution without padding), which are inlined (:data:`INLINE_IDENTITY_COPIES`).
+``vec_axis`` is the output's innermost axis (channels in NHWC, columns of a matmul), split into
+``nj`` vectors of ``V`` lanes; ``row_axis`` is the next spatial axis that has extent > 1
+(output width, matmul rows), blocked by ``ni``. At batch 1 a convolution with at most 1 MiB of
+weights fuses ``(n, h, vec_axis.o, row_axis.o)`` instead, so that each thread writes whole
+output rows (:data:`ROWS_OUTER_CONV`, :func:`_parallel_order`). The weight panel of one
+``vec_axis`` tile stays in L2 while every row tile streams past it (a convolution's constant
+weights are packed into contiguous panels at build time: :func:`_pack_conv_weights`). Producers
+are materialised and scheduled as injective loops (a transposed operand becomes contiguous once
+instead of gathered in the inner loop), except copies that change nothing (the ``pad_temp``
+TOPI writes for a convolution without padding), which are inlined
+(:data:`INLINE_IDENTITY_COPIES`).
 
 Applies only when every read of the reduction block either does not use the vector axis or
 uses it in its last (contiguous) dimension; otherwise the inner loop would gather, so the
