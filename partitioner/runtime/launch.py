@@ -16,11 +16,11 @@ Rules:
 6. The watcher that names a silently dead rank (:class:`_RankWatcher`) scans the process tree
    (about 2 ms of CPU per scan, every 5 ms) only until it has found every rank, then every
    ``RESCAN_POLLS``-th poll (about once a second), while the ranks' liveness is still read every
-   5 ms: in that steady state the watcher takes 0.055 ms of CPU per poll, 1.1% of a core (0.16
-   ms, 3%, when it rescanned every 20th poll; measured). A rank is a child running the launched
-   worker module (``partitioner.runtime.worker``, or ``partitioner.training.mpi_worker`` for
-   training). Were a rank never recognised, the scan would take about a quarter of a core for
-   the whole run, from the cores the ranks are pinned to.
+   5 ms where rule 7 cannot block instead: in that steady state the watcher takes 0.055 ms of
+   CPU per poll, 1.1% of a core (0.16 ms, 3%, when it rescanned every 20th poll; measured).
+   A rank is a child running the launched worker module (``partitioner.runtime.worker``, or
+   ``partitioner.training.mpi_worker`` for training). Were a rank never recognised, the scan
+   would take about a quarter of a core for the whole run, from the cores the ranks are pinned to.
 7. Once every rank is known, the watcher no longer wakes every 5 ms: it blocks on the ranks'
    pidfds (``os.pidfd_open``, Linux 5.3+) until one ends, ``stop`` is called, or the next rescan
    is due (``STEADY_WAIT_S``), so an exit is still recorded at once and in order. For MPI ranks
