@@ -156,18 +156,8 @@ def profile_ours(exes: list[Any], feeds: dict[str, np.ndarray], runs: int) -> li
             for runs_i in per_run]
 
 
-def thread_scaling(ex: Any, infos: dict[str, dict[str, Any]], feeds: dict[str, np.ndarray],
-                   runs: int) -> list[dict[str, Any]]:
-    """Per kernel call site of our build: its wall time on 1 and on 2 threads (``--scaling``).
-
-    The two thread counts alternate run by run (``configure_threads`` between runs, one warm-up
-    run after each switch), each call timed with ``time.perf_counter`` from the VM hook, and a
-    call's time is its *minimum* over ``runs``: on a shared machine a 2-thread kernel is slowed
-    whenever another process holds the second core (TVM splits a parallel loop statically, so
-    the kernel waits for the slower half), and the minimum is the run where both cores were
-    free. A ratio near 1.0 for a kernel that takes > 50 us means its parallel split does not
-    pay (or the loop is serial: ``threads.worth_parallel``); the sum over kernels is the
-    2-thread speed-up of the kernel time, free of the fork/join of idle gaps between runs."""
+def time_calls(ex: Any, feeds: dict[str, np.ndarray], runs: int) -> dict[int, list[list[tuple[str, float]]]]:
+    """Per thread count (1, 2): per run, (symbol, wall seconds) of every kernel call in order."""
     import tvm
     from tvm import relax
 
@@ -185,19 +175,35 @@ def thread_scaling(ex: Any, infos: dict[str, dict[str, Any]], feeds: dict[str, n
         return 0
 
     vm.set_instrument(instrument)
-    best: dict[int, list[float]] = {}
+    per: dict[int, list[list[tuple[str, float]]]] = {1: [], 2: []}
     for _ in range(runs):
-        for threads in (1, 2):
+        for threads in per:
             configure_threads(threads)
-            vm["main"](*args)
+            state["calls"] = []
+            vm["main"](*args)  # warm-up after the reconfiguration, not recorded
             state["calls"] = []
             vm["main"](*args)
-            times = [t for _, t in state["calls"]]
-            best[threads] = [min(a, b) for a, b in zip(best.get(threads, times), times)]
-    configure_threads(1)
+            per[threads].append(state["calls"])
+    return per
+
+
+def thread_scaling(ex: Any, infos: dict[str, dict[str, Any]], feeds: dict[str, np.ndarray],
+                   runs: int) -> list[dict[str, Any]]:
+    """Per kernel call site of our build: its wall time on 1 and on 2 threads (``--scaling``).
+
+    The two thread counts alternate run by run (``configure_threads`` between runs, one warm-up
+    run after each switch), each call timed with ``time.perf_counter`` from the VM hook, and a
+    call's time is its *minimum* over ``runs``: on a shared machine a 2-thread kernel is slowed
+    whenever another process holds the second core (TVM splits a parallel loop statically, so
+    the kernel waits for the slower half), and the minimum is the run where both cores were
+    free. A ratio near 1.0 for a kernel that takes > 50 us means its parallel split does not
+    pay (or the loop is serial: ``threads.worth_parallel``); the sum over kernels is the
+    2-thread speed-up of the kernel time, free of the fork/join of idle gaps between runs."""
+    per = time_calls(ex, feeds, runs)
+    best = {threads: [min(call[1] for call in calls) for calls in zip(*runs_)] for threads, runs_ in per.items()}
     return [{"symbol": sym, "layer": infos.get(sym, {}).get("layer") or infos.get(sym, {}).get("class"),
              "t1_ms": 1e3 * t1, "t2_ms": 1e3 * t2}
-            for (sym, _), t1, t2 in zip(state["calls"], best[1], best[2]) if not sym.startswith("vm.builtin")]
+            for (sym, _), t1, t2 in zip(per[1][0], best[1], best[2]) if not sym.startswith("vm.builtin")]
 
 
 def print_scaling(key: str, batch: int, rows: list[dict[str, Any]], n: int) -> None:

@@ -24,7 +24,6 @@ import argparse
 import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +42,9 @@ def _load(name: str) -> Any:
     return mod
 
 
-def time_calls(ex: Any, feeds: dict[str, np.ndarray], runs: int) -> dict[int, list[list[tuple[str, float]]]]:
-    """Per thread count (1, 2): per run, (symbol, wall seconds) of every kernel call in order."""
-    import tvm
-    from tvm import relax
-
-    from backends.tvm.executable import configure_threads
-
-    args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    state: dict[str, Any] = {"calls": []}
-
-    def instrument(func: Any, symbol: str, before: bool, ret: Any, *a: Any) -> int:
-        if before:
-            state["t"] = time.perf_counter()
-        else:
-            state["calls"].append((str(symbol), time.perf_counter() - state["t"]))
-        return 0
-
-    vm.set_instrument(instrument)
-    per: dict[int, list[list[tuple[str, float]]]] = {1: [], 2: []}
-    for _ in range(runs):
-        for threads in per:
-            configure_threads(threads)
-            state["calls"] = []
-            vm["main"](*args)  # warm-up after the reconfiguration, not recorded
-            state["calls"] = []
-            vm["main"](*args)
-            per[threads].append(state["calls"])
-    return per
-
-
 def summarise(per: dict[int, list[list[tuple[str, float]]]], infos: dict[str, dict[str, Any]],
               percentile: float) -> dict[str, Any]:
-    """Sum and per-symbol figures (seconds) from :func:`time_calls`' samples."""
+    """Sum and per-symbol figures (seconds) from ``kernel_profile.time_calls``' samples."""
     sites = [call[0] for call in per[1][0]]
     by_symbol: dict[str, dict[str, Any]] = {}
     total = {1: 0.0, 2: 0.0}
@@ -134,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"build {key} b{batch}", file=sys.stderr, flush=True)
             ex, infos = kp.build_ours(m, target)
-            res = summarise(time_calls(ex, pd._feeds(m), args.runs), infos, args.percentile)
+            res = summarise(kp.time_calls(ex, pd._feeds(m), args.runs), infos, args.percentile)
             print_report(key, batch, res, args.top, args.percentile)
             results.append({"model": key, "batch": batch, **res})
     path = Path(args.json)
