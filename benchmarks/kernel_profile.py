@@ -206,6 +206,20 @@ def thread_scaling(ex: Any, infos: dict[str, dict[str, Any]], feeds: dict[str, n
             for (sym, _), t1, t2 in zip(per[1][0], best[1], best[2]) if not sym.startswith("vm.builtin")]
 
 
+def paired_scaling(builds: list[tuple[Any, dict[str, dict[str, Any]]]], feeds: dict[str, np.ndarray],
+                   rounds: int) -> list[list[dict[str, Any]]]:
+    """:func:`thread_scaling` of several builds (``--scaling --baseline``) in ``rounds`` interleaved
+    rounds of 3 runs each (the order alternating round by round), each call site's minimum over
+    the rounds: a before/after of a schedule change on 2 threads from one process."""
+    per: list[list[list[dict[str, Any]]]] = [[] for _ in builds]
+    for r in range(rounds):
+        order = range(len(builds)) if r % 2 == 0 else reversed(range(len(builds)))
+        for i in order:
+            per[i].append(thread_scaling(*builds[i], feeds, 3))
+    return [[{**sites[0], "t1_ms": min(x["t1_ms"] for x in sites), "t2_ms": min(x["t2_ms"] for x in sites)}
+             for sites in zip(*runs)] for runs in per]
+
+
 def print_scaling(key: str, batch: int, rows: list[dict[str, Any]], n: int) -> None:
     t1, t2 = sum(r["t1_ms"] for r in rows), sum(r["t2_ms"] for r in rows)
     print(f"\n{key} b{batch}: kernel time 1 thread {t1:.2f} ms, 2 threads {t2:.2f} ms (speed-up {t1 / t2:.2f}x)")
@@ -349,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                          "backends.tvm.schedules.depthwise.PAD_INLINE=False) and time both builds "
                          "in interleaved rounds: the before/after ratio per class")
     ap.add_argument("--scaling", action="store_true",
-                    help="instead: per kernel, wall time on 1 vs 2 threads (min over --runs; no ORT)")
+                    help="instead: per kernel, wall time on 1 vs 2 threads (min over --runs; no ORT); "
+                         "with --baseline, both builds in --runs interleaved rounds of 3 runs")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
 
@@ -371,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
                 feeds = pd._feeds(m)
                 print(f"build {key} b{batch}", file=sys.stderr, flush=True)
                 ex, infos = build_ours(m, target)
+                if args.scaling and args.baseline:
+                    with with_settings(args.baseline):
+                        base = build_ours(m, target)
+                    rows, base_rows = paired_scaling([(ex, infos), base], feeds, args.runs)
+                    print_scaling(key, batch, rows, args.layers)
+                    print_scaling(f"{key} baseline ({' '.join(args.baseline)}), same rounds", batch, base_rows, 0)
+                    results.append({"model": key, "batch": batch, "scaling": rows,
+                                    "baseline": {"settings": args.baseline, "scaling": base_rows}})
+                    continue
                 if args.scaling:
                     rows = thread_scaling(ex, infos, feeds, args.runs)
                     print_scaling(key, batch, rows, args.layers)
