@@ -67,6 +67,12 @@ FEW_CHANNELS_ACCUMULATORS = 16
 ROWS_OUTER_CONV = True
 #: ... the bound: the L2 of one core (Zen 4: 1 MiB), as ``gemm_packed.ROWS_OUTER_B_BYTES``
 ROWS_OUTER_WEIGHT_BYTES = 1 << 20
+#: convolutions on wide maps whose input exceeds :data:`WIDE_INPUT_BYTES` take a 2 x 2 pixel x
+#: 4 channel vector register tile, so the input is swept half as often (:func:`_wide_input_rows`);
+#: off: 8 pixels x 2 vectors
+WIDE_INPUT_TILE = True
+#: ... the bound: the L2 of one core (Zen 4: 1 MiB); an input that fits is re-read from L2
+WIDE_INPUT_BYTES = 1 << 20
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -117,6 +123,8 @@ class Contraction(TryRule):
         vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
         nj = _stem_vectors(exts, r_idx, vec, nj_default)
         col_pos, hi = None, 1
+        if vec == lanes and row_pos is not None and ni >= NARROW_ROWS and nj == nj_default:
+            ni = _wide_input_rows(exts, r_idx, vec_pos, row_pos, vec, ni, _input_bytes(stmt, vec_pos))
         if vec > 1 and row_pos is not None and ni < NARROW_ROWS:
             col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
             hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
@@ -378,7 +386,8 @@ def _narrow_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int, vec
     vectors ``nj`` (dividing the channel vectors) maximise FMAs per load, P·nj / (P + nj) with
     P = ``hi * ni`` pixels, then the accumulators, then prefer fewer rows, within
     :data:`MAX_ACCUMULATORS` and the register file (P·nj accumulators + nj weight vectors + 1
-    broadcast): 2x2 maps get 4 pixels x 4 vectors, 4x4 maps 4 pixels x 4 vectors (AVX-512). Measured (Zen 4, 1 thread, thread CPU time, conv 3x3 + bias + ReLU): 512 -> 512
+    broadcast): 2x2 maps get 4 pixels x 4 vectors, 4x4 maps 4 pixels x 4 vectors (AVX-512).
+    Wide maps whose input exceeds L2 come here too, with ``ni`` = 2 (:func:`_wide_input_rows`). Measured (Zen 4, 1 thread, thread CPU time, conv 3x3 + bias + ReLU): 512 -> 512
     channels on a 2x2 map 687 -> ~400 us at batch 1, on 4x4 949 -> ~820 us."""
     his = [1] + ([c for c in (2, 3, 4) if c * ni <= 8 and exts[col_pos] % c == 0] if col_pos is not None else [])
     vectors = exts[s_idx[-1]] // vec
@@ -425,6 +434,59 @@ def _few_channels_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: in
                 continue
             best = max(best, (acc / (pixels + nj), acc, -hi, hi, nj))
     return best[3], best[4]
+
+
+def _input_bytes(stmt: Any, vec_pos: int) -> int:
+    """Bytes of the largest buffer the block reads without the vector axis (a conv's input or
+    its padded copy; a matmul's A)."""
+    vec_var = list(stmt.iter_vars)[vec_pos].var
+    sizes = [0]
+    for read in stmt.reads:
+        if any(_uses(r.min, vec_var) for r in read.region):
+            continue
+        n = read.source.dtype.bits // 8
+        for d in read.source.shape:
+            if not hasattr(d, "value"):
+                break
+            n *= int(d.value)
+        else:
+            sizes.append(n)
+    return max(sizes)
+
+
+def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, vec: int, ni: int,
+                     input_bytes: int) -> int:
+    """The row tile for a direct convolution on a wide map (the default row tile ``ni`` has at
+    least :data:`NARROW_ROWS` pixels) whose input is larger than :data:`WIDE_INPUT_BYTES`: 2,
+    where 2 divides the row and the output has a multiple of 4 channel vectors; else ``ni``.
+    With 2 pixels per row the tile goes through :func:`_narrow_tile`, which picks the pixel
+    block and the channel vectors: 2 x 2 pixels x 4 vectors (64 channels, 16 accumulators)
+    wherever the output height is even.
+
+    Shapes it is for: the 3x3 convs of ResNet stages at 64-256 output channels at batch 4-8
+    (224x224 images at batch 4: 64 channels on 56x56, 128 on 28x28; 112x112 at batch 8: 64 on
+    28x28), stride 1 or 2, whose input (1.1-3.2 MiB) no longer fits one core's L2. The channel
+    tiles are the outermost parallel loop, so every tile of output channels sweeps the whole
+    input again: with the default 8 pixels x 2 vectors a 64-channel conv read its input twice
+    from L3, with 4 vectors once (128 channels: 4 sweeps -> 2); and a 2 x 2 pixel block reads 4
+    x 4 input pixels per tap row pair where an 8 x 1 row reads 10 x 3 (stride 2: 5 x 5 against
+    17 x 3). Not for RGB stems (fewer than 4 input channels: their L1-sized panel,
+    :func:`_stem_vectors`; 4-16 pixel tiles ran 1.10-1.15x slower there), nor narrow channel
+    counts (their own tile, :func:`_few_channels_tile`; 16-32 channels already sweep once), nor
+    convs whose parallel loop runs rows outermost (batch 1, :func:`_parallel_order`: no
+    channel-tile sweeps), nor inputs that fit L2 (256 -> 256 on 14x14 at batch 4, 0.8 MiB:
+    0.99-1.01x). Measured (one conv + bias + ReLU, valid padding, kernel thread time, 11-21
+    interleaved runs, 1 thread, load 1.3-4; new / old): 64 -> 64 on 56x56 b4 8.55 / 9.26 ms
+    (ORT 8.2), 128 -> 128 on 28x28 b4 8.43 / 8.8, 64 -> 128 stride 2 on 56x56 b4 4.91 / 5.7,
+    64 -> 64 on 28x28 b8 4.35 / 4.61, 256 -> 256 on 14x14 b8 17.7 / 18.3."""
+    weight = 4 * exts[vec_pos]
+    for i in r_idx:
+        weight *= exts[i]
+    rows_outer = ROWS_OUTER_CONV and exts[0] == 1 and weight <= ROWS_OUTER_WEIGHT_BYTES  # _parallel_order
+    if (not WIDE_INPUT_TILE or rows_outer or len(r_idx) != 3 or exts[r_idx[-1]] < 4
+            or input_bytes <= WIDE_INPUT_BYTES or exts[row_pos] % 2 or (exts[vec_pos] // vec) % 4):
+        return ni
+    return 2
 
 
 def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[int], vec_pos: int) -> list:
