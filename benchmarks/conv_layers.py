@@ -1,5 +1,6 @@
-"""Conv + bias + ReLU layers of the zoo's resnet18 / resnet50 / mobilenet (the per_device sizes),
-one layer at a time: our builds against ONNX Runtime, in one process, 1 thread.
+"""Conv + bias + ReLU layers of the zoo's resnet18 / resnet50 / mobilenet (the per_device sizes,
+and resnet18 at 224x224 as bench_runtime.py runs it), one layer at a time: our builds against
+ONNX Runtime, in one process, 1 thread.
 
     python benchmarks/conv_layers.py [--batches 1,8] [--variants direct,im2col] [--repeats 7] [--json FILE]
                                      [--only resnet18] [--layers 512x4,256x7] [--baseline MODULE.ATTR=VALUE]
@@ -15,7 +16,9 @@ with few FLOPs per output byte (1x1 convs with K <= 64, the 3-channel stem) the 
 includes those copies, which a whole model pays once.
 ``--baseline MODULE.ATTR=VALUE`` (repeatable) also builds each ``direct`` layer with those
 schedule settings (variant ``base``: the "before" of a schedule change), timed in the same
-interleaved rounds; ``--layers CIxSIZE,..`` keeps only those layers.
+interleaved rounds; ``--layers CIxSIZE,..`` keeps only those layers;
+``--only resnet18_224 --batches 4,8`` times the layers one data-parallel rank of
+``bench_runtime.py``'s resnet runs (batch 8 split over 2 ranks).
 Results: ``benchmarks/results/conv_layers.json`` (not committed from a loaded machine).
 """
 
@@ -46,6 +49,9 @@ LAYERS = [
     ("resnet50", 1024, 4, 256, 1, 1), ("resnet50", 64, 16, 256, 1, 1), ("resnet50", 512, 2, 2048, 1, 1),
     ("mobilenet", 96, 7, 576, 1, 1), ("mobilenet", 160, 4, 960, 1, 1), ("mobilenet", 24, 28, 144, 1, 1),
     ("mobilenet", 576, 7, 96, 1, 1),
+    # resnet18 at 224x224 (bench_runtime's resnet; each data-parallel rank runs batch 4): the
+    # convs whose input exceeds L2 at batch 4-8 (contraction.WIDE_INPUT_TILE)
+    ("resnet18_224", 64, 56, 64, 3, 1), ("resnet18_224", 64, 56, 128, 3, 2), ("resnet18_224", 128, 28, 128, 3, 1),
 ]
 
 

@@ -15,7 +15,9 @@ Schedule (the classic register-blocked GEMM applied to the block's own loop nest
 ``nj`` vectors of ``V`` lanes; ``row_axis`` is the next spatial axis that has extent > 1
 (output width, matmul rows), blocked by ``ni``. At batch 1 a convolution with at most 1 MiB of
 weights fuses ``(n, h, vec_axis.o, row_axis.o)`` instead, so that each thread writes whole
-output rows (:data:`ROWS_OUTER_CONV`, :func:`_parallel_order`). The weight panel of one
+output rows (:data:`ROWS_OUTER_CONV`, :func:`_parallel_order`); at batch > 1 a convolution whose
+input exceeds L2 takes 4 channel vectors per tile, so the channel tiles sweep it fewer times
+(:data:`WIDE_INPUT_TILE`, :func:`_wide_input_rows`). The weight panel of one
 ``vec_axis`` tile stays in L2 while every row tile streams past it (a convolution's constant
 weights are packed into contiguous panels at build time: :func:`_pack_conv_weights`). Producers
 are materialised and scheduled as injective loops (a transposed operand becomes contiguous once
@@ -468,9 +470,9 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
     28x28), stride 1 or 2, whose input (1.1-3.2 MiB) no longer fits one core's L2. The channel
     tiles are the outermost parallel loop, so every tile of output channels sweeps the whole
     input again: with the default 8 pixels x 2 vectors a 64-channel conv read its input twice
-    from L3, with 4 vectors once (128 channels: 4 sweeps -> 2); and a 2 x 2 pixel block reads 4
-    x 4 input pixels per tap row pair where an 8 x 1 row reads 10 x 3 (stride 2: 5 x 5 against
-    17 x 3). Not for RGB stems (fewer than 4 input channels: their L1-sized panel,
+    from L3, with 4 vectors once (128 channels: 4 sweeps -> 2). The channel vectors are what
+    counts: 2 x 2 and 4 x 1 pixels x 4 vectors ran the same at stride 1 (2 x 2 0.91x of 4 x 1 at
+    stride 2). Not for RGB stems (fewer than 4 input channels: their L1-sized panel,
     :func:`_stem_vectors`; 4-16 pixel tiles ran 1.10-1.15x slower there), nor narrow channel
     counts (their own tile, :func:`_few_channels_tile`; 16-32 channels already sweep once), nor
     convs whose parallel loop runs rows outermost (batch 1, :func:`_parallel_order`: no
