@@ -462,8 +462,9 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
     least :data:`NARROW_ROWS` pixels) whose input is larger than :data:`WIDE_INPUT_BYTES`: 2,
     where 2 divides the row and the output has a multiple of 4 channel vectors; else ``ni``.
     With 2 pixels per row the tile goes through :func:`_narrow_tile`, which picks the pixel
-    block and the channel vectors: 2 x 2 pixels x 4 vectors (64 channels, 16 accumulators)
-    wherever the output height is even.
+    block and the channel vectors: on AVX-512 2 x 2 pixels x 4 vectors (64 channels, 16
+    accumulators) wherever the output height is even; on AVX2 (16 registers) 2 pixels x 4
+    vectors of 8 lanes (8 accumulators; still half the default's sweeps, not measured).
 
     Shapes it is for: the 3x3 convs of ResNet stages at 64-256 output channels at batch 4-8
     (224x224 images at batch 4: 64 channels on 56x56, 128 on 28x28; 112x112 at batch 8: 64 on
