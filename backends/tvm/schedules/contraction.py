@@ -389,8 +389,9 @@ def _narrow_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int, vec
     P = ``hi * ni`` pixels, then the accumulators, then prefer fewer rows, within
     :data:`MAX_ACCUMULATORS` and the register file (P·nj accumulators + nj weight vectors + 1
     broadcast): 2x2 maps get 4 pixels x 4 vectors, 4x4 maps 4 pixels x 4 vectors (AVX-512).
-    Wide maps whose input exceeds L2 come here too, with ``ni`` = 2 (:func:`_wide_input_rows`). Measured (Zen 4, 1 thread, thread CPU time, conv 3x3 + bias + ReLU): 512 -> 512
-    channels on a 2x2 map 687 -> ~400 us at batch 1, on 4x4 949 -> ~820 us."""
+    Wide maps whose input exceeds L2 come here too, with ``ni`` = 2 (:func:`_wide_input_rows`).
+    Measured (Zen 4, 1 thread, thread CPU time, conv 3x3 + bias + ReLU): 512 -> 512 channels on a
+    2x2 map 687 -> ~400 us at batch 1, on 4x4 949 -> ~820 us."""
     his = [1] + ([c for c in (2, 3, 4) if c * ni <= 8 and exts[col_pos] % c == 0] if col_pos is not None else [])
     vectors = exts[s_idx[-1]] // vec
     best = (0.0, 0, 0, 1, 1)
@@ -463,8 +464,9 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
     where 2 divides the row and the output has a multiple of 4 channel vectors; else ``ni``.
     With 2 pixels per row the tile goes through :func:`_narrow_tile`, which picks the pixel
     block and the channel vectors: on AVX-512 2 x 2 pixels x 4 vectors (64 channels, 16
-    accumulators) wherever the output height is even; on AVX2 (16 registers) 2 pixels x 4
-    vectors of 8 lanes (8 accumulators; still half the default's sweeps, not measured).
+    accumulators) where the output height is even and not a multiple of 3, 3 x 2 pixels x 4
+    vectors (24 accumulators) where it is; on AVX2 (16 registers) 2 pixels x 4 vectors of 8
+    lanes (8 accumulators; still half the default's sweeps, not measured).
 
     Shapes it is for: the 3x3 convs of ResNet stages at 64-256 output channels at batch 4-8
     (224x224 images at batch 4: 64 channels on 56x56, 128 on 28x28; 112x112 at batch 8: 64 on
@@ -481,7 +483,8 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
     0.99-1.01x). Measured (one conv + bias + ReLU, valid padding, kernel thread time, 11-21
     interleaved runs, 1 thread, load 1.3-4; new / old): 64 -> 64 on 56x56 b4 8.55 / 9.26 ms
     (ORT 8.2), 128 -> 128 on 28x28 b4 8.43 / 8.8, 64 -> 128 stride 2 on 56x56 b4 4.91 / 5.7,
-    64 -> 64 on 28x28 b8 4.35 / 4.61, 256 -> 256 on 14x14 b8 17.7 / 18.3."""
+    64 -> 64 on 28x28 b8 4.35 / 4.61, 256 -> 256 on 14x14 b8 17.7 / 18.3; the 3 x 2 x 4 tile:
+    64 -> 64 on 48x48 b4 (padded) 6.45 / 7.07."""
     weight = 4 * exts[vec_pos]
     for i in r_idx:
         weight *= exts[i]
