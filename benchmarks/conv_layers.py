@@ -51,7 +51,8 @@ LAYERS = [
     ("mobilenet", 576, 7, 96, 1, 1),
     # resnet18 at 224x224 (bench_runtime's resnet; each data-parallel rank runs batch 4): the
     # convs whose input exceeds L2 at batch 4-8 (contraction.WIDE_INPUT_TILE)
-    ("resnet18_224", 64, 56, 64, 3, 1), ("resnet18_224", 64, 56, 128, 3, 2), ("resnet18_224", 128, 28, 128, 3, 1),
+    ("resnet18_224", 64, 56, 64, 3, 1), ("resnet18_224", 64, 56, 128, 3, 2),
+    ("resnet18_224", 128, 28, 128, 3, 1),
 ]
 
 
