@@ -71,6 +71,7 @@ class Stage:
     backward: onnx.ModelProto | None = None
     fused: onnx.ModelProto | None = None
     update: onnx.ModelProto | None = None
+    prepare: onnx.ModelProto | None = None  # rule 9: weight-only work, once per step
     stash: list[str] = field(default_factory=list)
     initial: dict[str, np.ndarray] = field(default_factory=dict)
     update_pairs: list[tuple[str, str]] = field(default_factory=list)
@@ -196,8 +197,11 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
 
 def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, stages: int, micro_batches: int,
                    schedule: str = "1f1b", trainable: Sequence[str] | None = None,
-                   label_name: str = "labels", memory_limit: float | None = None) -> PipelinePlan:
-    """Rules 1-2: the stages' F/B (or fused) and update programs for micro-batches of ``batch / M``."""
+                   label_name: str = "labels", memory_limit: float | None = None,
+                   backend: str = "onnxruntime") -> PipelinePlan:
+    """Rules 1-2 and 9: the stages' F/B (or fused), prepare and update programs for micro-batches
+    of ``batch / M``, for ``backend`` (rule 9's Gemm rewrite is TVM's)."""
+    from partitioner.training.hoist import hoist_stage_programs
     from partitioner.training.step import default_trainable
 
     if schedule not in SCHEDULES:
@@ -220,6 +224,9 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     out_stages = []
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute)
+        (stage.forward, stage.backward, stage.fused), stage.prepare = hoist_stage_programs(
+            f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused], stage.weights,
+            micro_batches=micro_batches, transpose_gemm=backend == "tvm")
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)

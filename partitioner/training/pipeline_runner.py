@@ -79,9 +79,11 @@ class PipelineRunner:
         folder = Path(workdir) / f"stage{stage}" if workdir is not None else None
         st = self.stage
         self._exe = {kind: executable(prog, backend, folder, threads)
-                     for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update))
+                     for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update),
+                                        ("P", st.prepare))
                      if prog is not None}
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
+        self._hoisted: dict[str, np.ndarray] = {}  # rule 9: the prepare program's outputs, this step
         self.peak_stash = 0
         self.steps = 0
         # rule 8: a recomputing B reruns the forward, BN statistics included
@@ -96,6 +98,8 @@ class PipelineRunner:
             rows = slice(self.replica * plan.batch, (self.replica + 1) * plan.batch)
             data, labels = {k: v[rows] for k, v in data.items()}, labels[rows]
         acc: dict[str, np.ndarray] = {}  # the first micro-batch's gradients, then summed in place
+        if "P" in self._exe:  # rule 9: weight-only values, once per step
+            self._hoisted = self._exe["P"].run({w: self.state[w] for w in st.weights}, self.comm)
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
         for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches):
@@ -119,6 +123,7 @@ class PipelineRunner:
                     continue
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
+        self._hoisted = {}
         self._update(acc)
         self.steps += 1
         return self._global_loss(losses)
@@ -131,6 +136,7 @@ class PipelineRunner:
             feeds[v] = self.comm.recv(self.ranks[src], tag(plan, m, v, False), shape, dtype)
         feeds.update({w: self.state[w] for w in st.weights})
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
+        feeds.update(self._hoisted)
         return feeds
 
     def _backward(self, m: int, stashed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -140,6 +146,7 @@ class PipelineRunner:
         feeds = dict(stashed)
         feeds.update({w: self.state[w] for w in st.weights})
         feeds.update({a: self.state[a] for a in self._b_bn})
+        feeds.update(self._hoisted)
         for c, v in st.send:
             key = f"{v}.grad_out"
             if not self._is_float(v):
@@ -247,7 +254,7 @@ def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devic
     if batch % replicas:
         raise UsageError(f"--batch {batch} does not split evenly over {replicas} pipeline replicas")
     plan = build_pipeline(model, loss, optimizer, batch=batch // replicas, stages=stages, micro_batches=micro_batches,
-                          schedule=schedule, trainable=trainable, memory_limit=memory_limit)
+                          schedule=schedule, trainable=trainable, memory_limit=memory_limit, backend=backend)
 
     def runner(rank: int, c: Any, work: Path | None) -> PipelineRunner:
         d, s = divmod(rank, stages)

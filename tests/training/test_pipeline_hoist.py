@@ -1,0 +1,101 @@
+"""Pipeline rule 9 (partitioner/training/hoist.py): weight-only work leaves the micro-batch loop.
+
+The stages' per-micro-batch programs must hold no node computed from the weights alone (on TVM
+plans, no Gemm(transB=1) of a weight either: TVM materialises that transpose per call); a
+stage's ``prepare`` program computes those values once per step; and the hoisted pipeline still
+trains like 1 rank (weights after the steps within rtol 1e-4, atol 1e-5, seeded data).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import models_zoo
+from partitioner.runtime.comm_local import LocalWorld
+from partitioner.training import SGD, build_training_graph
+from partitioner.training import hoist
+from partitioner.training.pipeline import build_pipeline
+from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
+from partitioner.training.runner import StepRunner
+
+from .test_pipeline_training import _batches, _run_pipeline
+
+
+def _model() -> onnx.ModelProto:
+    return models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+
+
+def _weight_only_nodes(program: onnx.ModelProto, weights: set[str]) -> list[str]:
+    consts = {t.name for t in program.graph.initializer}
+    return [n.op_type for n in program.graph.node
+            if n.input and all(i in weights or i in consts for i in n.input if i) and any(i in weights for i in n.input)]
+
+
+def _transposing_gemms(program: onnx.ModelProto, weights: set[str]) -> int:
+    return sum(1 for n in program.graph.node if n.op_type == "Gemm" and n.input[1] in weights
+               and any(a.name == "transB" and a.i for a in n.attribute))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "tvm"])
+def test_no_weight_only_node_runs_per_micro_batch(backend) -> None:
+    plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend=backend)
+    hoisted = 0
+    for st in plan.stages:
+        weights = set(st.weights)
+        for prog in (st.forward, st.backward, st.fused):
+            if prog is None:
+                continue
+            assert _weight_only_nodes(prog, weights) == [], prog.graph.name
+            if backend == "tvm":
+                assert _transposing_gemms(prog, weights) == 0, prog.graph.name
+        if st.prepare is not None:
+            hoisted += len(st.prepare.graph.node)
+            assert {n.op_type for n in st.prepare.graph.node} == {"Transpose"}
+            onnx.checker.check_model(st.prepare, full_check=True)
+    # the backward's MatMul rule transposes a weight in the last stage; TVM plans also the Gemms'
+    assert hoisted >= (2 if backend == "tvm" else 1)
+
+
+def test_one_micro_batch_hoists_nothing() -> None:
+    plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=1, backend="tvm")
+    assert all(st.prepare is None for st in plan.stages)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "tvm"])
+def test_hoisted_pipeline_trains_like_one_rank(backend, tmp_path) -> None:
+    """1F1B, 4 micro-batches, 4 SGD steps on 2 in-process stages against a 1-rank ONNX Runtime
+    step; the prepare program runs once per step."""
+    model, batches = _model(), _batches(4)
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend=backend)
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend=backend, workdir=tmp_path)
+               for s in range(2)]
+    calls = {"n": 0}
+    for r in runners:
+        if "P" in r._exe:
+            run = r._exe["P"].run
+
+            def counted(feeds, comm, run=run):
+                calls["n"] += 1
+                return run(feeds, comm)
+
+            r._exe["P"].run = counted
+    losses = _run_pipeline(runners, batches)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    with_prepare = sum(1 for st in plan.stages if st.prepare is not None)
+    assert with_prepare >= 1 and calls["n"] == len(batches) * with_prepare
+
+
+def test_knob_off_keeps_the_programs(monkeypatch) -> None:
+    monkeypatch.setattr(hoist, "HOIST_WEIGHT_NODES", False)
+    plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    assert all(st.prepare is None for st in plan.stages)
+    last = plan.stages[-1]
+    assert _weight_only_nodes(last.fused, set(last.weights)) or _transposing_gemms(last.fused, set(last.weights))
