@@ -254,7 +254,8 @@ def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devic
     if batch % replicas:
         raise UsageError(f"--batch {batch} does not split evenly over {replicas} pipeline replicas")
     plan = build_pipeline(model, loss, optimizer, batch=batch // replicas, stages=stages, micro_batches=micro_batches,
-                          schedule=schedule, trainable=trainable, memory_limit=memory_limit, backend=backend)
+                          schedule=schedule, trainable=trainable, memory_limit=memory_limit, backend=backend,
+                          comm=comm, ranks=range(devices))
 
     def runner(rank: int, c: Any, work: Path | None) -> PipelineRunner:
         d, s = divmod(rank, stages)
