@@ -5,8 +5,8 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
 1. Stages are contiguous ranges of the forward graph's nodes (topological order) chosen by the
    pipeline strategy's stage DP (:func:`partitioner.strategies.pipeline.best_split`) over each
    node's training cost, with the bytes crossing each cut as the send cost. The cost is the
-   node's measured forward+backward seconds on ONNX Runtime ranks
-   (:mod:`partitioner.training.measured_cut`), else the cost model's (forward FLOPs x 3: the
+   node's forward+backward seconds measured by an ONNX Runtime profile (for TVM plans too:
+   :mod:`partitioner.training.measured_cut`), else the cost model's (forward FLOPs x 3: the
    backward is about twice the forward); ``PipelinePlan.cut`` says which. A weight read by two
    stages is refused (tied weights would need their gradients summed across ranks).
 2. Every stage but the last has two programs per micro-batch: ``F`` (its forward: the values
