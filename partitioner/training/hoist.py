@@ -17,13 +17,16 @@ Rules:
    run once per step before the first micro-batch; the per-micro-batch programs take those
    values as inputs. Identical nodes (same op, inputs and attributes) across ``F``, ``B`` and
    the fused program share one output, named ``hoist.<k>``.
-3. ``transpose_gemm`` (TVM ranks): TVM lowers ``Gemm(A, W, transB=1)`` to a transpose of ``W``
-   materialised on every call, then the matmul (measured, the zoo mlp 4x1024 at micro-batch 128,
-   one thread: 4 ms per 1024x1024 weight, 64 of the last stage's 217 ms of kernels per step, against
-   about 45 ms for the matmuls those transposes feed). Such a Gemm with a weight ``W`` is first
-   rewritten to ``Gemm(A, Transpose(W))``, so rule 1 hoists the transpose. ONNX Runtime's Gemm
-   reads a transposed operand in place, so its ranks keep the attribute (rule 1 still hoists the
-   explicit weight transposes the backward's MatMul rule emits).
+3. TVM plans only. TVM lowers ``Gemm(A, W, transB=1)`` to a transpose of ``W`` materialised on
+   every call, then the matmul (measured, the zoo mlp 4x1024 at micro-batch 128, one thread:
+   4 ms per 1024x1024 weight, 64 of the last stage's 217 ms of kernels per step, against about
+   45 ms for the matmuls those transposes feed); such a Gemm with a weight ``W`` is first
+   rewritten to ``Gemm(A, Transpose(W))``, so rule 1 hoists the transpose, as it does the
+   explicit weight transposes of the backward's MatMul rule. ONNX Runtime reads a transposed
+   operand in place (Gemm's attributes; its MatmulTransposeFusion folds the backward's
+   ``Transpose(W)`` into the MatMul), so on its plans hoisting only adds a step-long buffer:
+   measured, the mlp 2048 wide with Adam, last stage's peak +80 MB through the shared arena's
+   growth for one 16 MiB hoisted transpose. ONNX Runtime plans hoist nothing.
 4. Cost: each hoisted value is alive for the whole step (a weight-sized buffer per transposed
    weight), one more program call per step; the arithmetic is once per step instead of ``M``
    times. With ``M = 1`` nothing is hoisted (nothing to save).
@@ -160,11 +163,12 @@ def _renamed(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
 
 
 def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], weights: Sequence[str], *,
-                         micro_batches: int, transpose_gemm: bool) -> tuple[list[onnx.ModelProto | None], onnx.ModelProto | None]:
+                         micro_batches: int, backend: str) -> tuple[list[onnx.ModelProto | None], onnx.ModelProto | None]:
     """Rules 1-3 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
-    ``<name>.prepare`` (None when nothing is hoisted, ``micro_batches`` is 1 or :data:`HOIST_WEIGHT_NODES` is off)."""
+    ``<name>.prepare`` (None when nothing is hoisted, ``micro_batches`` is 1, ``backend`` is not
+    TVM or :data:`HOIST_WEIGHT_NODES` is off)."""
     present = [p for p in programs if p is not None]
-    if not HOIST_WEIGHT_NODES or micro_batches < 2 or not present or not weights:
+    if not HOIST_WEIGHT_NODES or backend != "tvm" or micro_batches < 2 or not present or not weights:
         return list(programs), None
     hoister = _Hoister(set(weights))
     out: list[onnx.ModelProto | None] = []
@@ -174,8 +178,7 @@ def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], 
             continue
         model = onnx.ModelProto()
         model.CopyFrom(p)
-        if transpose_gemm:
-            _transpose_gemm_weights(model, hoister.weights)
+        _transpose_gemm_weights(model, hoister.weights)
         out.append(hoister.program(model))
     first = present[0]
     return out, hoister.prepare(name, first.opset_import, first.ir_version)

@@ -237,7 +237,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute)
         (stage.forward, stage.backward, stage.fused), stage.prepare = hoist_stage_programs(
             f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused], stage.weights,
-            micro_batches=micro_batches, transpose_gemm=backend == "tvm")
+            micro_batches=micro_batches, backend=backend)
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
