@@ -36,7 +36,8 @@ Rules:
    so the planner (``train --plan``, the bench's prediction) and every rank use the same cut. On
    MPI ranks, rank 0 reads or measures them and sends them to the others
    (:func:`shared_node_seconds`): ranks that measured apart could cut differently. A profile costs
-   about a few training steps at the micro-batch size.
+   about a few training steps at the micro-batch size. A profile taken while other work loaded
+   the machine stays until its file is deleted (``$PARTITIONER_CACHE_DIR``, the calibration's).
 """
 
 from __future__ import annotations
