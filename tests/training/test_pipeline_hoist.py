@@ -100,3 +100,46 @@ def test_knob_off_keeps_the_programs(monkeypatch) -> None:
     assert all(st.prepare is None for st in plan.stages)
     last = plan.stages[-1]
     assert _weight_only_nodes(last.fused, set(last.weights)) or _transposing_gemms(last.fused, set(last.weights))
+
+
+def _conv_net() -> onnx.ModelProto:
+    """Conv 3x3 (pad 1) -> Relu -> Conv 3x3 (pad 1) -> Relu -> Flatten -> Gemm: no BatchNormalization,
+    so a pipeline must match 1 rank."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n) for n, s in
+             (("c1.weight", (4, 2, 3, 3)), ("c2.weight", (6, 4, 3, 3)), ("fc.weight", (10, 6 * 5 * 5)))]
+    nodes = [helper.make_node("Conv", ["input", "c1.weight"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
+             helper.make_node("Conv", ["r1", "c2.weight"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"], name="r2"),
+             helper.make_node("Flatten", ["r2"], ["flat"], name="flat"),
+             helper.make_node("Gemm", ["flat", "fc.weight"], ["logits"], name="fc", transB=1)]
+    g = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [8, 2, 5, 5])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [8, 10])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_conv_transpose_input_gradient_becomes_a_conv_of_a_hoisted_flipped_weight(tmp_path) -> None:
+    """Rule 4 on TVM plans: no ConvTranspose of a weight is left per micro-batch, the prepare
+    program makes the flipped weight, and the pipeline trains like 1 rank (TVM stages against a
+    1-rank ONNX Runtime step, 4 SGD steps, rtol 1e-4, atol 1e-5)."""
+    model = _conv_net()
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    per_mb = [p for st in plan.stages for p in (st.forward, st.backward, st.fused) if p is not None]
+    assert any(n.op_type == "ConvTranspose" for n in
+               build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=1,
+                              backend="tvm").stages[-1].fused.graph.node), "the case must have a ConvTranspose"
+    assert not any(n.op_type == "ConvTranspose" for p in per_mb for n in p.graph.node)
+    assert any(n.op_type == "Slice" for st in plan.stages if st.prepare is not None for n in st.prepare.graph.node)
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
