@@ -59,13 +59,14 @@ PROFILED_FOR = ("onnxruntime", "tvm")  # rule 3: the backends whose plans take t
 COST_MODEL = "cost model"
 MEASURED = "measured (onnxruntime per-node profile)"
 CUT_TAG = 25000
+PROFILE_VERSION = 2  # part of the cache key: bump when the measurement or its aggregation changes
 
 
 def _key(proto: onnx.ModelProto, loss: str) -> str:
     import onnxruntime as ort
 
     h = hashlib.sha1(proto.SerializeToString())
-    h.update(f"{loss}|{ort.__version__}|{RUNS}".encode())
+    h.update(f"{loss}|{ort.__version__}|{RUNS}|{PROFILE_VERSION}".encode())
     return h.hexdigest()
 
 
@@ -147,8 +148,9 @@ def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray 
 
 
 def charged(events: list[dict[str, Any]], owner: dict[str, str], names: list[str]) -> np.ndarray | None:
-    """Rule 2 over ORT profile events: mean seconds per run charged to each forward node (the
-    first run, a warm-up, dropped)."""
+    """Rule 2 over ORT profile events: the median over runs of the seconds charged to each forward
+    node (the first run, a warm-up, dropped; a median, so a run another process preempted does
+    not move the cut)."""
     index = {n: i for i, n in enumerate(names)}
     runs: list[np.ndarray] = []
     spread: list[float] = []
@@ -170,7 +172,7 @@ def charged(events: list[dict[str, Any]], owner: dict[str, str], names: list[str
             runs[-1][i] += e["dur"] * 1e-6
     if len(runs) < 2:
         return None
-    t, rest = np.mean(runs[1:], axis=0), float(np.mean(spread[1:]))
+    t, rest = np.median(runs[1:], axis=0), float(np.median(spread[1:]))
     if t.sum() <= 0:
         return None
     return t * (1.0 + rest / t.sum())

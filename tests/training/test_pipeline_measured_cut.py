@@ -31,10 +31,11 @@ def test_profile_events_are_charged_to_forward_nodes() -> None:
                _ev("grad.a.1", 6), _ev("Cast_7", 7)]
     warm = [dict(e, dur=1000) for e in one_run]  # the first run is a warm-up: dropped
     second = [dict(e, dur=e["dur"] * 3) for e in one_run]
-    t = charged(warm + one_run + second, owner, ["fa", "fb"])
-    # mean of runs 2-3: fa (10+6)*2 = 32, fb (20+30+4 loss)*2 = 108 us; the unnamed cast (14 us)
-    # spread in proportion: x (1 + 14/140)
-    np.testing.assert_allclose(t, np.array([32.0, 108.0]) * 1.1 * 1e-6, rtol=1e-12)
+    preempted = [dict(e, dur=e["dur"] * 50) for e in one_run]
+    t = charged(warm + one_run + second + preempted, owner, ["fa", "fb"])
+    # median of runs 2-4 (x1, x3, x50) is run 3: fa (10+6)*3 = 48, fb (20+30+4 loss)*3 = 162 us;
+    # the unnamed cast (7*3 = 21 us) spread in proportion: x (1 + 21/210)
+    np.testing.assert_allclose(t, np.array([48.0, 162.0]) * 1.1 * 1e-6, rtol=1e-12)
 
 
 def _mlp():
