@@ -21,6 +21,9 @@ Rules:
    (``tvm.runtime.tensor`` costs ~100x more), and outputs are returned as ``np.from_dlpack`` views
    of the VM's fresh result tensors (no copy); an output that is an input buffer or a view of one is copied.
    ``vm_s`` accumulates the seconds spent inside the VM call (for the worker's ``--profile``).
+   With ``reuse_readonly_inputs`` (set by a caller that never changes an array it made
+   read-only: the pipeline runner's weights, constant through a step's micro-batches) a feed
+   that is the very read-only array a buffer was last filled from is not copied again.
 6. Programs with ONNX Runtime fallback segments (:mod:`backends.tvm.fallback`) get one
    ``InferenceSession`` per segment at load time, bound thread-locally around the VM call like the
    communicator; the library calls them through ``partitioner.ort_segment``.
@@ -211,6 +214,8 @@ class TvmRankExecutable:
         self._ort_sessions = fallback.load_sessions(program, self.path, threads=threads)
         self._on_cpu = self.device.dlpack_device_type() == 1
         self._in_bufs: list[tuple[Any, np.ndarray] | None] = [None] * len(self.inputs)
+        self._in_src: list[np.ndarray | None] = [None] * len(self.inputs)  # rule 5: the read-only array copied
+        self.reuse_readonly_inputs = False
         self.vm_s = 0.0
 
     def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
@@ -228,13 +233,16 @@ class TvmRankExecutable:
                 except (RuntimeError, BufferError, TypeError, ValueError):
                     view = None  # bfloat16/float8/int4: numpy's DLPack import lacks the dtype
                 buf = (t, view)
-                self._in_bufs[i] = buf
+                self._in_bufs[i], self._in_src[i] = buf, None
                 if view is None:
                     self._in_bufs[i] = None  # no view to reuse: a fresh tensor per call
                     t.copyfrom(np.asarray(x, order="C"))
                     args.append(t)
                     continue
-            np.copyto(buf[1], x)
+            if x is not self._in_src[i]:
+                np.copyto(buf[1], x)
+                keep = self.reuse_readonly_inputs and isinstance(x, np.ndarray) and not x.flags.writeable
+                self._in_src[i] = x if keep else None
             args.append(buf[0])
         return args
 

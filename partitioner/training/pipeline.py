@@ -4,9 +4,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
 
 1. Stages are contiguous ranges of the forward graph's nodes (topological order) chosen by the
    pipeline strategy's stage DP (:func:`partitioner.strategies.pipeline.best_split`) over each
-   node's training cost (forward FLOPs x 3: the backward is about twice the forward), with the
-   bytes crossing each cut as the send cost. A weight read by two stages is refused (tied
-   weights would need their gradients summed across ranks).
+   node's training cost, with the bytes crossing each cut as the send cost. The cost is the
+   node's forward+backward seconds measured by an ONNX Runtime profile (for TVM plans too:
+   :mod:`partitioner.training.measured_cut`), else the cost model's (forward FLOPs x 3: the
+   backward is about twice the forward); ``PipelinePlan.cut`` says which. A weight read by two
+   stages is refused (tied weights would need their gradients summed across ranks).
 2. Every stage but the last has two programs per micro-batch: ``F`` (its forward: the values
    later stages read, plus the *stash*) and ``B`` (its backward: from the stash and the gradients
    of the values it sent, the gradients of the values it received and of its weights). ``F`` is
@@ -71,6 +73,7 @@ class Stage:
     backward: onnx.ModelProto | None = None
     fused: onnx.ModelProto | None = None
     update: onnx.ModelProto | None = None
+    prepare: onnx.ModelProto | None = None  # rule 9: weight-only work, once per step
     stash: list[str] = field(default_factory=list)
     initial: dict[str, np.ndarray] = field(default_factory=dict)
     update_pairs: list[tuple[str, str]] = field(default_factory=list)
@@ -90,6 +93,7 @@ class PipelinePlan:
     optimizer: Optimizer
     value_ids: dict[str, int]  # one id per exchanged value (message tags)
     recompute: bool = False  # rule 8: stages but the last recompute their forward in B
+    cut: str = "cost model"  # rule 1: which node costs the stage DP balanced
 
     @property
     def num_stages(self) -> int:
@@ -97,20 +101,23 @@ class PipelinePlan:
 
 
 def stage_ends(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
-               in_flight: Sequence[int] | None = None) -> list[int]:
+               in_flight: Sequence[int] | None = None, seconds: np.ndarray | None = None) -> list[int]:
     """Rule 1's cut: the last node index of each stage (:func:`stage_cut`, recompute aside)."""
-    return stage_cut(graph, stages, memory_limit=memory_limit, state_copies=state_copies, in_flight=in_flight)[0]
+    return stage_cut(graph, stages, memory_limit=memory_limit, state_copies=state_copies, in_flight=in_flight,
+                     seconds=seconds)[0]
 
 
 def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
-              in_flight: Sequence[int] | None = None) -> tuple[list[int], bool]:
+              in_flight: Sequence[int] | None = None, seconds: np.ndarray | None = None) -> tuple[list[int], bool]:
     """Rule 1: the last node index of each stage, by the pipeline strategy's DP, and whether the
     stages recompute (rule 8). With ``memory_limit`` every stage must fit it: stage s holds its
     trainable weights as the training cost model counts them (``state_copies`` optimizer copies)
     plus its nodes' outputs x ``in_flight[s]`` (its stashed micro-batches: ``M`` for GPipe,
     ``min(S - s, M)`` for 1F1B); the bottleneck is then minimised over the splits that fit
     (:func:`_memory_split`). When no split fits, the planner tries recompute: a stage but the last
-    then stashes only its inputs and holds one micro-batch's activations (rule 8)."""
+    then stashes only its inputs and holds one micro-batch's activations (rule 8). ``seconds``:
+    measured seconds per node in place of the FLOPs (:mod:`partitioner.training.measured_cut`
+    rule 4: a byte sent still weighs a thousand FLOPs' time, at the measured seconds per FLOP)."""
     from partitioner.core.errors import StrategyNotApplicable
     from partitioner.cost.ops import nbytes, op_cost
     from partitioner.strategies.pipeline import best_split
@@ -127,6 +134,8 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
                 diff[last] -= nbytes(o)
     cut = np.cumsum(diff)[:len(nodes)]  # bytes crossing the cut after each node
     send = cut * 1e-3  # a byte sent costs about a thousand FLOPs' time
+    if seconds is not None:
+        send, flops = send * (float(np.sum(seconds)) / float(np.sum(flops))), np.asarray(seconds, dtype=float)
     if memory_limit is not None:
         flight = list(in_flight) if in_flight is not None else [1] * stages
         try:
@@ -196,8 +205,13 @@ def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: 
 
 def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, stages: int, micro_batches: int,
                    schedule: str = "1f1b", trainable: Sequence[str] | None = None,
-                   label_name: str = "labels", memory_limit: float | None = None) -> PipelinePlan:
-    """Rules 1-2: the stages' F/B (or fused) and update programs for micro-batches of ``batch / M``."""
+                   label_name: str = "labels", memory_limit: float | None = None,
+                   backend: str = "onnxruntime", comm: Any = None, ranks: Sequence[int] = ()) -> PipelinePlan:
+    """Rules 1-2 and 9: the stages' F/B (or fused), prepare and update programs for micro-batches
+    of ``batch / M``, for ``backend`` (rule 1's measured cut and rule 9's Gemm rewrite depend on
+    it). On MPI ranks (``comm``), ``ranks[0]`` measures the cut's node costs for all ``ranks``."""
+    from partitioner.training.hoist import hoist_stage_programs
+    from partitioner.training.measured_cut import COST_MODEL, MEASURED, shared_node_seconds
     from partitioner.training.step import default_trainable
 
     if schedule not in SCHEDULES:
@@ -210,8 +224,9 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
+    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks))
     ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
-                                in_flight=in_flight(schedule, stages, micro_batches))
+                                in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
@@ -220,11 +235,14 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     out_stages = []
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute)
+        (stage.forward, stage.backward, stage.fused), stage.prepare = hoist_stage_programs(
+            f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused], stage.weights,
+            micro_batches=micro_batches, backend=backend)
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
     return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
-                        recompute)
+                        recompute, MEASURED if seconds is not None else COST_MODEL)
 
 
 def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list[int], trainable: set[str]) -> None:

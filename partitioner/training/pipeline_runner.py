@@ -5,6 +5,10 @@
 (every stage rank sees it; stage 0 reads the data, the last stage the labels), cuts it into the
 plan's micro-batches and runs the stage's schedule (:mod:`partitioner.training.pipeline` rules
 2-5). It returns the global mean loss on every stage (the last stage broadcasts it).
+
+Its state arrays (and rule 9's prepared values) are read-only and replaced, never written, so a
+TVM stage program copies each weight into its input buffer once per step, not once per
+micro-batch (``reuse_readonly_inputs``, :mod:`backends.tvm.executable` rule 5).
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ def _specs(program: onnx.ModelProto | None) -> dict[str, tuple[tuple[int, ...], 
         t = v.type.tensor_type
         out[v.name] = (tuple(d.dim_value for d in t.shape.dim), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
     return out
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` made read-only: the runner never writes into its state (each update and BN step
+    replaces the arrays), which lets a TVM executable skip re-copying an unchanged weight."""
+    a.flags.writeable = False
+    return a
 
 
 def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, threads: int) -> Any:
@@ -75,13 +86,18 @@ class PipelineRunner:
         self.replica_group = list(replica_group) if replica_group is not None else [self.ranks[stage]]
         self.comm = comm
         src = state if state is not None else self.stage.initial
-        self.state = {n: np.array(src[n], copy=True) for n in stage_state_names(self.stage)}
+        self.state = {n: _frozen(np.array(src[n], copy=True)) for n in stage_state_names(self.stage)}
         folder = Path(workdir) / f"stage{stage}" if workdir is not None else None
         st = self.stage
         self._exe = {kind: executable(prog, backend, folder, threads)
-                     for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update))
+                     for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update),
+                                        ("P", st.prepare))
                      if prog is not None}
+        for exe in self._exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
+            if hasattr(exe, "reuse_readonly_inputs"):
+                exe.reuse_readonly_inputs = True
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
+        self._hoisted: dict[str, np.ndarray] = {}  # rule 9: the prepare program's outputs, this step
         self.peak_stash = 0
         self.steps = 0
         # rule 8: a recomputing B reruns the forward, BN statistics included
@@ -96,6 +112,9 @@ class PipelineRunner:
             rows = slice(self.replica * plan.batch, (self.replica + 1) * plan.batch)
             data, labels = {k: v[rows] for k, v in data.items()}, labels[rows]
         acc: dict[str, np.ndarray] = {}  # the first micro-batch's gradients, then summed in place
+        if "P" in self._exe:  # rule 9: weight-only values, once per step
+            self._hoisted = {k: _frozen(v) for k, v in self._exe["P"].run({w: self.state[w] for w in st.weights},
+                                                                          self.comm).items()}
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
         for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches):
@@ -119,6 +138,7 @@ class PipelineRunner:
                     continue
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
+        self._hoisted = {}
         self._update(acc)
         self.steps += 1
         return self._global_loss(losses)
@@ -131,6 +151,7 @@ class PipelineRunner:
             feeds[v] = self.comm.recv(self.ranks[src], tag(plan, m, v, False), shape, dtype)
         feeds.update({w: self.state[w] for w in st.weights})
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
+        feeds.update(self._hoisted)
         return feeds
 
     def _backward(self, m: int, stashed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -140,6 +161,7 @@ class PipelineRunner:
         feeds = dict(stashed)
         feeds.update({w: self.state[w] for w in st.weights})
         feeds.update({a: self.state[a] for a in self._b_bn})
+        feeds.update(self._hoisted)
         for c, v in st.send:
             key = f"{v}.grad_out"
             if not self._is_float(v):
@@ -177,7 +199,7 @@ class PipelineRunner:
         out = self._exe["U"].run(feeds, self.comm)
         del feeds
         for a, b in st.update_pairs:
-            self.state[a] = out[b]  # the backend's fresh output array: no copy per step
+            self.state[a] = _frozen(out[b])  # the backend's fresh output array: no copy per step
         if hasattr(self.comm, "flush"):
             self.comm.flush()  # every activation / gradient send of this step has completed
 
@@ -247,7 +269,8 @@ def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devic
     if batch % replicas:
         raise UsageError(f"--batch {batch} does not split evenly over {replicas} pipeline replicas")
     plan = build_pipeline(model, loss, optimizer, batch=batch // replicas, stages=stages, micro_batches=micro_batches,
-                          schedule=schedule, trainable=trainable, memory_limit=memory_limit)
+                          schedule=schedule, trainable=trainable, memory_limit=memory_limit, backend=backend,
+                          comm=comm, ranks=range(devices))
 
     def runner(rank: int, c: Any, work: Path | None) -> PipelineRunner:
         d, s = divmod(rank, stages)

@@ -8,6 +8,7 @@ pipeline stages by :func:`partitioner.training.pipeline.stage_ends`, the tensor 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import onnx_ir as ir
@@ -19,11 +20,19 @@ from partitioner.cost.training import TrainingPrediction
 STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
 
 
+@dataclass
+class PipelinePrediction(TrainingPrediction):
+    """A pipeline plan's prediction and which node costs its stage cut balanced
+    (:mod:`partitioner.training.measured_cut`: measured, or the cost model's)."""
+
+    cut: str = "cost model"
+
+
 def predict_training(model: Any, strategy: str, devices: int, *, batch: int, optimizer: str = "sgd",
                      schedule: str = "1f1b", micro_batches: int | None = None, cluster: Any = None,
                      stages: int | None = None, memory_limit: float | None = None,
                      overlap: bool = True, overheads: cost.StepOverheads | None = None,
-                     loss: str = "cross_entropy") -> TrainingPrediction:
+                     loss: str = "cross_entropy", backend: str | None = None) -> TrainingPrediction:
     """Predicted step time, samples/s and peak memory per rank of training ``model`` so
     (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2).
     ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM);
@@ -31,7 +40,9 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     when ``LIST_ALLREDUCE`` is on: no concatenation and split passes, 2 weight copies fewer).
     ``overheads`` (:func:`partitioner.training.overheads.calibrate`): the fixed per-step, per-call
     and per-node costs (cost rule 7), counted on the step graph built with ``loss``; without them
-    the prediction is compute and communication only."""
+    the prediction is compute and communication only. ``backend`` (default: ``overheads``'
+    backend, else ONNX Runtime) decides the pipeline cut as the runtime does (measured on ONNX
+    Runtime, :mod:`partitioner.training.measured_cut`)."""
     from partitioner.cluster import resolve_cluster
     from partitioner.training.step import _load, default_trainable
 
@@ -49,17 +60,23 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     if strategy == "pipeline" and devices > 1 and batch % m:
         raise UsageError(f"--batch {batch} does not split into {m} equal micro-batches")
     local = {"data": batch // devices, "pipeline": batch // m}.get(strategy, batch) if devices > 1 else batch
-    graph = _load(model, local).graph
+    fwd = _load(model, local)
+    graph = fwd.graph
     step = _step_graph(model, local, loss, optimizer)
     prof = cost.profile(graph, device, set(default_trainable(graph)), step.graph if step is not None else None)
     if overheads is not None:
         _count_step_nodes(prof, model, local, loss, optimizer, overheads, step)
     if strategy == "pipeline" and devices > 1:
+        from partitioner.training.measured_cut import COST_MODEL, MEASURED, node_seconds
         from partitioner.training.pipeline import in_flight, stage_cut
 
+        seconds = node_seconds(fwd, loss, backend or (overheads.backend if overheads is not None and overheads.backend
+                                                      else "onnxruntime"))
         ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
-                                    in_flight=in_flight(schedule, devices, m))
-        return cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
+                                    in_flight=in_flight(schedule, devices, m), seconds=seconds)
+        pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
+        return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
+                                  cut=MEASURED if seconds is not None else COST_MODEL)
     if strategy == "tensor" and devices > 1:
         return _tensor(prof, graph, devices, batch, copies, cl, device)
     from partitioner.training.buckets import LIST_ALLREDUCE

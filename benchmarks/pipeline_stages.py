@@ -1,0 +1,140 @@
+"""Pipeline stages timed alone: this code's plan against the session-8 plan, paired, with the 1F1B bound.
+
+For one zoo model (the ``benchmarks/train_step.py`` sizes) and backend, two 2-stage 1F1B x8 plans:
+
+- ``new``: today's defaults (the measured cut, rule 9's hoist on TVM, TVM weights reused across
+  micro-batches);
+- ``old``: the cost-model cut, no hoist, every input copied per call (the code before session 9);
+
+each stage's :class:`PipelineRunner` over a communicator that returns at once
+(``overheads._Instant``: no waiting on a peer, so a loaded machine's descheduled peer does not
+count), and a 1-rank step of the same global batch. All of them run in interleaved rounds (one
+step each per round), timed with the thread's CPU time; the medians give each stage's CPU per
+step and the 1F1B bound ``1-rank / ((M + S - 1) / M x slower stage)`` (2 stages, 8 micro-batches:
+9/8). Results: ``benchmarks/results/pipeline_stages_<model>_<backend>.json`` (with the load
+average; ``--results-dir`` for a trial run).
+
+    .venv/bin/python benchmarks/pipeline_stages.py --model mlp --backend tvm [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+MICRO_BATCHES = 8
+
+
+def _plans(model, loss: str, batch: int, backend: str) -> dict:
+    from partitioner.training import hoist, measured_cut
+    from partitioner.training.optimizers import SGD
+    from partitioner.training.pipeline import build_pipeline
+
+    def plan():
+        return build_pipeline(model, loss, SGD(lr=1e-3), batch=batch, stages=2, micro_batches=MICRO_BATCHES,
+                              backend=backend)
+
+    new = plan()
+    saved = hoist.HOIST_WEIGHT_NODES, measured_cut.MEASURED_CUT
+    hoist.HOIST_WEIGHT_NODES = measured_cut.MEASURED_CUT = False
+    try:
+        old = plan()
+    finally:
+        hoist.HOIST_WEIGHT_NODES, measured_cut.MEASURED_CUT = saved
+    return {"new": new, "old": old}
+
+
+def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict, y) -> dict:
+    from partitioner.training.optimizers import SGD
+    from partitioner.training.overheads import _Instant
+    from partitioner.training.pipeline_runner import PipelineRunner
+    from partitioner.training.runner import StepRunner
+    from partitioner.training.step import build_training_graph
+
+    out = {}
+    for k, plan in plans.items():
+        for s in range(plan.num_stages):
+            r = PipelineRunner(plan, s, comm=_Instant(s), backend=backend, workdir=work / k)
+            for e in r._exe.values():
+                if hasattr(e, "reuse_readonly_inputs"):
+                    e.reuse_readonly_inputs = k == "new"
+            out[f"{k} stage {s}"] = r
+    out["1 rank"] = StepRunner(build_training_graph(model, loss=loss, optimizer=SGD(lr=1e-3)), backend=backend,
+                               workdir=work / "one")
+    for r in out.values():
+        r.step(feed, y)  # warm-up
+    return out
+
+
+def run(name: str, backend: str, rounds: int) -> dict:
+    import models_zoo
+    from train_step import CASES
+
+    kwargs, loss = CASES[name]
+    batch = kwargs["batch"]
+    model = models_zoo.build(name, **kwargs)
+    rng = np.random.default_rng(0)
+    vi = model.graph.input[0]
+    shape = [batch] + [d.dim_value for d in vi.type.tensor_type.shape.dim][1:]
+    x = (rng.integers(0, 50, shape) if vi.type.tensor_type.elem_type == 7
+         else rng.standard_normal(shape).astype(np.float32))
+    out = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
+    y = (rng.integers(0, out[-1], [batch] + out[1:-1]) if loss == "cross_entropy"
+         else rng.standard_normal([batch] + out[1:]).astype(np.float32))
+    feed = {vi.name: x}
+    load_before = os.getloadavg()
+    plans = _plans(model, loss, batch, backend)
+    with tempfile.TemporaryDirectory() as tmp:
+        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y)
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        for _ in range(rounds):
+            for k, r in runners.items():
+                t = time.thread_time()
+                r.step(feed, y)
+                times[k].append(time.thread_time() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    bubble = (MICRO_BATCHES + 1) / MICRO_BATCHES
+    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med,
+           "cut": {k: p.cut for k, p in plans.items()},
+           "bound_1f1b": {k: med["1 rank"] / (bubble * max(med[f"{k} stage 0"], med[f"{k} stage 1"]))
+                          for k in plans},
+           "load_before": list(load_before), "load_after": list(os.getloadavg()),
+           "machine": platform.machine(), "python": platform.python_version()}
+    for k in plans:
+        print(f"{name} {backend} {k}: stages {med[f'{k} stage 0'] * 1e3:.1f} / {med[f'{k} stage 1'] * 1e3:.1f} ms "
+              f"CPU per step ({plans[k].cut}), 1 rank {med['1 rank'] * 1e3:.1f} ms: 1F1B bound "
+              f"{doc['bound_1f1b'][k]:.2f}x", flush=True)
+    print(f"load average before {load_before[0]:.2f}, after {doc['load_after'][0]:.2f}")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mlp", choices=["mlp", "resnet", "bert"])
+    p.add_argument("--backend", default="tvm", choices=["onnxruntime", "tvm"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    doc = run(args.model, args.backend, args.rounds)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"pipeline_stages_{args.model}_{args.backend}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""Pipeline rule 9 (partitioner/training/hoist.py): weight-only work leaves the micro-batch loop.
+
+On TVM plans the stages' per-micro-batch programs must hold no node computed from the weights
+alone and no Gemm(transB=1) of a weight (TVM materialises that transpose per call); a stage's
+``prepare`` program computes those values once per step; the hoisted pipeline still trains like
+1 rank (weights after the steps within rtol 1e-4, atol 1e-5, seeded data). ONNX Runtime plans
+hoist nothing (it reads transposed operands in place).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import models_zoo
+from partitioner.runtime.comm_local import LocalWorld
+from partitioner.training import SGD, build_training_graph
+from partitioner.training import hoist
+from partitioner.training.pipeline import build_pipeline
+from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
+from partitioner.training.runner import StepRunner
+
+from .test_pipeline_training import _batches, _run_pipeline
+
+
+def _model() -> onnx.ModelProto:
+    return models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+
+
+def _weight_only_nodes(program: onnx.ModelProto, weights: set[str]) -> list[str]:
+    consts = {t.name for t in program.graph.initializer}
+    return [n.op_type for n in program.graph.node
+            if n.input and all(i in weights or i in consts for i in n.input if i) and any(i in weights for i in n.input)]
+
+
+def _transposing_gemms(program: onnx.ModelProto, weights: set[str]) -> int:
+    return sum(1 for n in program.graph.node if n.op_type == "Gemm" and n.input[1] in weights
+               and any(a.name == "transB" and a.i for a in n.attribute))
+
+
+def test_no_weight_only_node_runs_per_micro_batch_on_tvm() -> None:
+    plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    hoisted = 0
+    for st in plan.stages:
+        weights = set(st.weights)
+        for prog in (st.forward, st.backward, st.fused):
+            if prog is None:
+                continue
+            assert _weight_only_nodes(prog, weights) == [], prog.graph.name
+            assert _transposing_gemms(prog, weights) == 0, prog.graph.name
+        if st.prepare is not None:
+            hoisted += len(st.prepare.graph.node)
+            assert {n.op_type for n in st.prepare.graph.node} == {"Transpose"}
+            onnx.checker.check_model(st.prepare, full_check=True)
+    # the backward's MatMul rule transposes a weight, and so does every Gemm(transB=1) lowering
+    assert hoisted >= 2
+
+
+def test_one_micro_batch_and_onnxruntime_plans_hoist_nothing() -> None:
+    for backend, m in (("tvm", 1), ("onnxruntime", 4)):
+        plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=m,
+                              backend=backend)
+        assert all(st.prepare is None for st in plan.stages)
+
+
+def test_hoisted_pipeline_trains_like_one_rank(tmp_path) -> None:
+    backend = "tvm"
+    """1F1B, 4 micro-batches, 4 SGD steps on 2 in-process stages against a 1-rank ONNX Runtime
+    step; the prepare program runs once per step."""
+    model, batches = _model(), _batches(4)
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend=backend)
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend=backend, workdir=tmp_path)
+               for s in range(2)]
+    calls = {"n": 0}
+    for r in runners:
+        if "P" in r._exe:
+            run = r._exe["P"].run
+
+            def counted(feeds, comm, run=run):
+                calls["n"] += 1
+                return run(feeds, comm)
+
+            r._exe["P"].run = counted
+    losses = _run_pipeline(runners, batches)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    with_prepare = sum(1 for st in plan.stages if st.prepare is not None)
+    assert with_prepare >= 1 and calls["n"] == len(batches) * with_prepare
+
+
+def test_knob_off_keeps_the_programs(monkeypatch) -> None:
+    monkeypatch.setattr(hoist, "HOIST_WEIGHT_NODES", False)
+    plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    assert all(st.prepare is None for st in plan.stages)
+    last = plan.stages[-1]
+    assert _weight_only_nodes(last.fused, set(last.weights)) or _transposing_gemms(last.fused, set(last.weights))
+
+
+def _conv_net() -> onnx.ModelProto:
+    """Conv 3x3 (pad 1) -> Relu -> Conv 3x3 (pad 1) -> Relu -> Flatten -> Gemm: no BatchNormalization,
+    so a pipeline must match 1 rank."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n) for n, s in
+             (("c1.weight", (4, 2, 3, 3)), ("c2.weight", (6, 4, 3, 3)), ("fc.weight", (10, 6 * 5 * 5)))]
+    nodes = [helper.make_node("Conv", ["input", "c1.weight"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
+             helper.make_node("Conv", ["r1", "c2.weight"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"], name="r2"),
+             helper.make_node("Flatten", ["r2"], ["flat"], name="flat"),
+             helper.make_node("Gemm", ["flat", "fc.weight"], ["logits"], name="fc", transB=1)]
+    g = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [8, 2, 5, 5])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [8, 10])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_conv_transpose_input_gradient_becomes_a_conv_of_a_hoisted_flipped_weight(tmp_path) -> None:
+    """Rule 4 on TVM plans: no ConvTranspose of a weight is left per micro-batch, the prepare
+    program makes the flipped weight, and the pipeline trains like 1 rank (TVM stages against a
+    1-rank ONNX Runtime step, 4 SGD steps, rtol 1e-4, atol 1e-5)."""
+    model = _conv_net()
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    per_mb = [p for st in plan.stages for p in (st.forward, st.backward, st.fused) if p is not None]
+    assert any(n.op_type == "ConvTranspose" for n in
+               build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=1,
+                              backend="tvm").stages[-1].fused.graph.node), "the case must have a ConvTranspose"
+    assert not any(n.op_type == "ConvTranspose" for p in per_mb for n in p.graph.node)
+    assert any(n.op_type == "Slice" for st in plan.stages if st.prepare is not None for n in st.prepare.graph.node)
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
