@@ -213,29 +213,57 @@ def backward_kernels() -> list[MicroKernel]:
     rule 1 for its forward convs; ``conv_train_px16``, ``conv_train_px4`` on 4x4 and 2x2 maps):
     the weights are a graph input there (the step's state), which ONNX Runtime cannot prepack
     for its NCHWc kernels (measured: a 512-channel 3x3 conv on 2x2 maps at 101 GFLOP/s with
-    constant weights, 11 with the weights as an input)."""
+    constant weights, 11 with the weights as an input); the ConvTransposes take their weights as
+    an input for the same reason (:func:`_conv_transpose_kernel`). And the ReLU gradient's
+    ``Where(x > 0, dy, 0)`` (class ``where``, ``WHERE_PROBE``): ONNX Runtime's Where ran at about
+    2 GB/s whatever the size (0.2 to 4 MiB maps, with a scalar or a full third operand, where an
+    Add of the same maps ran at 40-75 GB/s), so the ``elementwise`` class priced the zoo resnet's
+    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
         _k("gemm_dgrad_128x256x256", "gemm_backward", {"dy": (128, 256)}, {"w": (256, 256)},
            [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
-        _k("convT3x3_64c_28_b4", "conv_backward", {"dy": (4, 64, 28, 28)}, {"w": (64, 64, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _conv_transpose_kernel(64, 28, "conv_backward"),
         _k("wgrad_im2col3x3_64c_28_b4", "gemm_backward", {"dy": (64, 4 * 28 * 28), "cols": (4 * 28 * 28, 64 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
-        _k("convT3x3_256c_7_b4", "conv_backward", {"dy": (4, 256, 7, 7)}, {"w": (256, 256, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
-        _k("convT3x3_256c_4_b4", "conv_backward_px16", {"dy": (4, 256, 4, 4)}, {"w": (256, 256, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
-        _k("convT3x3_512c_2_b4", "conv_backward_px4", {"dy": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _conv_transpose_kernel(256, 7, "conv_backward"),
+        _conv_transpose_kernel(256, 4, "conv_backward_px16"),
+        _conv_transpose_kernel(512, 2, "conv_backward_px4"),
         *[_k(f"conv3x3_{c}c_{hw}_b4_win", cls, {"x": (4, c, hw, hw), "w": (c, c, 3, 3)}, {},
              [("Conv", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"])
           for c, hw, cls in ((64, 28, "conv_train"), (256, 7, "conv_train"), (256, 4, "conv_train_px16"),
                              (512, 2, "conv_train_px4"))],
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
+        *([_k("relu_grad_where_64c_28_b4", "where", {"mask": (4, 64, 28, 28), "dy": (4, 64, 28, 28)}, {"zero": ()},
+              [("Where", ["mask", "dy", "zero"], ["dx"], {})], ["dx"])] if WHERE_PROBE else []),
     ]
+
+
+#: the ConvTranspose probes take their weights as a graph input, as the training step does (its
+#: weights are the step's state); off: as constant initializers (the probes before 2026-12-01 pm)
+CONV_TRANSPOSE_WEIGHT_INPUT = True
+
+
+#: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
+#: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);
+#: off: they run at the ``elementwise`` class value
+WHERE_PROBE = True
+
+
+def _conv_transpose_kernel(c: int, hw: int, cls: str) -> MicroKernel:
+    """The input gradient of a 3x3 ``c``-channel conv on an ``hw`` x ``hw`` map at batch 4:
+    ``ConvTranspose(dy, W)``, with ``W`` a graph input (``CONV_TRANSPOSE_WEIGHT_INPUT``): ONNX
+    Runtime prepacks a constant ConvTranspose filter, not an input one, and on small maps the
+    per-call repacking is most of the kernel (measured, one thread, loaded machine: 512 channels
+    on 2x2 maps 3.1 ms with a constant filter, 8.2 ms with it as an input; 256 on 4x4 0.76 and
+    1.59 ms; 64 on 28x28 2.8 and 3.0 ms; the zoo resnet's layer4 ConvTransposes in the step ran
+    at about twice the constant-filter probes' price)."""
+    x, w = {"dy": (4, c, hw, hw)}, {"w": (c, c, 3, 3)}
+    inputs, weights = ({**x, **w}, {}) if CONV_TRANSPOSE_WEIGHT_INPUT else (x, w)
+    name = f"convT3x3_{c}c_{hw}_b4" + ("_win" if CONV_TRANSPOSE_WEIGHT_INPUT else "")
+    return _k(name, cls, inputs, weights, [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"])
 
 
 def launch_chain(length: int) -> MicroKernel:
@@ -254,7 +282,7 @@ def kernel_model(k: MicroKernel) -> Any:
     rng = np.random.default_rng(0)
     nodes = [helper.make_node(op, list(i), list(o), **dict(a)) for op, i, o, a in k.nodes]
     inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in k.weights]
-    g = helper.make_graph(nodes, k.name, [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in k.inputs],
+    g = helper.make_graph(nodes, k.name, [helper.make_tensor_value_info(n, _input_type(n), list(s)) for n, s in k.inputs],
                           [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in k.outputs], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
@@ -266,11 +294,21 @@ def kernel_model(k: MicroKernel) -> Any:
     return m
 
 
+def _input_type(name: str) -> int:
+    """A micro-kernel input's ONNX element type: bool for a ``mask...`` input (a Where's
+    condition), else float32."""
+    from onnx import TensorProto
+
+    return TensorProto.BOOL if name.startswith("mask") else TensorProto.FLOAT
+
+
 def _feeds(k: MicroKernel) -> dict[str, Any]:
+    """Seeded inputs: normal float32 values; a ``mask...`` input, their signs (half true)."""
     import numpy as np
 
     rng = np.random.default_rng(1)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in k.inputs}
+    return {n: rng.standard_normal(s) > 0 if n.startswith("mask") else rng.standard_normal(s).astype(np.float32)
+            for n, s in k.inputs}
 
 
 def _median_time(fn: Any, quick: bool) -> float:

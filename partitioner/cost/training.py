@@ -19,7 +19,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    forward one: those kernels run at other rates than the forward's (the zoo resnet's step took
    9x its forward on ONNX Runtime where its FLOPs are 3x). A forward conv of the step runs at
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
-   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``). Without a step graph (or for a node
+   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``), and a Where (the ReLU
+   gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
+   Runtime's Where runs at about 2 GB/s, a thirtieth of its Add). Without a step graph (or for a node
    the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
    class]`` (contractions 2: one product per operand gradient; the rest 1).
 2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
@@ -228,12 +230,28 @@ def backward_class(device: Any, op_class: str) -> str:
     return key if key in getattr(device, "efficiency_by_class", {}) else op_class
 
 
+#: rule 1: a step's Where nodes (the ReLU gradient) at the calibrated ``where`` class (off: at
+#: ``elementwise``)
+TRAIN_WHERE_CLASS = True
+
+
+def node_class(device: Any, node: Any, backward: bool) -> str:
+    """Rule 1: the class a training step's ``node`` runs at: ``where`` for a Where when the
+    calibration measured it (ONNX Runtime's Where runs far below its other elementwise kernels:
+    ``calibrate.backward_kernels``); else :func:`backward_class` of a backward node's class and
+    :func:`forward_class` of the others'."""
+    from partitioner.cost.ops import op_class
+
+    if TRAIN_WHERE_CLASS and node.op_type == "Where" and "where" in getattr(device, "efficiency_by_class", {}):
+        return "where"
+    return backward_class(device, op_class(node)) if backward else forward_class(device, op_class(node))
+
+
 def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
                backward: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rule 1 from the step graph ``step`` (an onnx-ir graph): (forward, backward) seconds per
     forward node ``names``; a forward node the step graph does not name keeps ``forward`` /
     ``backward`` (the factor rule); step nodes of no known forward node are spread evenly."""
-    from partitioner.cost.ops import op_class
     from partitioner.cost.roofline import fused_nodes, op_time
     from partitioner.cost.workdepth import constant_values, node_costs
 
@@ -247,7 +265,7 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
     for node, c in zip(nodes, node_costs(step, constant_values(step))):
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         is_backward = key is not None and key not in ("loss", "optimizer")
-        cls = backward_class(device, op_class(node)) if is_backward else forward_class(device, op_class(node))
+        cls = node_class(device, node, is_backward)
         t = op_time(c, device, "float32", cls, node in fused)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)

@@ -1,0 +1,89 @@
+"""The training probes added for issue 16's step-time target (calibrate.backward_kernels,
+cost/training.py rule 1): the ReLU gradient's Where at its own calibrated class, and the
+ConvTranspose probes in the form the training step runs them (weights as a graph input)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+
+def _linear_relu_linear(batch: int = 64, width: int = 256):
+    """x -> MatMul(w1) -> Relu -> MatMul(w2) -> y: the backward has one ReLU gradient (a Where)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((width, width)) * 0.1).astype(np.float32), n)
+             for n in ("w1", "w2")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
+    g = helper.make_graph(nodes, "lrl", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, width])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_relu_gradient_where_runs_at_the_where_class() -> None:
+    """Rule 1 (``node_class``): with a calibrated ``where`` class a tenth of ``elementwise``, the
+    step's one Where (the ReLU gradient: condition [64, 256] bool, dy [64, 256] float, a scalar
+    zero, output [64, 256] float; memory bound) costs 10x its elementwise memory time, and nothing
+    else changes: the predicted backward grows by exactly 9x that time (hand-counted bytes below).
+    Fails with ``TRAIN_WHERE_CLASS`` off (checked: the backward is then unchanged)."""
+    from partitioner.cluster import cpu_cluster, replicate
+    from partitioner.training.plan import predict_training
+
+    base = cpu_cluster(1)
+    e = 2.0
+    dev = dataclasses.replace(base.devices[0], efficiency_by_class={"elementwise": e, "gemm": 1.0})
+    slow = dataclasses.replace(dev, efficiency_by_class={"elementwise": e, "gemm": 1.0, "where": e / 10})
+    same, where = (predict_training(_linear_relu_linear(), "single", 1, batch=64, loss="mse",
+                                    cluster=replicate(dataclasses.replace(base, devices=[d]), 1)) for d in (dev, slow))
+    n = 64 * 256
+    where_bytes = n * 1 + n * 4 + 4 + n * 4  # cond (bool), dy, the scalar zero, dx
+    t_elem = where_bytes / (dev.memory_bandwidth * e)
+    assert where.breakdown["forward_s"] == pytest.approx(same.breakdown["forward_s"], rel=1e-12)
+    assert where.breakdown["backward_s"] - same.breakdown["backward_s"] == pytest.approx(9 * t_elem, rel=1e-6)
+
+
+def test_where_probe_is_the_relu_gradient_form() -> None:
+    """The ``where`` probe is one Where whose condition is a bool input (``mask``) with about
+    half its entries true, and the calibration's roofline prices it with the same byte count as
+    a step's Where (one formula for calibrating and predicting); a cluster file may carry the
+    class. Fails with ``WHERE_PROBE`` off (no such probe)."""
+    import onnx
+
+    from partitioner.calibrate import _feeds, backward_kernels, kernel_model, kernel_roof
+    from partitioner.cluster import Cluster, Device, cpu_cluster
+
+    k = next(k for k in backward_kernels() if k.op_class == "where")
+    model = kernel_model(k)
+    assert [n.op_type for n in model.graph.node] == ["Where"]
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BOOL
+    mask = _feeds(k)["mask"]
+    assert mask.dtype == np.bool_ and 0.4 < mask.mean() < 0.6
+    bw = 1e9
+    dev = Device("probe", "cpu", {"float32": 1e15}, 1e9, bw)  # compute free: memory bound
+    n = int(np.prod(mask.shape))
+    roof, launches = kernel_roof(model, dev)
+    assert roof == pytest.approx((n * 1 + n * 4 + 4 + n * 4) / bw, rel=1e-6)
+    assert launches == 1
+    doc = cpu_cluster(1).to_json()
+    doc["devices"][0]["efficiency_by_class"] = {"elementwise": 2.0, "where": 0.2}
+    assert Cluster.from_json(doc).devices[0].class_efficiency("where") == 0.2
+
+
+def test_conv_transpose_probes_take_their_weights_as_an_input() -> None:
+    """Every ConvTranspose probe (``conv_backward`` and its small-map points) takes its filter as
+    a graph input, as the training step does (ONNX Runtime prepacks only a constant filter);
+    the FLOPs are the forward conv's either way. Fails with ``CONV_TRANSPOSE_WEIGHT_INPUT`` off
+    (the filter is then an initializer)."""
+    from partitioner.calibrate import backward_kernels, kernel_model
+
+    probes = [k for k in backward_kernels() if any(op == "ConvTranspose" for op, *_ in k.nodes)]
+    assert {k.op_class for k in probes} == {"conv_backward", "conv_backward_px16", "conv_backward_px4"}
+    for k in probes:
+        model = kernel_model(k)
+        assert "w" in {v.name for v in model.graph.input}, k.name
+        assert not model.graph.initializer, k.name
