@@ -40,7 +40,7 @@ def predicted_per_node(step_graph, device) -> dict[str, tuple[str, float, float]
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         backward = key is not None and key not in ("loss", "optimizer")
         cls = node_class(device, node, backward)
-        out[node.name] = (node.op_type, op_time(c, device, "float32", cls, node in fused), c.bytes)
+        out[node.name] = (node.op_type, op_time(c, device, "float32", cls, node in fused, working_set=True), c.bytes)
     return out
 
 

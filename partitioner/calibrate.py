@@ -59,7 +59,7 @@ from typing import Any
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
 from partitioner.core.errors import PartitionerError
 from partitioner.core.machine import machine_info
-from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE
+from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE, LARGE_MAP
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -157,7 +157,9 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
     512 KiB each), and a GEMM whose operands do not (``gemm_large``: 256x1024x1024, 6 MiB: the
     in-cache pair runs from cache, the GEMV at several times the DRAM roof, and alone it priced
     the training benchmark's 1024-wide layers 1.5x too fast; rule 5 of the roofline
-    interpolates between the two by working set); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    interpolates between the two by working set); an Add and a Transpose of 16 MiB maps
+    (``elementwise_large``, ``data_movement_large``: the classes' own probes stay in cache, a
+    training step's maps do not; rule 7 of the roofline, ``LARGE_MAP_PROBES``); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
     16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
     changes only how long each kernel is timed, not the set."""
     ks = [
@@ -180,6 +182,10 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
            {"s": (1, 64, 1, 1), "c": (1, 64, 1, 1)},
            [("Add", ["x", "r"], ["a"], {}), ("Mul", ["a", "s"], ["m"], {}), ("Add", ["m", "c"], ["t"], {}),
             ("Relu", ["t"], ["y"], {})], ["y"]),
+        *([_k("add_16x64c_64", "elementwise_large", {"x": LARGE_MAP, "r": LARGE_MAP}, {},
+              [("Add", ["x", "r"], ["y"], {})], ["y"]),
+           _k("transpose_16x64c_64", "data_movement_large", {"x": LARGE_MAP}, {},
+              [("Transpose", ["x"], ["t"], {"perm": [0, 2, 3, 1]})], ["t"])] if LARGE_MAP_PROBES else []),
         _k("softmax_layernorm", "norm", {"s": (4, 64, 64), "h": (64, 128)}, {"g": (128,), "be": (128,)},
            [("Softmax", ["s"], ["p"], {"axis": -1}), ("LayerNormalization", ["h", "g", "be"], ["n"], {"axis": -1})],
            ["p", "n"]),
@@ -245,6 +251,10 @@ def backward_kernels() -> list[MicroKernel]:
 #: weights are the step's state); off: as constant initializers (the probes before 2026-12-01 pm)
 CONV_TRANSPOSE_WEIGHT_INPUT = True
 
+
+#: the out-of-cache elementwise and data-movement probes (an Add and a Transpose of 16 MiB maps,
+#: classes ``elementwise_large`` / ``data_movement_large``: roofline rule 7); off: none
+LARGE_MAP_PROBES = True
 
 #: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
 #: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);

@@ -21,7 +21,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
    as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``), and a Where (the ReLU
    gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
-   Runtime's Where runs at about 2 GB/s, a thirtieth of its Add). Without a step graph (or for a node
+   Runtime's Where runs at about 2 GB/s, a thirtieth of its Add); elementwise and
+   data-movement nodes by their working set (roofline rule 7: a step's maps are far larger than
+   the in-cache class probes'). Without a step graph (or for a node
    the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
    class]`` (contractions 2: one product per operand gradient; the rest 1).
 2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
@@ -266,7 +268,7 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         is_backward = key is not None and key not in ("loss", "optimizer")
         cls = node_class(device, node, is_backward)
-        t = op_time(c, device, "float32", cls, node in fused)
+        t = op_time(c, device, "float32", cls, node in fused, working_set=True)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)
         if key == "loss":
