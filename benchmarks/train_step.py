@@ -4,8 +4,9 @@ micro-batches) and tensor (Megatron MLP pairs) parallelism, with the ONNX Runtim
 backend, the training cost model's predicted step time and peak memory per rank beside each
 measured one.
 
-Each configuration is ``partitioner train --bench`` (:func:`partitioner.training.bench.bench_training`)
-on seeded random data: 2 epochs of ``--steps`` steps, epoch 1 discarded (warm-up), the median
+Each configuration is ``partitioner train --bench`` (:func:`partitioner.training.bench.bench_training`),
+run in a fresh spawned process of its own (``FRESH_PROCESS``: a 1-rank run trains in that
+process, and memory is measured as its RSS growth), on seeded random data: 2 epochs of ``--steps`` steps, epoch 1 discarded (warm-up), the median
 step of epoch 2; memory per rank = the training steps' peak RSS minus the RSS before the program
 loads (docs/training.md). The prediction is :func:`partitioner.training.plan.predict_training`
 on ``cpu:<ranks>`` with this machine's cached calibration for the backend, made first (a full
@@ -135,8 +136,25 @@ def run_case(name: str, backend: str, steps: int, quick: bool) -> dict:
         onnx.save(model, str(tmp / "m.onnx"))
         _data(model, loss, batch * steps, tmp / "d.npz")
         for label, devices, strategy, threads in CONFIGS:
-            results[label] = _measure(name, tmp, label, devices, strategy, threads, backend, loss, batch, steps)
+            args = (name, tmp, label, devices, strategy, threads, backend, loss, batch, steps)
+            results[label] = _in_fresh_process(_measure, args) if FRESH_PROCESS else _measure(*args)
     return results
+
+
+#: each configuration runs in a process of its own (spawned): a 1-rank run trains in the process
+#: that runs it, and one that followed another in the same process started from a heap and a
+#: backend memory pool the earlier run had grown, so its steps' peak RSS barely rose above the
+#: window's start (TVM, 1 rank 2 threads after 1 thread: 22 / 44 / 92 MiB measured for bert / mlp
+#: / resnet against 166 / 114 / 309 MiB at 1 thread). Off: every configuration in this process.
+FRESH_PROCESS = True
+
+
+def _in_fresh_process(fn, args: tuple) -> dict:
+    """``fn(*args)`` in a new spawned Python process (nothing inherited from this one's heap)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
 
 
 def calibration(backend: str) -> dict:
