@@ -111,3 +111,22 @@ def test_each_configuration_runs_in_a_fresh_process(monkeypatch) -> None:
     assert calls == [label for label, *_ in script.CONFIGS]
     assert all(r == {"ok": True} for r in results.values())
     assert _script()._in_fresh_process(os.getpid, ()) != os.getpid()
+
+
+def test_baseline_settings_apply_only_inside_the_baseline_prediction() -> None:
+    """``--baseline MODULE.ATTR=VALUE`` (bench rule 7): parsed as Python literals, set only while
+    the baseline is predicted, restored after (even when the prediction raises)."""
+    from partitioner.cost import roofline
+    from partitioner.training.bench import _with_settings
+
+    script = _script()
+    got = script._settings(["partitioner.cost.roofline.MEMORY_WORKING_SET=False"])
+    assert got == {"partitioner.cost.roofline.MEMORY_WORKING_SET": False}
+    assert script._settings([]) is None
+    with pytest.raises(SystemExit):
+        script._settings(["MEMORY_WORKING_SET"])
+    assert _with_settings(got, lambda: roofline.MEMORY_WORKING_SET) is False
+    assert roofline.MEMORY_WORKING_SET is True
+    with pytest.raises(ZeroDivisionError):
+        _with_settings(got, lambda: 1 / 0)
+    assert roofline.MEMORY_WORKING_SET is True
