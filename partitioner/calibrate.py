@@ -224,7 +224,14 @@ def backward_kernels() -> list[MicroKernel]:
     ``Where(x > 0, dy, 0)`` (class ``where``, ``WHERE_PROBE``): ONNX Runtime's Where ran at about
     2 GB/s whatever the size (0.2 to 4 MiB maps, with a scalar or a full third operand, where an
     Add of the same maps ran at 40-75 GB/s), so the ``elementwise`` class priced the zoo resnet's
-    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step."""
+    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step. And a
+    batched MatMul's weight gradient summed over its batch (class ``reduce_batch``,
+    ``REDUCE_BATCH_PROBE``): ONNX Runtime's ReduceSum over the leading axis of [B, 256, 1024]
+    ran at 4-5 GB/s for B = 4 and 8, 1.4 GB/s for B = 16 and 6-34 GB/s for B = 32 (an algorithm
+    chosen by shape; loaded machine), against about 11 GB/s at the ``reduction`` class value
+    (the norm probes'): the zoo bert's batch-16 step (a data-parallel rank of the batch-32 one)
+    spent 50-60 ms in four such sums priced 6.5 ms; the probe takes batch 4 as the other
+    backward probes do."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
@@ -242,6 +249,9 @@ def backward_kernels() -> list[MicroKernel]:
                              (512, 2, "conv_train_px4"))],
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
+        *([_k("reducesum_batch_4x256x1024", "reduce_batch", {"x": (4, 256, 1024)}, {},
+              [("Constant", [], ["axes"], {"value_ints": [0]}), ("ReduceSum", ["x", "axes"], ["y"], {})], ["y"])]
+          if REDUCE_BATCH_PROBE else []),
         *([_k("relu_grad_where_64c_28_b4", "where", {"mask": (4, 64, 28, 28), "dy": (4, 64, 28, 28)}, {"zero": ()},
               [("Where", ["mask", "dy", "zero"], ["dx"], {})], ["dx"])] if WHERE_PROBE else []),
     ]
@@ -255,6 +265,12 @@ CONV_TRANSPOSE_WEIGHT_INPUT = True
 #: the out-of-cache elementwise and data-movement probes (an Add and a Transpose of 16 MiB maps,
 #: classes ``elementwise_large`` / ``data_movement_large``: roofline rule 7); off: none
 LARGE_MAP_PROBES = True
+
+#: the ``reduce_batch`` probe: a batched MatMul's weight gradient summed over its batch,
+#: ``ReduceSum(axes=[0])`` of a [4, 256, 1024] product (training/rules: the MatMul rule's
+#: ``reduce_to``), read by the training cost model for a step's ReduceSum over axis 0 of a 3-D
+#: or higher tensor (cost/training.py rule 1); off: they run at the ``reduction`` class value
+REDUCE_BATCH_PROBE = True
 
 #: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
 #: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);

@@ -69,9 +69,9 @@ CONV_SIZE_CLASSES = ("conv_backward_px16", "conv_backward_px4", "conv_train_px16
 #: the training probes' forward conv with its weights as an input, as a training step runs it
 #: (calibrate.backward_kernels; cost/training.py rule 1)
 TRAIN_FORWARD_CLASSES = ("conv_train",)
-#: elementwise kernels a training step runs whose backend's rate is their own: the ReLU
-#: gradient's Where (calibrate.backward_kernels; cost/training.py rule 1)
-TRAIN_OP_CLASSES = ("where",)
+#: kernels a training step runs whose backend's rate is their own: the ReLU gradient's Where and
+#: a batched weight gradient's sum over its batch (calibrate.backward_kernels; cost/training.py rule 1)
+TRAIN_OP_CLASSES = ("where", "reduce_batch")
 CALIBRATED_CLASSES = (OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES + TRAIN_FORWARD_CLASSES
                       + TRAIN_OP_CLASSES + MEMORY_SIZE_CLASSES)
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache

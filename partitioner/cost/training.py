@@ -21,7 +21,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
    as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``), and a Where (the ReLU
    gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
-   Runtime's Where runs at about 2 GB/s, a thirtieth of its Add); elementwise and
+   Runtime's Where runs at about 2 GB/s, a thirtieth of its Add), a batched MatMul's weight
+   gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
+   GB/s for batches of 4-16); elementwise and
    data-movement nodes by their working set (roofline rule 7: a step's maps are far larger than
    the in-cache class probes'). Without a step graph (or for a node
    the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
@@ -237,15 +239,34 @@ def backward_class(device: Any, op_class: str) -> str:
 TRAIN_WHERE_CLASS = True
 
 
+#: rule 1: a step's ReduceSum over axis 0 of a 3-D or higher tensor (a batched weight
+#: gradient's sum over its batch) at the calibrated ``reduce_batch`` class (off: ``reduction``)
+TRAIN_REDUCE_BATCH_CLASS = True
+
+
+def _sums_the_batch(node: Any) -> bool:
+    """A ReduceSum over axis 0 only (constant axes input) of a tensor of rank 3 or more."""
+    if node.op_type != "ReduceSum" or len(node.inputs) < 2 or node.inputs[1] is None:
+        return False
+    axes, x = node.inputs[1].const_value, node.inputs[0]
+    if axes is None or x is None or x.shape is None or len(x.shape) < 3:
+        return False
+    return [int(a) for a in axes.numpy().reshape(-1)] == [0]
+
+
 def node_class(device: Any, node: Any, backward: bool) -> str:
-    """Rule 1: the class a training step's ``node`` runs at: ``where`` for a Where when the
-    calibration measured it (ONNX Runtime's Where runs far below its other elementwise kernels:
-    ``calibrate.backward_kernels``); else :func:`backward_class` of a backward node's class and
+    """Rule 1: the class a training step's ``node`` runs at: ``where`` for a Where and
+    ``reduce_batch`` for a ReduceSum over the batch axis of a batched product when the
+    calibration measured them (ONNX Runtime runs both far below its other elementwise and
+    reduction kernels: ``calibrate.backward_kernels``); else :func:`backward_class` of a backward node's class and
     :func:`forward_class` of the others'."""
     from partitioner.cost.ops import op_class
 
-    if TRAIN_WHERE_CLASS and node.op_type == "Where" and "where" in getattr(device, "efficiency_by_class", {}):
+    table = getattr(device, "efficiency_by_class", {})
+    if TRAIN_WHERE_CLASS and node.op_type == "Where" and "where" in table:
         return "where"
+    if TRAIN_REDUCE_BATCH_CLASS and "reduce_batch" in table and _sums_the_batch(node):
+        return "reduce_batch"
     return backward_class(device, op_class(node)) if backward else forward_class(device, op_class(node))
 
 

@@ -87,3 +87,58 @@ def test_conv_transpose_probes_take_their_weights_as_an_input() -> None:
         model = kernel_model(k)
         assert "w" in {v.name for v in model.graph.input}, k.name
         assert not model.graph.initializer, k.name
+
+
+def _batched_matmul(batch: int = 8, tokens: int = 16, k: int = 64, n: int = 128):
+    """x [batch, tokens, k] -> MatMul(w [k, n]) -> y: the weight gradient is a batched product
+    summed over the batch (a ReduceSum over axis 0 of [batch, k, n])."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((k, n)) * 0.1).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="fc")], "bmm",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, tokens, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, tokens, n])], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_batched_weight_gradient_sum_runs_at_the_reduce_batch_class() -> None:
+    """Rule 1 (``node_class``): a ReduceSum over axis 0 of a 3-D tensor (the batched MatMul's
+    weight gradient, [8, 64, 128] -> [1, 64, 128]) runs at ``reduce_batch`` when calibrated: at
+    a tenth of ``reduction`` the backward grows by exactly 9x its memory time at ``reduction``
+    (hand-counted bytes: the input, the output and the 8-byte axes), the forward not at all.
+    Fails with ``TRAIN_REDUCE_BATCH_CLASS`` off (checked: the backward is then unchanged)."""
+    from partitioner.cluster import cpu_cluster, replicate
+    from partitioner.cost.training import _sums_the_batch
+    from partitioner.training.optimizers import make_optimizer
+    from partitioner.training.plan import predict_training
+    from partitioner.training.step import build_training_graph
+
+    step = build_training_graph(_batched_matmul(), loss="mse", optimizer=make_optimizer("sgd", 1e-3), batch=8)
+    assert sum(_sums_the_batch(n) for n in step.graph) == 1
+    base = cpu_cluster(1)
+    e = 0.5
+    table = {"reduction": e, "gemm": 1.0, "gemm_backward": 1.0, "elementwise": 2.0}
+    dev = dataclasses.replace(base.devices[0], efficiency_by_class=table)
+    slow = dataclasses.replace(dev, efficiency_by_class={**table, "reduce_batch": e / 10})
+    same, summed = (predict_training(_batched_matmul(), "single", 1, batch=8, loss="mse",
+                                     cluster=replicate(dataclasses.replace(base, devices=[d]), 1)) for d in (dev, slow))
+    nbytes = 4 * (8 * 64 * 128 + 64 * 128) + 8
+    assert summed.breakdown["forward_s"] == pytest.approx(same.breakdown["forward_s"], rel=1e-12)
+    assert summed.breakdown["backward_s"] - same.breakdown["backward_s"] == \
+        pytest.approx(9 * nbytes / (dev.memory_bandwidth * e), rel=1e-6)
+
+
+def test_reduce_batch_probe_is_the_weight_gradient_sum() -> None:
+    """The ``reduce_batch`` probe is a ReduceSum over axis 0 of a [4, 256, 1024] input (batch 4,
+    as the other backward probes), its axes a Constant node. Fails with
+    ``REDUCE_BATCH_PROBE`` off (no such probe)."""
+    import onnx_ir as ir
+
+    from partitioner.calibrate import backward_kernels, kernel_model
+
+    k = next(k for k in backward_kernels() if k.op_class == "reduce_batch")
+    graph = ir.serde.deserialize_model(kernel_model(k)).graph
+    reduce = next(n for n in graph if n.op_type == "ReduceSum")
+    assert list(reduce.inputs[0].shape) == [4, 256, 1024]
+    assert reduce.inputs[1].producer().op_type == "Constant"
