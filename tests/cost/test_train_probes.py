@@ -142,3 +142,28 @@ def test_reduce_batch_probe_is_the_weight_gradient_sum() -> None:
     reduce = next(n for n in graph if n.op_type == "ReduceSum")
     assert list(reduce.inputs[0].shape) == [4, 256, 1024]
     assert reduce.inputs[1].producer().op_type == "Constant"
+
+
+def test_onnxruntime_optimizer_is_priced_from_the_steps_update_nodes() -> None:
+    """Rule 2 (``optimizer_seconds``): on an ONNX Runtime device the SGD update is its step
+    nodes, each its own kernel: ``Mul(g, lr)`` (reads g and the scalar, writes g's size) and
+    ``Sub(W, that)`` (reads two, writes one): 5 weight-sized passes (hand-counted) at the
+    elementwise rate plus two launches; on a TVM device the fused formula's 3 passes at the
+    copy bandwidth. Fails with ``OPTIMIZER_FROM_STEP`` off (the ONNX Runtime device then gets the
+    formula too)."""
+    from partitioner.cluster import cpu_cluster, replicate
+    from partitioner.training.plan import predict_training
+
+    base = cpu_cluster(1)
+    e = 2.0
+    table = {"elementwise": e, "gemm": 1.0, "gemm_backward": 1.0, "reduction": 1.0}
+    got = {}
+    for runtime in ("onnxruntime", "tvm"):
+        dev = dataclasses.replace(base.devices[0], efficiency_by_class=table, runtime=runtime)
+        got[runtime] = predict_training(_batched_matmul(), "single", 1, batch=8, loss="mse",
+                                        cluster=replicate(dataclasses.replace(base, devices=[dev]), 1))
+    dev = base.devices[0]
+    w = 64 * 128 * 4
+    ort = (2 * w + 4 + 3 * w) / (dev.memory_bandwidth * e) + 2 * dev.launch_overhead_s
+    assert got["onnxruntime"].breakdown["optimizer_s"] == pytest.approx(ort, rel=1e-9)
+    assert got["tvm"].breakdown["optimizer_s"] == pytest.approx(3 * w / dev.memory_bandwidth, rel=1e-9)
