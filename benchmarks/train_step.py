@@ -234,11 +234,24 @@ def markdown(results_dir: Path = RESULTS) -> str:
     return "\n".join(rows)
 
 
-def repredict(results_dir: Path, cache: Path) -> list[str]:
+_ACTIVE: dict = {}  # the --baseline settings a repredict runs under (recorded with its figures)
+
+
+def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> list[str]:
     """Each measured row of ``results_dir``'s JSON files predicted again with the calibration
-    cache under ``cache`` (``$PARTITIONER_CACHE_DIR``) and the row's recorded fixed costs: a
-    calibration's before/after (another probe set, say) against the same measured steps.
-    Records ``repredicted_step_s`` {cache: seconds} in the files; returns one line per row."""
+    cache under ``cache`` (``$PARTITIONER_CACHE_DIR``), the row's recorded fixed costs and the
+    ``--baseline`` settings if any: a calibration's before/after (another probe set, say)
+    against the same measured steps. Records ``repredicted_step_s`` {cache [+ settings]:
+    seconds} in the files; returns one line per row."""
+    from partitioner.training.bench import _with_settings
+
+    if settings:
+        _ACTIVE.update(settings)
+        try:
+            module_settings = {k: v for k, v in settings.items() if k != "no_fixed"}
+            return _with_settings(module_settings, lambda: repredict(results_dir, cache))
+        finally:
+            _ACTIVE.clear()
     import onnx
 
     import models_zoo
@@ -255,17 +268,19 @@ def repredict(results_dir: Path, cache: Path) -> list[str]:
             r = doc["results"].get(label) or {}
             if not r.get("predicted_step_s") or threads != 1:
                 continue
-            fixed = StepOverheads(**{k: (v if k == "backend" else v * 1e-6) for k, v in r["overheads_us"].items()})
+            fixed = None if _ACTIVE.get("no_fixed") else \
+                StepOverheads(**{k: (v if k == "backend" else v * 1e-6) for k, v in r["overheads_us"].items()})
             extra = {"schedule": "1f1b", "micro_batches": MICRO_BATCHES} if strategy == "pipeline" else {}
             pred = predict_training(onnx.load_from_string(model.SerializeToString()), "single" if devices == 1 else strategy,
                                     devices, batch=doc["config"]["batch"], loss=doc["loss"], overheads=fixed,
                                     overlap=doc["backend"] == "onnxruntime",
                                     cluster=resolve_cluster(f"cpu:{devices}", doc["backend"]), **extra).step_time_s
-            r.setdefault("repredicted_step_s", {})[str(cache)] = pred
+            key = str(cache) + "".join(f" {k}={v!r}" for k, v in _ACTIVE.items())
+            r.setdefault("repredicted_step_s", {})[key] = pred
             cpu = r.get("median_step_cpu_s")
             lines.append(f"{doc['model']} {doc['backend']} {label}: measured {r['median_step_s'] * 1e3:.1f} ms "
                          f"(CPU {cpu * 1e3 if cpu else float('nan'):.1f}), predicted {r['predicted_step_s'] * 1e3:.1f}, "
-                         f"with {cache}: {pred * 1e3:.1f} ms")
+                         f"with {key}: {pred * 1e3:.1f} ms")
         path.write_text(json.dumps(doc, indent=2) + "\n")
     return lines
 
@@ -297,10 +312,14 @@ def main() -> int:
                         "applied together): the rule's before/after on the same calibration and run")
     p.add_argument("--repredict", type=Path, default=None, metavar="CACHE_DIR",
                    help="predict the rows of --results-dir again with the calibration cache under CACHE_DIR "
-                        "(another calibration against the same measured steps) and exit")
+                        "(another calibration against the same measured steps; with --baseline settings) and exit")
+    p.add_argument("--no-fixed", action="store_true",
+                   help="with --repredict: compute and communication only (no fixed costs: those recorded on a "
+                        "loaded run are inflated by it), to compare with the rows' CPU time")
     args = p.parse_args()
     if args.repredict is not None:
-        print("\n".join(repredict(args.results_dir, args.repredict)))
+        settings = {**(_settings(args.baseline) or {}), **({"no_fixed": True} if args.no_fixed else {})}
+        print("\n".join(repredict(args.results_dir, args.repredict, settings or None)))
         return 0
     if args.markdown:
         print(markdown(args.results_dir))

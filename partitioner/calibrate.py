@@ -337,18 +337,33 @@ def _feeds(k: MicroKernel) -> dict[str, Any]:
             for n, s in k.inputs}
 
 
+#: ``PARTITIONER_CALIBRATE_CLOCK=cpu``: the one-thread probes (GEMM rate, bandwidth, kernels,
+#: launch and call overheads) are timed in the calling thread's CPU time instead of wall time.
+#: For checking predictions on a shared, loaded machine against a step's CPU time (a process
+#: that gets a quarter of a core measures four times its kernel's wall time, not its CPU time);
+#: the default, wall time, is what a rank waits on a quiet machine.
+CLOCK_ENV = "PARTITIONER_CALIBRATE_CLOCK"
+
+
+def _clock() -> Any:
+    """``time.thread_time`` under ``PARTITIONER_CALIBRATE_CLOCK=cpu``, else ``time.perf_counter``."""
+    return time.thread_time if os.environ.get(CLOCK_ENV) == "cpu" else time.perf_counter
+
+
 def _median_time(fn: Any, quick: bool) -> float:
-    """Median seconds of ``fn()`` over at least 5 and at most 200 runs within a time budget."""
+    """Median seconds of ``fn()`` over at least 5 and at most 200 runs within a time budget
+    (wall time; :func:`_clock`'s clock per run)."""
     import statistics
 
+    clock = _clock()
     fn()
     fn()
     times: list[float] = []
     deadline = time.perf_counter() + (0.3 if quick else 1.0)
     while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -586,13 +601,14 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     a @ b  # warm-up
+    clock = _clock()
     best = float("inf")
     deadline = time.perf_counter() + (1.0 if quick else 3.0)
     reps = 0
     while reps < 3 or (time.perf_counter() < deadline and reps < 30):
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
         reps += 1
     gemm = 2.0 * n ** 3 / best
 
@@ -602,9 +618,9 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
     np.copyto(dst, src)
     bw_best = float("inf")
     for _ in range(3 if quick else 5):
-        t0 = time.perf_counter()
+        t0 = clock()
         np.copyto(dst, src)
-        bw_best = min(bw_best, time.perf_counter() - t0)
+        bw_best = min(bw_best, clock() - t0)
     bandwidth = 2.0 * size / bw_best
 
     measured = measure_backend(backend, quick, gemm, bandwidth)

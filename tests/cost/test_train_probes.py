@@ -167,3 +167,17 @@ def test_onnxruntime_optimizer_is_priced_from_the_steps_update_nodes() -> None:
     ort = (2 * w + 4 + 3 * w) / (dev.memory_bandwidth * e) + 2 * dev.launch_overhead_s
     assert got["onnxruntime"].breakdown["optimizer_s"] == pytest.approx(ort, rel=1e-9)
     assert got["tvm"].breakdown["optimizer_s"] == pytest.approx(3 * w / dev.memory_bandwidth, rel=1e-9)
+
+
+def test_cpu_clock_calibration_leaves_out_time_off_the_cpu(monkeypatch) -> None:
+    """``PARTITIONER_CALIBRATE_CLOCK=cpu`` times the probes in the calling thread's CPU time: a
+    probe that sleeps 2 ms (time a loaded machine gives other processes) measures near 0 with
+    it and at least 2 ms without (the default, wall time)."""
+    import time
+
+    from partitioner.calibrate import CLOCK_ENV, _median_time
+
+    monkeypatch.delenv(CLOCK_ENV, raising=False)
+    assert _median_time(lambda: time.sleep(0.002), quick=True) >= 0.002
+    monkeypatch.setenv(CLOCK_ENV, "cpu")
+    assert _median_time(lambda: time.sleep(0.002), quick=True) < 0.0005
