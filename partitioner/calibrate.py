@@ -338,7 +338,7 @@ def _feeds(k: MicroKernel) -> dict[str, Any]:
 
 
 #: ``PARTITIONER_CALIBRATE_CLOCK=cpu``: the one-thread probes (GEMM rate, bandwidth, kernels,
-#: launch and call overheads) are timed in the calling thread's CPU time instead of wall time.
+#: launch and call overheads) are timed in the process's CPU time instead of wall time.
 #: For checking predictions on a shared, loaded machine against a step's CPU time (a process
 #: that gets a quarter of a core measures four times its kernel's wall time, not its CPU time);
 #: the default, wall time, is what a rank waits on a quiet machine.
@@ -346,8 +346,9 @@ CLOCK_ENV = "PARTITIONER_CALIBRATE_CLOCK"
 
 
 def _clock() -> Any:
-    """``time.thread_time`` under ``PARTITIONER_CALIBRATE_CLOCK=cpu``, else ``time.perf_counter``."""
-    return time.thread_time if os.environ.get(CLOCK_ENV) == "cpu" else time.perf_counter
+    """``time.process_time`` under ``PARTITIONER_CALIBRATE_CLOCK=cpu`` (all the probe process's
+    threads: a backend may run a one-thread kernel on a pool thread), else ``time.perf_counter``."""
+    return time.process_time if os.environ.get(CLOCK_ENV) == "cpu" else time.perf_counter
 
 
 def _median_time(fn: Any, quick: bool) -> float:

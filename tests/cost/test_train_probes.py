@@ -170,7 +170,7 @@ def test_onnxruntime_optimizer_is_priced_from_the_steps_update_nodes() -> None:
 
 
 def test_cpu_clock_calibration_leaves_out_time_off_the_cpu(monkeypatch) -> None:
-    """``PARTITIONER_CALIBRATE_CLOCK=cpu`` times the probes in the calling thread's CPU time: a
+    """``PARTITIONER_CALIBRATE_CLOCK=cpu`` times the probes in the process's CPU time: a
     probe that sleeps 2 ms (time a loaded machine gives other processes) measures near 0 with
     it and at least 2 ms without (the default, wall time)."""
     import time
