@@ -250,7 +250,8 @@ def backward_kernels() -> list[MicroKernel]:
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
         *([_k("reducesum_batch_4x256x1024", "reduce_batch", {"x": (4, 256, 1024)}, {},
-              [("Constant", [], ["axes"], {"value_ints": [0]}), ("ReduceSum", ["x", "axes"], ["y"], {})], ["y"])]
+              [("Constant", [], ["axes"], {"value": _int64_tensor([0])}), ("ReduceSum", ["x", "axes"], ["y"], {})],
+              ["y"])]
           if REDUCE_BATCH_PROBE else []),
         *([_k("relu_grad_where_64c_28_b4", "where", {"mask": (4, 64, 28, 28), "dy": (4, 64, 28, 28)}, {"zero": ()},
               [("Where", ["mask", "dy", "zero"], ["dx"], {})], ["dx"])] if WHERE_PROBE else []),
@@ -276,6 +277,15 @@ REDUCE_BATCH_PROBE = True
 #: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);
 #: off: they run at the ``elementwise`` class value
 WHERE_PROBE = True
+
+
+def _int64_tensor(values: list[int]) -> Any:
+    """A 1-D int64 TensorProto (a Constant's ``value``: TVM's ONNX importer reads that form, not
+    ``value_ints``)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array(values, np.int64))
 
 
 def _conv_transpose_kernel(c: int, hw: int, cls: str) -> MicroKernel:

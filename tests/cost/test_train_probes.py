@@ -181,3 +181,18 @@ def test_cpu_clock_calibration_leaves_out_time_off_the_cpu(monkeypatch) -> None:
     assert _median_time(lambda: time.sleep(0.002), quick=True) >= 0.002
     monkeypatch.setenv(CLOCK_ENV, "cpu")
     assert _median_time(lambda: time.sleep(0.002), quick=True) < 0.0005
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "tvm"])
+def test_new_probes_build_and_run_on_both_backends(backend, tmp_path) -> None:
+    """The session-9 probes (``where``, ``reduce_batch``, the 16 MiB maps) build and run on
+    both backends' calibration runners (TVM's ONNX importer refused a Constant's ``value_ints``,
+    which failed ``partitioner calibrate --backend tvm`` as a whole)."""
+    from partitioner.calibrate import _feeds, _runner, kernel_model, micro_kernels
+
+    classes = {"where", "reduce_batch", "elementwise_large", "data_movement_large"}
+    probes = [k for k in micro_kernels(quick=True) if k.op_class in classes]
+    assert {k.op_class for k in probes} == classes
+    for k in probes:
+        out = _runner(backend, kernel_model(k), tmp_path)(_feeds(k))
+        assert len(out) == len(k.outputs), k.name
