@@ -23,8 +23,11 @@ What is measured, and how:
    :mod:`partitioner.cost.roofline` rule 5); a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
    the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
-   classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), and the 3×3
-   convs with their weights as an input, ``conv_train``) at one to four representative sizes, median
+   classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), the 3×3
+   convs with their weights as an input, ``conv_train``, the ReLU gradient's Where, ``where``,
+   and a batched weight gradient's sum over the batch, ``reduce_batch``; and an Add and a
+   Transpose of 16 MiB maps, ``elementwise_large`` / ``data_movement_large``, for the roofline's
+   rule 7) at one to four representative sizes, median
    of N runs. efficiency(kernel) = roofline time at
    efficiency 1 (against the GEMM rate of 1. and the bandwidth of 2., fusion rules of
    :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
