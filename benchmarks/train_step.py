@@ -4,8 +4,9 @@ micro-batches) and tensor (Megatron MLP pairs) parallelism, with the ONNX Runtim
 backend, the training cost model's predicted step time and peak memory per rank beside each
 measured one.
 
-Each configuration is ``partitioner train --bench`` (:func:`partitioner.training.bench.bench_training`)
-on seeded random data: 2 epochs of ``--steps`` steps, epoch 1 discarded (warm-up), the median
+Each configuration is ``partitioner train --bench`` (:func:`partitioner.training.bench.bench_training`),
+run in a fresh spawned process of its own (``FRESH_PROCESS``: a 1-rank run trains in that
+process, and memory is measured as its RSS growth), on seeded random data: 2 epochs of ``--steps`` steps, epoch 1 discarded (warm-up), the median
 step of epoch 2; memory per rank = the training steps' peak RSS minus the RSS before the program
 loads (docs/training.md). The prediction is :func:`partitioner.training.plan.predict_training`
 on ``cpu:<ranks>`` with this machine's cached calibration for the backend, made first (a full
@@ -39,6 +40,7 @@ and adds 34 MiB of gradients per micro-batch. The quiet run takes about 5-8 minu
 (``--models`` to run fewer).
 
     .venv/bin/python benchmarks/train_step.py [--models mlp,resnet,bert] [--backend onnxruntime|tvm] [--steps 20]
+        [--baseline partitioner.cost.training.TRAIN_WHERE_CLASS=False ...]  # also predict with a rule off
     .venv/bin/python benchmarks/train_step.py --quick       # smoke run
     .venv/bin/python benchmarks/train_step.py --markdown    # the README table from the JSON files
 """
@@ -89,7 +91,7 @@ def _data(model, loss: str, n: int, path: Path) -> None:
 
 
 def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, threads: int, backend: str, loss: str,
-             batch: int, steps: int) -> dict:
+             batch: int, steps: int, baseline: dict | None = None) -> dict:
     from partitioner.core.errors import UsageError
     from partitioner.training.bench import bench_training
 
@@ -98,7 +100,8 @@ def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, thre
         doc = bench_training(str(tmp / "m.onnx"), str(tmp / "d.npz"), devices=devices, strategy=strategy,
                              batch=batch, optimizer="sgd", warmup=steps, loss=loss, lr=1e-3, epochs=2,
                              backend=backend, threads=threads, progress=False,
-                             out_dir=str(tmp / label.replace(" ", "_").replace(",", "")), **extra)
+                             out_dir=str(tmp / label.replace(" ", "_").replace(",", "")),
+                             baseline=baseline if threads == 1 else None, **extra)
     except UsageError as exc:
         print(f"{name:<8} {backend:<12} {label:<32} not applicable: {exc}", flush=True)
         return {"not_applicable": str(exc)}
@@ -117,11 +120,13 @@ def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, thre
             "predicted_compute_step_s": st["predicted"] - fixed if "predicted" in st else None,
             "predicted_breakdown_s": doc["predicted_breakdown_s"], "overheads_us": doc.get("overheads_us"),
             "median_step_cpu_s": doc.get("step_cpu_s"),
+            **({"baseline": doc["baseline"], "predicted_baseline_step_s": doc["baseline_step_time_s"]["predicted"]}
+               if "baseline" in doc else {}),
             "predicted_memory_per_rank": [m["predicted"] for m in mem],
             "measured_memory_per_rank": [m["measured"] for m in mem]}
 
 
-def run_case(name: str, backend: str, steps: int, quick: bool) -> dict:
+def run_case(name: str, backend: str, steps: int, quick: bool, baseline: dict | None = None) -> dict:
     import onnx
 
     import models_zoo
@@ -135,8 +140,25 @@ def run_case(name: str, backend: str, steps: int, quick: bool) -> dict:
         onnx.save(model, str(tmp / "m.onnx"))
         _data(model, loss, batch * steps, tmp / "d.npz")
         for label, devices, strategy, threads in CONFIGS:
-            results[label] = _measure(name, tmp, label, devices, strategy, threads, backend, loss, batch, steps)
+            args = (name, tmp, label, devices, strategy, threads, backend, loss, batch, steps, baseline)
+            results[label] = _in_fresh_process(_measure, args) if FRESH_PROCESS else _measure(*args)
     return results
+
+
+#: each configuration runs in a process of its own (spawned): a 1-rank run trains in the process
+#: that runs it, and one that followed another in the same process started from a heap and a
+#: backend memory pool the earlier run had grown, so its steps' peak RSS barely rose above the
+#: window's start (TVM, 1 rank 2 threads after 1 thread: 22 / 44 / 92 MiB measured for bert / mlp
+#: / resnet against 166 / 114 / 309 MiB at 1 thread). Off: every configuration in this process.
+FRESH_PROCESS = True
+
+
+def _in_fresh_process(fn, args: tuple) -> dict:
+    """``fn(*args)`` in a new spawned Python process (nothing inherited from this one's heap)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
 
 
 def calibration(backend: str) -> dict:
@@ -212,6 +234,70 @@ def markdown(results_dir: Path = RESULTS) -> str:
     return "\n".join(rows)
 
 
+_ACTIVE: dict = {}  # the --baseline settings a repredict runs under (recorded with its figures)
+
+
+def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> list[str]:
+    """Each measured row of ``results_dir``'s JSON files predicted again with the calibration
+    cache under ``cache`` (``$PARTITIONER_CACHE_DIR``), the row's recorded fixed costs and the
+    ``--baseline`` settings if any: a calibration's before/after (another probe set, say)
+    against the same measured steps. Records ``repredicted_step_s`` {cache [+ settings]:
+    seconds} in the files; returns one line per row."""
+    from partitioner.training.bench import _with_settings
+
+    if settings:
+        _ACTIVE.update(settings)
+        try:
+            module_settings = {k: v for k, v in settings.items() if k != "no_fixed"}
+            return _with_settings(module_settings, lambda: repredict(results_dir, cache))
+        finally:
+            _ACTIVE.clear()
+    import onnx
+
+    import models_zoo
+    from partitioner.cluster import resolve_cluster
+    from partitioner.cost.training import StepOverheads
+    from partitioner.training.plan import predict_training
+
+    os.environ["PARTITIONER_CACHE_DIR"] = str(cache)
+    lines = []
+    for path in sorted(results_dir.glob("train_step_*.json")):
+        doc = json.loads(path.read_text())
+        model = models_zoo.build(doc["model"], **doc["config"])
+        for label, devices, strategy, threads in CONFIGS:
+            r = doc["results"].get(label) or {}
+            if not r.get("predicted_step_s") or threads != 1:
+                continue
+            fixed = None if _ACTIVE.get("no_fixed") else \
+                StepOverheads(**{k: (v if k == "backend" else v * 1e-6) for k, v in r["overheads_us"].items()})
+            extra = {"schedule": "1f1b", "micro_batches": MICRO_BATCHES} if strategy == "pipeline" else {}
+            pred = predict_training(onnx.load_from_string(model.SerializeToString()), "single" if devices == 1 else strategy,
+                                    devices, batch=doc["config"]["batch"], loss=doc["loss"], overheads=fixed,
+                                    overlap=doc["backend"] == "onnxruntime",
+                                    cluster=resolve_cluster(f"cpu:{devices}", doc["backend"]), **extra).step_time_s
+            key = str(cache) + "".join(f" {k}={v!r}" for k, v in _ACTIVE.items())
+            r.setdefault("repredicted_step_s", {})[key] = pred
+            cpu = r.get("median_step_cpu_s")
+            lines.append(f"{doc['model']} {doc['backend']} {label}: measured {r['median_step_s'] * 1e3:.1f} ms "
+                         f"(CPU {cpu * 1e3 if cpu else float('nan'):.1f}), predicted {r['predicted_step_s'] * 1e3:.1f}, "
+                         f"with {key}: {pred * 1e3:.1f} ms")
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+    return lines
+
+
+def _settings(items: list[str]) -> dict | None:
+    """``--baseline`` items as {"module.ATTR": value} (values as Python literals)."""
+    import ast
+
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if "." not in key or not value:
+            raise SystemExit(f"--baseline {item!r}: expected MODULE.ATTR=VALUE")
+        out[key] = ast.literal_eval(value)
+    return out or None
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="mlp,resnet,bert")
@@ -221,7 +307,20 @@ def main() -> int:
     p.add_argument("--markdown", action="store_true", help="print the README table from the JSON files and exit")
     p.add_argument("--results-dir", type=Path, default=RESULTS,
                    help="where the JSON files go (default benchmarks/results; another folder for a trial run)")
+    p.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="also predict each row with this setting (a cost rule's constant; repeatable, all "
+                        "applied together): the rule's before/after on the same calibration and run")
+    p.add_argument("--repredict", type=Path, default=None, metavar="CACHE_DIR",
+                   help="predict the rows of --results-dir again with the calibration cache under CACHE_DIR "
+                        "(another calibration against the same measured steps; with --baseline settings) and exit")
+    p.add_argument("--no-fixed", action="store_true",
+                   help="with --repredict: compute and communication only (no fixed costs: those recorded on a "
+                        "loaded run are inflated by it), to compare with the rows' CPU time")
     args = p.parse_args()
+    if args.repredict is not None:
+        settings = {**(_settings(args.baseline) or {}), **({"no_fixed": True} if args.no_fixed else {})}
+        print("\n".join(repredict(args.results_dir, args.repredict, settings or None)))
+        return 0
     if args.markdown:
         print(markdown(args.results_dir))
         return 0
@@ -233,7 +332,7 @@ def main() -> int:
     cal = calibration(args.backend)
     for name in args.models.split(","):
         before = _load()
-        results = run_case(name, args.backend, steps, args.quick)
+        results = run_case(name, args.backend, steps, args.quick, _settings(args.baseline))
         after = _load()
         doc = {"model": name, "backend": args.backend, "config": (QUICK if args.quick else CASES)[name][0],
                "loss": (QUICK if args.quick else CASES)[name][1], "quick": args.quick, "steps": steps,

@@ -23,8 +23,11 @@ What is measured, and how:
    :mod:`partitioner.cost.roofline` rule 5); a 3×3 and a 1×1 conv, a depthwise conv, an
    elementwise chain, softmax + layer norm, max + global average pool, transpose + concat; and
    the training probes, :func:`backward_kernels`: the GEMM's and the 3×3 convs' gradient forms,
-   classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), and the 3×3
-   convs with their weights as an input, ``conv_train``) at one to four representative sizes, median
+   classes ``gemm_backward`` and ``conv_backward`` (and their small-map points), the 3×3
+   convs with their weights as an input, ``conv_train``, the ReLU gradient's Where, ``where``,
+   and a batched weight gradient's sum over the batch, ``reduce_batch``; and an Add and a
+   Transpose of 16 MiB maps, ``elementwise_large`` / ``data_movement_large``, for the roofline's
+   rule 7) at one to four representative sizes, median
    of N runs. efficiency(kernel) = roofline time at
    efficiency 1 (against the GEMM rate of 1. and the bandwidth of 2., fusion rules of
    :mod:`partitioner.cost.roofline` included) / (measured − launches × launch overhead);
@@ -59,7 +62,7 @@ from typing import Any
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
 from partitioner.core.errors import PartitionerError
 from partitioner.core.machine import machine_info
-from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE
+from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE, LARGE_MAP
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -157,7 +160,9 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
     512 KiB each), and a GEMM whose operands do not (``gemm_large``: 256x1024x1024, 6 MiB: the
     in-cache pair runs from cache, the GEMV at several times the DRAM roof, and alone it priced
     the training benchmark's 1024-wide layers 1.5x too fast; rule 5 of the roofline
-    interpolates between the two by working set); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
+    interpolates between the two by working set); an Add and a Transpose of 16 MiB maps
+    (``elementwise_large``, ``data_movement_large``: the classes' own probes stay in cache, a
+    training step's maps do not; rule 7 of the roofline, ``LARGE_MAP_PROBES``); a 3-channel 7×7/2 stem conv, 3×3 convs with 32–64 channels on
     16×16–28×28 maps, a 256-channel 3×3 on a 7×7 map and a 1×1 conv; 64–128 tokens × 128 features for the norms. ``quick``
     changes only how long each kernel is timed, not the set."""
     ks = [
@@ -180,6 +185,10 @@ def micro_kernels(quick: bool) -> list[MicroKernel]:
            {"s": (1, 64, 1, 1), "c": (1, 64, 1, 1)},
            [("Add", ["x", "r"], ["a"], {}), ("Mul", ["a", "s"], ["m"], {}), ("Add", ["m", "c"], ["t"], {}),
             ("Relu", ["t"], ["y"], {})], ["y"]),
+        *([_k("add_16x64c_64", "elementwise_large", {"x": LARGE_MAP, "r": LARGE_MAP}, {},
+              [("Add", ["x", "r"], ["y"], {})], ["y"]),
+           _k("transpose_16x64c_64", "data_movement_large", {"x": LARGE_MAP}, {},
+              [("Transpose", ["x"], ["t"], {"perm": [0, 2, 3, 1]})], ["t"])] if LARGE_MAP_PROBES else []),
         _k("softmax_layernorm", "norm", {"s": (4, 64, 64), "h": (64, 128)}, {"g": (128,), "be": (128,)},
            [("Softmax", ["s"], ["p"], {"axis": -1}), ("LayerNormalization", ["h", "g", "be"], ["n"], {"axis": -1})],
            ["p", "n"]),
@@ -213,29 +222,87 @@ def backward_kernels() -> list[MicroKernel]:
     rule 1 for its forward convs; ``conv_train_px16``, ``conv_train_px4`` on 4x4 and 2x2 maps):
     the weights are a graph input there (the step's state), which ONNX Runtime cannot prepack
     for its NCHWc kernels (measured: a 512-channel 3x3 conv on 2x2 maps at 101 GFLOP/s with
-    constant weights, 11 with the weights as an input)."""
+    constant weights, 11 with the weights as an input); the ConvTransposes take their weights as
+    an input for the same reason (:func:`_conv_transpose_kernel`). And the ReLU gradient's
+    ``Where(x > 0, dy, 0)`` (class ``where``, ``WHERE_PROBE``): ONNX Runtime's Where ran at about
+    2 GB/s whatever the size (0.2 to 4 MiB maps, with a scalar or a full third operand, where an
+    Add of the same maps ran at 40-75 GB/s), so the ``elementwise`` class priced the zoo resnet's
+    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step. And a
+    batched MatMul's weight gradient summed over its batch (class ``reduce_batch``,
+    ``REDUCE_BATCH_PROBE``): ONNX Runtime's ReduceSum over the leading axis of [B, 256, 1024]
+    ran at 4-5 GB/s for B = 4 and 8, 1.4 GB/s for B = 16 and 6-34 GB/s for B = 32 (an algorithm
+    chosen by shape; loaded machine), against about 11 GB/s at the ``reduction`` class value
+    (the norm probes'): the zoo bert's batch-16 step (a data-parallel rank of the batch-32 one)
+    spent 50-60 ms in four such sums priced 6.5 ms; the probe takes batch 4 as the other
+    backward probes do."""
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
         _k("gemm_dgrad_128x256x256", "gemm_backward", {"dy": (128, 256)}, {"w": (256, 256)},
            [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
-        _k("convT3x3_64c_28_b4", "conv_backward", {"dy": (4, 64, 28, 28)}, {"w": (64, 64, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _conv_transpose_kernel(64, 28, "conv_backward"),
         _k("wgrad_im2col3x3_64c_28_b4", "gemm_backward", {"dy": (64, 4 * 28 * 28), "cols": (4 * 28 * 28, 64 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
-        _k("convT3x3_256c_7_b4", "conv_backward", {"dy": (4, 256, 7, 7)}, {"w": (256, 256, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
-        _k("convT3x3_256c_4_b4", "conv_backward_px16", {"dy": (4, 256, 4, 4)}, {"w": (256, 256, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
-        _k("convT3x3_512c_2_b4", "conv_backward_px4", {"dy": (4, 512, 2, 2)}, {"w": (512, 512, 3, 3)},
-           [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"]),
+        _conv_transpose_kernel(256, 7, "conv_backward"),
+        _conv_transpose_kernel(256, 4, "conv_backward_px16"),
+        _conv_transpose_kernel(512, 2, "conv_backward_px4"),
         *[_k(f"conv3x3_{c}c_{hw}_b4_win", cls, {"x": (4, c, hw, hw), "w": (c, c, 3, 3)}, {},
              [("Conv", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]})], ["y"])
           for c, hw, cls in ((64, 28, "conv_train"), (256, 7, "conv_train"), (256, 4, "conv_train_px16"),
                              (512, 2, "conv_train_px4"))],
         _k("wgrad_im2col3x3_256c_7_b4", "gemm_backward", {"dy": (256, 4 * 7 * 7), "cols": (4 * 7 * 7, 256 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
+        *([_k("reducesum_batch_4x256x1024", "reduce_batch", {"x": (4, 256, 1024)}, {},
+              [("Constant", [], ["axes"], {"value": _int64_tensor([0])}), ("ReduceSum", ["x", "axes"], ["y"], {})],
+              ["y"])]
+          if REDUCE_BATCH_PROBE else []),
+        *([_k("relu_grad_where_64c_28_b4", "where", {"mask": (4, 64, 28, 28), "dy": (4, 64, 28, 28)}, {"zero": ()},
+              [("Where", ["mask", "dy", "zero"], ["dx"], {})], ["dx"])] if WHERE_PROBE else []),
     ]
+
+
+#: the ConvTranspose probes take their weights as a graph input, as the training step does (its
+#: weights are the step's state); off: as constant initializers (the probes before 2026-12-01 pm)
+CONV_TRANSPOSE_WEIGHT_INPUT = True
+
+
+#: the out-of-cache elementwise and data-movement probes (an Add and a Transpose of 16 MiB maps,
+#: classes ``elementwise_large`` / ``data_movement_large``: roofline rule 7); off: none
+LARGE_MAP_PROBES = True
+
+#: the ``reduce_batch`` probe: a batched MatMul's weight gradient summed over its batch,
+#: ``ReduceSum(axes=[0])`` of a [4, 256, 1024] product (training/rules: the MatMul rule's
+#: ``reduce_to``), read by the training cost model for a step's ReduceSum over axis 0 of a 3-D
+#: or higher tensor (cost/training.py rule 1); off: they run at the ``reduction`` class value
+REDUCE_BATCH_PROBE = True
+
+#: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
+#: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);
+#: off: they run at the ``elementwise`` class value
+WHERE_PROBE = True
+
+
+def _int64_tensor(values: list[int]) -> Any:
+    """A 1-D int64 TensorProto (a Constant's ``value``: TVM's ONNX importer reads that form, not
+    ``value_ints``)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array(values, np.int64))
+
+
+def _conv_transpose_kernel(c: int, hw: int, cls: str) -> MicroKernel:
+    """The input gradient of a 3x3 ``c``-channel conv on an ``hw`` x ``hw`` map at batch 4:
+    ``ConvTranspose(dy, W)``, with ``W`` a graph input (``CONV_TRANSPOSE_WEIGHT_INPUT``): ONNX
+    Runtime prepacks a constant ConvTranspose filter, not an input one, and on small maps the
+    per-call repacking is most of the kernel (measured, one thread, loaded machine: 512 channels
+    on 2x2 maps 3.1 ms with a constant filter, 8.2 ms with it as an input; 256 on 4x4 0.76 and
+    1.59 ms; 64 on 28x28 2.8 and 3.0 ms; the zoo resnet's layer4 ConvTransposes in the step ran
+    at about twice the constant-filter probes' price)."""
+    x, w = {"dy": (4, c, hw, hw)}, {"w": (c, c, 3, 3)}
+    inputs, weights = ({**x, **w}, {}) if CONV_TRANSPOSE_WEIGHT_INPUT else (x, w)
+    name = f"convT3x3_{c}c_{hw}_b4" + ("_win" if CONV_TRANSPOSE_WEIGHT_INPUT else "")
+    return _k(name, cls, inputs, weights, [("ConvTranspose", ["dy", "w"], ["dx"], {"pads": [1, 1, 1, 1]})], ["dx"])
 
 
 def launch_chain(length: int) -> MicroKernel:
@@ -254,7 +321,7 @@ def kernel_model(k: MicroKernel) -> Any:
     rng = np.random.default_rng(0)
     nodes = [helper.make_node(op, list(i), list(o), **dict(a)) for op, i, o, a in k.nodes]
     inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in k.weights]
-    g = helper.make_graph(nodes, k.name, [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in k.inputs],
+    g = helper.make_graph(nodes, k.name, [helper.make_tensor_value_info(n, _input_type(n), list(s)) for n, s in k.inputs],
                           [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in k.outputs], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
@@ -266,25 +333,51 @@ def kernel_model(k: MicroKernel) -> Any:
     return m
 
 
+def _input_type(name: str) -> int:
+    """A micro-kernel input's ONNX element type: bool for a ``mask...`` input (a Where's
+    condition), else float32."""
+    from onnx import TensorProto
+
+    return TensorProto.BOOL if name.startswith("mask") else TensorProto.FLOAT
+
+
 def _feeds(k: MicroKernel) -> dict[str, Any]:
+    """Seeded inputs: normal float32 values; a ``mask...`` input, their signs (half true)."""
     import numpy as np
 
     rng = np.random.default_rng(1)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in k.inputs}
+    return {n: rng.standard_normal(s) > 0 if n.startswith("mask") else rng.standard_normal(s).astype(np.float32)
+            for n, s in k.inputs}
+
+
+#: ``PARTITIONER_CALIBRATE_CLOCK=cpu``: the one-thread probes (GEMM rate, bandwidth, kernels,
+#: launch and call overheads) are timed in the process's CPU time instead of wall time.
+#: For checking predictions on a shared, loaded machine against a step's CPU time (a process
+#: that gets a quarter of a core measures four times its kernel's wall time, not its CPU time);
+#: the default, wall time, is what a rank waits on a quiet machine.
+CLOCK_ENV = "PARTITIONER_CALIBRATE_CLOCK"
+
+
+def _clock() -> Any:
+    """``time.process_time`` under ``PARTITIONER_CALIBRATE_CLOCK=cpu`` (all the probe process's
+    threads: a backend may run a one-thread kernel on a pool thread), else ``time.perf_counter``."""
+    return time.process_time if os.environ.get(CLOCK_ENV) == "cpu" else time.perf_counter
 
 
 def _median_time(fn: Any, quick: bool) -> float:
-    """Median seconds of ``fn()`` over at least 5 and at most 200 runs within a time budget."""
+    """Median seconds of ``fn()`` over at least 5 and at most 200 runs within a time budget
+    (wall time; :func:`_clock`'s clock per run)."""
     import statistics
 
+    clock = _clock()
     fn()
     fn()
     times: list[float] = []
     deadline = time.perf_counter() + (0.3 if quick else 1.0)
     while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -522,13 +615,14 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     a @ b  # warm-up
+    clock = _clock()
     best = float("inf")
     deadline = time.perf_counter() + (1.0 if quick else 3.0)
     reps = 0
     while reps < 3 or (time.perf_counter() < deadline and reps < 30):
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
         reps += 1
     gemm = 2.0 * n ** 3 / best
 
@@ -538,9 +632,9 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
     np.copyto(dst, src)
     bw_best = float("inf")
     for _ in range(3 if quick else 5):
-        t0 = time.perf_counter()
+        t0 = clock()
         np.copyto(dst, src)
-        bw_best = min(bw_best, time.perf_counter() - t0)
+        bw_best = min(bw_best, clock() - t0)
     bandwidth = 2.0 * size / bw_best
 
     measured = measure_backend(backend, quick, gemm, bandwidth)

@@ -60,13 +60,20 @@ BACKWARD_CLASSES = ("gemm_backward", "conv_backward")
 #: the out-of-cache GEMM probe's class (calibrate.micro_kernels), read by the roofline's
 #: working-set rule for ``gemm`` ops (cost/roofline.py rule 5), never an op's class
 GEMM_SIZE_CLASSES = ("gemm_large",)
+#: the out-of-cache elementwise and data-movement probes' classes (calibrate.micro_kernels),
+#: read by the roofline's working-set rule for a training step's nodes (cost/roofline.py rule 7)
+MEMORY_SIZE_CLASSES = ("elementwise_large", "data_movement_large")
 #: the small-map conv probes' classes (calibrate.backward_kernels), read by the roofline's
 #: output-pixels rule for ``conv_backward`` and ``conv_train`` ops (cost/roofline.py rule 6)
 CONV_SIZE_CLASSES = ("conv_backward_px16", "conv_backward_px4", "conv_train_px16", "conv_train_px4")
 #: the training probes' forward conv with its weights as an input, as a training step runs it
 #: (calibrate.backward_kernels; cost/training.py rule 1)
 TRAIN_FORWARD_CLASSES = ("conv_train",)
-CALIBRATED_CLASSES = OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES + TRAIN_FORWARD_CLASSES
+#: kernels a training step runs whose backend's rate is their own: the ReLU gradient's Where and
+#: a batched weight gradient's sum over its batch (calibrate.backward_kernels; cost/training.py rule 1)
+TRAIN_OP_CLASSES = ("where", "reduce_batch")
+CALIBRATED_CLASSES = (OP_CLASSES + BACKWARD_CLASSES + GEMM_SIZE_CLASSES + CONV_SIZE_CLASSES + TRAIN_FORWARD_CLASSES
+                      + TRAIN_OP_CLASSES + MEMORY_SIZE_CLASSES)
 MAX_CLASS_EFFICIENCY = hardware.MAX_CLASS_EFFICIENCY  # a class may beat the DRAM roof from cache
 
 

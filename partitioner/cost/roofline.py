@@ -53,6 +53,19 @@ Rules:
    (``conv_train``: a training step's forward convs, :mod:`partitioner.cost.training` rule 1).
    Inference convs (constant weights) have no small-map term: the same convs with constant
    weights ran at the ``conv`` class value on the small maps (0.90-1.12 of the GEMM rate).
+7. Elementwise and data-movement ops by working set (``working_set=True``: the training cost
+   model's step nodes, :mod:`partitioner.cost.training` rule 1; when the calibration measured
+   ``elementwise_large`` / ``data_movement_large``; ``MEMORY_WORKING_SET`` on): the classes'
+   own probes run on maps of at most 800 KiB, which stay in L2 (ONNX Runtime's elementwise class
+   came out at 2.8x the DRAM copy bandwidth), where a training step at batch 16 streams maps of
+   4-18 MiB (the zoo resnet's stem and layer1 BatchNormalization backward, the conv weight
+   gradient's im2col): measured there at 0.3-0.4 of their price. Calibration times an Add and a
+   Transpose of 16 MiB maps (``LARGE_MAP``, beyond L2 and this machine's 32 MiB L3 for the
+   Add's 48 MiB); a memory-bound op of those classes whose bytes exceed its class probe's
+   (``MEMORY_PROBE_BYTES``: the in-cache probe's Add of two 64x56x56 maps, a Transpose and a
+   Concat of 64x28x28 maps) runs at the log-linear interpolation in ``log bytes`` from the class
+   value to the large probe's, clamped beyond it. Inference keeps the class value (its batch-1
+   maps are mostly in cache, and its cost table is checked without this rule).
 """
 
 from __future__ import annotations
@@ -81,6 +94,15 @@ CONV_SMALL_PROBES = {"px16": 16, "px4": 4}
 CONV_REF_COLUMNS = 49
 #: rule 6 on (off: every conv at its class value)
 CONV_COLUMNS = True
+#: rule 7: the large probes' map (16 MiB of float32) and, per class, the operand bytes at which
+#: the class value was measured (elementwise: an Add of two 1x64x56x56 maps, 3 maps of bytes;
+#: data movement: a Transpose (2 maps) and a Concat (4 maps) of 1x64x28x28, 3 maps on average)
+LARGE_MAP = (16, 64, 64, 64)
+MEMORY_PROBE_BYTES = {"elementwise": 3 * 4.0 * 64 * 56 * 56, "data_movement": 3 * 4.0 * 64 * 28 * 28}
+#: rule 7's large probes' operand bytes: the Add reads two maps and writes one, the Transpose one each
+MEMORY_LARGE_BYTES = {"elementwise": 3 * 4.0 * math.prod(LARGE_MAP), "data_movement": 2 * 4.0 * math.prod(LARGE_MAP)}
+#: rule 7 on (off: training's elementwise and data-movement ops at their class value)
+MEMORY_WORKING_SET = True
 
 
 def gemm_probe_bytes(mkn: tuple[int, int, int]) -> float:
@@ -93,11 +115,14 @@ _GROUP_KEY = "partitioner.fusion_group"  # passes/fusion_groups.FUSION_GROUP_KEY
 
 
 def op_time(cost: OpCost, device: Device, dtype: str = "float32", op_class: str | None = None,
-            fused: bool = False) -> float:
-    """Seconds for one execution of an op of ``cost`` on ``device`` (rules 1–3 above)."""
+            fused: bool = False, working_set: bool = False) -> float:
+    """Seconds for one execution of an op of ``cost`` on ``device`` (rules 1–3 above;
+    ``working_set``: rule 7 too)."""
     if cost.flops <= 0 and cost.bytes <= 0:
         return 0.0
     eff = op_efficiency(cost, device, dtype, op_class)
+    if working_set and not fused:
+        eff = memory_efficiency(cost, device, dtype, op_class, eff)
     compute = cost.flops / (device.peak(dtype) * eff)
     if fused and op_class == "elementwise":
         return compute
@@ -117,6 +142,18 @@ def op_efficiency(cost: OpCost, device: Device, dtype: str = "float32", op_class
     lo, hi = math.log(gemm_probe_bytes(GEMM_PROBE)), math.log(gemm_probe_bytes(GEMM_LARGE_PROBE))
     t = min(max((math.log(max(cost.bytes, 1.0)) - lo) / (hi - lo), 0.0), 1.0)
     return math.exp((1 - t) * math.log(eff) + t * math.log(table["gemm_large"]))
+
+
+def memory_efficiency(cost: OpCost, device: Device, dtype: str, op_class: str | None, eff: float) -> float:
+    """Rule 7: ``eff`` (the class value) for a memory-bound elementwise or data-movement op of
+    ``cost.bytes`` operand bytes, interpolated toward the class's out-of-cache probe."""
+    large = device.efficiency_by_class.get(f"{op_class}_large")
+    if not MEMORY_WORKING_SET or op_class not in MEMORY_PROBE_BYTES or large is None \
+            or is_compute_bound(cost, device, dtype) or cost.bytes <= MEMORY_PROBE_BYTES[op_class]:
+        return eff
+    lo, hi = math.log(MEMORY_PROBE_BYTES[op_class]), math.log(MEMORY_LARGE_BYTES[op_class])
+    t = min((math.log(cost.bytes) - lo) / (hi - lo), 1.0)
+    return math.exp((1 - t) * math.log(eff) + t * math.log(large))
 
 
 def _conv_efficiency(cost: OpCost, table: dict[str, float], op_class: str, eff: float) -> float:

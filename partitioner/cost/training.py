@@ -19,11 +19,23 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    forward one: those kernels run at other rates than the forward's (the zoo resnet's step took
    9x its forward on ONNX Runtime where its FLOPs are 3x). A forward conv of the step runs at
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
-   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``). Without a step graph (or for a node
+   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``), and a Where (the ReLU
+   gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
+   Runtime's Where runs at about 2 GB/s, a thirtieth of its Add), a batched MatMul's weight
+   gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
+   GB/s for batches of 4-16); elementwise and
+   data-movement nodes by their working set (roofline rule 7: a step's maps are far larger than
+   the in-cache class probes'). Without a step graph (or for a node
    the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
    class]`` (contractions 2: one product per operand gradient; the rest 1).
 2. Optimizer time: a memory-bound pass over the weights reading and writing the weight, its
-   gradient and the optimizer's state copies (``OPTIMIZER_COPIES``: SGD 0, momentum 1, Adam 2).
+   gradient and the optimizer's state copies (``OPTIMIZER_COPIES``: SGD 0, momentum 1, Adam 2):
+   one fused kernel per weight, as TVM runs the update. On ONNX Runtime (``OPTIMIZER_FROM_STEP``,
+   :func:`optimizer_seconds`) every node of the step's update is its own kernel (SGD: ``lr x g``
+   then ``W - that``, 5 weight-sized passes where the formula has 3), priced by the roofline with
+   its working-set rule; a rank or stage pays its weights' share. Measured (the zoo resnet's
+   batch-16 step, 45 MiB of weights, ORT node profiler, load 1.2): the update's nodes 11.8 ms,
+   the formula 5.5 ms.
 3. Memory per rank, as the runtime holds it at a step's peak (measured by ``train --bench``:
    :mod:`partitioner.training.memory_window`). With the state ``S`` = weights x (1 + optimizer
    copies) and the gradients ``G`` = the weights' bytes: ``3 S`` (the resident state, the step's
@@ -168,6 +180,8 @@ class _Profile:
     optimizer_nodes: int = 0
     overheads: StepOverheads | None = None
     weight_tensors: np.ndarray | None = None  # trainable tensors first read by each node
+    #: rule 2 from the step graph (ONNX Runtime): its optimizer nodes' seconds for all the weights
+    optimizer_s: float | None = None
 
     def fixed(self, calls: float, nodes: float, arrays: float, output_bytes: float) -> float:
         """Rule 7 for ``calls`` program calls with these totals; 0 without overheads."""
@@ -201,7 +215,28 @@ def profile(graph: Any, device: Any, trainable: set[str], step: Any = None) -> _
                 tensors[i] += 1
     act = np.array([sum(nbytes(o) for o in n.outputs) for n in nodes], dtype=np.float64)
     return _Profile(times, backward, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph,
-                    weight_tensors=tensors)
+                    weight_tensors=tensors, optimizer_s=optimizer_seconds(step, device) if step is not None else None)
+
+
+#: rule 2 on ONNX Runtime: the optimizer's own step nodes, each its own kernel (off: the formula)
+OPTIMIZER_FROM_STEP = True
+
+
+def optimizer_seconds(step: Any, device: Any) -> float | None:
+    """Rule 2 on an ONNX Runtime device (``device.runtime``): the step graph's optimizer nodes,
+    each priced as its own kernel (ONNX Runtime's CPU provider fuses no elementwise chain, and
+    the update's inputs are the state, not constants) with the roofline's working-set rule;
+    None elsewhere (TVM fuses each weight's update into one kernel: the formula)."""
+    if not OPTIMIZER_FROM_STEP or getattr(device, "runtime", None) != "onnxruntime":
+        return None
+    from partitioner.cost.roofline import op_time
+    from partitioner.cost.workdepth import constant_values, node_costs
+
+    total = 0.0
+    for node, c in zip(step, node_costs(step, constant_values(step))):
+        if node.metadata_props.get(FORWARD_NODE_KEY) == "optimizer":
+            total += op_time(c, device, "float32", node_class(device, node, False), False, working_set=True)
+    return total
 
 
 FORWARD_NODE_KEY = "training.forward_node"  # partitioner.training.autodiff's metadata
@@ -228,12 +263,47 @@ def backward_class(device: Any, op_class: str) -> str:
     return key if key in getattr(device, "efficiency_by_class", {}) else op_class
 
 
+#: rule 1: a step's Where nodes (the ReLU gradient) at the calibrated ``where`` class (off: at
+#: ``elementwise``)
+TRAIN_WHERE_CLASS = True
+
+
+#: rule 1: a step's ReduceSum over axis 0 of a 3-D or higher tensor (a batched weight
+#: gradient's sum over its batch) at the calibrated ``reduce_batch`` class (off: ``reduction``)
+TRAIN_REDUCE_BATCH_CLASS = True
+
+
+def _sums_the_batch(node: Any) -> bool:
+    """A ReduceSum over axis 0 only (constant axes input) of a tensor of rank 3 or more."""
+    if node.op_type != "ReduceSum" or len(node.inputs) < 2 or node.inputs[1] is None:
+        return False
+    axes, x = node.inputs[1].const_value, node.inputs[0]
+    if axes is None or x is None or x.shape is None or len(x.shape) < 3:
+        return False
+    return [int(a) for a in axes.numpy().reshape(-1)] == [0]
+
+
+def node_class(device: Any, node: Any, backward: bool) -> str:
+    """Rule 1: the class a training step's ``node`` runs at: ``where`` for a Where and
+    ``reduce_batch`` for a ReduceSum over the batch axis of a batched product when the
+    calibration measured them (ONNX Runtime runs both far below its other elementwise and
+    reduction kernels: ``calibrate.backward_kernels``); else :func:`backward_class` of a backward node's class and
+    :func:`forward_class` of the others'."""
+    from partitioner.cost.ops import op_class
+
+    table = getattr(device, "efficiency_by_class", {})
+    if TRAIN_WHERE_CLASS and node.op_type == "Where" and "where" in table:
+        return "where"
+    if TRAIN_REDUCE_BATCH_CLASS and "reduce_batch" in table and _sums_the_batch(node):
+        return "reduce_batch"
+    return backward_class(device, op_class(node)) if backward else forward_class(device, op_class(node))
+
+
 def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
                backward: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rule 1 from the step graph ``step`` (an onnx-ir graph): (forward, backward) seconds per
     forward node ``names``; a forward node the step graph does not name keeps ``forward`` /
     ``backward`` (the factor rule); step nodes of no known forward node are spread evenly."""
-    from partitioner.cost.ops import op_class
     from partitioner.cost.roofline import fused_nodes, op_time
     from partitioner.cost.workdepth import constant_values, node_costs
 
@@ -247,8 +317,8 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
     for node, c in zip(nodes, node_costs(step, constant_values(step))):
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         is_backward = key is not None and key not in ("loss", "optimizer")
-        cls = backward_class(device, op_class(node)) if is_backward else forward_class(device, op_class(node))
-        t = op_time(c, device, "float32", cls, node in fused)
+        cls = node_class(device, node, is_backward)
+        t = op_time(c, device, "float32", cls, node in fused, working_set=True)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)
         if key == "loss":
@@ -292,8 +362,12 @@ def resident_bytes(weight_bytes: float, copies: int, activations: float, extra_g
     return 3 * state + weight_bytes * (1 + extra_gradients) + activations
 
 
-def _optimizer_time(weight_bytes: float, copies: int, device: Any) -> float:
-    """Rule 2: read W, g and the state, write W and the state."""
+def _optimizer_time(weight_bytes: float, copies: int, device: Any, p: _Profile | None = None) -> float:
+    """Rule 2 for ``weight_bytes`` of the weights: their share of the step's optimizer nodes'
+    time (``p.optimizer_s``, ONNX Runtime), else a pass reading W, g and the state and writing W
+    and the state."""
+    if p is not None and p.optimizer_s is not None:
+        return p.optimizer_s * weight_bytes / max(float(p.weight.sum()), 1.0)
     return weight_bytes * (2 + 1 + 2 * copies) / device.memory_bandwidth
 
 
@@ -314,7 +388,7 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
         buckets = len(gradient_buckets(p))
         passes = 0.0 if list_buckets else BUCKET_PASSES * 2 * w / device.memory_bandwidth
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
-             "optimizer_s": _optimizer_time(w, copies, device) + passes, "comm_s": comm,
+             "optimizer_s": _optimizer_time(w, copies, device, p) + passes, "comm_s": comm,
              "fixed_s": _whole_step_fixed(p, copies, buckets)}
     step = sum(parts.values())
     if overlapped is not None:
@@ -378,7 +452,7 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     stage_t = [t + 3 * w * (m - 1) / m / device.memory_bandwidth for t, w in zip(stage_t, ws)]
     mb_fixed, upd_fixed = _pipeline_fixed(p, spans, copies)
     stage_t = [t + f for t, f in zip(stage_t, mb_fixed)]
-    opt = [_optimizer_time(w, copies, device) + f for w, f in zip(ws, upd_fixed)]
+    opt = [_optimizer_time(w, copies, device, p) + f for w, f in zip(ws, upd_fixed)]
     per_step = p.overheads.per_step_s if p.overheads is not None else 0.0
     step = pipeline_step_time(stage_t, sends, m) + max(opt) + per_step
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
@@ -435,7 +509,7 @@ def tensor(p: _Profile, world: int, batch: int, copies: int, split: set[str], al
     comm = sum(collective_time("allreduce", b, list(range(world)), cluster).seconds for b in allreduce_bytes)
     w = float((p.weight * share).sum())
     parts = {"forward_s": float((p.forward * share).sum()), "backward_s": float((p.backward * share).sum()),
-             "optimizer_s": _optimizer_time(w, copies, device), "comm_s": comm,
+             "optimizer_s": _optimizer_time(w, copies, device, p), "comm_s": comm,
              "fixed_s": _whole_step_fixed(p, copies, len(allreduce_bytes))}
     step = sum(parts.values())
     # the comm ops' inputs and outputs stay in the rank's value table for the whole step (the

@@ -19,6 +19,9 @@ Rules:
    (issue 16's target for both).
 6. ``step_cpu_s``: the median CPU seconds of rank 0's process per timed step, beside the wall
    time (on a loaded machine the wall time includes time slices given to other processes).
+7. ``baseline`` (optional, module attributes such as a cost rule's on/off constant): the step
+   time predicted again with them set (``baseline_step_time_s``), on the same calibration and
+   fixed costs, against the same measured step: a rule's before/after on one run.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ def _ratio(pred: float, measured: float) -> dict[str, Any]:
 def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch: int, optimizer: str = "sgd",
                    schedule: str = "1f1b", micro_batches: int | None = None, stages: int | None = None,
                    memory_limit: float | None = None, out_dir: str | None = None, warmup: int = 2,
-                   **train_kw: Any) -> dict[str, Any]:
-    """Rules 1-5; returns the report (JSON-ready)."""
+                   baseline: dict[str, Any] | None = None, **train_kw: Any) -> dict[str, Any]:
+    """Rules 1-5; returns the report (JSON-ready). ``baseline``: module attributes
+    (``"partitioner.cost.roofline.MEMORY_WORKING_SET": False``) under which the step time is
+    predicted again, on the same calibration and fixed costs (rule 7)."""
     from partitioner.training import memory_window
     from partitioner.training.loop import train
     from partitioner.training.plan import choose_strategy, predict_training
@@ -55,11 +60,15 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
     from partitioner.training import overheads as fixed
 
     costs = fixed.calibrate(backend)
-    pred = predict_training(model, kind, devices, batch=batch, optimizer=optimizer, schedule=schedule,
-                            micro_batches=micro_batches, stages=stages, memory_limit=memory_limit,
-                            overlap=backend == "onnxruntime", overheads=costs,
-                            loss=train_kw.get("loss", "cross_entropy"),
-                            cluster=resolve_cluster(f"cpu:{devices}", backend))
+    def predict() -> Any:
+        return predict_training(model, kind, devices, batch=batch, optimizer=optimizer, schedule=schedule,
+                                micro_batches=micro_batches, stages=stages, memory_limit=memory_limit,
+                                overlap=backend == "onnxruntime", overheads=costs,
+                                loss=train_kw.get("loss", "cross_entropy"),
+                                cluster=resolve_cluster(f"cpu:{devices}", backend))
+
+    pred = predict()
+    before = _with_settings(baseline, predict).step_time_s if baseline else None
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-bench-"))
     memory_window.CURRENT = memory_window.MemoryWindow(process_baseline_bytes=memory_window.baseline(backend),
                                                        armed=True)
@@ -80,6 +89,8 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
     return {"strategy": kind, "devices": devices, "batch": batch, "optimizer": optimizer,
             "schedule": pred.schedule, "micro_batches": pred.micro_batches, "steps_timed": len(times),
             "step_time_s": _ratio(pred.step_time_s, step), "predicted_breakdown_s": pred.breakdown,
+            **({"baseline": {k: repr(v) for k, v in baseline.items()},
+                "baseline_step_time_s": _ratio(before, step)} if baseline else {}),
             "overheads_us": fixed.figures(costs),
             # rule 6: rank 0's process CPU seconds per step (a loaded machine's wall time
             # includes other processes' slices; MPI ranks busy-poll while they wait, so theirs
@@ -90,6 +101,23 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
                                  "window_reset": m.get("window_reset")}
                                 for r, (p, m) in enumerate(zip(pred.memory_per_rank, measured))],
             "output": str(out)}
+
+
+def _with_settings(settings: dict[str, Any], fn: Any) -> Any:
+    """Rule 7: ``fn()`` with each ``"module.ATTR"`` of ``settings`` set to its value, restored after."""
+    import importlib
+
+    saved = []
+    try:
+        for key, value in settings.items():
+            mod, attr = key.rsplit(".", 1)
+            m = importlib.import_module(mod)
+            saved.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, value)
+        return fn()
+    finally:
+        for m, attr, value in reversed(saved):
+            setattr(m, attr, value)
 
 
 def format_report(doc: dict[str, Any]) -> str:

@@ -208,13 +208,13 @@ def _feeds(proto):
     return out
 
 
-def _median(fn, n=7):
+def _median(fn, n=7, clock=time.perf_counter):
     fn()
     ts = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock() - t0)
     return statistics.median(ts)
 
 
@@ -244,8 +244,15 @@ def test_prediction_within_2x_of_onnxruntime():
 
 
 @pytest.mark.slow
-def test_prediction_within_2x_of_tvm(tmp_path):
-    """Calibrated for TVM on micro-kernels, the prediction is within 2x of the TVM build's time."""
+def test_prediction_within_2x_of_tvm(tmp_path, monkeypatch):
+    """Calibrated for TVM on micro-kernels, the prediction is within 2x of the TVM build's time.
+    Both sides in CPU time (the calibration with ``PARTITIONER_CALIBRATE_CLOCK=cpu``, the run
+    with ``time.process_time``): the calibration and the run happen a minute apart, and on a
+    shared machine their wall times held different shares of other processes' slices (mobilenet
+    at 2.03x in a loaded run); CPU time leaves those out on both sides."""
+    from partitioner.calibrate import CLOCK_ENV
+
+    monkeypatch.setenv(CLOCK_ENV, "cpu")
     sys.path.insert(0, str(ROOT))
     from backends.tvm.build import build
     from backends.tvm.executable import load
@@ -260,6 +267,6 @@ def test_prediction_within_2x_of_tvm(tmp_path):
         build(proto, tmp_path / f"{name}.so")
         exe = load(proto, tmp_path / f"{name}.so", threads=1)
         feeds = _feeds(proto)
-        measured = _median(lambda: exe.run(feeds, comm))
+        measured = _median(lambda: exe.run(feeds, comm), n=15, clock=time.process_time)
         predicted = _predict(model, dev)
         assert 0.5 < predicted / measured < 2.0, (name, predicted, measured)
