@@ -209,6 +209,37 @@ def paired_times(fns: dict[str, Callable[[], Any]], runs: int, blocks: int | Non
     return out
 
 
+def runtime_settings(items: list[str]) -> tuple[list[tuple[Any, str, Any]], list[tuple[Any, str, Any]]]:
+    """``MODULE.ATTR=VALUE`` items (a Python literal) as (module, attr, value) triples: the values
+    in force now and the ones asked for (``--runtime-baseline``)."""
+    import ast
+    import importlib
+
+    now, base = [], []
+    for item in items:
+        target, value = item.split("=", 1)
+        mod_name, attr = target.rsplit(".", 1)
+        mod = importlib.import_module(mod_name)
+        now.append((mod, attr, getattr(mod, attr)))
+        base.append((mod, attr, ast.literal_eval(value)))
+    return now, base
+
+
+def _with_settings(fn: Callable[[], Any], settings: list[tuple[Any, str, Any]]) -> Callable[[], Any]:
+    """``fn`` run with ``settings`` set (and the previous values put back after each call)."""
+    def run() -> Any:
+        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in settings]
+        for mod, attr, value in settings:
+            setattr(mod, attr, value)
+        try:
+            return fn()
+        finally:
+            for mod, attr, value in saved:
+                setattr(mod, attr, value)
+
+    return run
+
+
 def _median_s(fn: Callable[[], Any], runs: int) -> float:
     """One engine alone: one block, one warm-up run (the untuned column, up to 100x slower than
     the others: timed apart, as before)."""
@@ -294,10 +325,18 @@ def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, A
                                              for o, r in zip(m.graph.output, ref))
         if name == "zero":
             row["tvm_zero_ms"] = 1e3 * _median_s(lambda ex=ex: ex.run(feeds, comm), args.zero_runs)
-        else:
-            fns[f"tvm_{name}"] = lambda ex=ex: ex.run(feeds, comm)
+            continue
+        fns[f"tvm_{name}"] = lambda ex=ex: ex.run(feeds, comm)
+        if name == "scheduled" and args.runtime_baseline:  # the same build, a runtime setting changed
+            now, base = runtime_settings(args.runtime_baseline)
+            plain = fns["tvm_scheduled"]
+            fns["tvm_scheduled"] = _with_settings(plain, now)  # the same wrapper, the same cost
+            fns["tvm_scheduled_base"] = _with_settings(plain, base)
+            row["tvm_scheduled_base_settings"] = args.runtime_baseline
     for name, t in paired_times(fns, args.runs, args.blocks).items():
         row[f"{name}_ms"] = 1e3 * t["s"]
+        if name == "tvm_scheduled_base":
+            row["tvm_scheduled_base_vs_ort"] = row[f"{name}_ms"] / row["ort_ms"]
         row[f"{name}_block_ms"] = t["block_ms"]
         row[f"{name}_spread_ms"] = t["spread_ms"]
         row[f"{name}_switches_per_run"] = t["switches_per_run"]
@@ -326,7 +365,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     """The results as a markdown table (what the README shows), from the saved JSON."""
     conv = data.get("settings", {}).get("conv_algorithm", "direct")
     cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"),
-            (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms")]
+            (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms"),
+            ("default, runtime baseline", "tvm_scheduled_base_ms")]
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
     tuned = any("tvm_tuned_ms" in r for r in data["rows"])
     peak = any("tvm_scheduled_pct_peak" in r for r in data["rows"])  # runs before the column existed have none
@@ -380,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune-trials", type=int, default=0)
     ap.add_argument("--conv-algorithm", default="direct", choices=("direct", "im2col", "winograd", "auto"),
                     help="also build the conv models with this convolution algorithm (its own column)")
+    ap.add_argument("--runtime-baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="also time the default build with this run-time setting changed (repeatable; e.g. "
+                         "backends.tvm.contention.CONTENTION_SWITCHES=0), in the same interleaved blocks: "
+                         "column tvm_scheduled_base_ms, a before/after from one run")
     ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))
     ap.add_argument("--shape", action="append", metavar="NAME=DIMS", default=[],
                     help="bind an .onnx model's input shape, e.g. --shape input=1,3,224,224 (repeatable)")

@@ -95,3 +95,18 @@ def test_engines_take_turns_first() -> None:
 
     pd.paired_times({"ort": engine("ort"), "tvm": engine("tvm")}, 2, 4, clock=fake.clock, sleep=sleep)
     assert order == ["ort", "tvm", "tvm", "ort", "ort", "tvm", "tvm", "ort"]
+
+
+def test_runtime_baseline_runs_the_same_build_with_the_setting_changed() -> None:
+    """``--runtime-baseline MODULE.ATTR=VALUE``: the base engine sees VALUE during each call, the
+    default engine the value in force, and the module keeps its value between calls."""
+    from backends.tvm import contention
+
+    pd = _per_device()
+    seen: list[int] = []
+    now, base = pd.runtime_settings(["backends.tvm.contention.CONTENTION_SWITCHES=0"])
+    default = contention.CONTENTION_SWITCHES
+    pd._with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), base)()
+    pd._with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), now)()
+    assert seen == [0, default] and default != 0
+    assert contention.CONTENTION_SWITCHES == default
