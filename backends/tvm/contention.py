@@ -18,9 +18,11 @@ voluntary and not counted). A 2-thread run with both cores to itself has 0-1;
 :data:`CONTENTION_SWITCHES` (4) or more means the pool took turns or was preempted repeatedly.
 
 Rule. Then the calling thread's pool uses 1 thread (``runtime.config_threadpool(1, 1)``, ~0.5 us:
-no thread is restarted) for ``hold`` runs, after which one probe run uses the requested count
-again; ``hold`` starts at :data:`CONTENTION_HOLD_RUNS`, doubles after each probe that is still
-contended (up to :data:`CONTENTION_MAX_HOLD_RUNS`) and resets after a run without contention.
+no thread is restarted) for ``hold`` seconds, after which one probe run uses the requested count
+again; ``hold`` starts at :data:`CONTENTION_HOLD_S` (50 ms), doubles after each probe that is
+still contended (up to :data:`CONTENTION_MAX_HOLD_S`, 1 s) and resets after a run without
+contention. Seconds, not runs: a model of 200 ms a run must not stay on 1 thread for minutes after
+the contention is gone.
 Cost when nothing is contended: two ``getrusage`` calls per run (~1-2 us).
 
 For: CPU programs without comm ops and without ONNX Runtime fallback segments (a ``Recv``, an MPI
@@ -35,12 +37,13 @@ thread then spins on its own core without switching: slow, but not seen by this 
 from __future__ import annotations
 
 import resource
+import time
 from typing import Callable
 
 CONTENTION_SWITCHES = 4
 CONTENTION_MS_PER_SWITCH = 10.0
-CONTENTION_HOLD_RUNS = 8
-CONTENTION_MAX_HOLD_RUNS = 1024
+CONTENTION_HOLD_S = 0.05
+CONTENTION_MAX_HOLD_S = 1.0
 
 _HAVE_THREAD_USAGE = hasattr(resource, "RUSAGE_THREAD")
 
@@ -59,8 +62,8 @@ class ContentionGuard:
     def __init__(self, set_threads: Callable[[int], None]) -> None:
         self._set_threads = set_threads
         self.single = False  # the pool was dropped to 1 thread
-        self.left = 0  # runs still to go on 1 thread
-        self.hold = CONTENTION_HOLD_RUNS
+        self.until = 0.0  # time.monotonic() at which the next probe runs
+        self.hold = CONTENTION_HOLD_S
         self.dropped = 0  # how often it dropped (a diagnostic)
 
     def before(self, requested: int) -> int | None:
@@ -72,8 +75,7 @@ class ContentionGuard:
             self.single = False
             return None
         if self.single:
-            self.left -= 1
-            if self.left > 0:
+            if time.monotonic() < self.until:
                 return None
             self._set_threads(requested)  # the probe run
             self.single = False
@@ -86,8 +88,8 @@ class ContentionGuard:
         n = involuntary_switches() - start
         if n >= CONTENTION_SWITCHES and n * CONTENTION_MS_PER_SWITCH >= 1e3 * seconds:
             self._set_threads(1)
-            self.single, self.left = True, self.hold
-            self.hold = min(2 * self.hold, CONTENTION_MAX_HOLD_RUNS)
+            self.single, self.until = True, time.monotonic() + self.hold
+            self.hold = min(2 * self.hold, CONTENTION_MAX_HOLD_S)
             self.dropped += 1
         else:
-            self.hold = CONTENTION_HOLD_RUNS
+            self.hold = CONTENTION_HOLD_S

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tvm  # noqa: F401  (a broken install fails, never skips)
 
 from backends.tvm import contention
@@ -82,30 +83,28 @@ def test_pool_taking_turns_on_one_core_drops_to_one_thread() -> None:
     assert late[len(late) // 2] <= 1, got["switches"]  # median of the last 16 runs: no turn-taking
 
 
-def test_guard_restores_the_requested_count_after_the_hold() -> None:
+def test_guard_restores_the_requested_count_after_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit rule: drop on a contended run, hold, probe with the requested count, back off."""
     calls: list[int] = []
     g = contention.ContentionGuard(calls.append)
-    counter = {"n": 0}
-    real = contention.involuntary_switches
-    contention.involuntary_switches = lambda: counter["n"]
-    try:
-        start = g.before(2)
-        counter["n"] += contention.CONTENTION_SWITCHES  # a contended 1 ms run
-        g.after(start, 1e-3)
-        assert calls == [1] and g.single
-        for _ in range(contention.CONTENTION_HOLD_RUNS - 1):
-            assert g.before(2) is None  # held on 1 thread, not watched
-        start = g.before(2)  # the probe
-        assert calls == [1, 2] and start is not None
-        counter["n"] += contention.CONTENTION_SWITCHES  # still contended: hold twice as long
-        g.after(start, 1e-3)
-        assert calls == [1, 2, 1] and g.left == 2 * contention.CONTENTION_HOLD_RUNS
-        # a long run preempted a few times is not the pool taking turns
-        g2 = contention.ContentionGuard(calls.append)
-        start = g2.before(2)
-        counter["n"] += contention.CONTENTION_SWITCHES
-        g2.after(start, 1.0)  # 4 switches in 1 s: fewer than one per CONTENTION_MS_PER_SWITCH
-        assert not g2.single
-    finally:
-        contention.involuntary_switches = real
+    state = {"n": 0, "t": 100.0}
+    monkeypatch.setattr(contention, "involuntary_switches", lambda: state["n"])
+    monkeypatch.setattr(contention.time, "monotonic", lambda: state["t"])
+    start = g.before(2)
+    state["n"] += contention.CONTENTION_SWITCHES  # a contended 1 ms run
+    g.after(start, 1e-3)
+    assert calls == [1] and g.single
+    state["t"] += contention.CONTENTION_HOLD_S / 2
+    assert g.before(2) is None  # held on 1 thread, not watched
+    state["t"] += contention.CONTENTION_HOLD_S
+    start = g.before(2)  # the probe
+    assert calls == [1, 2] and start is not None
+    state["n"] += contention.CONTENTION_SWITCHES  # still contended: hold twice as long
+    g.after(start, 1e-3)
+    assert calls == [1, 2, 1] and g.until == state["t"] + 2 * contention.CONTENTION_HOLD_S
+    # a long run preempted a few times is not the pool taking turns
+    g2 = contention.ContentionGuard(calls.append)
+    start = g2.before(2)
+    state["n"] += contention.CONTENTION_SWITCHES
+    g2.after(start, 1.0)  # 4 switches in 1 s: fewer than one per CONTENTION_MS_PER_SWITCH
+    assert not g2.single
