@@ -25,13 +25,14 @@ block of ``--runs`` runs (5) per engine in each, the order reversed every other 
 after a settle pause and a warm-up; a time is the median of the engine's block medians, and the
 row also keeps each block's median (``*_block_ms``), the 10th/90th percentile of all runs
 (``*_spread_ms``) and the calling thread's context switches per run (``*_switches_per_run``: on 2
-threads ~1 per parallel kernel means TVM's worker ran on the main thread's core). The untuned
+threads ~1 per parallel kernel means TVM's worker ran on the main thread's core), and how often
+the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``). The untuned
 column is timed apart (``--zero-runs`` runs after one warm-up, since it is up to 100x slower).
 Ratios are computed from times of the same invocation. Every TVM output is
 checked against ONNX Runtime (``--rtol`` 1e-4, ``--atol`` 1e-5 by default) and the max error is saved.
 
 Sizes are chosen so that a full run stays under ~15 minutes on a 2-core machine (see
-``MODELS``); ``light_resnet50`` (224x224, batch 1 only) skips the untuned column (~7 s a run).
+``MODELS``; the interleaved timing runs each engine ~30 times a row where one block ran 11); ``light_resnet50`` (224x224, batch 1 only) skips the untuned column (~7 s a run).
 Results: ``benchmarks/results/per_device.json`` (machine, versions, settings, rows).
 """
 
@@ -333,7 +334,12 @@ def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, A
             fns["tvm_scheduled"] = _with_settings(plain, now)  # the same wrapper, the same cost
             fns["tvm_scheduled_base"] = _with_settings(plain, base)
             row["tvm_scheduled_base_settings"] = args.runtime_baseline
-    for name, t in paired_times(fns, args.runs, args.blocks).items():
+    from backends.tvm.executable import _contention_guard
+
+    drops = _contention_guard().dropped
+    timed = paired_times(fns, args.runs, args.blocks)
+    row["tvm_guard_drops"] = _contention_guard().dropped - drops  # backends/tvm/contention.py fired
+    for name, t in timed.items():
         row[f"{name}_ms"] = 1e3 * t["s"]
         if name == "tvm_scheduled_base":
             row["tvm_scheduled_base_vs_ort"] = row[f"{name}_ms"] / row["ort_ms"]
@@ -399,10 +405,11 @@ def render_markdown(data: dict[str, Any]) -> str:
 
 def _timing_note(settings: dict[str, Any]) -> str:
     """How the table's times were taken (runs before ``--blocks`` existed: one block each)."""
-    blocks, runs = settings.get("blocks", 1), settings["runs"]
-    how = (f"median of {runs} runs after warm-up" if blocks == 1 else
-           f"median of the medians of {blocks} interleaved blocks of {runs} runs per engine, after warm-up")
-    return how + f" (untuned: {settings['zero_runs']} runs, timed apart)"
+    blocks, runs, zero = settings.get("blocks", 1), settings["runs"], settings["zero_runs"]
+    if blocks == 1:
+        return f"median of {runs} runs after warm-up (untuned: {zero})"
+    return (f"median of the medians of {blocks} interleaved blocks of {runs} runs per engine, after "
+            f"warm-up (untuned: {zero} runs, timed apart)")
 
 
 def main(argv: list[str] | None = None) -> int:
