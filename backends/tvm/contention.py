@@ -12,14 +12,18 @@ on 1 thread and 3.7-68 ms on 2 (15 involuntary switches of the calling thread pe
 parallel kernel), while ONNX Runtime took 1.1 ms (its calling thread runs the work items no worker
 has claimed). Pinned with its worker to one core, the same run took 59 ms.
 
-Signal. The calling thread's involuntary context switches during one run (``getrusage
-(RUSAGE_THREAD).ru_nivcsw``: a ``sched_yield`` that switched, or a preemption; blocking waits are
-voluntary and not counted). A 2-thread run with both cores to itself has 0-1. The guard fires
-on :data:`CONTENTION_SWITCHES` (4) or more that are also at least one per
-:data:`CONTENTION_MS_PER_SWITCH` (2 ms) of the run: the pool taking turns switches once per
-parallel kernel (measured at load ~7: gpt b1 15 in 7.7 ms, mobilenet b1 36 in 8 ms), while plain
-preemption of a 1-thread run by other processes came to 0.26 per ms at the same load (resnet18
-b8, 19 in 75 ms), and a long run on a quiet machine sees far fewer.
+Signal. The calling thread's involuntary context switches during one run against its CPU time
+in that run (both from one ``getrusage(RUSAGE_THREAD)``: ``ru_nivcsw`` counts a ``sched_yield``
+that switched and a preemption; blocking waits are voluntary and not counted). The guard fires on
+:data:`CONTENTION_SWITCHES` (4) or more switches that are also at least one per
+:data:`CONTENTION_CPU_MS_PER_SWITCH` (0.25 ms) of the thread's CPU time. Measured at load 3-4
+(per run, 10th-90th percentile of switches per CPU-ms): the pool taking turns, one switch per
+parallel kernel, 15-33 (gpt b1 15 switches in 0.48 ms of CPU, heldout_unet b1 24 in 1.5 ms,
+mobilenet b1 36 in 1.5 ms); plain preemption by other processes 0.3-1.8 (resnet18 b8 on 1
+thread: 67 in 78 ms; resnet18 b1 and b8 on 2 threads 0.7-1.2). CPU time and not wall time: when
+the yields hand the core to other processes the wall grows by their slices (gpt b1: 59 ms a run
+pinned to a busy core) while the thread's CPU time does not, so the rate stays high exactly in the
+worst case. A 2-thread run with both cores to itself has 0-1 switches.
 
 Rule. Then the calling thread's pool uses 1 thread (``runtime.config_threadpool(1, 1)``, ~0.5 us:
 no thread is restarted) for ``hold`` seconds, after which one probe run uses the requested count
@@ -45,18 +49,20 @@ import time
 from typing import Callable
 
 CONTENTION_SWITCHES = 4
-CONTENTION_MS_PER_SWITCH = 2.0
+CONTENTION_CPU_MS_PER_SWITCH = 0.25
 CONTENTION_HOLD_S = 0.05
 CONTENTION_MAX_HOLD_S = 1.0
 
 _HAVE_THREAD_USAGE = hasattr(resource, "RUSAGE_THREAD")
 
 
-def involuntary_switches() -> int:
-    """The calling thread's involuntary context switches so far (-1 where the OS cannot say)."""
+def thread_usage() -> tuple[int, float]:
+    """The calling thread's involuntary context switches and CPU seconds so far ((-1, 0.0) where
+    the OS cannot say)."""
     if not _HAVE_THREAD_USAGE:
-        return -1
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+        return -1, 0.0
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_nivcsw, r.ru_utime + r.ru_stime
 
 
 class ContentionGuard:
@@ -70,7 +76,7 @@ class ContentionGuard:
         self.hold = CONTENTION_HOLD_S
         self.dropped = 0  # how often it dropped (a diagnostic)
 
-    def before(self, requested: int) -> int | None:
+    def before(self, requested: int) -> tuple[int, float] | None:
         """Call before a run with the thread count asked for; returns what :meth:`after` takes
         (None: the run is not watched)."""
         if CONTENTION_SWITCHES <= 0 or requested <= 1 or not _HAVE_THREAD_USAGE:
@@ -83,14 +89,15 @@ class ContentionGuard:
                 return None
             self._set_threads(requested)  # the probe run
             self.single = False
-        return involuntary_switches()
+        return thread_usage()
 
-    def after(self, start: int | None, seconds: float) -> None:
-        """Call after a run of ``seconds`` with what :meth:`before` returned."""
+    def after(self, start: tuple[int, float] | None) -> None:
+        """Call after a run with what :meth:`before` returned."""
         if start is None:
             return
-        n = involuntary_switches() - start
-        if n >= CONTENTION_SWITCHES and n * CONTENTION_MS_PER_SWITCH >= 1e3 * seconds:
+        switches, cpu_s = thread_usage()
+        n, cpu_ms = switches - start[0], 1e3 * (cpu_s - start[1])
+        if n >= CONTENTION_SWITCHES and n * CONTENTION_CPU_MS_PER_SWITCH >= cpu_ms:
             self._set_threads(1)
             self.single, self.until = True, time.monotonic() + self.hold
             self.hold = min(2 * self.hold, CONTENTION_MAX_HOLD_S)

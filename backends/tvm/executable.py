@@ -26,9 +26,10 @@ Rules:
    communicator; the library calls them through ``partitioner.ort_segment``.
 7. On the CPU, a program without comm ops or fallback segments run with 2+ threads is watched by
    the calling thread's contention guard (:mod:`backends.tvm.contention`): a run whose calling
-   thread was switched out involuntarily ``CONTENTION_SWITCHES`` times or more (the pool taking
-   turns on one core, or yielding to other processes) drops that thread's pool to 1 thread for a
-   while, then probes the requested count again.
+   thread was switched out involuntarily ``CONTENTION_SWITCHES`` times or more, and about once per
+   parallel kernel (per ``CONTENTION_CPU_MS_PER_SWITCH`` of its CPU time: the pool taking turns on
+   one core, or yielding to other processes), drops that thread's pool to 1 thread for a while,
+   then probes the requested count again.
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
@@ -290,7 +291,7 @@ class TvmRankExecutable:
             _local.error = None
             fallback.bind(None)
         if guard is not None:
-            guard.after(watch, time.perf_counter() - t0)
+            guard.after(watch)
         values = [res] if isinstance(res, tvm.runtime.Tensor) else list(res)
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}

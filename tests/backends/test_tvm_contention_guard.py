@@ -58,9 +58,9 @@ for task in os.listdir("/proc/self/task"):
     os.sched_setaffinity(int(task), one)
 switches = []
 for _ in range(40):
-    s0 = contention.involuntary_switches()
+    s0 = contention.thread_usage()[0]
     got = ex.run(feeds, comm)[x]
-    switches.append(contention.involuntary_switches() - s0)
+    switches.append(contention.thread_usage()[0] - s0)
 print(json.dumps({"switches": switches, "dropped": _contention_guard().dropped,
                   "match": bool(np.allclose(got, ref, rtol=1e-4, atol=1e-5)),
                   "err": float(np.max(np.abs(got - ref)))}))
@@ -87,24 +87,30 @@ def test_guard_restores_the_requested_count_after_the_hold(monkeypatch: pytest.M
     """Unit rule: drop on a contended run, hold, probe with the requested count, back off."""
     calls: list[int] = []
     g = contention.ContentionGuard(calls.append)
-    state = {"n": 0, "t": 100.0}
-    monkeypatch.setattr(contention, "involuntary_switches", lambda: state["n"])
+    state = {"n": 0, "cpu": 0.0, "t": 100.0}
+    monkeypatch.setattr(contention, "thread_usage", lambda: (state["n"], state["cpu"]))
     monkeypatch.setattr(contention.time, "monotonic", lambda: state["t"])
+
+    def run(switches: int, cpu_ms: float) -> None:
+        state["n"] += switches
+        state["cpu"] += cpu_ms / 1e3
+
     start = g.before(2)
-    state["n"] += contention.CONTENTION_SWITCHES  # a contended 1 ms run
-    g.after(start, 1e-3)
+    run(contention.CONTENTION_SWITCHES, 0.5)  # turns taken: 4 switches in 0.5 ms of CPU
+    g.after(start)
     assert calls == [1] and g.single
     state["t"] += contention.CONTENTION_HOLD_S / 2
     assert g.before(2) is None  # held on 1 thread, not watched
     state["t"] += contention.CONTENTION_HOLD_S
     start = g.before(2)  # the probe
     assert calls == [1, 2] and start is not None
-    state["n"] += contention.CONTENTION_SWITCHES  # still contended: hold twice as long
-    g.after(start, 1e-3)
+    run(contention.CONTENTION_SWITCHES, 0.5)  # still contended: hold twice as long
+    g.after(start)
     assert calls == [1, 2, 1] and g.until == state["t"] + 2 * contention.CONTENTION_HOLD_S
-    # a long run preempted a few times is not the pool taking turns
+    # preemption of a long run (resnet18 b8 on 1 thread at load ~4: ~1 switch per CPU-ms) is not
+    # the pool taking turns
     g2 = contention.ContentionGuard(calls.append)
     start = g2.before(2)
-    state["n"] += contention.CONTENTION_SWITCHES
-    g2.after(start, 1.0)  # 4 switches in 1 s: fewer than one per CONTENTION_MS_PER_SWITCH
+    run(40, 40.0)
+    g2.after(start)
     assert not g2.single
