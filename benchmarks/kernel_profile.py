@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_profile.py [--models mobilenet,resnet50] [--batches 1,8] [--runs 15]
                                         [--layers 12] [--baseline MODULE.ATTR=VALUE] [--scaling] [--json FILE]
+    python benchmarks/kernel_profile.py --models heldout_unet --batches 1 --outside 1,2 --runs 200
 
 For each model (the ``benchmarks/per_device.py`` sizes) and batch:
 
@@ -29,6 +30,10 @@ hook's own ~1-2 us per call they are mostly the measurement's overhead.
 ``--scaling`` answers another question, whether each kernel of our build gains from a second
 thread: per kernel call, its wall time on 1 and 2 threads, the minimum over ``--runs``
 alternating runs (:func:`thread_scaling`); no ORT side.
+``--outside 1,2`` answers a third, where a run's wall goes besides the kernels
+(:func:`outside_kernels`): per thread count, the wall of plain runs against the kernel sum of
+hooked runs, and per run the page faults, the main thread's context switches, the workers'
+sleeps and whether the worker shared the main thread's CPU; no ORT side.
 Results: ``benchmarks/results/kernel_profile.json`` (not committed from a loaded machine).
 """
 
@@ -42,6 +47,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -229,6 +235,93 @@ def print_scaling(key: str, batch: int, rows: list[dict[str, Any]], n: int) -> N
               f" x{r['t2_ms'] / max(r['t1_ms'], 1e-9):.2f}")
 
 
+def _task_counters() -> dict[int, tuple[int, int, int]]:
+    """Per thread of this process: (times scheduled in, voluntary switches = sleeps, last CPU),
+    from ``/proc/self/task/*/{schedstat,status,stat}``; empty where /proc lacks them."""
+    out = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            slices = int((task / "schedstat").read_text().split()[2])
+            status = (task / "status").read_text()
+            cpu = int((task / "stat").read_text().rsplit(")", 1)[1].split()[36])
+        except (OSError, IndexError, ValueError):
+            continue
+        sleeps = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        out[int(task.name)] = (slices, sleeps, cpu)
+    return out
+
+
+def outside_kernels(ex: Any, feeds: dict[str, np.ndarray], runs: int, threads: int) -> dict[str, Any]:
+    """Where a run's wall time goes besides the kernels (``--outside``), on ``threads`` threads.
+
+    Runs back to back, alternating a plain VM call (its wall: ``wall_ms``) and a call with the
+    kernel hook (the sum of its kernel calls' walls: ``kernels_ms``; VM builtins excluded), and
+    per plain run: page faults (``minflt``: storage allocated afresh), the main thread's context
+    switches (``main_switches``: on 2 threads ~1 per parallel kernel when the pool's worker
+    runs on the main thread's core and the two take turns), the other threads' sleeps
+    (``worker_sleeps``: the worker went idle long enough to block, so the next fork wakes it) and
+    the share of runs that ended with the worker on the main thread's CPU (``same_cpu``).
+    Medians over ``runs``; ``wall_ms - kernels_ms`` is the time outside the kernels."""
+    import resource
+
+    import tvm
+    from tvm import relax
+
+    from backends.tvm.executable import configure_threads
+
+    configure_threads(threads)
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    plain, hooked = relax.VirtualMachine(ex, tvm.cpu()), relax.VirtualMachine(ex, tvm.cpu())
+    calls: list[float] = []
+    t: dict[str, float] = {}
+
+    def instrument(func: Any, symbol: str, before: bool, ret: Any, *a: Any) -> int:
+        if before:
+            t["0"] = time.perf_counter()
+        elif not str(symbol).startswith("vm.builtin"):
+            calls.append(time.perf_counter() - t["0"])
+        return 0
+
+    hooked.set_instrument(instrument)
+    for vm in (plain, hooked, plain, hooked):
+        vm["main"](*args)  # warm-up: pool started, storage allocated
+    main = threading.get_native_id()
+    rec: dict[str, list[float]] = defaultdict(list)
+    for _ in range(runs):
+        c0, f0 = _task_counters(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        plain["main"](*args)
+        rec["wall_ms"].append(1e3 * (time.perf_counter() - t0))
+        f1, c1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _task_counters()
+        rec["minflt"].append(f1 - f0)
+        if main in c0 and main in c1:
+            rec["main_switches"].append(c1[main][0] - c0[main][0])
+            others = [k for k in c1 if k in c0 and k != main]
+            rec["worker_sleeps"].append(sum(c1[k][1] - c0[k][1] for k in others))
+            rec["same_cpu"].append(float(any(c1[k][2] == c1[main][2] and c1[k][0] > c0[k][0] for k in others)))
+        calls.clear()
+        hooked["main"](*args)
+        rec["kernels_ms"].append(1e3 * sum(calls))
+    out = {"threads": threads, **{k: statistics.median(v) if k != "same_cpu" else statistics.fmean(v)
+                                  for k, v in rec.items()}}
+    # split the walls by whether the main thread kept its core through the run (<= 1 switch)
+    for part, keep in (("alone", lambda n: n <= 1), ("switched", lambda n: n > 1)):
+        walls = [w for w, n in zip(rec["wall_ms"], rec.get("main_switches", [])) if keep(n)]
+        out[f"runs_{part}"] = len(walls)
+        out[f"wall_ms_{part}"] = statistics.median(walls) if walls else None
+    return out
+
+
+def print_outside(key: str, batch: int, r: dict[str, Any]) -> None:
+    print(f"{key} b{batch} {r['threads']} thread(s): wall {r['wall_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms, "
+          f"outside {r['wall_ms'] - r['kernels_ms']:.3f} ms; per run: minflt {r['minflt']:.0f}, main switches "
+          f"{r.get('main_switches', -1):.0f}, worker sleeps {r.get('worker_sleeps', -1):.0f}, "
+          f"worker on the main thread's CPU in {100 * r.get('same_cpu', 0):.0f}% of runs")
+    for part, how in (("alone", "at most once"), ("switched", "more than once")):
+        if r.get(f"runs_{part}"):
+            print(f"  {r[f'runs_{part}']} runs with the main thread switched out {how}: wall {r[f'wall_ms_{part}']:.3f} ms")
+
+
 def with_settings(settings: list[str]) -> Any:
     """A context manager that sets ``module.ATTR=value`` (a Python literal) for its duration."""
     import ast
@@ -365,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaling", action="store_true",
                     help="instead: per kernel, wall time on 1 vs 2 threads (min over --runs; no ORT); "
                          "with --baseline, both builds in --runs interleaved rounds of 3 runs")
+    ap.add_argument("--outside", default="", metavar="THREADS",
+                    help="instead: the time outside the kernels on these thread counts (e.g. 1,2): wall, "
+                         "kernel sum, page faults, switches and worker sleeps per run (no ORT)")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
 
@@ -386,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
                 feeds = pd._feeds(m)
                 print(f"build {key} b{batch}", file=sys.stderr, flush=True)
                 ex, infos = build_ours(m, target)
+                if args.outside:
+                    rows = [outside_kernels(ex, feeds, args.runs, int(n)) for n in args.outside.split(",")]
+                    for r in rows:
+                        print_outside(key, batch, r)
+                    results.append({"model": key, "batch": batch, "outside": rows})
+                    continue
                 if args.scaling and args.baseline:
                     with with_settings(args.baseline):
                         base = build_ours(m, target)

@@ -19,13 +19,20 @@ Columns (one row per model x batch x threads): TVM untuned (``"zero"`` pipeline:
 legalize+fuse, no schedules), TVM default schedules (``"scheduled"`` pipeline), TVM tuned
 (MetaSchedule, ``--tune-trials`` per kernel, database in ``--tuning-db``; skipped when 0), for
 the conv models TVM default schedules with ``--conv-algorithm`` (im2col / Winograd / ``auto``:
-the fastest per conv by measurement; skipped when ``direct``) and ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). Each time is the
-median of ``--runs`` runs after one warm-up (the untuned column: ``--zero-runs``, since it is
-up to 100x slower); ratios are computed from times of the same invocation. Every TVM output is
+the fastest per conv by measurement; skipped when ``direct``) and ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). ORT and the TVM
+builds are timed together, the same way (:func:`paired_times`): ``--blocks`` rounds (5), one
+block of ``--runs`` runs (5) per engine in each, the order reversed every other round, each block
+after a settle pause and a warm-up; a time is the median of the engine's block medians, and the
+row also keeps each block's median (``*_block_ms``), the 10th/90th percentile of all runs
+(``*_spread_ms``) and the calling thread's context switches per run (``*_switches_per_run``: on 2
+threads ~1 per parallel kernel means TVM's worker ran on the main thread's core), and how often
+the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``). The untuned
+column is timed apart (``--zero-runs`` runs after one warm-up, since it is up to 100x slower).
+Ratios are computed from times of the same invocation. Every TVM output is
 checked against ONNX Runtime (``--rtol`` 1e-4, ``--atol`` 1e-5 by default) and the max error is saved.
 
 Sizes are chosen so that a full run stays under ~15 minutes on a 2-core machine (see
-``MODELS``); ``light_resnet50`` (224x224, batch 1 only) skips the untuned column (~7 s a run).
+``MODELS``; the interleaved timing runs each engine ~30 times a row where one block ran 11); ``light_resnet50`` (224x224, batch 1 only) skips the untuned column (~7 s a run).
 Results: ``benchmarks/results/per_device.json`` (machine, versions, settings, rows).
 """
 
@@ -133,15 +140,111 @@ def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
     return models_zoo.sample_inputs(m, 0)
 
 
-def _median_s(fn: Callable[[], Any], runs: int) -> float:
-    time.sleep(SETTLE_S)  # the previous block's pool (ORT's, TVM's) stops spinning first
-    fn()  # warm-up
-    times = []
-    for _ in range(max(1, runs)):
-        t0 = time.perf_counter()
+# Timing, the same for every engine (ONNX Runtime included): BLOCKS rounds, one block of ``--runs``
+# runs per engine in each round, the order reversed every other round, and an engine's time is the
+# median of its block medians. Why: a row's engines used to be timed in one block each, one after
+# the other, each ~10-30 ms at batch 1; any slow episode of the shared machine that long (a
+# scheduler placing the TVM worker on the main thread's core, another process waking) moved one
+# engine's whole median and not the other's, and batch-1 2-thread rows swung 0.8x-1.8x between
+# quiet runs an hour apart (docs/per_device_speed.md, "Time outside the kernels (session 9)").
+# Interleaved blocks put such an episode in one block of each engine at most. BLOCKS = 1 is the
+# old single-block timing.
+BLOCKS = 5
+# Warm-up before each block, after the settle pause: at least WARMUP_RUNS runs and WARMUP_S seconds.
+# Seen once (heldout_unet b1, 2 threads, load ~0.4): the first ~8 ms of TVM runs after the pause
+# took 1.4-1.6x the later ones, more than one 2 ms warm-up run covers; long runs keep one warm-up.
+WARMUP_RUNS = 1
+WARMUP_S = 0.02
+
+
+def _thread_switches() -> int:
+    """Times the calling thread was scheduled in so far (``/proc/thread-self/schedstat``, third
+    field); -1 where the file does not exist (not Linux, no schedstats)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[2])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _block(fn: Callable[[], Any], runs: int, clock: Callable[[], float], sleep: Callable[[float], None],
+           warmup: tuple[int, float] = (WARMUP_RUNS, WARMUP_S)) -> tuple[list[float], float]:
+    """One timed block: settle, warm up (``warmup``: at least that many runs and seconds), ``runs``
+    timed runs. Returns the run times (s) and the calling thread's context switches per timed run."""
+    sleep(SETTLE_S)  # the previous block's pool (ORT's, TVM's) stops spinning first
+    t_end, n = clock() + warmup[1], 0
+    while n < warmup[0] or clock() < t_end:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        n += 1
+    times = []
+    sw0 = _thread_switches()
+    for _ in range(max(1, runs)):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    sw1 = _thread_switches()
+    return times, ((sw1 - sw0) / len(times) if sw0 >= 0 and sw1 >= 0 else -1.0)
+
+
+def paired_times(fns: dict[str, Callable[[], Any]], runs: int, blocks: int | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> dict[str, dict[str, Any]]:
+    """Time every engine of ``fns`` in ``blocks`` interleaved rounds (see BLOCKS). Per engine:
+    ``s`` (median of the block medians), ``block_ms`` (each block's median), ``spread_ms`` (10th
+    and 90th percentile of all its runs) and ``switches_per_run`` (the calling thread's context
+    switches per run, median over blocks: on 2 threads about one per parallel kernel when TVM's
+    worker shares the main thread's core, near 0 when each has its own)."""
+    blocks = BLOCKS if blocks is None else max(1, int(blocks))
+    per: dict[str, list[tuple[list[float], float]]] = {name: [] for name in fns}
+    names = list(fns)
+    for b in range(blocks):
+        for name in (names if b % 2 == 0 else names[::-1]):
+            per[name].append(_block(fns[name], runs, clock, sleep))
+    out = {}
+    for name, got in per.items():
+        meds = [statistics.median(t) for t, _ in got]
+        runs_all = [x for t, _ in got for x in t]
+        out[name] = {"s": statistics.median(meds), "block_ms": [round(1e3 * m, 4) for m in meds],
+                     "spread_ms": [round(1e3 * float(q), 4) for q in np.percentile(runs_all, [10, 90])],
+                     "switches_per_run": statistics.median(sw for _, sw in got)}
+    return out
+
+
+def runtime_settings(items: list[str]) -> tuple[list[tuple[Any, str, Any]], list[tuple[Any, str, Any]]]:
+    """``MODULE.ATTR=VALUE`` items (a Python literal) as (module, attr, value) triples: the values
+    in force now and the ones asked for (``--runtime-baseline``)."""
+    import ast
+    import importlib
+
+    now, base = [], []
+    for item in items:
+        target, value = item.split("=", 1)
+        mod_name, attr = target.rsplit(".", 1)
+        mod = importlib.import_module(mod_name)
+        now.append((mod, attr, getattr(mod, attr)))
+        base.append((mod, attr, ast.literal_eval(value)))
+    return now, base
+
+
+def _with_settings(fn: Callable[[], Any], settings: list[tuple[Any, str, Any]]) -> Callable[[], Any]:
+    """``fn`` run with ``settings`` set (and the previous values put back after each call)."""
+    def run() -> Any:
+        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in settings]
+        for mod, attr, value in settings:
+            setattr(mod, attr, value)
+        try:
+            return fn()
+        finally:
+            for mod, attr, value in saved:
+                setattr(mod, attr, value)
+
+    return run
+
+
+def _median_s(fn: Callable[[], Any], runs: int) -> float:
+    """One engine alone: one block, one warm-up run (the untuned column, up to 100x slower than
+    the others: timed apart, as before)."""
+    return statistics.median(_block(fn, runs, time.perf_counter, time.sleep, (1, 0.0))[0])
 
 
 def _ort(m: onnx.ModelProto, threads: int):
@@ -188,33 +291,62 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     for name, opts in variants.items():
         print(f"  compile {key} b{batch} {name}", file=sys.stderr, flush=True)
         exes[name], compile_s[name] = _tvm_build(m, work / f"{key}_b{batch}_{name}.so", opts)
+    base = {"model": Path(key).name, "source": info["source"], "zoo": info.get("zoo"), "args": info["args"],
+            "batch": batch, "flops": flops, "flops_by_class": by_class}
     rows = []
     for threads in threads_list:
         configure_threads(threads)
-        sess = _ort(m, threads)
-        ref = sess.run(None, feeds)
-        row: dict[str, Any] = {"model": Path(key).name, "source": info["source"], "zoo": info.get("zoo"),
-                               "args": info["args"], "batch": batch, "threads": threads, "flops": flops,
-                               "flops_by_class": by_class,
-                               "ort_ms": 1e3 * _median_s(lambda: sess.run(None, feeds), args.runs)}
-        for name, ex in exes.items():
-            got = ex.run(feeds, comm)
-            err = max(float(np.max(np.abs(got[o.name] - r))) for o, r in zip(m.graph.output, ref))
-            ok = all(np.allclose(got[o.name], r, rtol=args.rtol, atol=args.atol) for o, r in zip(m.graph.output, ref))
-            runs = args.zero_runs if name == "zero" else args.runs
-            row[f"tvm_{name}_ms"] = 1e3 * _median_s(lambda ex=ex: ex.run(feeds, comm), runs)
+        row = {**base, "threads": threads, **time_row(m, feeds, exes, threads, args, comm)}
+        for name in exes:
             row[f"tvm_{name}_compile_s"] = round(compile_s[name], 2)
-            row[f"tvm_{name}_max_abs_err"] = err
-            row[f"tvm_{name}_matches_ort"] = ok
             row[f"tvm_{name}_vs_ort"] = row[f"tvm_{name}_ms"] / row["ort_ms"]
             if args.peak_flops:
                 row[f"tvm_{name}_pct_peak"] = pct_peak(flops, row[f"tvm_{name}_ms"], args.peak_flops, threads)
         if args.peak_flops:
             row["ort_pct_peak"] = pct_peak(flops, row["ort_ms"], args.peak_flops, threads)
         rows.append(row)
-        print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "args"}),
+        print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                                 if k != "args" and not k.endswith(("_block_ms", "_spread_ms"))}),
               file=sys.stderr, flush=True)
     return rows
+
+
+def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, Any], threads: int,
+             args: argparse.Namespace, comm: Any) -> dict[str, Any]:
+    """One row's checks and times: every build against ONNX Runtime (``--rtol``/``--atol``), then
+    ORT and the builds timed together by :func:`paired_times` (the untuned one apart: too slow)."""
+    sess = _ort(m, threads)
+    ref = sess.run(None, feeds)
+    row: dict[str, Any] = {}
+    fns: dict[str, Callable[[], Any]] = {"ort": lambda: sess.run(None, feeds)}
+    for name, ex in exes.items():
+        got = ex.run(feeds, comm)
+        row[f"tvm_{name}_max_abs_err"] = max(float(np.max(np.abs(got[o.name] - r))) for o, r in zip(m.graph.output, ref))
+        row[f"tvm_{name}_matches_ort"] = all(np.allclose(got[o.name], r, rtol=args.rtol, atol=args.atol)
+                                             for o, r in zip(m.graph.output, ref))
+        if name == "zero":
+            row["tvm_zero_ms"] = 1e3 * _median_s(lambda ex=ex: ex.run(feeds, comm), args.zero_runs)
+            continue
+        fns[f"tvm_{name}"] = lambda ex=ex: ex.run(feeds, comm)
+        if name == "scheduled" and args.runtime_baseline:  # the same build, a runtime setting changed
+            now, base = runtime_settings(args.runtime_baseline)
+            plain = fns["tvm_scheduled"]
+            fns["tvm_scheduled"] = _with_settings(plain, now)  # the same wrapper, the same cost
+            fns["tvm_scheduled_base"] = _with_settings(plain, base)
+            row["tvm_scheduled_base_settings"] = args.runtime_baseline
+    from backends.tvm.executable import _contention_guard
+
+    drops = _contention_guard().dropped
+    timed = paired_times(fns, args.runs, args.blocks)
+    row["tvm_guard_drops"] = _contention_guard().dropped - drops  # backends/tvm/contention.py fired
+    for name, t in timed.items():
+        row[f"{name}_ms"] = 1e3 * t["s"]
+        if name == "tvm_scheduled_base":
+            row["tvm_scheduled_base_vs_ort"] = row[f"{name}_ms"] / row["ort_ms"]
+        row[f"{name}_block_ms"] = t["block_ms"]
+        row[f"{name}_spread_ms"] = t["spread_ms"]
+        row[f"{name}_switches_per_run"] = t["switches_per_run"]
+    return row
 
 
 def pct_peak(flops: float, ms: float, peak_per_core: float, threads: int) -> float:
@@ -239,7 +371,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     """The results as a markdown table (what the README shows), from the saved JSON."""
     conv = data.get("settings", {}).get("conv_algorithm", "direct")
     cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"),
-            (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms")]
+            (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms"),
+            ("default, runtime baseline", "tvm_scheduled_base_ms")]
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
     tuned = any("tvm_tuned_ms" in r for r in data["rows"])
     peak = any("tvm_scheduled_pct_peak" in r for r in data["rows"])  # runs before the column existed have none
@@ -262,13 +395,21 @@ def render_markdown(data: dict[str, Any]) -> str:
     m = data.get("machine", {})
     lines.append("")
     lines.append(f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), TVM {m.get('versions', {}).get('tvm', '?')}, "
-                 f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; median of {data['settings']['runs']} runs "
-                 f"after warm-up (untuned: {data['settings']['zero_runs']})" +
+                 f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; " + _timing_note(data['settings']) +
                  (f"; tuned: MetaSchedule, {data['settings']['tune_trials']} trials per contraction kernel"
                   + (f", conv models built with conv {conv}" if conv != "direct" else "") + "." if tuned else ".") +
                  (f" % of peak: model FLOPs / time / ({data['peak']['fma_flops'] / 1e9:.0f} GFLOP/s measured one-core FMA "
                   "peak x threads)." if peak and data.get("peak") else ""))
     return "\n".join(lines)
+
+
+def _timing_note(settings: dict[str, Any]) -> str:
+    """How the table's times were taken (runs before ``--blocks`` existed: one block each)."""
+    blocks, runs, zero = settings.get("blocks", 1), settings["runs"], settings["zero_runs"]
+    if blocks == 1:
+        return f"median of {runs} runs after warm-up (untuned: {zero})"
+    return (f"median of the medians of {blocks} interleaved blocks of {runs} runs per engine, after "
+            f"warm-up (untuned: {zero} runs, timed apart)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,12 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, batch 1")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=5, help="timed runs per block (default 5)")
+    ap.add_argument("--blocks", type=int, default=BLOCKS,
+                    help=f"interleaved rounds, one block per engine each (default {BLOCKS}; 1: one block each)")
     ap.add_argument("--zero-runs", type=int, default=1)
     ap.add_argument("--no-zero", action="store_true", help="skip the untuned column")
     ap.add_argument("--tune-trials", type=int, default=0)
     ap.add_argument("--conv-algorithm", default="direct", choices=("direct", "im2col", "winograd", "auto"),
                     help="also build the conv models with this convolution algorithm (its own column)")
+    ap.add_argument("--runtime-baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="also time the default build with this run-time setting changed (repeatable; e.g. "
+                         "backends.tvm.contention.CONTENTION_SWITCHES=0), in the same interleaved blocks: "
+                         "column tvm_scheduled_base_ms, a before/after from one run")
     ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))
     ap.add_argument("--shape", action="append", metavar="NAME=DIMS", default=[],
                     help="bind an .onnx model's input shape, e.g. --shape input=1,3,224,224 (repeatable)")
@@ -314,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(complete: bool) -> dict[str, Any]:
         # written after every model, so an interrupted run still leaves what it measured
         data = {"machine": machine(), "settings": {"models": models, "batches": batches, "threads": threads,
-                                                   "runs": args.runs, "zero_runs": args.zero_runs,
+                                                   "runs": args.runs, "blocks": args.blocks,
+                                                   "zero_runs": args.zero_runs,
                                                    "tune_trials": args.tune_trials,
                                                    "conv_algorithm": args.conv_algorithm,
                                                    "rtol": args.rtol, "atol": args.atol,

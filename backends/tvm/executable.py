@@ -27,6 +27,12 @@ Rules:
 6. Programs with ONNX Runtime fallback segments (:mod:`backends.tvm.fallback`) get one
    ``InferenceSession`` per segment at load time, bound thread-locally around the VM call like the
    communicator; the library calls them through ``partitioner.ort_segment``.
+7. On the CPU, a program without comm ops or fallback segments run with 2+ threads is watched by
+   the calling thread's contention guard (:mod:`backends.tvm.contention`): a run whose calling
+   thread was switched out involuntarily ``CONTENTION_SWITCHES`` times or more, and about once per
+   parallel kernel (per ``CONTENTION_CPU_MS_PER_SWITCH`` of its CPU time: the pool taking turns on
+   one core, or yielding to other processes), drops that thread's pool to 1 thread for a while,
+   then probes the requested count again.
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
@@ -59,7 +65,7 @@ import onnx
 from partitioner.core.comm_ops import OPS, CommOp, Communicator, execute
 from partitioner.core.errors import BackendError, InputError, PartitionerError, RunFailed
 
-from . import device_comm, fallback
+from . import contention, device_comm, fallback
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
 from .weight_params import bind_weights, main_weight_params
 
@@ -99,6 +105,20 @@ def configure_threads(threads: int) -> None:
         if config is not None:
             config(1, threads)
         _threads = threads
+
+
+def _set_pool_threads(n: int) -> None:
+    import tvm
+
+    tvm.get_global_func("runtime.config_threadpool")(1, n)
+
+
+def _contention_guard() -> contention.ContentionGuard:
+    """The calling thread's guard (backends/tvm/contention.py; TVM's pool is per calling thread)."""
+    guard = getattr(_local, "guard", None)
+    if guard is None:
+        guard = _local.guard = contention.ContentionGuard(_set_pool_threads)
+    return guard
 
 
 def host_view(t: Any) -> np.ndarray:
@@ -213,6 +233,7 @@ class TvmRankExecutable:
         self.comm_ops = comm_table(program)
         self._ort_sessions = fallback.load_sessions(program, self.path, threads=threads)
         self._on_cpu = self.device.dlpack_device_type() == 1
+        self._guarded = self._on_cpu and not self.comm_ops and not self._ort_sessions  # rule 7
         self._in_bufs: list[tuple[Any, np.ndarray] | None] = [None] * len(self.inputs)
         self._in_src: list[np.ndarray | None] = [None] * len(self.inputs)  # rule 5: the read-only array copied
         self.reuse_readonly_inputs = False
@@ -260,6 +281,8 @@ class TvmRankExecutable:
         _local.ctx = (comm, self.comm_ops, self._on_cpu)
         _local.error = None
         fallback.bind(self._ort_sessions)  # rule 6
+        guard = _contention_guard() if self._guarded else None  # rule 7
+        watch = guard.before(_threads or 1) if guard is not None else None
         t0 = time.perf_counter()
         try:
             res = self._main(*args, *self._weights)
@@ -275,6 +298,8 @@ class TvmRankExecutable:
             _local.ctx = None
             _local.error = None
             fallback.bind(None)
+        if guard is not None:
+            guard.after(watch)
         values = [res] if isinstance(res, tvm.runtime.Tensor) else list(res)
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}

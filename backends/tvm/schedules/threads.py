@@ -48,7 +48,11 @@ chunks on one core) instead of half of it; ONNX Runtime's calling thread instead
 items no worker has claimed. When both cores are free the zoo's GEMMs scale 84-103% per core
 (docs/gemm.md, "2 threads (session 8)": 10th percentile of single calls, load ~3.6), and whole
 models (resnet18 at batch 1 and 8, bert, gpt) 78-89% summed per kernel; nothing here depends on
-the batch.
+the batch. Worse, the calling thread waits for the workers' chunks by calling ``sched_yield`` in
+a loop: when the worker shares its core, or another process is runnable there, every parallel
+kernel hands the core away (gpt at batch 1 on 2 threads: 3.7-68 ms a run at load ~8 against
+~1 ms on 1 thread). ``backends.tvm.contention`` (the contention guard) drops such a run's pool to
+1 thread for a while; docs/per_device_speed.md, "Time outside the kernels (session 9)".
 """
 
 from __future__ import annotations
