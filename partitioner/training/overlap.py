@@ -26,6 +26,16 @@ Rules:
    :func:`partitioner.training.buckets.unbucket`) is one collective over the list of its inputs
    (``comm.allreduce_list``, :mod:`partitioner.runtime.comm_mpi` rule 8; a communicator without
    it gets the concatenation AllReduced and split here).
+7. TVM ranks (:class:`TvmBucketedExecutable`, for data-parallel ranks with
+   :data:`partitioner.training.buckets.LIST_ALLREDUCE`): the TVM VM calls a comm op with one
+   tensor, so a bucket run inside one library needs the concatenation and split. Instead the
+   unbucketed program is cut at its comm ops (:func:`partitioner.core.segments.split_program`)
+   and every compute segment is a library of its own: the backward's segments return the
+   gradients, rule 6's list AllReduce reduces them *in place* (into the arrays the segment
+   returned, fresh VM tensors nobody else holds: no allocation, no concatenation, no split, no
+   copy into a comm op's output tensor) and the next segment (the update) takes them as
+   inputs. Rules 2-4 apply unchanged: with more than one bucket the AllReduce runs on the comm
+   thread beside the next backward segment (the TVM VM call releases the GIL).
 """
 
 from __future__ import annotations
@@ -33,23 +43,27 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from backends.onnxruntime import RankExecutable
 from partitioner.core import comm_ops
-from partitioner.core.segments import CommStep
+from partitioner.core.segments import CommStep, Segment, split_program
 from partitioner.training.buckets import bucket_runs
 
 
-class OverlappedExecutable(RankExecutable):
-    """:class:`~backends.onnxruntime.RankExecutable` with rule 2's asynchronous AllReduce (the
-    AllReduce ops of one program only: the steps' other comm ops run inline) and rule 6's bucket
-    runs; ``overlap=False`` runs every AllReduce inline (rule 3)."""
+class _BucketedSteps:
+    """Rules 2-6 over ``self.steps`` (``(step, run)`` pairs: a segment and what runs it, or a
+    comm step and None), ``self.outputs`` and ``self._segment``, for either backend."""
 
-    def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    steps: list[tuple[Any, Any]]
+    outputs: Any
+    in_place = False  # rule 7: the list AllReduce writes its results into its input arrays
+
+    def _bucketed(self, overlap: bool) -> None:
         self.overlap = overlap
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce") if overlap else None
         self.timeline: list[tuple[str, int, float, float]] = []
@@ -59,10 +73,11 @@ class OverlappedExecutable(RankExecutable):
     def _comm(self, steps: list[CommStep], inputs: list[np.ndarray], comm: Any) -> list[np.ndarray]:
         t0 = time.perf_counter()
         op = steps[0].op
-        if len(steps) == 1:
+        if len(steps) == 1 and not self.in_place:
             out = comm_ops.execute(op, inputs, comm)
         elif hasattr(comm, "allreduce_list"):
-            out = comm.allreduce_list(inputs, op.group, op.attrs["reduction"], op.tag)
+            out = comm.allreduce_list(inputs, op.group, op.attrs["reduction"], op.tag,
+                                      out=inputs if self.in_place else None)
         else:  # rule 6 without a list collective: one AllReduce of the concatenation
             flat = comm.allreduce(np.concatenate([np.reshape(x, -1) for x in inputs]), op.group,
                                   op.attrs["reduction"], op.tag)
@@ -87,7 +102,9 @@ class OverlappedExecutable(RankExecutable):
                 step, run = self.steps[a]
                 if not isinstance(step, CommStep):
                     need(step.inputs)
+                    t0 = time.perf_counter()
                     env.update(zip(step.outputs, self._segment(step, run, env)))
+                    self.timeline.append(("segment", step.index, t0, time.perf_counter()))
                     continue
                 steps = [s for s, _ in self.steps[a:b]]
                 names = [n for s in steps for n in s.inputs]
@@ -109,8 +126,32 @@ class OverlappedExecutable(RankExecutable):
                 fut.cancel()
         return {n: env[n] for n in self.outputs}
 
+
+class OverlappedExecutable(_BucketedSteps, RankExecutable):
+    """:class:`~backends.onnxruntime.RankExecutable` with rule 2's asynchronous AllReduce (the
+    AllReduce ops of one program only: the steps' other comm ops run inline) and rule 6's bucket
+    runs; ``overlap=False`` runs every AllReduce inline (rule 3)."""
+
+    def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bucketed(overlap)
+
+
+class TvmBucketedExecutable(_BucketedSteps):
+    """Rule 7: a data-parallel TVM rank's program (its buckets unbucketed) as one TVM library per
+    compute segment, the gradients AllReduced in place between them."""
+
+    in_place = True
+
+    def __init__(self, program: onnx.ModelProto, workdir: Path | None, *, threads: int = 1,
+                 overlap: bool = True) -> None:
+        from partitioner.training.pipeline_runner import executable
+
+        self.outputs = tuple(o.name for o in program.graph.output)
+        self.steps = [(s, executable(s.model, "tvm", workdir, threads) if isinstance(s, Segment) else None)
+                      for s in split_program(program) if not isinstance(s, Segment) or s.outputs]
+        self._bucketed(overlap)
+
     def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        res = super()._segment(step, run, env)
-        self.timeline.append(("segment", step.index, t0, time.perf_counter()))
-        return res
+        out = run.run({n: env[n] for n in step.inputs}, None)  # a segment holds no comm op
+        return [out[n] for n in step.outputs]
