@@ -32,8 +32,9 @@ Rules:
    unbucketed program is cut at its comm ops (:func:`partitioner.core.segments.split_program`)
    and every compute segment is a library of its own: the backward's segments return the
    gradients, rule 6's list AllReduce reduces them *in place* (into the arrays the segment
-   returned, fresh VM tensors nobody else holds: no allocation, no concatenation, no split, no
-   copy into a comm op's output tensor) and the next segment (the update) takes them as
+   returned, fresh VM tensors: no allocation, no concatenation, no split, no copy into a comm
+   op's output tensor; only when nothing else reads them or shares their memory,
+   :meth:`TvmBucketedExecutable._writable`) and the next segment (the update) takes them as
    inputs. Rules 2-4 apply unchanged: with more than one bucket the AllReduce runs on the comm
    thread beside the next backward segment (the TVM VM call releases the GIL).
 """
@@ -61,7 +62,6 @@ class _BucketedSteps:
 
     steps: list[tuple[Any, Any]]
     outputs: Any
-    in_place = False  # rule 7: the list AllReduce writes its results into its input arrays
 
     def _bucketed(self, overlap: bool) -> None:
         self.overlap = overlap
@@ -70,14 +70,20 @@ class _BucketedSteps:
         tags = [s.op.tag if isinstance(s, CommStep) and s.op.op_type == "AllReduce" else None for s, _ in self.steps]
         self.runs = bucket_runs(tags)
 
-    def _comm(self, steps: list[CommStep], inputs: list[np.ndarray], comm: Any) -> list[np.ndarray]:
+    def _writable(self, run: int, env: Mapping[str, np.ndarray], names: list[str]) -> bool:
+        """Whether AllReduce run ``run`` may write its results into its inputs (rule 7; never on
+        ONNX Runtime ranks, whose session outputs may be reused by ORT)."""
+        return False
+
+    def _comm(self, steps: list[CommStep], inputs: list[np.ndarray], comm: Any,
+              in_place: bool = False) -> list[np.ndarray]:
         t0 = time.perf_counter()
         op = steps[0].op
-        if len(steps) == 1 and not self.in_place:
+        if len(steps) == 1 and not in_place:
             out = comm_ops.execute(op, inputs, comm)
         elif hasattr(comm, "allreduce_list"):
             out = comm.allreduce_list(inputs, op.group, op.attrs["reduction"], op.tag,
-                                      out=inputs if self.in_place else None)
+                                      out=inputs if in_place else None)
         else:  # rule 6 without a list collective: one AllReduce of the concatenation
             flat = comm.allreduce(np.concatenate([np.reshape(x, -1) for x in inputs]), op.group,
                                   op.attrs["reduction"], op.tag)
@@ -110,13 +116,15 @@ class _BucketedSteps:
                 names = [n for s in steps for n in s.inputs]
                 need(names)
                 outputs = [o for s in steps for o in s.outputs]
+                if step.op.op_type == "AllReduce":
+                    args = (steps, [env[i] for i in names], comm, self._writable(a, env, names))
                 if step.op.op_type == "AllReduce" and self._pool is not None:
                     now = time.perf_counter()
                     self.timeline.append(("submit", step.index, now, now))
-                    fut = self._pool.submit(self._comm, steps, [env[i] for i in names], comm)
+                    fut = self._pool.submit(self._comm, *args)
                     pending.update({o: (fut, k) for k, o in enumerate(outputs)})
                 elif step.op.op_type == "AllReduce":
-                    env.update(zip(outputs, self._comm(steps, [env[i] for i in names], comm)))
+                    env.update(zip(outputs, self._comm(*args)))
                 else:
                     env.update(zip(step.outputs, comm_ops.execute(step.op, [env.get(i) for i in step.op.inputs],
                                                                   comm)))
@@ -141,8 +149,6 @@ class TvmBucketedExecutable(_BucketedSteps):
     """Rule 7: a data-parallel TVM rank's program (its buckets unbucketed) as one TVM library per
     compute segment, the gradients AllReduced in place between them."""
 
-    in_place = True
-
     def __init__(self, program: onnx.ModelProto, workdir: Path | None, *, threads: int = 1,
                  overlap: bool = True) -> None:
         from partitioner.training.pipeline_runner import executable
@@ -151,6 +157,22 @@ class TvmBucketedExecutable(_BucketedSteps):
         self.steps = [(s, executable(s.model, "tvm", workdir, threads) if isinstance(s, Segment) else None)
                       for s in split_program(program) if not isinstance(s, Segment) or s.outputs]
         self._bucketed(overlap)
+        self._in_place: dict[int, bool] = {}
+
+    def _writable(self, run: int, env: Mapping[str, np.ndarray], names: list[str]) -> bool:
+        """Rule 7's guard, decided at the first step (the program and the VM's views are the
+        same every step): in place only when no later step nor the step's outputs read an
+        input of the run, no input is named twice, and no input shares memory with another
+        value of the step (a TVM reshape may return a view of a tensor it returns too)."""
+        if run not in self._in_place:
+            end = next(b for a, b in self.runs if a == run)
+            later = set(self.outputs).union(*(s.inputs for s, _ in self.steps[end:]))
+            mine = [env[n] for n in names]
+            others = [v for k, v in env.items() if k not in names and isinstance(v, np.ndarray)]
+            self._in_place[run] = (len(set(names)) == len(names) and not later & set(names)
+                                   and all(isinstance(x, np.ndarray) and x.flags.writeable for x in mine)
+                                   and not any(np.may_share_memory(x, o) for x in mine for o in others))
+        return self._in_place[run]
 
     def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         out = run.run({n: env[n] for n in step.inputs}, None)  # a segment holds no comm op

@@ -87,6 +87,37 @@ def test_tvm_data_ranks_in_process_match_one_rank_without_concat(name: str, tmp_
     assert not isinstance(plain._exe, TvmBucketedExecutable)  # one library: its bucket is concatenated
 
 
+def _guard(outputs: tuple[str, ...] = ()) -> tuple[TvmBucketedExecutable, int, list[str]]:
+    """A TVM rank executable of a 2-rank step with nothing built (rule 7's guard only reads the
+    program's steps) and its bucket's AllReduce run."""
+    from partitioner.core.segments import split_program
+    from partitioner.training.step import step_program
+
+    program = buckets_mod.unbucket(step_program(build_training_graph(_model(32), optimizer=SGD(lr=0.1), batch=4,
+                                                                     world_size=2)))
+    exe = object.__new__(TvmBucketedExecutable)
+    exe.steps = [(s, None) for s in split_program(program)]
+    exe.outputs = tuple(o.name for o in program.graph.output) + outputs
+    exe._bucketed(False)
+    exe._in_place = {}
+    a, b = next((a, b) for a, b in exe.runs if b - a > 1)
+    return exe, a, [n for s, _ in exe.steps[a:b] for n in s.inputs]
+
+
+def test_in_place_only_for_gradients_nothing_else_reads_or_shares() -> None:
+    """Rule 7's guard: the bucket's gradients are written in place; not when a later step reads
+    one of them, nor when one shares memory with another value of the step (a view)."""
+    exe, run, names = _guard()
+    env = {n: np.zeros(3, np.float32) for n in names}
+    env["other"] = np.zeros(3, np.float32)
+    assert exe._writable(run, env, names)
+    exe, run, names = _guard()
+    env[names[0]] = env["other"][1:]  # a view of a value the step still holds
+    assert not exe._writable(run, env, names)
+    exe, run, names = _guard(outputs=(_guard()[2][0],))  # the step returns a gradient as it is
+    assert not exe._writable(run, {n: np.zeros(3, np.float32) for n in names}, names)
+
+
 def _rank_main(out: str) -> None:
     """One MPI rank: 10 SGD and 10 Adam steps on TVM data ranks, against this rank's own 1-rank
     run of the global batch."""
@@ -105,8 +136,8 @@ def _rank_main(out: str) -> None:
         exe = runner._exe
         seen: list[list[int]] = []  # per bucket AllReduce: [results that are their input array, arrays]
 
-        def spy(steps, inputs, c, real=exe._comm):
-            res = real(steps, inputs, c)
+        def spy(steps, inputs, c, in_place, real=exe._comm):
+            res = real(steps, inputs, c, in_place)
             seen.append([sum(a is b for a, b in zip(res, inputs)), len(inputs)])
             return res
 
