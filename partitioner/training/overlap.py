@@ -37,10 +37,20 @@ Rules:
    :meth:`TvmBucketedExecutable._writable`) and the next segment (the update) takes them as
    inputs. Rules 2-4 apply unchanged: with more than one bucket the AllReduce runs on the comm
    thread beside the next backward segment (the TVM VM call releases the GIL).
+8. Cutting the step into libraries turns values that stayed inside one VM call into arrays
+   between calls: the gradients, the forward activations a later backward segment reads (the
+   zoo resnet at local batch 8: 24 MiB) and the weights every segment reads. A TVM library
+   copies each input into a persistent buffer of its own (:mod:`backends.tvm.executable` rule
+   5, for arrays of any alignment), so each segment's library (:func:`_segment_library`)
+   passes every input that is already a writable, C-contiguous array on a
+   :data:`VM_ALIGNMENT`-byte boundary (an earlier segment's outputs, the state the update
+   returned: VM tensors) to the VM as it lies, through DLPack; only the others (the batch)
+   are copied.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +64,10 @@ from backends.onnxruntime import RankExecutable
 from partitioner.core import comm_ops
 from partitioner.core.segments import CommStep, Segment, split_program
 from partitioner.training.buckets import bucket_runs
+
+
+#: rule 8: TVM's kernels take their arguments on this alignment (the VM allocates so)
+VM_ALIGNMENT = 64
 
 
 class _BucketedSteps:
@@ -151,10 +165,8 @@ class TvmBucketedExecutable(_BucketedSteps):
 
     def __init__(self, program: onnx.ModelProto, workdir: Path | None, *, threads: int = 1,
                  overlap: bool = True) -> None:
-        from partitioner.training.pipeline_runner import executable
-
         self.outputs = tuple(o.name for o in program.graph.output)
-        self.steps = [(s, executable(s.model, "tvm", workdir, threads) if isinstance(s, Segment) else None)
+        self.steps = [(s, _build_segment(s.model, workdir, threads) if isinstance(s, Segment) else None)
                       for s in split_program(program) if not isinstance(s, Segment) or s.outputs]
         self._bucketed(overlap)
         self._in_place: dict[int, bool] = {}
@@ -177,3 +189,47 @@ class TvmBucketedExecutable(_BucketedSteps):
     def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         out = run.run({n: env[n] for n in step.inputs}, None)  # a segment holds no comm op
         return [out[n] for n in step.outputs]
+
+
+
+@functools.cache
+def _segment_library() -> type:
+    """Rule 8's library class (made on first use: importing the TVM backend loads TVM)."""
+    from backends.tvm.executable import TvmRankExecutable
+
+    class SegmentLibrary(TvmRankExecutable):
+        """A segment's TVM library that takes VM-aligned arrays as they lie (rule 8)."""
+
+        def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
+            import tvm
+
+            args = []
+            for i, name in enumerate(self.inputs):
+                x = feeds[name]
+                if (isinstance(x, np.ndarray) and x.size and x.flags.c_contiguous and x.flags.writeable
+                        and x.dtype.kind in "fiub" and x.ctypes.data % VM_ALIGNMENT == 0):
+                    args.append(tvm.runtime.from_dlpack(x))
+                    continue
+                buf = self._in_bufs[i]  # the others: a persistent buffer each (executable rule 5)
+                if buf is None or buf[1].shape != x.shape or buf[1].dtype != x.dtype:
+                    t = tvm.runtime.empty(x.shape, str(x.dtype), self.device)
+                    buf = self._in_bufs[i] = (t, np.from_dlpack(t))
+                np.copyto(buf[1], x)
+                args.append(buf[0])
+            return args
+
+    return SegmentLibrary
+
+
+def _build_segment(model: onnx.ModelProto, workdir: Path | None, threads: int) -> Any:
+    """One segment's rule 8 library, built into ``workdir``."""
+    import tempfile
+
+    from backends.tvm.build import build_one
+    from backends.tvm.target import target_dict
+
+    folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{model.graph.name}.so"
+    build_one(model, path, target_dict(None))
+    return _segment_library()(model, path, threads=threads)

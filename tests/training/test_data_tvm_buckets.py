@@ -5,7 +5,8 @@ rule 8's ``out``).
 Checked: the rank's libraries hold no bucket Concat/Split (the knob off builds one library that
 concatenates and splits); 2 ranks match a 1-rank run of the same global batch within rtol 1e-4,
 atol 1e-5 after 10 SGD and 10 Adam steps, in process and on 2 real MPI ranks, where the list
-AllReduce writes into the arrays the backward segment returned (no new array per step). On MPI
+AllReduce writes into the arrays the backward segment returned (no new array per step) and the
+update's library takes them, and the weights, without copying them (overlap rule 8). On MPI
 the SGD mlp is 512 wide (a 1.05 MiB bucket: the shared-memory window) and the Adam one 32 wide
 (the gather path): at 512 wide Adam's 1-rank and 2-rank float32 runs differ beyond the
 tolerance on ONNX Runtime alone (measured: 1.8e-4 over it after 10 steps; Adam's step is
@@ -143,14 +144,20 @@ def _rank_main(out: str) -> None:
 
         exe._comm = spy
         calls = comm._shm[(0, 1)].calls if comm._shm.get((0, 1)) else 0
-        for x, y in batches:
+        update = exe.steps[-1][1]
+        for k, (x, y) in enumerate(batches):
+            if k == STEPS - 1:  # the first step's state came from numpy, not from the VM
+                update._in_bufs = [None] * len(update.inputs)
             runner.step({"input": x[4 * rank:4 * rank + 4]}, y[4 * rank:4 * rank + 4])
         one = _one_rank(model, opt, batches, Path(out, f"{name}one{rank}"))
         worst = max(float(np.max(np.abs(runner.state[n] - w) - (1e-5 + 1e-4 * np.abs(w))))
                     for n, w in one.weights().items())
         report[name] = {"tvm_buckets": isinstance(exe, TvmBucketedExecutable),
                         "concat": "Concat" in _segment_ops(exe), "in_place": seen, "worst": worst,
-                        "shm_steps": (comm._shm[(0, 1)].calls if comm._shm.get((0, 1)) else 0) - calls}
+                        "shm_steps": (comm._shm[(0, 1)].calls if comm._shm.get((0, 1)) else 0) - calls,
+                        # rule 8: the update's inputs (weights the last update returned, gradients
+                        # reduced in place) all went to its library as they lay, none copied
+                        "update_copied": [n for n, b in zip(update.inputs, update._in_bufs) if b is not None]}
     comm.barrier()
     Path(out, f"rank{MPI.COMM_WORLD.Get_rank()}.json").write_text(json.dumps(report))
 
@@ -173,6 +180,7 @@ def test_tvm_data_ranks_on_mpi_reduce_in_place_and_match_one_rank(tmp_path: Path
             assert got["shm_steps"] == (STEPS if MPI_HIDDEN[name] == 512 else 0), (rank, name, got)
             # every array of the bucket came back as the very array the backward segment returned
             assert len(got["in_place"]) == STEPS and all(k == n >= 5 for k, n in got["in_place"]), (rank, name, got)
+            assert got["update_copied"] == [], (rank, name, got)
 
 
 if __name__ == "__main__":
