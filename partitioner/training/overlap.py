@@ -85,8 +85,8 @@ class _BucketedSteps:
         self.runs = bucket_runs(tags)
 
     def _writable(self, run: int, env: Mapping[str, np.ndarray], names: list[str]) -> bool:
-        """Whether AllReduce run ``run`` may write its results into its inputs (rule 7; never on
-        ONNX Runtime ranks, whose session outputs may be reused by ORT)."""
+        """Whether AllReduce run ``run`` may write its results into its inputs (rule 7: TVM ranks;
+        ONNX Runtime ranks keep rule 6's new arrays, in place is not tried there)."""
         return False
 
     def _comm(self, steps: list[CommStep], inputs: list[np.ndarray], comm: Any,
