@@ -191,7 +191,6 @@ class TvmBucketedExecutable(_BucketedSteps):
         return [out[n] for n in step.outputs]
 
 
-
 @functools.cache
 def _segment_library() -> type:
     """Rule 8's library class (made on first use: importing the TVM backend loads TVM)."""

@@ -85,7 +85,8 @@ def _rank_main(out: str) -> None:
     back = comm.allreduce_list(mine, [0, 1], "sum", 9, out=mine)
     report = {"shapes": all(g.shape == x.shape for g, x in zip(got, xs)),
               "equal": all(np.array_equal(g, w) for g, w in zip(got, want)),
-              "in_place": all(b is m for b, m in zip(back, mine)) and all(np.array_equal(m, w) for m, w in zip(mine, want)),
+              "in_place": all(b is m for b, m in zip(back, mine))
+              and all(np.array_equal(m, w) for m, w in zip(mine, want)),
               "shm_calls": comm._shm[(0, 1)].calls}
     states = {}
     data = np.random.default_rng(0)

@@ -10,7 +10,8 @@ update's library takes them, and the weights, without copying them (overlap rule
 the SGD mlp is 512 wide (a 1.05 MiB bucket: the shared-memory window) and the Adam one 32 wide
 (the gather path): at 512 wide Adam's 1-rank and 2-rank float32 runs differ beyond the
 tolerance on ONNX Runtime alone (measured: 1.8e-4 over it after 10 steps; Adam's step is
-about ``lr`` for any gradient far above ``eps``, so a tiny gradient's rounding moves its weight by up to ``lr``).
+about ``lr`` for any gradient far above ``eps``, whatever its size, so the rounding of a tiny
+gradient can flip the direction of its weight's step).
 """
 
 from __future__ import annotations
