@@ -35,7 +35,10 @@ Rules:
    rule 7's path each array is copied into the slot at its offset and its reduced elements are
    copied out into an array of its own shape, so the bucket is never concatenated or split (two
    weight-sized passes fewer per step; the same additions, so bit-identical to rule 7 on the
-   concatenation); otherwise the arrays are concatenated and reduced as one (rule 4).
+   concatenation); otherwise the arrays are concatenated and reduced as one (rule 4). With
+   ``out`` the results are written into the caller's arrays (``out=xs``: in place, as TVM data
+   ranks do, :mod:`partitioner.training.overlap` rule 7): on rule 7's path no array is
+   allocated per call.
 """
 
 from __future__ import annotations
@@ -237,17 +240,17 @@ class MPICommunicator:
 
     @_timed
     def allreduce_list(self, xs: Sequence[np.ndarray], group: Sequence[int], reduction: str,
-                       tag: int) -> list[np.ndarray]:
-        """Rule 8: the AllReduce of several arrays of one dtype as one collective (a training
-        step's gradient bucket), each result shaped like its input."""
+                       tag: int, out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Rule 8: several arrays of one dtype AllReduced as one collective, each result shaped
+        like its input (in ``out[k]`` when given; ``out=xs`` reduces in place)."""
         what = self._enter("allreduce", f"of {len(xs)} arrays on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
         xs = [np.asarray(x) for x in xs]
         shm = self._shm_reducer(group, sub, sum(x.nbytes for x in xs)) if self.deterministic else None
         if shm is not None and len({x.dtype for x in xs}) == 1:
-            return shm.allreduce_list(xs, reduction, what)
-        out = self._allreduce(np.concatenate([np.reshape(x, -1) for x in xs]), group, sub, reduction, what)
-        return [p.reshape(np.shape(x)) for p, x in zip(np.split(out, np.cumsum([np.size(x) for x in xs])[:-1]), xs)]
+            return shm.allreduce_list(xs, reduction, what, out)
+        flat = self._allreduce(np.concatenate([np.reshape(x, -1) for x in xs]), group, sub, reduction, what)
+        return _split_like(flat, xs, out)
 
     def _shm_reducer(self, group: Sequence[int], sub: Any, x: Any) -> _ShmReducer | None:
         """Rule 7's reducer of ``group`` when ``x`` (an array or a byte count)
@@ -345,6 +348,17 @@ class MPICommunicator:
         self.world.Abort(code)
 
 
+def _split_like(flat: np.ndarray, xs: Sequence[np.ndarray], out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+    """Rule 8 off the shared window: the reduced concatenation ``flat`` cut back into arrays
+    shaped like ``xs``, copied into ``out[k]`` when given."""
+    res = [p.reshape(np.shape(x)) for p, x in zip(np.split(flat, np.cumsum([np.size(x) for x in xs])[:-1]), xs)]
+    if out is None:
+        return res
+    for o, r in zip(out, res):
+        np.copyto(o, r)
+    return list(out)
+
+
 class _ShmReducer:
     """Rule 7: the AllReduce of one group whose ranks share a node, through a shared window."""
 
@@ -373,9 +387,12 @@ class _ShmReducer:
     def allreduce(self, x: np.ndarray, reduction: str, what: str) -> np.ndarray:
         return self.allreduce_list([x], reduction, what)[0]
 
-    def allreduce_list(self, xs: Sequence[np.ndarray], reduction: str, what: str) -> list[np.ndarray]:
+    def allreduce_list(self, xs: Sequence[np.ndarray], reduction: str, what: str,
+                       out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Rule 7 over the arrays ``xs`` (one dtype) laid end to end in the slot (rule 8): each is
-        copied in from where it lies and its reduced elements out into an array of its shape."""
+        copied in from where it lies and its reduced elements out into an array of its shape
+        (``out[k]`` when given: every input is in the slot before anything is copied out, so
+        ``out`` may be ``xs``)."""
         self.calls += 1
         dtype = np.result_type(*xs)
         sizes = [int(np.size(x)) for x in xs]
@@ -397,13 +414,14 @@ class _ShmReducer:
         for k in range(2, self.size):
             fn(part, slots[k][lo:hi], out=part)
         self._barrier(what)
-        outs = []
-        for x, a, b in zip(xs, offsets[:-1], offsets[1:]):
-            out = np.empty(b - a, dtype=dtype)
+        outs = [np.empty(np.shape(x), dtype=dtype) for x in xs] if out is None else list(out)
+        if any(not (o.flags.c_contiguous and o.flags.writeable) or o.size != x.size for o, x in zip(outs, xs)):
+            raise RunFailed(f"{what}: every output array must be writable, C-contiguous and the size of its input")
+        for o, a, b in zip(outs, offsets[:-1], offsets[1:]):
+            flat = o.reshape(-1)  # a view: ``o`` is C-contiguous (fresh, or the caller's)
             for k in range(self.size):  # the reduced elements of [a, b) lie in the slots of their owners
                 ka, kb = max(a, k * n // self.size), min(b, (k + 1) * n // self.size)
                 if ka < kb:
-                    out[ka - a:kb - a] = slots[k][ka:kb]
-            outs.append(out.reshape(np.shape(x)))
+                    flat[ka - a:kb - a] = slots[k][ka:kb]
         self._barrier(what)  # every member has its copy: the slots may be written again
         return outs

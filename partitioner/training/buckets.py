@@ -16,10 +16,14 @@ Rules:
 2. A bucket whose shape differs from that pattern (a part that is not ``Reshape(g, [-1])``, a
    reduced value read by anything but the ``Split``, a split piece read by anything but one
    ``Reshape``) is left as it is.
-3. For ONNX Runtime ranks only (:class:`partitioner.training.runner.StepRunner`): the TVM
-   backend runs the comm ops inside its VM one array at a time, and the reference runtime runs
-   the graph as built. :data:`LIST_ALLREDUCE` (default on) switches the rewrite;
-   ``$PARTITIONER_TRAIN_LIST_ALLREDUCE=0`` turns it off (to measure the difference).
+3. For data-parallel ONNX Runtime and TVM ranks (:class:`partitioner.training.runner.StepRunner`).
+   ONNX Runtime ranks run the rewritten program's segments as sessions
+   (:class:`~partitioner.training.overlap.OverlappedExecutable`). The TVM VM calls a comm op
+   with one tensor, so TVM ranks build one library per segment and AllReduce the list in place
+   between them (:class:`~partitioner.training.overlap.TvmBucketedExecutable`, overlap rule
+   7). :data:`LIST_ALLREDUCE` (default on) switches the rewrite for both;
+   ``$PARTITIONER_TRAIN_LIST_ALLREDUCE=0`` turns it off (to measure the difference): TVM ranks
+   then build the step as one library, each bucket concatenated, AllReduced and split inside it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from onnx import helper
 
 from partitioner.core.comm_ops import DOMAIN
 
-#: rule 3: rewrite data-parallel ORT ranks' buckets into list AllReduces (docs/training.md)
+#: rule 3: rewrite data-parallel ranks' buckets into list AllReduces (docs/training.md)
 LIST_ALLREDUCE = os.environ.get("PARTITIONER_TRAIN_LIST_ALLREDUCE", "1") != "0"
 
 

@@ -68,14 +68,16 @@ class StepRunner:
             # one session (no comm op): its own arena; several segments: the shared one
             self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0)
         else:
-            from backends.tvm.build import build_one
-            from backends.tvm.executable import TvmRankExecutable
-            from backends.tvm.target import target_dict
-
             folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
-            path = folder / f"{self.program.graph.name}.so"
-            build_one(self.program, path, target_dict(None))
-            self._exe = TvmRankExecutable(self.program, path, threads=threads)
+            if buckets and _buckets.LIST_ALLREDUCE:  # one library per segment, in-place list AllReduce
+                from partitioner.training.overlap import TvmBucketedExecutable
+
+                self._exe = TvmBucketedExecutable(_buckets.unbucket(self.program), folder, threads=threads,
+                                                  overlap=overlap and buckets > 1)
+            else:
+                from partitioner.training.pipeline_runner import executable
+
+                self._exe = executable(self.program, "tvm", folder, threads)
 
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step on a batch; returns the loss (the global mean with data parallelism)."""
