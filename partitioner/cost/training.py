@@ -64,13 +64,13 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
      weights' bytes (each bucket's concatenation and its split back: read and write; the mean's
      ``1/R`` scales the loss gradient, step rule 5; none with ``list_buckets``: ONNX Runtime
-     ranks AllReduce the gradients as they lie, :mod:`partitioner.training.buckets`), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
+     and TVM ranks AllReduce the gradients as they lie, :mod:`partitioner.training.buckets`), plus the gradient AllReduce (all weight bytes, the cluster's collective model),
      overlapping the backward as rule 5 simulates: the ONNX Runtime
      ranks run each bucket's AllReduce on a communication thread beside the rest of the
      backward (:mod:`partitioner.training.overlap`; with one bucket the simulation gives about
-     the blocking step, as the runtime then runs it). With ``overlap=False`` (the TVM backend,
-     whose comm ops are blocking calls inside one VM invocation) the AllReduce is added after
-     the backward. The breakdown gives both (``step_with_overlap_s``, ``step_without_overlap_s``);
+     the blocking step, as the runtime then runs it). With ``overlap=False`` (a TVM rank with
+     ``LIST_ALLREDUCE`` off, whose comm ops are blocking calls inside one VM invocation) the
+     AllReduce is added after the backward. The breakdown gives both (``step_with_overlap_s``, ``step_without_overlap_s``);
    - ``pipeline``: fill-drain over ``M`` micro-batches of per-stage (forward + backward) times
      with the activation and gradient sends between stages
      (:func:`partitioner.cost.pipeline.pipeline_step_time`), plus the slowest stage's update.

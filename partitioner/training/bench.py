@@ -47,7 +47,7 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
     """Rules 1-5; returns the report (JSON-ready). ``baseline``: module attributes
     (``"partitioner.cost.roofline.MEMORY_WORKING_SET": False``) under which the step time is
     predicted again, on the same calibration and fixed costs (rule 7)."""
-    from partitioner.training import memory_window
+    from partitioner.training import buckets, memory_window
     from partitioner.training.loop import train
     from partitioner.training.plan import choose_strategy, predict_training
 
@@ -63,7 +63,7 @@ def bench_training(model: Any, data: Any, *, devices: int, strategy: str, batch:
     def predict() -> Any:
         return predict_training(model, kind, devices, batch=batch, optimizer=optimizer, schedule=schedule,
                                 micro_batches=micro_batches, stages=stages, memory_limit=memory_limit,
-                                overlap=backend == "onnxruntime", overheads=costs,
+                                overlap=backend == "onnxruntime" or buckets.LIST_ALLREDUCE, overheads=costs,
                                 loss=train_kw.get("loss", "cross_entropy"),
                                 cluster=resolve_cluster(f"cpu:{devices}", backend))
 

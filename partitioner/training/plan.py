@@ -35,9 +35,10 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
                      loss: str = "cross_entropy", backend: str | None = None) -> TrainingPrediction:
     """Predicted step time, samples/s and peak memory per rank of training ``model`` so
     (``hybrid``: ``devices / stages`` replicas of a ``stages``-stage pipeline, default 2).
-    ``overlap``: data-parallel ranks reduce beside the backward (ONNX Runtime; False for TVM);
-    ONNX Runtime ranks also AllReduce their buckets as lists (:mod:`partitioner.training.buckets`,
-    when ``LIST_ALLREDUCE`` is on: no concatenation and split passes, 2 weight copies fewer).
+    ``overlap``: data-parallel ranks reduce beside the backward and AllReduce their buckets as
+    lists (:mod:`partitioner.training.buckets`, when ``LIST_ALLREDUCE`` is on: no concatenation
+    and split passes, 2 weight copies fewer): ONNX Runtime ranks, and TVM ranks while
+    ``LIST_ALLREDUCE`` is on (one library per segment, overlap rule 7); False: one blocking step.
     ``overheads`` (:func:`partitioner.training.overheads.calibrate`): the fixed per-step, per-call
     and per-node costs (cost rule 7), counted on the step graph built with ``loss``; without them
     the prediction is compute and communication only. ``backend`` (default: ``overheads``'
