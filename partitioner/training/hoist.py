@@ -94,7 +94,7 @@ def _plain_conv_transpose(n: onnx.NodeProto, w_shape: list[int]) -> bool:
         and not any(_ints(n, "output_padding") or []) and (_ints(n, "kernel_shape") or w_shape[2:]) == w_shape[2:]
 
 
-def _conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
+def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
     """Rule 4: ``ConvTranspose(dY, W, pads=p)`` (stride 1) of a weight -> ``Conv(dY, flip(W^T), pads=k-1-p)``."""
     g = model.graph
     shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in g.input}
@@ -230,7 +230,7 @@ def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], 
         model = onnx.ModelProto()
         model.CopyFrom(p)
         _transpose_gemm_weights(model, hoister.weights)
-        _conv_transpose_as_conv(model, hoister.weights)
+        conv_transpose_as_conv(model, hoister.weights)
         out.append(hoister.program(model))
     first = present[0]
     return out, hoister.prepare(name, first.opset_import, first.ir_version)

@@ -30,6 +30,13 @@ OVERLAP_ENV = "PARTITIONER_TRAIN_OVERLAP"
 #: ONNX Runtime ranks: every segment's session (and a pipeline stage's programs) take their
 #: buffers from one process-wide arena instead of one arena each (docs/training.md, memory)
 SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
+#: TVM steps (1 rank, data ranks): a stride-1 ``ConvTranspose`` of a weight (a conv's input
+#: gradient) runs as ``Conv(dY, flip(W^T))`` (:func:`partitioner.training.hoist.
+#: conv_transpose_as_conv`, hoist rule 4; pipeline stages already do it). TVM's conv2d_transpose
+#: transforms the weight on every call and runs far below its conv2d (layer4's 3x3 512-channel
+#: input gradients 10-15 ms a call against ~0.5 ms for the forward conv, docs/training.md); a
+#: 1-rank step calls it once per step, so the weight's transpose and flip stay in the step.
+TVM_CONV_TRANSPOSE_AS_CONV = True
 
 
 class _NoComm:
@@ -69,6 +76,10 @@ class StepRunner:
             self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0)
         else:
             folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
+            if TVM_CONV_TRANSPOSE_AS_CONV:
+                from partitioner.training.hoist import conv_transpose_as_conv
+
+                conv_transpose_as_conv(self.program, set(self.signature.weights))
             if buckets and _buckets.LIST_ALLREDUCE:  # one library per segment, in-place list AllReduce
                 from partitioner.training.overlap import TvmBucketedExecutable
 
