@@ -257,6 +257,7 @@ def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> l
     import models_zoo
     from partitioner.cluster import resolve_cluster
     from partitioner.cost.training import StepOverheads
+    from partitioner.training.buckets import LIST_ALLREDUCE
     from partitioner.training.plan import predict_training
 
     os.environ["PARTITIONER_CACHE_DIR"] = str(cache)
@@ -273,7 +274,7 @@ def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> l
             extra = {"schedule": "1f1b", "micro_batches": MICRO_BATCHES} if strategy == "pipeline" else {}
             pred = predict_training(onnx.load_from_string(model.SerializeToString()), "single" if devices == 1 else strategy,
                                     devices, batch=doc["config"]["batch"], loss=doc["loss"], overheads=fixed,
-                                    overlap=doc["backend"] == "onnxruntime",
+                                    overlap=doc["backend"] == "onnxruntime" or LIST_ALLREDUCE,
                                     cluster=resolve_cluster(f"cpu:{devices}", doc["backend"]), **extra).step_time_s
             key = str(cache) + "".join(f" {k}={v!r}" for k, v in _ACTIVE.items())
             r.setdefault("repredicted_step_s", {})[key] = pred

@@ -273,6 +273,28 @@ TRAIN_WHERE_CLASS = True
 TRAIN_REDUCE_BATCH_CLASS = True
 
 
+#: rule 1: on TVM ranks (``device.runtime == "tvm"``) a stride-1, one-group ConvTranspose of a
+#: weight (a conv's input gradient) runs as a Conv of the flipped weight
+#: (``partitioner.training.runner.TVM_CONV_TRANSPOSE_AS_CONV`` and pipeline hoist rule 4), so it is
+#: priced as the step's forward conv (:func:`forward_class` of ``conv``), not at the TVM
+#: ``conv_backward`` probe's conv2d_transpose rate (the zoo resnet's 1-rank TVM step at batch 16:
+#: predicted 934 ms against 470 measured before this rule). Strided ones keep ``conv_backward``.
+TVM_CONV_TRANSPOSE_AS_CONV = True
+
+
+def _tvm_runs_as_conv(device: Any, node: Any) -> bool:
+    """The case of :data:`TVM_CONV_TRANSPOSE_AS_CONV`: a TVM device, a ConvTranspose with unit
+    strides and dilations, one group and no output padding, whose filter no node computes."""
+    if not TVM_CONV_TRANSPOSE_AS_CONV or node.op_type != "ConvTranspose" or getattr(device, "runtime", "") != "tvm":
+        return False
+    attrs = node.attributes
+    ints = {k: list(attrs[k].as_ints()) for k in ("strides", "dilations", "output_padding") if k in attrs}
+    group = attrs["group"].as_int() if "group" in attrs else 1
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    return (group == 1 and all(v == 1 for v in ints.get("strides", [1]) + ints.get("dilations", [1]))
+            and not any(ints.get("output_padding", [])) and w is not None and w.producer() is None)
+
+
 def _sums_the_batch(node: Any) -> bool:
     """A ReduceSum over axis 0 only (constant axes input) of a tensor of rank 3 or more."""
     if node.op_type != "ReduceSum" or len(node.inputs) < 2 or node.inputs[1] is None:
@@ -287,8 +309,9 @@ def node_class(device: Any, node: Any, backward: bool) -> str:
     """Rule 1: the class a training step's ``node`` runs at: ``where`` for a Where and
     ``reduce_batch`` for a ReduceSum over the batch axis of a batched product when the
     calibration measured them (ONNX Runtime runs both far below its other elementwise and
-    reduction kernels: ``calibrate.backward_kernels``); else :func:`backward_class` of a backward node's class and
-    :func:`forward_class` of the others'."""
+    reduction kernels: ``calibrate.backward_kernels``); a TVM rank's stride-1 ConvTranspose of a
+    weight as the forward conv it runs as (:data:`TVM_CONV_TRANSPOSE_AS_CONV`); else
+    :func:`backward_class` of a backward node's class and :func:`forward_class` of the others'."""
     from partitioner.cost.ops import op_class
 
     table = getattr(device, "efficiency_by_class", {})
@@ -296,6 +319,8 @@ def node_class(device: Any, node: Any, backward: bool) -> str:
         return "where"
     if TRAIN_REDUCE_BATCH_CLASS and "reduce_batch" in table and _sums_the_batch(node):
         return "reduce_batch"
+    if _tvm_runs_as_conv(device, node):
+        return forward_class(device, "conv")
     return backward_class(device, op_class(node)) if backward else forward_class(device, op_class(node))
 
 
