@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from backends.tvm.schedules import contraction as C
 from backends.tvm.schedules.vector import vector_lanes
 from backends.tvm.target import detect_host_target
-from tvm_build_check import build_and_compare
+from tvm_build_check import build_and_compare, conv3x3_register_tile
 
 
 def _model(ci: int, co: int, hw: int, batch: int) -> onnx.ModelProto:
@@ -35,19 +35,7 @@ def _model(ci: int, co: int, hw: int, batch: int) -> onnx.ModelProto:
 def _accumulators(mod: tvm.IRModule) -> int:
     """Vector accumulators of the 3x3 conv's register tile: the product of the unrolled loops
     (pixels x channel vectors) around its update block."""
-    from tvm import s_tir
-
-    unrolled = int(tvm.tirx.ForKind.UNROLLED)
-    for gv, f in mod.functions.items():
-        if not isinstance(f, tvm.tirx.PrimFunc) or "conv2d" not in gv.name_hint:
-            continue
-        if "conv2d_nhwc_update" not in f.script():
-            continue
-        sch = s_tir.Schedule(f)
-        loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nhwc_update"))]
-        if sum(1 for lp in loops if int(lp.extent) == 3 and int(lp.kind) != unrolled) >= 2:  # ry, rx: the 3x3
-            return int(np.prod([int(lp.extent) for lp in loops if int(lp.kind) == unrolled]))
-    raise AssertionError("no 3x3 conv update block found")
+    return int(np.prod(conv3x3_register_tile(mod)))
 
 
 @pytest.mark.parametrize("ci,co,hw,batch", [(12, 24, 16, 2), (24, 40, 8, 1), (6, 12, 10, 1), (16, 8, 12, 2)],

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from backends.tvm.schedules import contraction as C
 from backends.tvm.schedules.vector import vector_lanes
 from backends.tvm.target import detect_host_target
-from tvm_build_check import build_and_compare
+from tvm_build_check import build_and_compare, conv3x3_register_tile
 
 # the expected tiles are AVX-512's (16 lanes, 32 registers); AVX2 gets other tiles from _narrow_tile
 pytestmark = pytest.mark.skipif(vector_lanes(tvm.target.Target(detect_host_target())) != 16,
@@ -39,21 +39,7 @@ def _model(ci: int, co: int, hw: int, batch: int, stride: int = 1) -> onnx.Model
     return onnx.shape_inference.infer_shapes(model)
 
 
-def _register_tile(mod: tvm.IRModule) -> list[int]:
-    """Extents of the unrolled loops (pixels, channel vectors) around the 3x3 conv's update block."""
-    from tvm import s_tir
-
-    unrolled = int(tvm.tirx.ForKind.UNROLLED)
-    for gv, f in mod.functions.items():
-        if not isinstance(f, tvm.tirx.PrimFunc) or "conv2d" not in gv.name_hint:
-            continue
-        if "conv2d_nhwc_update" not in f.script():
-            continue
-        sch = s_tir.Schedule(f)
-        loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nhwc_update"))]
-        if sum(1 for lp in loops if int(lp.extent) == 3 and int(lp.kind) != unrolled) >= 2:  # ry, rx: the 3x3
-            return sorted(int(lp.extent) for lp in loops if int(lp.kind) == unrolled)
-    raise AssertionError("no 3x3 conv update block found")
+_register_tile = conv3x3_register_tile
 
 
 def test_conv_with_input_over_l2_takes_two_pixels_by_four_vectors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,3 +28,21 @@ def build_and_compare(m: onnx.ModelProto, target: Any = None) -> Any:
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
     return mod
+
+
+def conv3x3_register_tile(mod: tvm.IRModule) -> list[int]:
+    """Extents of the unrolled loops (pixels, channel vectors) around the 3x3 conv's update block
+    of a scheduled module (the register tile the contraction rules chose), sorted."""
+    from tvm import s_tir
+
+    unrolled = int(tvm.tirx.ForKind.UNROLLED)
+    for gv, f in mod.functions.items():
+        if not isinstance(f, tvm.tirx.PrimFunc) or "conv2d" not in gv.name_hint:
+            continue
+        if "conv2d_nhwc_update" not in f.script():
+            continue
+        sch = s_tir.Schedule(f)
+        loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nhwc_update"))]
+        if sum(1 for lp in loops if int(lp.extent) == 3 and int(lp.kind) != unrolled) >= 2:  # ry, rx: the 3x3
+            return sorted(int(lp.extent) for lp in loops if int(lp.kind) == unrolled)
+    raise AssertionError("no 3x3 conv update block found")
