@@ -52,6 +52,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from partitioner.core.errors import UsageError
+
 #: rules 1-6 on (module constant; off: every pipeline cut is the cost model's)
 MEASURED_CUT = True
 RUNS = 3
@@ -134,6 +136,8 @@ def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray 
     owner = {n.name: next((p.value for p in n.metadata_props if p.key == "training.forward_node"), n.name)
              for n in step.graph.node}
     feeds = _feeds(step)
+    if feeds is None:
+        return None
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
     so.enable_profiling = True
@@ -178,16 +182,12 @@ def charged(events: list[dict[str, Any]], owner: dict[str, str], names: list[str
     return t * (1.0 + rest / t.sum())
 
 
-def _feeds(step: onnx.ModelProto) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    inits = {t.name for t in step.graph.initializer}
-    out = {}
-    for v in step.graph.input:
-        if v.name in inits:
-            continue
-        t = v.type.tensor_type
-        shape = [d.dim_value for d in t.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-        out[v.name] = (np.zeros(shape, dtype) if not np.issubdtype(dtype, np.floating)
-                       else rng.standard_normal(shape).astype(dtype))
-    return out
+def _feeds(step: onnx.ModelProto) -> dict[str, np.ndarray] | None:
+    """Seeded feeds for the step (``models_zoo.sample_inputs``: labels and ids in range); None
+    when an input's shape is symbolic (no profile: the cost-model cut is used)."""
+    from models_zoo.sample_inputs import sample_inputs
+
+    try:
+        return sample_inputs(step, 0)
+    except UsageError:
+        return None
