@@ -28,6 +28,11 @@ Rules:
    step (4x1024, batch 1024, TVM): the rank on the launcher's core spent 10.9 ms per step waiting
    for its core and its peer 13 ms waiting for it in the AllReduce (measured, docs/training.md).
    ``PIDFD_WATCH = False``, or a system without pidfds, keeps the 5 ms polling.
+8. The watcher reads the ranks' liveness before it rescans the tree, and a rank whose pidfd woke
+   it is recorded before the others are read. When rank 1 dies, mpiexec kills rank 0 within a
+   few ms; reading liveness only after the 2 ms scan let both deaths land on the same poll, and
+   the run then failed with "mpiexec exited with status 3: no message" instead of naming rank 1
+   (seen once in CI on a loaded machine).
 """
 
 from __future__ import annotations
@@ -181,14 +186,29 @@ class _RankWatcher:
             return False
         return stat[stat.rindex(")") + 2] not in "ZXx"
 
-    def poll(self, rescan: bool = False) -> None:
-        # the (costly) tree scan runs until every rank is known, and then every RESCAN_POLLS-th (rule 6)
-        if rescan or len(self.rank_of) < self.world_size or self._polls % RESCAN_POLLS == 0:
-            self._scan()
+    def poll(self, rescan: bool = False, ended: Sequence[int] = ()) -> None:
+        """Record which known ranks have ended, then scan the tree when due (rule 6).
+
+        Liveness is read *before* the scan (rule 8): the scan takes about 2 ms, long enough for
+        mpiexec to kill the surviving ranks after the first one died, and a tie names no rank.
+        ``ended`` are rank pids whose pidfd said they ended: they are recorded one poll earlier
+        than any rank found dead only by the liveness read."""
         self._polls += 1
+        if ended:
+            for pid in ended:
+                self.gone.setdefault(self.rank_of[pid], self._polls)
+            self._polls += 1
         for pid, rank in self.rank_of.items():
             if rank not in self.gone and not self._running(pid):
                 self.gone[rank] = self._polls
+        # the (costly) tree scan runs until every rank is known, and then every RESCAN_POLLS-th (rule 6)
+        if rescan or len(self.rank_of) < self.world_size or self._polls % RESCAN_POLLS == 0:
+            known = len(self.rank_of)
+            self._scan()
+            if len(self.rank_of) > known:  # ranks first seen now: read their liveness too
+                for pid, rank in self.rank_of.items():
+                    if rank not in self.gone and not self._running(pid):
+                        self.gone[rank] = self._polls
 
     def _open_pidfds(self) -> dict[int, int] | None:
         """Rule 7: a pidfd per known rank, or None (not all ranks known yet, turned off, no pidfds)."""
@@ -213,11 +233,12 @@ class _RankWatcher:
                     return
                 self.poll()
                 continue
-            live = [fd for pid, fd in self._pidfds.items() if self.rank_of[pid] not in self.gone]
-            select.select([self._wake_r, *live], [], [], STEADY_WAIT_S)
+            live = {fd: pid for pid, fd in self._pidfds.items() if self.rank_of[pid] not in self.gone}
+            ready, _, _ = select.select([self._wake_r, *live], [], [], STEADY_WAIT_S)
             if self._stop.is_set():
                 return
-            self.poll(rescan=True)  # woken by a rank's end or the rescan timeout (rule 7)
+            # woken by a rank's end or the rescan timeout (rule 7); the ended ranks first (rule 8)
+            self.poll(rescan=True, ended=[live[fd] for fd in ready if fd in live])
 
     def first_gone(self) -> list[int]:
         if not self.gone or len(set(self.rank_of.values())) < self.world_size:
