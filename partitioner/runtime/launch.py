@@ -149,7 +149,8 @@ class _RankWatcher:
             return
         self._stop.set()
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=2)
+        if self._thread.ident is not None:  # started (a caller may poll by hand and never start it)
+            self._thread.join(timeout=2)
         for fd in [self._wake_r, self._wake_w, *(self._pidfds or {}).values()]:
             try:
                 os.close(fd)

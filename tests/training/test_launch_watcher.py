@@ -95,3 +95,42 @@ def test_watcher_blocks_on_the_ranks_and_still_names_the_first_to_end() -> None:
         w.stop()
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_a_rank_killed_during_the_tree_scan_is_not_tied_with_the_first_to_die() -> None:
+    """Rule 8: rank 1 dies; mpiexec then kills rank 0 while the watcher scans the tree (about
+    2 ms). Liveness read before the scan records rank 1 alone first. Reading it after the scan
+    (the old order) put both on one poll, and the run failed naming no rank (a CI failure)."""
+    proc = _fake_ranks("fake_rank_module")
+    w = launch._RankWatcher(proc, 2, module="fake_rank_module")
+    try:
+        deadline = time.perf_counter() + 10
+        while len(w.rank_of) < 2 and time.perf_counter() < deadline:
+            w.poll()
+            time.sleep(0.01)
+        assert sorted(w.rank_of.values()) == [0, 1], "the fake ranks were not recognised"
+        pid_of = {r: pid for pid, r in w.rank_of.items()}
+
+        def _gone(pid: int) -> None:
+            end = time.perf_counter() + 5
+            while launch._RankWatcher._running(pid) and time.perf_counter() < end:
+                time.sleep(0.005)
+
+        os.kill(pid_of[1], 9)
+        _gone(pid_of[1])
+        scan = w._scan
+
+        def scan_while_mpiexec_kills_rank0() -> None:
+            os.kill(pid_of[0], 9)
+            _gone(pid_of[0])
+            scan()
+
+        w._scan = scan_while_mpiexec_kills_rank0
+        w.poll(rescan=True)
+        w._scan = scan
+        w.poll()
+        assert w.first_gone() == [1], f"rank 1 not named alone: gone {w.gone}"
+    finally:
+        w.stop()
+        os.killpg(proc.pid, 9)
+        proc.wait()
