@@ -171,7 +171,7 @@ def schedule_padded_copy(sch: Any, block: Any, lanes: int) -> bool:
     whose copy ran scalar with a 4-way bounds check per element (~1.1 ms of the stem's
     10.6 ms at batch 4); the interior of a row is 672 contiguous floats, a plain vector copy,
     and the zeros are written in L1 (one row: 2.7 KiB) just before the interior overwrites
-    them. Only innermost extents below :data:`SHORT_INNER`: the 3x3 convs' pads (64-512
+    them. Only innermost extents below 4 (RGB inputs): the 3x3 convs' pads (64-512
     channels) are vectorised already, and decomposed they ran 1.01x (conv3x3 class of
     resnet18 224x224 b4, paired, load ~6: noise-level, not a gain). Not for depthwise
     convolutions (their own rule) nor element-wise functions."""
@@ -180,7 +180,7 @@ def schedule_padded_copy(sch: Any, block: Any, lanes: int) -> bool:
     loops = sch.get_loops(block)
     if len(loops) < 3 or any(const_extent(sch, lp) is None for lp in loops):
         return False
-    if const_extent(sch, loops[-1]) >= SHORT_INNER:  # vectorised already (see the docstring)
+    if const_extent(sch, loops[-1]) >= 4:  # wider channels are vectorised already (docstring)
         return False
     try:
         if not sch.can_decompose_padding(block, loops[-2]):
