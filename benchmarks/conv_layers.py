@@ -53,6 +53,9 @@ LAYERS = [
     # convs whose input exceeds L2 at batch 4-8 (contraction.WIDE_INPUT_TILE)
     ("resnet18_224", 64, 56, 64, 3, 1), ("resnet18_224", 64, 56, 128, 3, 2),
     ("resnet18_224", 128, 28, 128, 3, 1),
+    # ... and its stem (the RGB pad copy: injective.SPLIT_PAD_COPY) and stride-2 1x1 downsamples
+    ("resnet18_224", 3, 224, 64, 7, 2), ("resnet18_224", 64, 56, 128, 1, 2),
+    ("resnet18_224", 128, 28, 256, 1, 2), ("resnet18_224", 256, 14, 512, 1, 2),
 ]
 
 

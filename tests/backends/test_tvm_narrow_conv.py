@@ -101,9 +101,13 @@ def test_outer_axis_only_when_weights_are_shared() -> None:
 
 
 @pytest.mark.parametrize("batch,k,s", [(1, 3, 2), (2, 7, 2), (1, 3, 1)], ids=["3x3s2", "7x7s2-b2", "3x3s1"])
-def test_rgb_stem_matches_ort(batch: int, k: int, s: int) -> None:
-    """3 input channels: the pad's channel loop is unrolled outside the parallel loop
+def test_rgb_stem_matches_ort(batch: int, k: int, s: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 input channels: with the row-split pad copy off (injective.SPLIT_PAD_COPY, tested in
+    test_tvm_split_pad_copy.py), the pad's channel loop is unrolled outside the parallel loop
     (injective.SHORT_INNER); the build still matches ORT."""
+    from backends.tvm.schedules import injective
+
+    monkeypatch.setattr(injective, "SPLIT_PAD_COPY", False)
     m = _conv(3, 40, 32, k, s, batch)
     _check(m)
     target = tvm.target.Target(detect_host_target())

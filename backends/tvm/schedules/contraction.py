@@ -36,7 +36,7 @@ from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
-from .injective import schedule_spatial_block
+from .injective import schedule_padded_copy, schedule_spatial_block
 from .threads import worth_parallel
 from .vector import const_extent, largest_divisor, vector_lanes
 
@@ -181,7 +181,8 @@ class Contraction(TryRule):
             name = str(sch.get(b).name_hint)
             if name in skip or name not in names_before:
                 continue
-            schedule_spatial_block(sch, b, lanes)
+            if not schedule_padded_copy(sch, b, lanes):
+                schedule_spatial_block(sch, b, lanes)
         return sch
 
     @staticmethod

@@ -18,6 +18,11 @@ conv 3x3 + bias + ReLU, 24 -> 24 channels on 32x32, batch 8, interleaved with it
 twin on a 34x34 input): the padded conv took 2054 us against 1123 us without padding, the
 difference being the scalar pad copy with its bounds check per element.
 
+A convolution's zero-padded RGB input (3 channels innermost: the stem's ``pad_temp``) is copied
+one output row at a time, the row's zeros first, then its interior as one contiguous vectorised
+run with no bounds check (:data:`SPLIT_PAD_COPY`, :func:`schedule_padded_copy`, called by the
+Contraction rule for its producers).
+
 A concatenation along the innermost axis (an NHWC channel concat: Inception's branch outputs)
 runs one loop per input (:data:`SPLIT_CONCAT`, :func:`schedule_concat_block`): in each, the
 input is known and the copy is a plain vector load/store. Before, TOPI's chain of
@@ -43,6 +48,9 @@ NARROW_VECTORS = True
 #: a concat along the innermost axis runs one vectorised loop per input
 #: (:func:`schedule_concat_block`); off: one loop with a select per element
 SPLIT_CONCAT = True
+#: a convolution's zero-padded input copy runs as one row at a time, zeros then the interior as a
+#: plain vector copy (:func:`schedule_padded_copy`); off: one bounds-checked loop per element
+SPLIT_PAD_COPY = True
 
 
 def _is_spatial(sch: Any, block: Any) -> bool:
@@ -147,6 +155,52 @@ def _concat_bounds(sch: Any, block: Any) -> list[int]:
         bounds.append(int(cond.a.value))
         value = value.args[2]
     return sorted(set(bounds))
+
+
+def schedule_padded_copy(sch: Any, block: Any, lanes: int) -> bool:
+    """Schedule ``block``, a zero-padding copy ``out[n, h, w, c] = in[n, h - p, w - q, c]`` inside
+    the bounds, else 0 (TOPI's ``pad_temp`` before a convolution), as two loops per output row:
+    the whole row set to zero, then (on interior rows) the ``w x c`` interior copied as one
+    contiguous run, fused and vectorised; the rows (``n, h``) are the parallel loop. False
+    (nothing changed) when the block is not such a copy (TVM's ``can_decompose_padding``) or
+    has fewer than 3 loops.
+
+    Shapes it is for: the padded NHWC inputs of direct convolutions scheduled by
+    :class:`~backends.tvm.schedules.contraction.Contraction`, above all RGB stems (3 channels
+    innermost: ResNet's 7x7 stride-2 stem pads ``[n, 224, 224, 3]`` to ``[n, 230, 230, 3]``),
+    whose copy ran scalar with a 4-way bounds check per element (~1.1 ms of the stem's
+    10.6 ms at batch 4); the interior of a row is 672 contiguous floats, a plain vector copy,
+    and the zeros are written in L1 (one row: 2.7 KiB) just before the interior overwrites
+    them. Only innermost extents below 4 (RGB inputs): the 3x3 convs' pads (64-512
+    channels) are vectorised already, and decomposed they ran 1.01x (conv3x3 class of
+    resnet18 224x224 b4, paired, load ~6: noise-level, not a gain). Not for depthwise
+    convolutions (their own rule) nor element-wise functions."""
+    if not SPLIT_PAD_COPY:
+        return False
+    loops = sch.get_loops(block)
+    if len(loops) < 3 or any(const_extent(sch, lp) is None for lp in loops):
+        return False
+    if const_extent(sch, loops[-1]) >= 4:  # wider channels are vectorised already (docstring)
+        return False
+    try:
+        if not sch.can_decompose_padding(block, loops[-2]):
+            return False
+    except Exception:  # noqa: BLE001 - not a padding pattern TVM recognises
+        return False
+    total = _product(sch, loops)
+    zeros = sch.decompose_padding(block, loops[-2])
+    for blk in (zeros, block):
+        inner = sch.get_loops(blk)[len(loops) - 2:]
+        run = sch.fuse(*inner)
+        ext = const_extent(sch, run)
+        width = lanes if ext % lanes == 0 else _narrow_vector(ext, lanes)
+        if width:
+            _, v = sch.split(run, factors=[None, width])
+            sch.vectorize(v)
+    outer = sch.get_loops(block)[:len(loops) - 2]
+    if total >= PARALLEL_MIN and outer:
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    return True
 
 
 def _narrow_vector(ext: int, lanes: int) -> int:
