@@ -26,7 +26,8 @@ GEMM over the flattened rows: ``Gemm(Reshape(a, [B*M, K]), Reshape(dy, [B*M, N])
 The batched form is a batched MatMul to a ``[*B, K, N]`` intermediate (B weight-sized copies)
 and a ReduceSum over the batch, a memory-bound pass ONNX Runtime runs slowly; the flat form is
 one call with no intermediate (the Reshapes are free views). Batched ``W`` (attention's q @ k^T)
-keeps the batched form: its gradient is not summed.
+keeps the batched form: its gradient is not summed. ``PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD=0``
+turns the rule off.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ from partitioner.training.autodiff import GradContext, register_gradient
 GEMM_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_GEMM_WGRAD", "1") != "0"
 #: the most kernel offsets (kh x kw) whose im2col copies the GEMM form pays (module docstring)
 GEMM_MAX_OFFSETS = 9
-#: the flat MatMul weight gradient rule (module docstring); off: a batched MatMul + ReduceSum
-MATMUL_FLAT_WEIGHT_GRAD = True
+#: the flat MatMul weight gradient rule (module docstring); ``PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD=0``
+#: turns it off (a batched MatMul + ReduceSum; the environment reaches MPI ranks, for paired runs)
+MATMUL_FLAT_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD", "1") != "0"
 
 
 def _swap_last(g: GradContext, v, rank: int):
