@@ -53,3 +53,26 @@ def test_flat_weight_gradient_form(case: str, monkeypatch) -> None:
     assert results[True][1] == pytest.approx(results[False][1], rel=1e-12)
     for name in ("a", "w"):
         np.testing.assert_allclose(results[True][2][name], results[False][2][name], rtol=1e-10, atol=1e-12)
+
+
+def test_zoo_bert_step_has_no_batched_weight_gradient(monkeypatch) -> None:
+    """The zoo bert's training step (2 layers, batch 4): every 2-D projection weight's gradient is
+    a Gemm (12: q, k, v, o, fc1, fc2 per layer), and the only ReduceSum over a batch axis (the
+    cost model's ``_sums_the_batch``) is the position embedding's (a broadcast Add, not a
+    MatMul); with the rule off, the 12 weight gradients' batch sums are back."""
+    import models_zoo
+    from partitioner.cost.training import FORWARD_NODE_KEY, _sums_the_batch
+    from partitioner.training.optimizers import make_optimizer
+    from partitioner.training.rules import linear
+    from partitioner.training.step import build_training_graph
+
+    counts = {}
+    for on in (True, False):
+        monkeypatch.setattr(linear, "MATMUL_FLAT_WEIGHT_GRAD", on)
+        model = models_zoo.build("bert", batch=4, seq=8, hidden=32, heads=2, layers=2, vocab=50)
+        step = build_training_graph(model, loss="mse", optimizer=make_optimizer("sgd", 1e-3), batch=4)
+        sums = [n.metadata_props.get(FORWARD_NODE_KEY) for n in step.graph if _sums_the_batch(n)]
+        counts[on] = (sum(n.op_type == "Gemm" for n in step.graph), sums)
+    assert counts[True][1] == ["embeddings.position"], counts
+    assert len(counts[False][1]) == 13, counts
+    assert counts[True][0] - counts[False][0] == 12, counts
