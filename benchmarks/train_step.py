@@ -43,6 +43,8 @@ and adds 34 MiB of gradients per micro-batch. The quiet run takes about 5-8 minu
         [--baseline partitioner.cost.training.TRAIN_WHERE_CLASS=False ...]  # also predict with a rule off
     .venv/bin/python benchmarks/train_step.py --quick       # smoke run
     .venv/bin/python benchmarks/train_step.py --markdown    # the README table from the JSON files
+    .venv/bin/python benchmarks/train_step.py --models bert --paired-env PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD=0 \
+        --configs "1 rank, 1 thread;2 ranks data (MPI)" --rounds 2 --steps 10  # a knob's before/after, paired
 """
 
 from __future__ import annotations
@@ -143,6 +145,47 @@ def run_case(name: str, backend: str, steps: int, quick: bool, baseline: dict | 
             args = (name, tmp, label, devices, strategy, threads, backend, loss, batch, steps, baseline)
             results[label] = _in_fresh_process(_measure, args) if FRESH_PROCESS else _measure(*args)
     return results
+
+
+def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str], rounds: int) -> list[dict]:
+    """A knob's before/after measured in one run (``--paired-env NAME=VALUE``): every configuration
+    of ``labels`` runs with the environment as it is (``setting`` "default") and with ``NAME=VALUE``
+    ("env"), each in a fresh process (the environment reaches its MPI ranks), the order alternating
+    per round so that neither side always runs first on a machine whose load drifts. A knob read
+    at import (``os.environ.get`` in a module constant) is what this pairs."""
+    import onnx
+
+    import models_zoo
+
+    key, _, value = env.partition("=")
+    if not key or not value:
+        raise SystemExit(f"--paired-env {env!r}: expected NAME=VALUE")
+    kwargs, loss = CASES[name]
+    batch, old = kwargs["batch"], os.environ.get(key)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = models_zoo.build(name, **kwargs)
+        onnx.save(model, str(tmp / "m.onnx"))
+        _data(model, loss, batch * steps, tmp / "d.npz")
+        try:
+            for r in range(rounds):
+                for label, devices, strategy, threads in (c for c in CONFIGS if c[0] in labels):
+                    for setting in (("default", "env") if r % 2 == 0 else ("env", "default")):
+                        _set_env(key, value if setting == "env" else old)
+                        args = (name, tmp, label, devices, strategy, threads, backend, loss, batch, steps, None)
+                        rows.append({"round": r, "setting": setting, "label": label, "load": _load(),
+                                     **_in_fresh_process(_measure, args)})
+        finally:
+            _set_env(key, old)
+    return rows
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 #: each configuration runs in a process of its own (spawned): a 1-rank run trains in the process
@@ -299,6 +342,21 @@ def _settings(items: list[str]) -> dict | None:
     return out or None
 
 
+def paired_main(args) -> int:
+    """``--paired-env``: :func:`run_paired` per model; prints each row, writes the JSON."""
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.models.split(","):
+        rows = run_paired(name, args.backend, args.steps, args.paired_env, args.configs.split(";"), args.rounds)
+        for r in rows:
+            cpu = r.get("median_step_cpu_s")
+            print(f"{name} {r['label']:<32} {r['setting']:<8} round {r['round']}  wall "
+                  f"{r.get('median_step_s', float('nan')) * 1e3:8.2f} ms  CPU "
+                  f"{(cpu or float('nan')) * 1e3:8.2f} ms  load {r['load'][:1]}")
+        doc = {"model": name, "backend": args.backend, "env": args.paired_env, "steps": args.steps, "rows": rows}
+        (args.results_dir / f"train_step_{name}_{args.backend}_paired.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="mlp,resnet,bert")
@@ -317,7 +375,15 @@ def main() -> int:
     p.add_argument("--no-fixed", action="store_true",
                    help="with --repredict: compute and communication only (no fixed costs: those recorded on a "
                         "loaded run are inflated by it), to compare with the rows' CPU time")
+    p.add_argument("--paired-env", default=None, metavar="NAME=VALUE",
+                   help="measure each configuration with and without this environment setting (a knob read "
+                        "at import), interleaved over --rounds; writes train_step_<model>_<backend>_paired.json")
+    p.add_argument("--configs", default=";".join(c[0] for c in CONFIGS),
+                   help="with --paired-env: the configuration labels to run, separated by ';'")
+    p.add_argument("--rounds", type=int, default=2, help="with --paired-env: rounds (order alternates)")
     args = p.parse_args()
+    if args.paired_env is not None:
+        return paired_main(args)
     if args.repredict is not None:
         settings = {**(_settings(args.baseline) or {}), **({"no_fixed": True} if args.no_fixed else {})}
         print("\n".join(repredict(args.results_dir, args.repredict, settings or None)))

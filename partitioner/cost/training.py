@@ -269,7 +269,10 @@ TRAIN_WHERE_CLASS = True
 
 
 #: rule 1: a step's ReduceSum over axis 0 of a 3-D or higher tensor (a batched weight
-#: gradient's sum over its batch) at the calibrated ``reduce_batch`` class (off: ``reduction``)
+#: gradient's sum over its batch) at the calibrated ``reduce_batch`` class (off: ``reduction``).
+#: A 2-D MatMul weight's gradient has no such sum since session 10 (one Gemm over the flattened
+#: rows: ``training.rules.linear.MATMUL_FLAT_WEIGHT_GRAD``); the sums left are broadcast operands'
+#: gradients (the zoo bert's position embedding) and the batched form with that rule off
 TRAIN_REDUCE_BATCH_CLASS = True
 
 

@@ -102,17 +102,22 @@ def _batched_matmul(batch: int = 8, tokens: int = 16, k: int = 64, n: int = 128)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def test_batched_weight_gradient_sum_runs_at_the_reduce_batch_class() -> None:
+def test_batched_weight_gradient_sum_runs_at_the_reduce_batch_class(monkeypatch) -> None:
     """Rule 1 (``node_class``): a ReduceSum over axis 0 of a 3-D tensor (the batched MatMul's
     weight gradient, [8, 64, 128] -> [1, 64, 128]) runs at ``reduce_batch`` when calibrated: at
     a tenth of ``reduction`` the backward grows by exactly 9x its memory time at ``reduction``
     (hand-counted bytes: the input, the output and the 8-byte axes), the forward not at all.
-    Fails with ``TRAIN_REDUCE_BATCH_CLASS`` off (checked: the backward is then unchanged)."""
+    Fails with ``TRAIN_REDUCE_BATCH_CLASS`` off (checked: the backward is then unchanged). The
+    step is built with the flat MatMul weight gradient rule off (``linear.MATMUL_FLAT_WEIGHT_GRAD``:
+    on, this MatMul's weight gradient is one Gemm and has no such sum)."""
     from partitioner.cluster import cpu_cluster, replicate
     from partitioner.cost.training import _sums_the_batch
     from partitioner.training.optimizers import make_optimizer
     from partitioner.training.plan import predict_training
+    from partitioner.training.rules import linear
     from partitioner.training.step import build_training_graph
+
+    monkeypatch.setattr(linear, "MATMUL_FLAT_WEIGHT_GRAD", False)
 
     step = build_training_graph(_batched_matmul(), loss="mse", optimizer=make_optimizer("sgd", 1e-3), batch=8)
     assert sum(_sums_the_batch(n) for n in step.graph) == 1
