@@ -14,7 +14,11 @@ on 1 and 2 threads and its scaling (1-thread time / (2 x 2-thread time)), then t
 that lose most (2-thread time - half the 1-thread time), with their kernel class
 (``benchmarks/kernel_profile.py``'s classes) and per-site scaling. A kernel at ~50% ran on one
 thread (below ``threads.parallel_min_flops``, a memory-bound or serial kernel, a VM builtin), or
-its second thread did not get a core during any of the fast calls. Results:
+its second thread did not get a core during any of the fast calls. Kernels built without a
+parallel loop are marked ``serial``, and the report gives their share of the 1-thread time: a
+kernel that stays on one thread keeps its 1-thread time on 2, so a model whose serial share is
+``s`` gains at most ``1 / (s + (1 - s) / 2)`` from a second core (heldout_mbv2 at batch 1: most of
+its time in 1x1 and depthwise convs under ``threads.parallel_min_flops``). Results:
 ``benchmarks/results/thread_scaling.json`` (not committed from a loaded machine).
 """
 
@@ -43,14 +47,15 @@ def _load(name: str) -> Any:
 
 
 def summarise(per: dict[int, list[list[tuple[str, float]]]], infos: dict[str, dict[str, Any]],
-              percentile: float) -> dict[str, Any]:
-    """Sum and per-symbol figures (seconds) from ``kernel_profile.time_calls``' samples."""
+              percentile: float, serial: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Sum and per-symbol figures (seconds) from ``kernel_profile.time_calls``' samples; ``serial``:
+    the symbols of the kernels built without a parallel loop (their 1-thread sum: ``serial_t1_s``)."""
     sites = [call[0] for call in per[1][0]]
     by_symbol: dict[str, dict[str, Any]] = {}
     total = {1: 0.0, 2: 0.0}
     for j, symbol in enumerate(sites):
         entry = by_symbol.setdefault(symbol, {"class": infos.get(symbol, {}).get("class", "builtin"),
-                                              "calls": 0, "t1_s": 0.0, "t2_s": 0.0})
+                                              "serial": symbol in serial, "calls": 0, "t1_s": 0.0, "t2_s": 0.0})
         entry["calls"] += 1
         for threads in (1, 2):
             value = float(np.percentile([run[j][1] for run in per[threads]], percentile))
@@ -60,15 +65,38 @@ def summarise(per: dict[int, list[list[tuple[str, float]]]], infos: dict[str, di
         entry["scaling"] = entry["t1_s"] / (2 * entry["t2_s"]) if entry["t2_s"] else None
         entry["loss_s"] = entry["t2_s"] - entry["t1_s"] / 2
     return {"t1_s": total[1], "t2_s": total[2], "scaling": total[1] / (2 * total[2]) if total[2] else None,
+            "serial_t1_s": sum(e["t1_s"] for e in by_symbol.values() if e["serial"]),
             "kernels": dict(sorted(by_symbol.items(), key=lambda kv: -kv[1]["loss_s"]))}
+
+
+def serial_symbols(mod: Any) -> frozenset[str]:
+    """The PrimFuncs of a scheduled IRModule that have no parallel loop."""
+    from tvm import tirx
+
+    return frozenset(gv.name_hint for gv, f in mod.functions_items()
+                     if isinstance(f, tirx.PrimFunc) and "T.parallel" not in f.script())
 
 
 def print_report(key: str, batch: int, res: dict[str, Any], top: int, percentile: float) -> None:
     print(f"== {key} b{batch}: sum of per-call p{percentile:g}: 1 thread {res['t1_s'] * 1e3:.3f} ms, "
-          f"2 threads {res['t2_s'] * 1e3:.3f} ms, scaling {100 * (res['scaling'] or 0):.0f}%")
+          f"2 threads {res['t2_s'] * 1e3:.3f} ms, scaling {100 * (res['scaling'] or 0):.0f}%; serial kernels "
+          f"{res['serial_t1_s'] * 1e3:.3f} ms of the 1-thread sum ({100 * res['serial_t1_s'] / (res['t1_s'] or 1):.0f}%)")
     for symbol, e in list(res["kernels"].items())[:top]:
-        print(f"  {symbol[:48]:48s} {e['class']:10s} x{e['calls']:<3d} 1t {e['t1_s'] * 1e3:8.3f} "
+        cls = e["class"] + ("*" if e["serial"] else "")
+        print(f"  {symbol[:48]:48s} {cls:10s} x{e['calls']:<3d} 1t {e['t1_s'] * 1e3:8.3f} "
               f"2t {e['t2_s'] * 1e3:8.3f} scaling {100 * (e['scaling'] or 0):4.0f}%  loss {e['loss_s'] * 1e3:.3f} ms")
+
+
+def build(m: Any, target: Any, kp: Any) -> tuple[Any, dict[str, dict[str, Any]], frozenset[str]]:
+    """``kernel_profile.build_ours`` plus the serial kernels' symbols (one pipeline run)."""
+    import tvm
+
+    from backends.tvm.lower import lower_program
+    from backends.tvm.pipeline import run_pipeline
+
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    funcs = [(gv.name_hint, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    return tvm.compile(mod, target), {n: kp.tir_kernel_info(f, n) for n, f in funcs}, serial_symbols(mod)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             if m is None:
                 continue
             print(f"build {key} b{batch}", file=sys.stderr, flush=True)
-            ex, infos = kp.build_ours(m, target)
-            res = summarise(kp.time_calls(ex, pd._feeds(m), args.runs), infos, args.percentile)
+            ex, infos, serial = build(m, target, kp)
+            res = summarise(kp.time_calls(ex, pd._feeds(m), args.runs), infos, args.percentile, serial)
             print_report(key, batch, res, args.top, args.percentile)
             results.append({"model": key, "batch": batch, **res})
     path = Path(args.json)

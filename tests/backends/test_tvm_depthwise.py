@@ -144,3 +144,31 @@ def test_border_tiles_split_from_the_interior(n: int, c: int, hw: int, k: int, s
         np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
         body = funcs[next(name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name)]
         assert (interior in body) == split, f"split={split}: interior loop {interior!r} present: {interior in body}"
+
+
+@pytest.mark.parametrize(
+    "c,hw,parallel",
+    [(32, 56, True),     # MobileNet's 32 on 56x56: 1.8 MFLOP, ~30 us on one thread
+     (192, 14, False)],  # 0.68 MFLOP, ~10 us: under the scaled threshold, stays on one thread
+    ids=["32c-56", "192c-14"],
+)
+def test_depthwise_thread_threshold_scaled_by_its_rate(c: int, hw: int, parallel: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """PARALLEL_PEAK_FRACTION: a depthwise layer's FLOP threshold for the thread pool is scaled by
+    the share of the FMA peak it runs at, so a 1.8 MFLOP layer (under the 2 MFLOP GEMM threshold)
+    gets a parallel row loop and a 0.68 MFLOP one does not; with the fraction at 1.0 (the GEMM
+    threshold as is) neither does. Both builds match ORT."""
+    import backends.tvm.schedules.depthwise as dmod
+    from backends.tvm.schedules import threads
+
+    monkeypatch.delenv(threads.ENV, raising=False)
+    monkeypatch.setattr(threads, "_configured", None)
+    m = _model(1, c, hw, 3, 1)
+    x = np.random.default_rng(4).standard_normal((1, c, hw, hw)).astype(np.float32)
+    for fraction, expect in ((dmod.PARALLEL_PEAK_FRACTION, parallel), (1.0, False)):
+        monkeypatch.setattr(dmod, "PARALLEL_PEAK_FRACTION", fraction)
+        got, ref, funcs = _run(m, "host", x)
+        np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+        body = funcs[next(name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name)]
+        assert "for nn_yy_fused" in body, "not scheduled by the depthwise rule"
+        assert ("for nn_yy_fused in T.parallel" in body) == expect, f"fraction {fraction}: parallel row loop"

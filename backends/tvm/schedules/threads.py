@@ -10,6 +10,10 @@ long runs. On the development machine (Zen 4 under KVM, 2 cores) ``F`` ~ 3-10 us
 118 GFLOP/s give 1.4-5 MFLOP; the default, :data:`DEFAULT_PARALLEL_MIN_FLOPS` = 2e6, is that
 range's low end (measured earlier on GEMMs: below ~2 MFLOP the 2-thread run was slower).
 
+Kernels that run well below the FMA peak on one thread pass ``peak_fraction`` to
+:func:`worth_parallel` (the threshold is about time, so their FLOP threshold shrinks by that
+share): the depthwise rule does (``depthwise.PARALLEL_PEAK_FRACTION``, 0.4).
+
 Where the number comes from, first match wins:
 
 1. ``PARTITIONER_PARALLEL_MIN_FLOPS`` in the environment (a float): for experiments;
@@ -91,6 +95,12 @@ def parallel_min_flops() -> float:
     return _configured if _configured is not None else DEFAULT_PARALLEL_MIN_FLOPS
 
 
-def worth_parallel(flops: float) -> bool:
-    """True when a kernel of ``flops`` FLOPs should use the thread pool."""
-    return flops >= parallel_min_flops()
+def worth_parallel(flops: float, peak_fraction: float = 1.0) -> bool:
+    """True when a kernel of ``flops`` FLOPs should use the thread pool.
+
+    ``peak_fraction``: the share of the FMA peak the kernel runs at on one thread (1.0: a
+    compute-bound GEMM or conv, what :func:`parallel_min_flops` is sized for). The rule compares
+    the kernel's *time* with the fork/join, so a kernel that runs at a fraction ``f`` of the peak
+    needs only ``f x`` the FLOPs: a memory-bound depthwise conv at 0.4 of the peak takes as long
+    per FLOP as 2.5 GEMM FLOPs (``depthwise.PARALLEL_PEAK_FRACTION``)."""
+    return flops >= parallel_min_flops() * peak_fraction

@@ -1,0 +1,61 @@
+"""benchmarks/thread_scaling.py: kernels built without a parallel loop are found from the scheduled
+TIR and their share of the 1-thread time is summed apart (the session-10 diagnostic: a kernel
+that stays on one thread keeps its 1-thread time on 2).
+
+The serial set comes from a real scheduled build: a 2 MFLOP threshold of 1e15 makes every kernel
+serial, 0 makes the conv parallel; the sums are checked on hand-made samples (no timing).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+
+from backends.tvm.lower import lower_program
+from backends.tvm.pipeline import run_pipeline
+from backends.tvm.schedules import threads
+from backends.tvm.target import detect_host_target
+
+
+
+def _thread_scaling():
+    return importlib.import_module("benchmarks.thread_scaling")  # a namespace package from the repo root
+
+
+def _conv_model() -> onnx.ModelProto:
+    w = (np.random.default_rng(5).standard_normal((32, 16, 3, 3)) * 0.2).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])],
+                          "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          initializer=[numpy_helper.from_array(w, "w")])
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+@pytest.mark.parametrize("threshold,conv_serial", [(1e15, True), (0.0, False)], ids=["serial", "parallel"])
+def test_serial_symbols_follow_the_parallel_loops(threshold: float, conv_serial: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(threads.ENV, raising=False)
+    monkeypatch.setattr(threads, "_configured", threshold)
+    mod = run_pipeline(lower_program(_conv_model()).mod, "scheduled", tvm.target.Target(detect_host_target()))
+    convs = [gv.name_hint for gv, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint and not gv.name_hint.endswith("_prepack")]
+    assert convs
+    serial = _thread_scaling().serial_symbols(mod)
+    assert all((name in serial) == conv_serial for name in convs), (convs, sorted(serial))
+
+
+def test_serial_share_summed_apart() -> None:
+    ts = _thread_scaling()
+    # two runs per thread count, call sites a (parallel), b (serial), vm.builtin (neither)
+    per = {1: [[("a", 4.0), ("b", 2.0), ("vm.builtin.x", 1.0)]] * 2,
+           2: [[("a", 2.0), ("b", 2.0), ("vm.builtin.x", 1.0)]] * 2}
+    res = ts.summarise(per, {"a": {"class": "conv"}, "b": {"class": "depthwise"}}, 50.0, frozenset({"b"}))
+    assert res["t1_s"] == 7.0 and res["t2_s"] == 5.0
+    assert res["serial_t1_s"] == 2.0
+    assert res["kernels"]["b"]["serial"] and not res["kernels"]["a"]["serial"]
+    assert not ts.summarise(per, {}, 50.0)["serial_t1_s"]  # no serial set: nothing counted
