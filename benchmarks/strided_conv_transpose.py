@@ -95,7 +95,8 @@ def _hoisted(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[onnx
     g.node.extend(keep)
     kept = [vi for vi in g.input if not vi.name.startswith("w")]
     del g.input[:]
-    g.input.extend(kept + [helper.make_tensor_value_info(v, TensorProto.FLOAT, a.shape) for v, a in zip(made, values)])
+    g.input.extend(kept + [helper.make_tensor_value_info(v, TensorProto.FLOAT, a.shape)
+                           for v, a in zip(made, values)])
     feeds = {k: v for k, v in feeds.items() if not k.startswith("w")} | dict(zip(made, values))
     return model, feeds
 
@@ -115,7 +116,8 @@ def main() -> None:
     result = {"load_before": os.getloadavg(), "shapes": SHAPES, "batches": {}}
     for batch in [int(b) for b in a.batches.split(",")]:
         ref_model, ref_feeds = _model(batch, "conv_transpose")
-        ref = ort.InferenceSession(ref_model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, ref_feeds)
+        session = ort.InferenceSession(ref_model.SerializeToString(), providers=["CPUExecutionProvider"])
+        ref = session.run(None, ref_feeds)
         runs = {}
         for form in a.forms.split(","):
             model, feeds = _model(batch, form)

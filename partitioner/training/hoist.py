@@ -118,7 +118,8 @@ def _plain_conv_transpose(n: onnx.NodeProto, w_shape: list[int]) -> bool:
     if next((a.s for a in n.attribute if a.name == "auto_pad"), b"NOTSET") not in (b"NOTSET", b""):
         return False
     strides = _ints(n, "strides") or [1, 1]
-    if not all(v == 1 for v in (_ints(n, "dilations") or [1])) or (_ints(n, "kernel_shape") or w_shape[2:]) != w_shape[2:]:
+    kernel = _ints(n, "kernel_shape") or w_shape[2:]
+    if not all(v == 1 for v in (_ints(n, "dilations") or [1])) or kernel != w_shape[2:]:
         return False
     if strides == [1, 1]:
         return not any(_ints(n, "output_padding") or [])
@@ -142,7 +143,8 @@ def _phase_taps(k: int, s: int, lo: int, hi: int, extra: int) -> tuple[list[list
     return taps, pads, (-(extra + k - lo - hi - s)) % s
 
 
-def _strided_as_conv(g: onnx.GraphProto, n: onnx.NodeProto, w_shape: list[int], tag: str) -> list[onnx.NodeProto] | None:
+def _strided_as_conv(g: onnx.GraphProto, n: onnx.NodeProto, w_shape: list[int],
+                     tag: str) -> list[onnx.NodeProto] | None:
     """Rule 4, stride ``s > 1``: the nodes of ``DepthToSpace(Conv(dY, W_phase), s)`` (cropped), or None.
 
     ``W_phase[(c, ry, rx), m, jy, jx] = W[m, c, ky(ry, jy), kx(rx, jx)]`` (0 where no tap) is one
