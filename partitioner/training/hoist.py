@@ -48,6 +48,11 @@ Rules:
    the program 23.5 ms, zero-inserted ``dY`` then a stride-1 Conv 26.9 ms (4x the multiply-adds);
    at batch 2 (a pipeline micro-batch) 8.2 / 13.5 / 7.8 ms: there TVM's per-call transpose of the
    weight to HWIO (ConvertLayout, a weight given as an input) costs more than the convolutions.
+   A constant filter takes the same forms (knob :data:`CONSTANT_FILTERS`; TVM folds its weight
+   preparation at build time): MaxPool's gradient scatters the routed gradient with a stride-2
+   ConvTranspose of a one-hot constant (``training/rules/pooling.py``); the zoo resnet's stem
+   pool at batch 16 (``[1024, 9, 16, 16]`` -> ``[1024, 1, 34, 34]``) ran 147.8 ms a step as TVM's
+   conv2d_transpose, 21.9 ms in the phase form (9 interleaved calls, thread CPU, load 9.1).
 5. TVM plans only. TVM's ConvertLayout gives every conv2d HWIO weights, so a Conv whose weight
    is a program input (a stage weight, or a value rules 1-4 hoist) gets a ``permute_dims`` of
    that weight on every call, in TVM's generic transpose kernel (measured, the hoisted phase-form
@@ -76,6 +81,8 @@ from onnx import helper, numpy_helper
 HOIST_WEIGHT_NODES = True
 #: rule 5 (module constant; off: a stage's Conv weights are permuted to HWIO by TVM on every call)
 HWIO_CONV_WEIGHTS = True
+#: rule 4 on constant filters as well as weights (module constant; off: weights only)
+CONSTANT_FILTERS = True
 #: rule 4's phase form for strided ConvTransposes, used by 1-rank, data-parallel and pipeline TVM
 #: steps (module constant; off: they stay TVM's conv2d_transpose)
 STRIDED_CONV_TRANSPOSE_AS_CONV = True
@@ -190,6 +197,9 @@ def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
     (stride 1) or its phase form (equal strides s > 1, :func:`_strided_as_conv`)."""
     g = model.graph
     shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in g.input}
+    if CONSTANT_FILTERS:  # rule 4 on constant filters too (MaxPool's gradient scatter)
+        shapes.update({t.name: list(t.dims) for t in g.initializer})
+        weights = set(weights) | {t.name for t in g.initializer}
     nodes: list[onnx.NodeProto] = []
     flip = None
     for n in g.node:

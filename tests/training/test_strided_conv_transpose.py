@@ -87,12 +87,15 @@ def test_phase_form_on_tvm_equals_onnx_runtime_conv_transpose(tmp_path) -> None:
 
 
 def _strided_net() -> onnx.ModelProto:
-    """Conv 3x3 -> Relu -> Conv 3x3 stride 2 (pad 1, 7x7 -> 4x4: an odd input) -> Relu -> Flatten -> Gemm."""
+    """Conv 3x3 -> Relu -> MaxPool 3x3 stride 2 (pad 1, resnet's stem pool, 7x7 -> 4x4: an odd
+    input) -> Conv 3x3 stride 2 (pad 1, 4x4 -> 2x2) -> Relu -> Flatten -> Gemm."""
     rng = np.random.default_rng(4)
     inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n) for n, s in
-             (("c1.weight", (4, 2, 3, 3)), ("c2.weight", (6, 4, 3, 3)), ("fc.weight", (10, 6 * 4 * 4)))]
+             (("c1.weight", (4, 2, 3, 3)), ("c2.weight", (6, 4, 3, 3)), ("fc.weight", (10, 6 * 2 * 2)))]
     nodes = [helper.make_node("Conv", ["input", "c1.weight"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
+             helper.make_node("Relu", ["c1"], ["r1a"], name="r1"),
+             helper.make_node("MaxPool", ["r1a"], ["r1"], name="pool", kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["r1", "c2.weight"], ["c2"], name="c2", pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Relu", ["c2"], ["r2"], name="r2"),
              helper.make_node("Flatten", ["r2"], ["flat"], name="flat"),
@@ -104,12 +107,14 @@ def _strided_net() -> onnx.ModelProto:
 
 @pytest.mark.slow
 def test_tvm_step_with_a_strided_conv_trains_like_onnx_runtime(tmp_path) -> None:
-    """The 1-rank TVM step (runner.TVM_CONV_TRANSPOSE_AS_CONV) runs c2's input gradient in the phase
-    form; weights after 4 SGD steps within rtol 1e-4, atol 1e-5 of the ONNX Runtime step."""
+    """The 1-rank TVM step (runner.TVM_CONV_TRANSPOSE_AS_CONV) runs c2's input gradient and the
+    MaxPool gradient's scatter (a ConvTranspose of a constant one-hot filter, hoist.CONSTANT_FILTERS)
+    in the phase form; weights after 4 SGD steps within rtol 1e-4, atol 1e-5 of the ONNX Runtime step."""
     step = build_training_graph(_strided_net(), optimizer=SGD(lr=0.1))
     ref = StepRunner(step)
-    assert any(n.op_type == "ConvTranspose" and any(a.name == "strides" and list(a.ints) == [2, 2] for a in n.attribute)
-               for n in ref.program.graph.node), "the case must have a strided input gradient"
+    strided = [n for n in ref.program.graph.node if n.op_type == "ConvTranspose"
+               and any(a.name == "strides" and list(a.ints) == [2, 2] for a in n.attribute)]
+    assert len(strided) == 2, "the case must have c2's input gradient and the MaxPool's scatter"
     tvm = StepRunner(step, backend="tvm", workdir=tmp_path)
     assert not any(n.op_type == "ConvTranspose" for n in tvm.program.graph.node)
     rng = np.random.default_rng(6)
@@ -143,7 +148,7 @@ def test_stage_conv_weights_are_hoisted_in_hwio(monkeypatch, on) -> None:
                           backend="tvm")
     weight_convs = [(n, prod) for n, prod, ins in _stage_convs(plan) if n.input[1] in ins or n.input[1] in prod
                     and prod[n.input[1]].op_type == "Transpose" and prod[n.input[1]].input[0] in ins]
-    assert len(weight_convs) == 3  # c1, c2 and c2's phase-form input gradient
+    assert len(weight_convs) == 3  # c1, c2 and c2's phase-form input gradient (not the MaxPool's constant ones)
     for n, prod in weight_convs:
         t = prod.get(n.input[1])
         assert (t is not None and t.op_type == "Transpose" and list(t.attribute[0].ints) == [3, 2, 0, 1]
@@ -174,3 +179,22 @@ def test_tvm_pipeline_with_a_strided_conv_trains_like_one_rank(tmp_path) -> None
     full = gathered_state(runners)
     for name, w in one.state.items():
         np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_constant_filters_take_the_phase_form(monkeypatch, on) -> None:
+    """hoist.CONSTANT_FILTERS: a strided ConvTranspose of an initializer (the MaxPool gradient's
+    one-hot scatter) is rewritten too and still matches ONNX Runtime; off, it stays."""
+    monkeypatch.setattr(hoist, "CONSTANT_FILTERS", on)
+    model, feeds = _graph(CASES[:2])
+    w = feeds.pop("w0")
+    model.graph.initializer.append(numpy_helper.from_array(w, "w0"))
+    kept = [vi for vi in model.graph.input if vi.name != "w0"]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    new = onnx.ModelProto()
+    new.CopyFrom(model)
+    hoist.conv_transpose_as_conv(new, {"w1"})
+    assert [n.name for n in new.graph.node if n.op_type == "ConvTranspose"] == ([] if on else ["ct0"])
+    for want, got in zip(_ort(model, feeds), _ort(new, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
