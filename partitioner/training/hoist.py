@@ -47,7 +47,8 @@ Rules:
    medians, load 4.6-6.2): batch 16 conv2d_transpose 37.6 ms, phase form with its weight made in
    the program 23.5 ms, zero-inserted ``dY`` then a stride-1 Conv 26.9 ms (4x the multiply-adds);
    at batch 2 (a pipeline micro-batch) 8.2 / 13.5 / 7.8 ms: there TVM's per-call transpose of the
-   weight to HWIO (ConvertLayout, a weight given as an input) costs more than the convolutions.
+   weight to HWIO (ConvertLayout, a weight given as an input) costs more than the convolutions,
+   which rule 5 removes in pipeline stages.
    A constant filter takes the same forms (knob :data:`CONSTANT_FILTERS`; TVM folds its weight
    preparation at build time): MaxPool's gradient scatters the routed gradient with a stride-2
    ConvTranspose of a one-hot constant (``training/rules/pooling.py``); the zoo resnet's stem
@@ -56,7 +57,7 @@ Rules:
 5. TVM plans only. TVM's ConvertLayout gives every conv2d HWIO weights, so a Conv whose weight
    is a program input (a stage weight, or a value rules 1-4 hoist) gets a ``permute_dims`` of
    that weight on every call, in TVM's generic transpose kernel (measured, the hoisted phase-form
-   weights of resnet's six strided input gradients at micro-batch 2: 11.7 of 15.5 ms of kernels
+   weights of resnet's six strided input gradients at micro-batch 2: 12.2 of 15.5 ms of kernels
    per call). Such a Conv's weight ``V`` is rewritten to ``Transpose(Transpose(V, HWIO), OIHW)``:
    rule 1 hoists the inner one, and TVM cancels the outer one against its own HWIO permute (the
    same six: 4.6 ms of kernels per call, against 7.2 ms for conv2d_transpose).
@@ -65,8 +66,9 @@ Rules:
    times. With ``M = 1`` nothing is hoisted (nothing to save).
 
 Invariant: the per-micro-batch programs compute the same values as before: rules 1-3 move
-exact transposes (bit for bit on the same backend); rules 4's Convs sums the same products in
-another order (float rounding only; the tests hold the pipeline to 1 rank at rtol 1e-4).
+exact transposes (bit for bit on the same backend), and so do rule 5's pairs; rule 4's Convs
+sum the same products in another order (float rounding only; the tests hold the TVM step and
+pipeline to ONNX Runtime's 1-rank step at rtol 1e-4).
 """
 
 from __future__ import annotations
