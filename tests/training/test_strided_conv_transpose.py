@@ -136,14 +136,16 @@ def _stage_convs(plan) -> list[tuple[onnx.NodeProto, dict[str, onnx.NodeProto], 
     return out
 
 
-@pytest.mark.parametrize("on", [True, False])
+@pytest.mark.parametrize("on", [None, False])  # None: the module default (on)
 def test_stage_conv_weights_are_hoisted_in_hwio(monkeypatch, on) -> None:
     """Rule 5 (hoist.HWIO_CONV_WEIGHTS): every per-micro-batch Conv of a weight reads
     ``Transpose(hoisted HWIO value, [3, 2, 0, 1])``, the one transpose TVM cancels against its own
     HWIO permute; off, the Conv reads the weight (or its hoisted form) as a program input."""
     from partitioner.training.pipeline import build_pipeline
 
-    monkeypatch.setattr(hoist, "HWIO_CONV_WEIGHTS", on)
+    if on is not None:
+        monkeypatch.setattr(hoist, "HWIO_CONV_WEIGHTS", on)
+    on = on is None
     plan = build_pipeline(_strided_net(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4,
                           backend="tvm")
     weight_convs = [(n, prod) for n, prod, ins in _stage_convs(plan) if n.input[1] in ins or n.input[1] in prod
@@ -181,11 +183,13 @@ def test_tvm_pipeline_with_a_strided_conv_trains_like_one_rank(tmp_path) -> None
         np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("on", [True, False])
+@pytest.mark.parametrize("on", [None, False])  # None: the module default (on)
 def test_constant_filters_take_the_phase_form(monkeypatch, on) -> None:
     """hoist.CONSTANT_FILTERS: a strided ConvTranspose of an initializer (the MaxPool gradient's
     one-hot scatter) is rewritten too and still matches ONNX Runtime; off, it stays."""
-    monkeypatch.setattr(hoist, "CONSTANT_FILTERS", on)
+    if on is not None:
+        monkeypatch.setattr(hoist, "CONSTANT_FILTERS", on)
+    on = on is None
     model, feeds = _graph(CASES[:2])
     w = feeds.pop("w0")
     model.graph.initializer.append(numpy_helper.from_array(w, "w0"))
