@@ -6,6 +6,9 @@ For one zoo model (the ``benchmarks/train_step.py`` sizes) and backend, two 2-st
   micro-batches);
 - ``old``: the cost-model cut, no hoist, every input copied per call (the code before session 9);
 
+or, with ``--baseline MODULE.ATTR=VALUE`` (repeatable), ``old`` is today's plan built with those
+settings (a knob's before/after, e.g. ``partitioner.training.hoist.HWIO_CONV_WEIGHTS=False``);
+
 each stage's :class:`PipelineRunner` over a communicator that returns at once
 (``overheads._Instant``: no waiting on a peer, so a loaded machine's descheduled peer does not
 count), and a 1-rank step of the same global batch. All of them run in interleaved rounds (one
@@ -14,7 +17,7 @@ step and the 1F1B bound ``1-rank / ((M + S - 1) / M x slower stage)`` (2 stages,
 9/8). Results: ``benchmarks/results/pipeline_stages_<model>_<backend>.json`` (with the load
 average; ``--results-dir`` for a trial run).
 
-    .venv/bin/python benchmarks/pipeline_stages.py --model mlp --backend tvm [--rounds 7]
+    .venv/bin/python benchmarks/pipeline_stages.py --model mlp --backend tvm [--rounds 7] [--baseline M.ATTR=V]
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ import numpy as np  # noqa: E402
 MICRO_BATCHES = 8
 
 
-def _plans(model, loss: str, batch: int, backend: str) -> dict:
-    from partitioner.training import hoist, measured_cut
+def _plans(model, loss: str, batch: int, backend: str, baseline: dict | None = None) -> dict:
+    from partitioner.training.bench import _with_settings
     from partitioner.training.optimizers import SGD
     from partitioner.training.pipeline import build_pipeline
 
@@ -48,16 +51,12 @@ def _plans(model, loss: str, batch: int, backend: str) -> dict:
                               backend=backend)
 
     new = plan()
-    saved = hoist.HOIST_WEIGHT_NODES, measured_cut.MEASURED_CUT
-    hoist.HOIST_WEIGHT_NODES = measured_cut.MEASURED_CUT = False
-    try:
-        old = plan()
-    finally:
-        hoist.HOIST_WEIGHT_NODES, measured_cut.MEASURED_CUT = saved
+    old = _with_settings(baseline or {"partitioner.training.hoist.HOIST_WEIGHT_NODES": False,
+                                      "partitioner.training.measured_cut.MEASURED_CUT": False}, plan)
     return {"new": new, "old": old}
 
 
-def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict, y) -> dict:
+def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict, y, reuse_old: bool) -> dict:
     from partitioner.training.optimizers import SGD
     from partitioner.training.overheads import _Instant
     from partitioner.training.pipeline_runner import PipelineRunner
@@ -70,7 +69,7 @@ def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict
             r = PipelineRunner(plan, s, comm=_Instant(s), backend=backend, workdir=work / k)
             for e in r._exe.values():
                 if hasattr(e, "reuse_readonly_inputs"):
-                    e.reuse_readonly_inputs = k == "new"
+                    e.reuse_readonly_inputs = k == "new" or reuse_old
             out[f"{k} stage {s}"] = r
     out["1 rank"] = StepRunner(build_training_graph(model, loss=loss, optimizer=SGD(lr=1e-3)), backend=backend,
                                workdir=work / "one")
@@ -79,7 +78,7 @@ def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict
     return out
 
 
-def run(name: str, backend: str, rounds: int) -> dict:
+def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> dict:
     import models_zoo
     from train_step import CASES
 
@@ -96,9 +95,9 @@ def run(name: str, backend: str, rounds: int) -> dict:
          else rng.standard_normal([batch] + out[1:]).astype(np.float32))
     feed = {vi.name: x}
     load_before = os.getloadavg()
-    plans = _plans(model, loss, batch, backend)
+    plans = _plans(model, loss, batch, backend, baseline)
     with tempfile.TemporaryDirectory() as tmp:
-        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y)
+        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, reuse_old=bool(baseline))
         times: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(rounds):
             for k, r in runners.items():
@@ -107,7 +106,7 @@ def run(name: str, backend: str, rounds: int) -> dict:
                 times[k].append(time.thread_time() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     bubble = (MICRO_BATCHES + 1) / MICRO_BATCHES
-    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med,
+    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med, "baseline": baseline,
            "cut": {k: p.cut for k, p in plans.items()},
            "bound_1f1b": {k: med["1 rank"] / (bubble * max(med[f"{k} stage 0"], med[f"{k} stage 1"]))
                           for k in plans},
@@ -127,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="tvm", choices=["onnxruntime", "tvm"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="'old' is today's plan with these settings (default: the session-8 plan)")
     args = p.parse_args(argv)
-    doc = run(args.model, args.backend, args.rounds)
+    from train_step import _settings
+
+    doc = run(args.model, args.backend, args.rounds, _settings(args.baseline))
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"pipeline_stages_{args.model}_{args.backend}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")

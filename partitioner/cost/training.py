@@ -103,7 +103,7 @@ Rules (``tests/training/test_training_cost.py`` checks them):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -276,26 +276,48 @@ TRAIN_WHERE_CLASS = True
 TRAIN_REDUCE_BATCH_CLASS = True
 
 
-#: rule 1: on TVM ranks (``device.runtime == "tvm"``) a stride-1, one-group ConvTranspose of a
-#: weight (a conv's input gradient) runs as a Conv of the flipped weight
-#: (``partitioner.training.runner.TVM_CONV_TRANSPOSE_AS_CONV`` and pipeline hoist rule 4), so it is
-#: priced as the step's forward conv (:func:`forward_class` of ``conv``), not at the TVM
-#: ``conv_backward`` probe's conv2d_transpose rate (the zoo resnet's 1-rank TVM step at batch 16:
-#: predicted 934 ms against 470 measured before this rule). Strided ones keep ``conv_backward``.
+#: rule 1: on TVM ranks (``device.runtime == "tvm"``) a one-group ConvTranspose of a weight (a
+#: conv's input gradient) runs as a Conv (``partitioner.training.runner.TVM_CONV_TRANSPOSE_AS_CONV``
+#: and pipeline hoist rule 4): stride 1 as a Conv of the flipped weight, equal strides ``s > 1`` in
+#: hoist rule 4's phase form (a Conv with ``s*s`` times the output channels and ``Ty x Tx`` taps,
+#: then DepthToSpace), so it is priced as the step's forward conv (:func:`forward_class` of
+#: ``conv``) at the multiply-adds of the form it runs as (:func:`tvm_conv_flops_ratio`: 16/9 for
+#: resnet's 3x3 stride-2, 4 for its 1x1 stride-2), not at the TVM ``conv_backward`` probe's
+#: conv2d_transpose rate (the zoo resnet's 1-rank TVM step at batch 16: predicted 934 ms against
+#: 470 measured before the stride-1 case).
 TVM_CONV_TRANSPOSE_AS_CONV = True
 
 
 def _tvm_runs_as_conv(device: Any, node: Any) -> bool:
-    """The case of :data:`TVM_CONV_TRANSPOSE_AS_CONV`: a TVM device, a ConvTranspose with unit
-    strides and dilations, one group and no output padding, whose filter no node computes."""
+    """The case of :data:`TVM_CONV_TRANSPOSE_AS_CONV`: a TVM device, a 2-d ConvTranspose with unit
+    dilations, one group, unit strides and no output padding or equal strides without a bias,
+    whose filter no node computes."""
     if not TVM_CONV_TRANSPOSE_AS_CONV or node.op_type != "ConvTranspose" or getattr(device, "runtime", "") != "tvm":
         return False
     attrs = node.attributes
     ints = {k: list(attrs[k].as_ints()) for k in ("strides", "dilations", "output_padding") if k in attrs}
     group = attrs["group"].as_int() if "group" in attrs else 1
     w = node.inputs[1] if len(node.inputs) > 1 else None
-    return (group == 1 and all(v == 1 for v in ints.get("strides", [1]) + ints.get("dilations", [1]))
-            and not any(ints.get("output_padding", [])) and w is not None and w.producer() is None)
+    strides = ints.get("strides", [1, 1])
+    form = (strides == [1, 1] and not any(ints.get("output_padding", []))) or \
+        (len(strides) == 2 and strides[0] == strides[1] > 1 and (len(node.inputs) < 3 or node.inputs[2] is None))
+    return (group == 1 and form and all(v == 1 for v in ints.get("dilations", [1]))
+            and w is not None and w.producer() is None)
+
+
+def tvm_conv_flops_ratio(node: Any) -> float:
+    """Multiply-adds of the form a :func:`_tvm_runs_as_conv` ConvTranspose runs as, over its own:
+    1 at stride 1; ``s*s*Ty*Tx / (ky*kx)`` in the phase form (``T = (s-1+lo)//s + (k-1-lo)//s + 1``
+    taps per axis, hoist rule 4; the Conv's output map is the ConvTranspose's input map when the
+    output is a multiple of ``s``)."""
+    attrs = node.attributes
+    s = list(attrs["strides"].as_ints())[0] if "strides" in attrs else 1
+    shape = node.inputs[1].shape
+    if s == 1 or shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[2:]):
+        return 1.0
+    pads = list(attrs["pads"].as_ints()) if "pads" in attrs else [0, 0, 0, 0]
+    taps = [(s - 1 + pads[a]) // s + (k - 1 - pads[a]) // s + 1 for a, k in enumerate(shape[2:])]
+    return s * s * taps[0] * taps[1] / (shape[2] * shape[3])
 
 
 def _sums_the_batch(node: Any) -> bool:
@@ -346,6 +368,8 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         is_backward = key is not None and key not in ("loss", "optimizer")
         cls = node_class(device, node, is_backward)
+        if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs
+            c = replace(c, flops=c.flops * tvm_conv_flops_ratio(node))
         t = op_time(c, device, "float32", cls, node in fused, working_set=True)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)

@@ -34,29 +34,64 @@ Rules:
    conv2d takes about 0.5 ms, plus a 5.5 ms ``transpose`` of the 9 MiB weight per call, 133 ms
    per step). With stride 1, dilation 1 and one group it equals
    ``Conv(dY, flip(transpose(W, [1, 0, 2, 3])), pads = k - 1 - p)``, so it is rewritten to that
-   and rule 1 hoists the weight's transpose and flip. Strided ones stay (they would need a
-   dilated input).
-5. Cost: each hoisted value is alive for the whole step (a weight-sized buffer per transposed
+   and rule 1 hoists the weight's transpose and flip. With equal strides ``s > 1`` (resnet's
+   downsampling convs' input gradients: 3x3 pads 1 and 1x1 pads 0, output padding 1) it is
+   rewritten to its *phase form* (knob :data:`STRIDED_CONV_TRANSPOSE_AS_CONV`): output row
+   ``o = q*s + r`` sums ``dY[q + d] * W[r + pad - d*s]`` over the ``d`` with a tap, so one stride-1
+   ``Conv(dY, W_phase)`` with ``C*s*s`` output channels (a 3x3 kernel at stride 2: 2x2 taps, 16
+   multiply-adds per output quad against the 9 the ConvTranspose needs) followed by
+   ``DepthToSpace(s, CRD)`` (and a Slice when the output is not a multiple of ``s``) computes it;
+   ``W_phase`` is a Gather of ``W`` with zeros where a phase has no tap, weight-only, so rule 1
+   hoists it. Measured (``benchmarks/strided_conv_transpose.py``, the six strided input gradients
+   of the zoo resnet-18 at 64x64, one TVM program per form, 21 interleaved rounds, thread CPU
+   medians, load 4.6-6.2): batch 16 conv2d_transpose 37.6 ms, phase form with its weight made in
+   the program 23.5 ms, zero-inserted ``dY`` then a stride-1 Conv 26.9 ms (4x the multiply-adds);
+   at batch 2 (a pipeline micro-batch) 8.2 / 13.5 / 7.8 ms: there TVM's per-call transpose of the
+   weight to HWIO (ConvertLayout, a weight given as an input) costs more than the convolutions,
+   which rule 5 removes in pipeline stages.
+   A constant filter takes the same forms (knob :data:`CONSTANT_FILTERS`; TVM folds its weight
+   preparation at build time): MaxPool's gradient scatters the routed gradient with a stride-2
+   ConvTranspose of a one-hot constant (``training/rules/pooling.py``); the zoo resnet's stem
+   pool at batch 16 (``[1024, 9, 16, 16]`` -> ``[1024, 1, 34, 34]``) ran 147.8 ms a step as TVM's
+   conv2d_transpose, 21.9 ms in the phase form (9 interleaved calls, thread CPU, load 9.1).
+5. TVM plans only. TVM's ConvertLayout gives every conv2d HWIO weights, so a Conv whose weight
+   is a program input (a stage weight, or a value rules 1-4 hoist) gets a ``permute_dims`` of
+   that weight on every call, in TVM's generic transpose kernel (measured, the hoisted phase-form
+   weights of resnet's six strided input gradients at micro-batch 2: 12.2 of 15.5 ms of kernels
+   per call). Such a Conv's weight ``V`` is rewritten to ``Transpose(Transpose(V, HWIO), OIHW)``:
+   rule 1 hoists the inner one, and TVM cancels the outer one against its own HWIO permute (the
+   same six: 4.6 ms of kernels per call, against 7.2 ms for conv2d_transpose).
+6. Cost: each hoisted value is alive for the whole step (a weight-sized buffer per transposed
    weight), one more program call per step; the arithmetic is once per step instead of ``M``
    times. With ``M = 1`` nothing is hoisted (nothing to save).
 
 Invariant: the per-micro-batch programs compute the same values as before: rules 1-3 move
-exact transposes (bit for bit on the same backend); rule 4's Conv sums the same products in
-another order (float rounding only; the tests hold the pipeline to 1 rank at rtol 1e-4).
+exact transposes (bit for bit on the same backend), and so do rule 5's pairs; rule 4's Convs
+sum the same products in another order (float rounding only; the tests hold the TVM step and
+pipeline to ONNX Runtime's 1-rank step at rtol 1e-4).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 #: rules 1-2 on (module constant; off: every program recomputes its weight-only nodes per micro-batch)
 HOIST_WEIGHT_NODES = True
+#: rule 5 (module constant; off: a stage's Conv weights are permuted to HWIO by TVM on every call)
+HWIO_CONV_WEIGHTS = True
+#: rule 4 on constant filters as well as weights (module constant; off: weights only)
+CONSTANT_FILTERS = True
+#: rule 4's phase form for strided ConvTransposes, used by 1-rank, data-parallel and pipeline TVM
+#: steps (module constant; off: they stay TVM's conv2d_transpose)
+STRIDED_CONV_TRANSPOSE_AS_CONV = True
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                         "Bernoulli", "Multinomial"})
 PREFIX = "hoist."
+STAYS = ".oihw.node"  # rule 5: the per-micro-batch transpose back, never hoisted
 
 
 def _attr(node: onnx.NodeProto, name: str, default: int = 0) -> int:
@@ -85,27 +120,102 @@ def _ints(node: onnx.NodeProto, name: str) -> list[int] | None:
 
 
 def _plain_conv_transpose(n: onnx.NodeProto, w_shape: list[int]) -> bool:
-    """Rule 4's case: 2-d, stride 1, dilation 1, one group, no output padding or shape, explicit pads."""
+    """Rule 4's cases: 2-d, dilation 1, one group, no output shape, explicit pads; stride 1 (no
+    output padding), or equal strides s > 1 without a bias (rule 4's phase form)."""
     if len(w_shape) != 4 or _attr(n, "group", 1) != 1 or any(a.name in ("output_shape",) for a in n.attribute):
         return False
     if next((a.s for a in n.attribute if a.name == "auto_pad"), b"NOTSET") not in (b"NOTSET", b""):
         return False
-    return all(v == 1 for v in (_ints(n, "strides") or [1])) and all(v == 1 for v in (_ints(n, "dilations") or [1])) \
-        and not any(_ints(n, "output_padding") or []) and (_ints(n, "kernel_shape") or w_shape[2:]) == w_shape[2:]
+    strides = _ints(n, "strides") or [1, 1]
+    kernel = _ints(n, "kernel_shape") or w_shape[2:]
+    if not all(v == 1 for v in (_ints(n, "dilations") or [1])) or kernel != w_shape[2:]:
+        return False
+    if strides == [1, 1]:
+        return not any(_ints(n, "output_padding") or [])
+    return STRIDED_CONV_TRANSPOSE_AS_CONV and strides[0] == strides[1] > 1 \
+        and (len(n.input) < 3 or not n.input[2])
+
+
+def _phase_taps(k: int, s: int, lo: int, hi: int, extra: int) -> tuple[list[list[int]], list[int], int] | None:
+    """Rule 4's phase form along one axis of a stride-``s`` ConvTranspose (kernel ``k``, pads
+    ``lo``/``hi``, output padding ``extra``): output ``o = q*s + r`` sums ``dY[q + d] W[r + lo - d*s]``
+    over the ``d`` with a tap in ``[0, k)``. Returns, per phase ``r``, the kernel index of each
+    conv tap ``d_min + j`` (``-1``: no tap, a zero), the Conv pads ``[-d_min, (Q - H) + d_max]``
+    (``Q = ceil(H_out / s)``, ``Q - H`` does not depend on ``H``) and the rows to crop at the end
+    (``Q*s - H_out``); None when a Conv pad would be negative."""
+    d_min, d_max = -((k - 1 - lo) // s), (s - 1 + lo) // s
+    q_minus_h = -(-(extra + k - lo - hi) // s) - 1
+    pads = [-d_min, q_minus_h + d_max]
+    if min(pads) < 0:
+        return None
+    taps = [[r + lo - d * s if 0 <= r + lo - d * s < k else -1 for d in range(d_min, d_max + 1)] for r in range(s)]
+    return taps, pads, (-(extra + k - lo - hi - s)) % s
+
+
+def _strided_as_conv(g: onnx.GraphProto, n: onnx.NodeProto, w_shape: list[int],
+                     tag: str) -> list[onnx.NodeProto] | None:
+    """Rule 4, stride ``s > 1``: the nodes of ``DepthToSpace(Conv(dY, W_phase), s)`` (cropped), or None.
+
+    ``W_phase[(c, ry, rx), m, jy, jx] = W[m, c, ky(ry, jy), kx(rx, jx)]`` (0 where no tap) is one
+    Gather of the flattened, zero-padded weight, then a Transpose and Reshape: weight-only, so
+    rule 1 hoists it out of a pipeline stage's micro-batches."""
+    m, c, kh, kw = w_shape
+    s = (_ints(n, "strides") or [1, 1])[0]
+    pads = _ints(n, "pads") or [0, 0, 0, 0]
+    extra = _ints(n, "output_padding") or [0, 0]
+    axes = [_phase_taps(k, s, pads[i], pads[i + 2], extra[i]) for i, k in enumerate((kh, kw))]
+    if None in axes:
+        return None
+    (ty, py, cy), (tx, px, cx) = axes
+    index = np.array([[[[a * kw + b if a >= 0 and b >= 0 else kh * kw for b in tx[rx]] for a in ty[ry]]
+                       for rx in range(s)] for ry in range(s)], np.int64)  # [s, s, Ty, Tx]
+    consts = {f"{tag}.flat": [m, c, kh * kw], f"{tag}.zero": [0, 0, 0, 0, 0, 1],
+              f"{tag}.shape": [c * s * s, m, index.shape[2], index.shape[3]]}
+    for name, vals in consts.items():
+        g.initializer.append(helper.make_tensor(name, onnx.TensorProto.INT64, [len(vals)], vals))
+    g.initializer.append(numpy_helper.from_array(index, f"{tag}.index"))
+    w = n.input[1]
+    out = [helper.make_node("Reshape", [w, f"{tag}.flat"], [f"{tag}.w3"], name=f"{tag}.w3.node"),
+           helper.make_node("Pad", [f"{tag}.w3", f"{tag}.zero"], [f"{tag}.wz"], name=f"{tag}.wz.node"),
+           helper.make_node("Gather", [f"{tag}.wz", f"{tag}.index"], [f"{tag}.w6"], axis=2, name=f"{tag}.w6.node"),
+           helper.make_node("Transpose", [f"{tag}.w6"], [f"{tag}.wt"], perm=[1, 2, 3, 0, 4, 5], name=f"{tag}.wt.node"),
+           helper.make_node("Reshape", [f"{tag}.wt", f"{tag}.shape"], [tag], name=f"{tag}.node"),
+           helper.make_node("Conv", [n.input[0], tag], [f"{tag}.phases"], name=f"{n.name}.phases",
+                            kernel_shape=list(index.shape[2:]), pads=[py[0], px[0], py[1], px[1]])]
+    d2s = list(n.output) if not (cy or cx) else [f"{tag}.uncropped"]
+    out.append(helper.make_node("DepthToSpace", [f"{tag}.phases"], d2s, blocksize=s, mode="CRD", name=n.name))
+    if cy or cx:  # H_out is not a multiple of s: the last phase rows are past the output
+        ends = f"{tag}.ends"
+        g.initializer.extend([helper.make_tensor(f"{tag}.starts", onnx.TensorProto.INT64, [2], [0, 0]),
+                              helper.make_tensor(ends, onnx.TensorProto.INT64, [2], [-cy or 2**62, -cx or 2**62]),
+                              helper.make_tensor(f"{tag}.axes", onnx.TensorProto.INT64, [2], [2, 3])])
+        out.append(helper.make_node("Slice", [d2s[0], f"{tag}.starts", ends, f"{tag}.axes"], list(n.output),
+                                    name=f"{n.name}.crop"))
+    return out
 
 
 def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
-    """Rule 4: ``ConvTranspose(dY, W, pads=p)`` (stride 1) of a weight -> ``Conv(dY, flip(W^T), pads=k-1-p)``."""
+    """Rule 4: ``ConvTranspose(dY, W, pads=p)`` of a weight -> ``Conv(dY, flip(W^T), pads=k-1-p)``
+    (stride 1) or its phase form (equal strides s > 1, :func:`_strided_as_conv`)."""
     g = model.graph
     shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in g.input}
+    if CONSTANT_FILTERS:  # rule 4 on constant filters too (MaxPool's gradient scatter)
+        shapes.update({t.name: list(t.dims) for t in g.initializer})
+        weights = set(weights) | {t.name for t in g.initializer}
     nodes: list[onnx.NodeProto] = []
     flip = None
     for n in g.node:
         w = n.input[1] if n.op_type == "ConvTranspose" and len(n.input) > 1 else ""
-        k = shapes.get(w, [0, 0, 0, 0])[2:]
+        if w not in weights or not _plain_conv_transpose(n, shapes[w]):
+            nodes.append(n)
+            continue
+        if (_ints(n, "strides") or [1])[0] > 1:
+            nodes.extend(_strided_as_conv(g, n, shapes[w], f"{w}.phase.{len(nodes)}") or [n])
+            continue
+        k = shapes[w][2:]
         pads = _ints(n, "pads") or [0, 0, 0, 0]
         conv_pads = [k[0] - 1 - pads[0], k[1] - 1 - pads[1], k[0] - 1 - pads[2], k[1] - 1 - pads[3]]
-        if w not in weights or not _plain_conv_transpose(n, shapes[w]) or min(conv_pads) < 0:
+        if min(conv_pads) < 0:
             nodes.append(n)
             continue
         if flip is None:  # Slice(starts=-1, ends=-huge, steps=-1) on the kernel axes: the spatial flip
@@ -117,6 +227,30 @@ def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
         nodes.append(helper.make_node("Slice", [f"{t}.swap", *flip], [t], name=f"{t}.node"))
         nodes.append(helper.make_node("Conv", [n.input[0], t, *n.input[2:]], list(n.output), name=n.name,
                                       kernel_shape=k, pads=conv_pads, strides=[1, 1], dilations=[1, 1], group=1))
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def conv_weights_hwio(model: onnx.ModelProto, weights: set[str]) -> None:
+    """Rule 5: ``Conv(x, V)`` with ``V`` weight-only -> ``Conv(x, Transpose(Transpose(V, HWIO), OIHW))``."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in g.input}
+    derived = set(weights)  # rule 1's weight-only values, in program order
+    nodes: list[onnx.NodeProto] = []
+    for n in g.node:
+        w = n.input[1] if n.op_type == "Conv" and len(n.input) > 1 else ""
+        if w in derived and (len(_ints(n, "kernel_shape") or []) or ranks.get(w, 0) - 2) == 2:
+            hwio = f"{w}.hwio.{len(nodes)}"
+            nodes.append(helper.make_node("Transpose", [w], [hwio], perm=[2, 3, 1, 0], name=f"{hwio}.node"))
+            nodes.append(helper.make_node("Transpose", [hwio], [f"{hwio}.oihw"], perm=[3, 2, 0, 1],
+                                          name=f"{hwio}{STAYS}"))
+            n.input[1] = f"{hwio}.oihw"
+        present = [i for i in n.input if i]
+        if n.op_type not in RANDOM_OPS and present and all(i in derived or i in inits for i in present) \
+                and any(i in derived for i in present):
+            derived.update(n.output)
+        nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
 
@@ -189,7 +323,8 @@ class _Hoister:
 
     def _weight_only(self, n: onnx.NodeProto, ins: list[str], inits: dict[str, onnx.TensorProto],
                      returned: set[str]) -> bool:
-        if n.op_type in RANDOM_OPS or not n.output or any(o in returned for o in n.output):
+        if n.op_type in RANDOM_OPS or not n.output or any(o in returned for o in n.output) \
+                or n.name.endswith(STAYS):  # rule 5's transpose back to OIHW, which TVM cancels
             return False
         present = [i for i in ins if i]
         return bool(present) and all(i in self.weights or i in inits or i.startswith(PREFIX) for i in present) \
@@ -215,7 +350,7 @@ def _renamed(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
 
 def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], weights: Sequence[str], *,
                          micro_batches: int, backend: str) -> tuple[list[onnx.ModelProto | None], onnx.ModelProto | None]:
-    """Rules 1-3 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
+    """Rules 1-5 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
     ``<name>.prepare`` (None when nothing is hoisted, ``micro_batches`` is 1, ``backend`` is not
     TVM or :data:`HOIST_WEIGHT_NODES` is off)."""
     present = [p for p in programs if p is not None]
@@ -231,6 +366,8 @@ def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], 
         model.CopyFrom(p)
         _transpose_gemm_weights(model, hoister.weights)
         conv_transpose_as_conv(model, hoister.weights)
+        if HWIO_CONV_WEIGHTS:
+            conv_weights_hwio(model, hoister.weights)
         out.append(hoister.program(model))
     first = present[0]
     return out, hoister.prepare(name, first.opset_import, first.ir_version)

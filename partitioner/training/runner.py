@@ -31,7 +31,7 @@ OVERLAP_ENV = "PARTITIONER_TRAIN_OVERLAP"
 #: buffers from one process-wide arena instead of one arena each (docs/training.md, memory)
 SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
 #: TVM steps (1 rank, data ranks): a stride-1 ``ConvTranspose`` of a weight (a conv's input
-#: gradient) runs as ``Conv(dY, flip(W^T))`` (:func:`partitioner.training.hoist.
+#: gradient) runs as ``Conv(dY, flip(W^T))``, a strided one in its phase form (hoist rule 4) (:func:`partitioner.training.hoist.
 #: conv_transpose_as_conv`, hoist rule 4; pipeline stages already do it). TVM's conv2d_transpose
 #: transforms the weight on every call and runs far below its conv2d (layer4's 3x3 512-channel
 #: input gradients 10-15 ms a call against ~0.5 ms for the forward conv, docs/training.md); a

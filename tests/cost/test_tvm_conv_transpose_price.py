@@ -1,6 +1,7 @@
-"""cost.training.TVM_CONV_TRANSPOSE_AS_CONV: a TVM rank's stride-1 ConvTranspose of a weight (the
-conv's input gradient, which the TVM step runs as a Conv of the flipped weight) is priced at the
-forward conv's class; ONNX Runtime ranks and strided ConvTransposes keep ``conv_backward``."""
+"""cost.training.TVM_CONV_TRANSPOSE_AS_CONV: a TVM rank's ConvTranspose of a weight (the conv's
+input gradient, which the TVM step runs as a Conv: of the flipped weight at stride 1, hoist rule
+4's phase form at stride 2) is priced at the forward conv's class and the multiply-adds of the
+form it runs as; ONNX Runtime ranks keep ``conv_backward``."""
 
 from __future__ import annotations
 
@@ -28,14 +29,23 @@ def _device(runtime: str) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_tvm_prices_stride_one_conv_transpose_as_its_conv(monkeypatch, on) -> None:
+@pytest.mark.parametrize("stride", [1, 2])
+def test_tvm_prices_conv_transpose_as_its_conv(monkeypatch, on, stride) -> None:
     monkeypatch.setattr(ct, "TVM_CONV_TRANSPOSE_AS_CONV", on)
     for n in _conv_transposes():
+        if stride > 1:
+            n.attributes["strides"] = ir.AttrInt64s("strides", [stride, stride])
         assert ct.node_class(_device("tvm"), n, backward=True) == ("conv_train" if on else "conv_backward")
         assert ct.node_class(_device("onnxruntime"), n, backward=True) == "conv_backward"
 
 
-def test_strided_conv_transpose_keeps_its_backward_class() -> None:
+def test_phase_form_multiply_adds() -> None:
+    """A 3x3 pads-1 stride-2 input gradient runs 2x2 taps over 4 phases: 16/9 of its multiply-adds
+    (4 output phases x 4 taps, against 9 kernel taps); a 1x1 stride-2 one 4 (one phase has a tap)."""
     n = _conv_transposes()[0]
+    assert ct.tvm_conv_flops_ratio(n) == 1.0
     n.attributes["strides"] = ir.AttrInt64s("strides", [2, 2])
-    assert ct.node_class(_device("tvm"), n, backward=True) == "conv_backward"
+    assert ct.tvm_conv_flops_ratio(n) == pytest.approx(16 / 9)
+    n.inputs[1].shape = ir.Shape([*n.inputs[1].shape[:2], 1, 1])
+    n.attributes["pads"] = ir.AttrInt64s("pads", [0, 0, 0, 0])
+    assert ct.tvm_conv_flops_ratio(n) == pytest.approx(4.0)
