@@ -35,6 +35,14 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
    ``--memory-limit`` otherwise (:func:`stage_cut`): a stage but the last stashes only its inputs
    (the received values and the data it reads) and its ``B`` recomputes the forward before the
    backward: one micro-batch's activations live at a time, for one more forward per micro-batch.
+9. (Weight-only work hoisted into a ``prepare`` program on TVM plans: :mod:`partitioner.training.hoist`.)
+10. Deferred weight gradients (:mod:`partitioner.training.deferred_wgrad`, knob
+    ``DEFER_WEIGHT_GRADIENTS``): a stage's per-micro-batch ``B`` (or fused program) computes
+    only the gradients that leave the stage or feed earlier layers; its weight gradients run
+    once per step in the ``weight_grad`` program built at the whole batch, on the micro-batches'
+    ``w_stash`` values concatenated on their ``w_axes``. That sum replaces rule 4's accumulation
+    for the deferred weights (rule 4 still holds for the rest). Not with ``--memory-limit`` or
+    recompute (the deferred values stay alive for all ``M`` micro-batches).
 """
 
 from __future__ import annotations
