@@ -31,7 +31,16 @@ Rules:
    measured step's mean seconds per FLOP), so only the node prices change.
 5. Fallback: when the step cannot be profiled (no node names to charge to, ORT refusing it) the
    cost-model cut is used and the plan says so.
-6. One profile per (model, micro-batch, loss, ONNX Runtime version) on a machine: the seconds
+7. Deferred weight gradients (pipeline rule 10, :mod:`partitioner.training.deferred_wgrad`):
+   when the plan defers (``micro_batches`` > 1, no ``--memory-limit``), a node's weight
+   gradient runs once per step at the whole batch, not once per micro-batch, and costs
+   differently there (the zoo resnet's layer4 weight gradients: 2.5x cheaper at 16 images than
+   8 times at 2; its 32x32 layer1 ones: the same). The profile is then of the step as the
+   stages run it, one stage holding every node: the per-micro-batch program (forward, loss,
+   activation gradients) at the micro-batch, plus the whole-batch weight-gradient program
+   divided by ``M``, so each node's seconds are its share of a stage's work per micro-batch.
+   Without a deferrable weight it is rule 1's profile.
+6. One profile per (model, micro-batch, loss, ONNX Runtime version, rule 7's ``M``) on a machine: the seconds
    are kept in this machine's cache (``<cache>/measured_cut/<key>.npy``, beside the calibration),
    so the planner (``train --plan``, the bench's prediction) and every rank use the same cut. On
    MPI ranks, rank 0 reads or measures them and sends them to the others
@@ -64,11 +73,11 @@ CUT_TAG = 25000
 PROFILE_VERSION = 2  # part of the cache key: bump when the measurement or its aggregation changes
 
 
-def _key(proto: onnx.ModelProto, loss: str) -> str:
+def _key(proto: onnx.ModelProto, loss: str, deferred: int = 0) -> str:
     import onnxruntime as ort
 
     h = hashlib.sha1(proto.SerializeToString())
-    h.update(f"{loss}|{ort.__version__}|{RUNS}|{PROFILE_VERSION}".encode())
+    h.update(f"{loss}|{ort.__version__}|{RUNS}|{PROFILE_VERSION}{f'|deferred {deferred}' if deferred else ''}".encode())
     return h.hexdigest()
 
 
@@ -78,16 +87,21 @@ def _cache_file(key: str) -> Path:
     return cache_dir() / "measured_cut" / f"{key}.npy"
 
 
-def node_seconds(fwd: ir.Model, loss: str, backend: str) -> np.ndarray | None:
+def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None = None,
+                 micro_batches: int = 1) -> np.ndarray | None:
     """Rules 1-2 and 6: measured forward+backward seconds per node of ``fwd`` (the forward model
-    at the micro-batch size, as the stage DP sees it), or None (rules 3 and 5)."""
+    at the micro-batch size, as the stage DP sees it), or None (rules 3 and 5). ``whole``: the
+    forward model at the whole batch when the plan defers its weight gradients (rule 7)."""
+    from partitioner.training import deferred_wgrad
+
     if not MEASURED_CUT or backend not in PROFILED_FOR:
         return None
     names = [n.name for n in fwd.graph]
     if not all(names) or len(set(names)) != len(names):
         return None
     proto = ir.serde.serialize_model(fwd)
-    path = _cache_file(_key(proto, loss))
+    deferred = micro_batches if whole is not None and micro_batches > 1 and deferred_wgrad.DEFER_WEIGHT_GRADIENTS else 0
+    path = _cache_file(_key(proto, loss, deferred))
     try:
         t = np.load(path)
         if t.shape == (len(names),):
@@ -95,7 +109,8 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str) -> np.ndarray | None:
     except (OSError, ValueError):
         pass
     try:
-        t = _profile(proto, names, loss)
+        t = _profile_deferred(proto, whole, names, loss, deferred) if deferred else None
+        t = _profile(proto, names, loss) if t is None else t
     except Exception:  # noqa: BLE001 - rule 5: any failure to profile falls back to the cost model
         return None
     if t is not None:
@@ -109,14 +124,15 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str) -> np.ndarray | None:
     return t
 
 
-def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks: list[int]) -> np.ndarray | None:
+def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks: list[int],
+                        whole: ir.Model | None = None, micro_batches: int = 1) -> np.ndarray | None:
     """Rule 6 on MPI ranks: ``ranks[0]`` reads or measures the seconds and sends them to the others
     (all -1: the cost-model cut), so that every rank cuts the same way."""
     if comm is None or not MEASURED_CUT or backend not in PROFILED_FOR:
-        return node_seconds(fwd, loss, backend)
+        return node_seconds(fwd, loss, backend, whole, micro_batches)
     n = len(list(fwd.graph))
     if comm.rank == ranks[0]:
-        t = node_seconds(fwd, loss, backend)
+        t = node_seconds(fwd, loss, backend, whole, micro_batches)
         msg = np.full(n, -1.0) if t is None else np.asarray(t, dtype=np.float64)
         for r in ranks[1:]:
             comm.send(msg, r, CUT_TAG)
@@ -127,12 +143,39 @@ def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks
     return None if (msg < 0).any() else msg
 
 
-def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray | None:
-    import onnxruntime as ort
+def _profile_deferred(model: onnx.ModelProto, whole: ir.Model, names: list[str], loss: str,
+                      micro_batches: int) -> np.ndarray | None:
+    """Rule 7: the per-micro-batch program's seconds plus the whole-batch weight-gradient
+    program's divided by ``micro_batches`` (None: nothing deferrable, rule 1 instead)."""
+    from partitioner.training.optimizers import SGD
+    from partitioner.training.pipeline import Defer, _stage
+    from partitioner.training.step import default_trainable
 
+    whole_proto = ir.serde.serialize_model(whole)
+    trainable = list(default_trainable(whole.graph))
+    last = len(model.graph.node) - 1
+    args = ({}, 1, trainable, loss, SGD(lr=0.0), "labels", False)
+    big = _stage(whole_proto, 0, 0, last, *args, Defer(None, micro_batches)).fused
+    stage = _stage(model, 0, 0, last, *args, Defer(big, micro_batches))
+    if stage.weight_grad is None:
+        return None
+    micro, w = _run_profile(stage.fused, names), _run_profile(stage.weight_grad, names)
+    if micro is None or w is None:
+        return None
+    return micro + w / micro_batches
+
+
+def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray | None:
     from partitioner.training.step import build_training_graph
 
     step = ir.serde.serialize_model(build_training_graph(model, loss=loss, gradients_only=True))
+    return _run_profile(step, names)
+
+
+def _run_profile(step: onnx.ModelProto, names: list[str]) -> np.ndarray | None:
+    """Rules 1-2 on one program: ORT's node profile, each kernel charged to its forward node."""
+    import onnxruntime as ort
+
     owner = {n.name: next((p.value for p in n.metadata_props if p.key == "training.forward_node"), n.name)
              for n in step.graph.node}
     feeds = _feeds(step)

@@ -244,7 +244,8 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
-    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks))
+    whole = _load(model, batch) if memory_limit is None and micro_batches > 1 else None  # measured_cut rule 7
+    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches)
     ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
                                 in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
     proto = ir.serde.serialize_model(fwd)

@@ -71,8 +71,9 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         from partitioner.training.measured_cut import COST_MODEL, MEASURED, node_seconds
         from partitioner.training.pipeline import in_flight, stage_cut
 
+        whole = _load(model, batch) if memory_limit is None and m > 1 else None  # measured_cut rule 7
         seconds = node_seconds(fwd, loss, backend or (overheads.backend if overheads is not None and overheads.backend
-                                                      else "onnxruntime"))
+                                                      else "onnxruntime"), whole, m)
         ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
                                     in_flight=in_flight(schedule, devices, m), seconds=seconds)
         pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)

@@ -138,3 +138,27 @@ def test_batch_axis() -> None:
     assert batch_axis((16,), (16,), 8) is None  # no batch axis: a per-micro-batch statistic
     assert batch_axis((2, 3), (16, 24), 8) is None  # two axes grew
     assert batch_axis((2, 3), (8, 3), 8) is None  # grew, but not M times
+
+
+def test_measured_cut_profiles_the_deferred_programs(monkeypatch, tmp_path) -> None:
+    """measured_cut rule 7: a deferring plan's node seconds come from the per-micro-batch program
+    at the micro-batch plus the weight-gradient program at the whole batch (fails with the knob
+    off: the gradients-only step at the micro-batch is profiled instead), every node priced."""
+    from partitioner.training import measured_cut
+
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    profiled: list[tuple[str, int]] = []
+    run = measured_cut._run_profile
+
+    def spy(step, names):
+        profiled.append((step.graph.name, step.graph.input[0].type.tensor_type.shape.dim[0].dim_value))
+        return run(step, names)
+
+    monkeypatch.setattr(measured_cut, "_run_profile", spy)
+    model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4)
+    assert plan.cut == measured_cut.MEASURED
+    assert any(name.endswith(".W") and rows == 8 for name, rows in profiled), profiled
+    assert any(name.endswith(".FB") and rows == 2 for name, rows in profiled), profiled
+    files = list(tmp_path.glob("*.npy"))
+    assert len(files) == 1 and (np.load(files[0]) > 0).all()
