@@ -91,7 +91,8 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None 
                  micro_batches: int = 1) -> np.ndarray | None:
     """Rules 1-2 and 6: measured forward+backward seconds per node of ``fwd`` (the forward model
     at the micro-batch size, as the stage DP sees it), or None (rules 3 and 5). ``whole``: the
-    forward model at the whole batch when the plan defers its weight gradients (rule 7)."""
+    forward model at the whole batch when the plan's last stage defers its weight gradients
+    (rule 7): then two rows, rule 1's prices and the deferring stage's, measured together."""
     from partitioner.training import deferred_wgrad
 
     if not MEASURED_CUT or backend not in PROFILED_FOR:
@@ -104,13 +105,12 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None 
     path = _cache_file(_key(proto, loss, deferred))
     try:
         t = np.load(path)
-        if t.shape == (len(names),):
+        if t.shape == ((2, len(names)) if deferred else (len(names),)):
             return t
     except (OSError, ValueError):
         pass
     try:
-        t = _profile_deferred(proto, whole, names, loss, deferred) if deferred else None
-        t = _profile(proto, names, loss) if t is None else t
+        t = _profile_deferred(proto, whole, names, loss, deferred) if deferred else _profile(proto, names, loss)
     except Exception:  # noqa: BLE001 - rule 5: any failure to profile falls back to the cost model
         return None
     if t is not None:
@@ -131,22 +131,24 @@ def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks
     if comm is None or not MEASURED_CUT or backend not in PROFILED_FOR:
         return node_seconds(fwd, loss, backend, whole, micro_batches)
     n = len(list(fwd.graph))
+    shape = (2, n) if whole is not None and micro_batches > 1 else (n,)
     if comm.rank == ranks[0]:
         t = node_seconds(fwd, loss, backend, whole, micro_batches)
-        msg = np.full(n, -1.0) if t is None else np.asarray(t, dtype=np.float64)
+        msg = np.full(shape, -1.0) if t is None or t.shape != shape else np.asarray(t, dtype=np.float64)
         for r in ranks[1:]:
             comm.send(msg, r, CUT_TAG)
         if hasattr(comm, "flush"):
             comm.flush()
-        return t
-    msg = comm.recv(ranks[0], CUT_TAG, (n,), np.float64)
+        return t if t is None or t.shape == shape else None
+    msg = comm.recv(ranks[0], CUT_TAG, shape, np.float64)
     return None if (msg < 0).any() else msg
 
 
 def _profile_deferred(model: onnx.ModelProto, whole: ir.Model, names: list[str], loss: str,
                       micro_batches: int) -> np.ndarray | None:
-    """Rule 7: the per-micro-batch program's seconds plus the whole-batch weight-gradient
-    program's divided by ``micro_batches`` (None: nothing deferrable, rule 1 instead)."""
+    """Rule 7: rule 1's prices and, measured in the same interleaved runs, the per-micro-batch
+    program's seconds plus the whole-batch weight-gradient program's divided by
+    ``micro_batches`` (rule 1's twice when nothing is deferrable)."""
     from partitioner.training.optimizers import SGD
     from partitioner.training.pipeline import Defer, _stage
     from partitioner.training.step import default_trainable
@@ -157,41 +159,47 @@ def _profile_deferred(model: onnx.ModelProto, whole: ir.Model, names: list[str],
     args = ({}, 1, trainable, loss, SGD(lr=0.0), "labels", False)
     big = _stage(whole_proto, 0, 0, last, *args, Defer(None, micro_batches)).fused
     stage = _stage(model, 0, 0, last, *args, Defer(big, micro_batches))
-    if stage.weight_grad is None:
+    programs = [_gradients_step(model, loss)] + ([stage.fused, stage.weight_grad] if stage.weight_grad else [])
+    t = _run_profiles(programs, names)
+    if any(x is None for x in t):
         return None
-    micro, w = _run_profile(stage.fused, names), _run_profile(stage.weight_grad, names)
-    if micro is None or w is None:
-        return None
-    return micro + w / micro_batches
+    return np.stack([t[0], t[1] + t[2] / micro_batches if len(t) == 3 else t[0]])
+
+
+def _gradients_step(model: onnx.ModelProto, loss: str) -> onnx.ModelProto:
+    from partitioner.training.step import build_training_graph
+
+    return ir.serde.serialize_model(build_training_graph(model, loss=loss, gradients_only=True))
 
 
 def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray | None:
-    from partitioner.training.step import build_training_graph
-
-    step = ir.serde.serialize_model(build_training_graph(model, loss=loss, gradients_only=True))
-    return _run_profile(step, names)
+    return _run_profiles([_gradients_step(model, loss)], names)[0]
 
 
-def _run_profile(step: onnx.ModelProto, names: list[str]) -> np.ndarray | None:
-    """Rules 1-2 on one program: ORT's node profile, each kernel charged to its forward node."""
+def _run_profiles(steps: list[onnx.ModelProto], names: list[str]) -> list[np.ndarray | None]:
+    """Rules 1-2 on each program: ORT's node profile, each kernel charged to its forward node;
+    the programs run in interleaved rounds (a load change moves them alike)."""
     import onnxruntime as ort
 
-    owner = {n.name: next((p.value for p in n.metadata_props if p.key == "training.forward_node"), n.name)
-             for n in step.graph.node}
-    feeds = _feeds(step)
-    if feeds is None:
-        return None
+    owners = [{n.name: next((p.value for p in n.metadata_props if p.key == "training.forward_node"), n.name)
+               for n in step.graph.node} for step in steps]
+    feeds = [_feeds(step) for step in steps]
+    if any(f is None for f in feeds):
+        return [None] * len(steps)
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
     so.enable_profiling = True
     so.log_severity_level = 3
     with tempfile.TemporaryDirectory() as tmp:
-        so.profile_file_prefix = str(Path(tmp) / "cut")
-        sess = ort.InferenceSession(step.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sessions = []
+        for i, step in enumerate(steps):
+            so.profile_file_prefix = str(Path(tmp) / f"cut{i}")
+            sessions.append(ort.InferenceSession(step.SerializeToString(), so, providers=["CPUExecutionProvider"]))
         for _ in range(RUNS + 1):
-            sess.run(None, feeds)
-        events = json.loads(Path(sess.end_profiling()).read_text())
-    return charged(events, owner, names)
+            for sess, f in zip(sessions, feeds):
+                sess.run(None, f)
+        events = [json.loads(Path(sess.end_profiling()).read_text()) for sess in sessions]
+    return [charged(e, o, names) for e, o in zip(events, owners)]
 
 
 def charged(events: list[dict[str, Any]], owner: dict[str, str], names: list[str]) -> np.ndarray | None:

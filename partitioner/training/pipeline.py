@@ -37,12 +37,15 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
    backward: one micro-batch's activations live at a time, for one more forward per micro-batch.
 9. (Weight-only work hoisted into a ``prepare`` program on TVM plans: :mod:`partitioner.training.hoist`.)
 10. Deferred weight gradients (:mod:`partitioner.training.deferred_wgrad`, knob
-    ``DEFER_WEIGHT_GRADIENTS``): a stage's per-micro-batch ``B`` (or fused program) computes
-    only the gradients that leave the stage or feed earlier layers; its weight gradients run
-    once per step in the ``weight_grad`` program built at the whole batch, on the micro-batches'
-    ``w_stash`` values concatenated on their ``w_axes``. That sum replaces rule 4's accumulation
-    for the deferred weights (rule 4 still holds for the rest). Not with ``--memory-limit`` or
-    recompute (the deferred values stay alive for all ``M`` micro-batches).
+    ``DEFER_WEIGHT_GRADIENTS``), on the last stage only: its per-micro-batch fused program
+    computes only the loss and the gradients that leave the stage or feed earlier layers; its
+    weight gradients run once per step in the ``weight_grad`` program built at the whole batch,
+    on the micro-batches' ``w_stash`` values concatenated on their ``w_axes``, while the earlier
+    stages drain. That sum replaces rule 4's accumulation for the deferred weights (rule 4
+    still holds for the rest). An earlier stage's deferred program would run after its own last
+    backward, on the step's critical path (deferred_wgrad rule 5). The cut prices the last
+    stage's nodes as it runs them (``last_seconds``; measured_cut rule 7). Not with
+    ``--memory-limit`` or recompute (the deferred values stay alive for all ``M`` micro-batches).
 """
 
 from __future__ import annotations
@@ -128,7 +131,8 @@ def stage_ends(graph: ir.Graph, stages: int, *, memory_limit: float | None = Non
 
 
 def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
-              in_flight: Sequence[int] | None = None, seconds: np.ndarray | None = None) -> tuple[list[int], bool]:
+              in_flight: Sequence[int] | None = None, seconds: np.ndarray | None = None,
+              last_seconds: np.ndarray | None = None) -> tuple[list[int], bool]:
     """Rule 1: the last node index of each stage, by the pipeline strategy's DP, and whether the
     stages recompute (rule 8). With ``memory_limit`` every stage must fit it: stage s holds its
     trainable weights as the training cost model counts them (``state_copies`` optimizer copies)
@@ -137,7 +141,8 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
     (:func:`_memory_split`). When no split fits, the planner tries recompute: a stage but the last
     then stashes only its inputs and holds one micro-batch's activations (rule 8). ``seconds``:
     measured seconds per node in place of the FLOPs (:mod:`partitioner.training.measured_cut`
-    rule 4: a byte sent still weighs a thousand FLOPs' time, at the measured seconds per FLOP)."""
+    rule 4: a byte sent still weighs a thousand FLOPs' time, at the measured seconds per FLOP);
+    ``last_seconds``: the last stage's node prices when it defers its weight gradients (rule 10)."""
     from partitioner.core.errors import StrategyNotApplicable
     from partitioner.cost.ops import nbytes, op_cost
     from partitioner.strategies.pipeline import best_split
@@ -164,8 +169,9 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
             data = float(sum(nbytes(v) for v in graph.inputs))
             return _memory_split(graph, flops, send, stages, float(memory_limit), state_copies, flight,
                                  np.concatenate([[data], cut[:-1]])), True
+    last = flops if last_seconds is None or seconds is None else np.asarray(last_seconds, dtype=float)
     try:
-        ends, _ = best_split([flops] * stages, send)
+        ends, _ = best_split([flops] * (stages - 1) + [last], send)
     except StrategyNotApplicable as exc:
         raise UsageError(f"pipeline training on {stages} stages: {exc}") from None
     return ends, False
@@ -244,10 +250,12 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
-    whole = _load(model, batch) if memory_limit is None and micro_batches > 1 else None  # measured_cut rule 7
+    whole = _load(model, batch) if _defers(memory_limit, micro_batches) else None  # measured_cut rule 7
     seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches)
+    seconds, last_s = (seconds[0], seconds[1]) if seconds is not None and seconds.ndim == 2 else (seconds, None)
     ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
-                                in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
+                                in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds,
+                                last_seconds=last_s)
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
@@ -258,7 +266,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
                            optimizer, label_name)
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute,
-                       None if wholes is None else Defer(wholes[s], micro_batches))
+                       None if wholes is None or wholes[s] is None else Defer(wholes[s], micro_batches))
         (stage.forward, stage.backward, stage.fused, stage.weight_grad), stage.prepare = hoist_stage_programs(
             f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused, stage.weight_grad],
             stage.weights, micro_batches=micro_batches, backend=backend)
@@ -269,18 +277,28 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
                         recompute, MEASURED if seconds is not None else COST_MODEL)
 
 
-def _whole_stages(model: Any, batch: int, micro_batches: int, memory_limit: float | None, recompute: bool,
-                  starts: list[int], ends: list[int], owner: dict[str, int], names: list[str], loss: str,
-                  optimizer: Optimizer, label_name: str) -> list[onnx.ModelProto] | None:
-    """Rule 10: every stage's program built at the whole batch (None when the plan does not defer:
-    the knob off, one micro-batch, ``--memory-limit`` or recompute)."""
+def _defers(memory_limit: float | None, micro_batches: int) -> bool:
+    """Rule 10: whether a plan defers its last stage's weight gradients."""
     from partitioner.training import deferred_wgrad
 
-    if not deferred_wgrad.DEFER_WEIGHT_GRADIENTS or micro_batches < 2 or memory_limit is not None or recompute:
+    return deferred_wgrad.DEFER_WEIGHT_GRADIENTS and micro_batches > 1 and memory_limit is None
+
+
+def _whole_stages(model: Any, batch: int, micro_batches: int, memory_limit: float | None, recompute: bool,
+                  starts: list[int], ends: list[int], owner: dict[str, int], names: list[str], loss: str,
+                  optimizer: Optimizer, label_name: str) -> list[onnx.ModelProto | None] | None:
+    """Rule 10: the last stage's program built at the whole batch (the others: None, they do not
+    defer; all None when the plan does not: the knob off, one micro-batch, ``--memory-limit`` or
+    recompute)."""
+    from partitioner.training import deferred_wgrad
+
+    if not _defers(memory_limit, micro_batches) or recompute:
         return None
     proto = ir.serde.serialize_model(_load(model, batch))
     return [_stage(proto, s, a, b, owner, len(starts), names, loss, optimizer, label_name, False,
-                   Defer(None, micro_batches)).fused for s, (a, b) in enumerate(zip(starts, ends))]
+                   Defer(None, micro_batches)).fused
+            if s == len(starts) - 1 or deferred_wgrad.DEFER_EARLIER_STAGES else None
+            for s, (a, b) in enumerate(zip(starts, ends))]
 
 
 def _deferral(stage: Stage, full: onnx.ModelProto, f_outputs: list[str], act_grads: list[str],

@@ -33,15 +33,19 @@ def _outputs(program) -> set[str]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
-def test_deferred_weight_gradients_match_one_rank(schedule, optimizer) -> None:
-    """The mlp (Gemm and MatMul+Add layers, batch 8 in 4 micro-batches): every weight gradient is
-    deferred (no per-micro-batch program outputs one; the whole-batch program outputs them all),
-    and 10 steps match 1 rank. Fails with DEFER_WEIGHT_GRADIENTS off (no whole-batch program)."""
+@pytest.mark.parametrize("earlier", [False, True], ids=["last", "every"])
+def test_deferred_weight_gradients_match_one_rank(schedule, optimizer, earlier, monkeypatch) -> None:
+    """The mlp (Gemm and MatMul+Add layers, batch 8 in 4 micro-batches): every weight gradient of
+    a deferring stage (the last; every stage with DEFER_EARLIER_STAGES) is deferred (no
+    per-micro-batch program outputs one; the whole-batch program outputs them all), and 10 steps
+    match 1 rank. Fails with DEFER_WEIGHT_GRADIENTS off (no whole-batch program)."""
+    monkeypatch.setattr(deferred_wgrad, "DEFER_EARLIER_STAGES", earlier)
     model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
     rng = np.random.default_rng(5)
     batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
     plan = build_pipeline(model, "cross_entropy", optimizer, batch=8, stages=2, micro_batches=4, schedule=schedule)
-    for st in plan.stages:
+    assert plan.stages[0].weight_grad is None if not earlier else True
+    for st in plan.stages if earlier else plan.stages[-1:]:
         grads = {f"{w}.grad" for w in st.weights}
         assert st.weight_grad is not None and _outputs(st.weight_grad) == grads
         per_micro = _outputs(st.forward) | _outputs(st.backward) | _outputs(st.fused)
@@ -83,6 +87,7 @@ def _bn_cnn() -> onnx.ModelProto:
 
 def _train_bn(defer: bool, monkeypatch) -> tuple[object, dict[str, np.ndarray], list[float]]:
     monkeypatch.setattr(deferred_wgrad, "DEFER_WEIGHT_GRADIENTS", defer)
+    monkeypatch.setattr(deferred_wgrad, "DEFER_EARLIER_STAGES", True)  # both stages' programs checked
     plan = build_pipeline(_bn_cnn(), "cross_entropy", SGD(lr=0.05), batch=8, stages=2, micro_batches=4)
     rng = np.random.default_rng(2)
     batches = [(rng.standard_normal((8, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
@@ -141,24 +146,28 @@ def test_batch_axis() -> None:
 
 
 def test_measured_cut_profiles_the_deferred_programs(monkeypatch, tmp_path) -> None:
-    """measured_cut rule 7: a deferring plan's node seconds come from the per-micro-batch program
-    at the micro-batch plus the weight-gradient program at the whole batch (fails with the knob
-    off: the gradients-only step at the micro-batch is profiled instead), every node priced."""
+    """measured_cut rule 7: a deferring plan measures, in the same interleaved runs, rule 1's
+    gradients-only step at the micro-batch and the last stage's prices: its per-micro-batch
+    program at the micro-batch plus its weight-gradient program at the whole batch; both rows
+    cached in one entry, every node priced (fails with the knob off: one program, one row)."""
     from partitioner.training import measured_cut
 
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
-    profiled: list[tuple[str, int]] = []
-    run = measured_cut._run_profile
+    profiled: list[list[tuple[str, int]]] = []
+    run = measured_cut._run_profiles
 
-    def spy(step, names):
-        profiled.append((step.graph.name, step.graph.input[0].type.tensor_type.shape.dim[0].dim_value))
-        return run(step, names)
+    def spy(steps, names):
+        profiled.append([(s.graph.name, s.graph.input[0].type.tensor_type.shape.dim[0].dim_value) for s in steps])
+        return run(steps, names)
 
-    monkeypatch.setattr(measured_cut, "_run_profile", spy)
+    monkeypatch.setattr(measured_cut, "_run_profiles", spy)
     model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4)
     assert plan.cut == measured_cut.MEASURED
-    assert any(name.endswith(".W") and rows == 8 for name, rows in profiled), profiled
-    assert any(name.endswith(".FB") and rows == 2 for name, rows in profiled), profiled
+    assert len(profiled) == 1 and len(profiled[0]) == 3, profiled
+    (_, step_rows), (fb, fb_rows), (w, w_rows) = profiled[0]
+    assert (step_rows, fb_rows, w_rows) == (2, 2, 8) and fb.endswith(".FB") and w.endswith(".W")
     files = list(tmp_path.glob("*.npy"))
-    assert len(files) == 1 and (np.load(files[0]) > 0).all()
+    assert len(files) == 1
+    t = np.load(files[0])
+    assert t.shape == (2, len(model.graph.node)) and (t > 0).all()
