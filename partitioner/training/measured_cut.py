@@ -31,15 +31,6 @@ Rules:
    measured step's mean seconds per FLOP), so only the node prices change.
 5. Fallback: when the step cannot be profiled (no node names to charge to, ORT refusing it) the
    cost-model cut is used and the plan says so.
-7. Deferred weight gradients (pipeline rule 10, :mod:`partitioner.training.deferred_wgrad`):
-   when the plan defers (``micro_batches`` > 1, no ``--memory-limit``), a node's weight
-   gradient runs once per step at the whole batch, not once per micro-batch, and costs
-   differently there (the zoo resnet's layer4 weight gradients: 2.5x cheaper at 16 images than
-   8 times at 2; its 32x32 layer1 ones: the same). The profile is then of the step as the
-   stages run it, one stage holding every node: the per-micro-batch program (forward, loss,
-   activation gradients) at the micro-batch, plus the whole-batch weight-gradient program
-   divided by ``M``, so each node's seconds are its share of a stage's work per micro-batch.
-   Without a deferrable weight it is rule 1's profile.
 6. One profile per (model, micro-batch, loss, ONNX Runtime version, rule 7's ``M``) on a machine: the seconds
    are kept in this machine's cache (``<cache>/measured_cut/<key>.npy``, beside the calibration),
    so the planner (``train --plan``, the bench's prediction) and every rank use the same cut. On
@@ -47,6 +38,18 @@ Rules:
    (:func:`shared_node_seconds`): ranks that measured apart could cut differently. A profile costs
    about a few training steps at the micro-batch size. A profile taken while other work loaded
    the machine stays until its file is deleted (``$PARTITIONER_CACHE_DIR``, the calibration's).
+7. Deferred weight gradients (pipeline rule 10, :mod:`partitioner.training.deferred_wgrad`):
+   when the plan's last stage defers (``micro_batches`` > 1, no ``--memory-limit``), its
+   weight gradients run once per step at the whole batch, not once per micro-batch, and cost
+   differently there (the zoo resnet's last stage, layer4 at 2x2: its weight-gradient-only
+   kernels 19 ms per step at 16 images against 50 ms as 8 calls at 2). Two rows of prices are then measured in the same interleaved ORT runs (a load
+   change moves them alike; profiled apart at different loads, they had cut the resnet into a
+   575 / 4 ms split): rule 1's, for the stages that do not defer, and the deferring stage's: the
+   step as that stage runs it, one stage holding every node (its per-micro-batch program at the
+   micro-batch, plus its weight-gradient program at the whole batch divided by ``M``), so a
+   node's price is its share of that stage's work per micro-batch. The stage DP prices the last
+   stage's nodes with the second row (``stage_cut(last_seconds=...)``). Both rows are one cache
+   entry. Without a deferrable weight the second row is the first.
 """
 
 from __future__ import annotations
