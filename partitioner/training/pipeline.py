@@ -250,7 +250,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
-    whole = _load(model, batch) if _defers(memory_limit, micro_batches) else None  # measured_cut rule 7
+    whole = _load(model, batch) if _defers(memory_limit, micro_batches) and backend == "onnxruntime" else None
     seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches)
     seconds, last_s = (seconds[0], seconds[1]) if seconds is not None and seconds.ndim == 2 else (seconds, None)
     ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),

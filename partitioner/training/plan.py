@@ -74,7 +74,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         be = backend or (overheads.backend if overheads is not None and overheads.backend else "onnxruntime")
         from partitioner.training.pipeline import _defers
 
-        whole = _load(model, batch) if _defers(memory_limit, m) else None  # measured_cut rule 7
+        whole = _load(model, batch) if _defers(memory_limit, m) and be == "onnxruntime" else None  # measured_cut rule 7
         seconds = node_seconds(fwd, loss, be, whole, m)
         seconds, last_s = (seconds[0], seconds[1]) if seconds is not None and seconds.ndim == 2 else (seconds, None)
         ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
