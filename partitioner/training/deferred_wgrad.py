@@ -44,6 +44,12 @@ Rules:
    as 8 times at 2) sat at the step's end.
 
    :data:`DEFER_EARLIER_STAGES` (off) defers every stage's.
+6. Whether: ONNX Runtime plans only, and only when the measured prices say the step gets
+   shorter (:func:`partitioner.training.pipeline.deferred_cut`; :data:`DEFER_ALWAYS` skips
+   that choice). TVM plans do not defer: their cut is measured on ONNX Runtime, whose
+   whole-batch prices misled it (measured_cut rule 7), and with rule 1's cut the zoo mlp's
+   1F1B step simulated from its measured TVM calls went 201 -> 211 ms (its 128-row GEMMs run as
+   fast as the whole batch's, so the deferred program only adds a tail).
 
 Knob: :data:`DEFER_WEIGHT_GRADIENTS` (module constant, on).
 """
@@ -62,6 +68,8 @@ from partitioner.training.autodiff import is_float
 DEFER_WEIGHT_GRADIENTS = True
 #: rule 5: the stages before the last defer too (off: measured slower, see rule 5)
 DEFER_EARLIER_STAGES = False
+#: rule 6: defer whenever allowed, without pipeline.deferred_cut's choice (tests; off)
+DEFER_ALWAYS = False
 
 
 @dataclass

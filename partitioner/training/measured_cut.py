@@ -47,12 +47,14 @@ Rules:
    575 / 4 ms split): rule 1's, for the stages that do not defer, and the deferring stage's: the
    step as that stage runs it, one stage holding every node (its per-micro-batch program at the
    micro-batch, plus its weight-gradient program at the whole batch divided by ``M``), so a
-   node's price is its share of that stage's work per micro-batch. The stage DP prices the last
-   stage's nodes with the second row (``stage_cut(last_seconds=...)``). Both rows are one cache
-   entry. Without a deferrable weight the second row is the first. ONNX Runtime plans only: a
+   node's price is its share of that stage's work per micro-batch; a third row holds that
+   weight-gradient share alone. The rows are one cache entry; without a deferrable weight the
+   second row is the first and the third zero. Pipeline rule 10 decides from them whether the
+   last stage defers and where to cut (:func:`partitioner.training.pipeline.deferred_cut`). ONNX Runtime plans only: a
    TVM plan's last stage defers too, but its cut keeps rule 1's prices (ORT's whole-batch
    weight-gradient GEMMs priced the zoo mlp's last-stage nodes up to 2.3x its per-micro-batch
-   ones, and the cut they gave left the TVM stages at 242 / 98 ms against 163 / 193 without).
+   ones, and the cut they gave left the TVM stages at 242 / 98 ms against 163 / 193 without),
+   so TVM plans do not defer.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None 
     path = _cache_file(_key(proto, loss, deferred))
     try:
         t = np.load(path)
-        if t.shape == ((2, len(names)) if deferred else (len(names),)):
+        if t.shape == ((3, len(names)) if deferred else (len(names),)):
             return t
     except (OSError, ValueError):
         pass
@@ -137,7 +139,7 @@ def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks
     if comm is None or not MEASURED_CUT or backend not in PROFILED_FOR:
         return node_seconds(fwd, loss, backend, whole, micro_batches)
     n = len(list(fwd.graph))
-    shape = (2, n) if whole is not None and micro_batches > 1 else (n,)
+    shape = (3, n) if whole is not None and micro_batches > 1 else (n,)
     if comm.rank == ranks[0]:
         t = node_seconds(fwd, loss, backend, whole, micro_batches)
         msg = np.full(shape, -1.0) if t is None or t.shape != shape else np.asarray(t, dtype=np.float64)
@@ -169,7 +171,9 @@ def _profile_deferred(model: onnx.ModelProto, whole: ir.Model, names: list[str],
     t = _run_profiles(programs, names)
     if any(x is None for x in t):
         return None
-    return np.stack([t[0], t[1] + t[2] / micro_batches if len(t) == 3 else t[0]])
+    if len(t) < 3:
+        return np.stack([t[0], t[0], np.zeros_like(t[0])])
+    return np.stack([t[0], t[1] + t[2] / micro_batches, t[2] / micro_batches])
 
 
 def _gradients_step(model: onnx.ModelProto, loss: str) -> onnx.ModelProto:

@@ -252,10 +252,12 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
     whole = _load(model, batch) if _defers(memory_limit, micro_batches) and backend == "onnxruntime" else None
     seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches)
-    seconds, last_s = (seconds[0], seconds[1]) if seconds is not None and seconds.ndim == 2 else (seconds, None)
-    ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
-                                in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds,
-                                last_seconds=last_s)
+    defer = False
+    if seconds is not None and seconds.ndim == 2:  # rule 10: measured_cut rule 7's rows
+        (ends, defer), recompute = deferred_cut(fwd.graph, stages, micro_batches, seconds), False
+    else:
+        ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
+                                    in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
@@ -263,7 +265,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     value_ids: dict[str, int] = {}
     out_stages = []
     wholes = _whole_stages(model, batch, micro_batches, memory_limit, recompute, starts, ends, owner, names, loss,
-                           optimizer, label_name)
+                           optimizer, label_name) if defer else None
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute,
                        None if wholes is None or wholes[s] is None else Defer(wholes[s], micro_batches))
@@ -275,6 +277,33 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
         out_stages.append(stage)
     return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
                         recompute, MEASURED if seconds is not None else COST_MODEL)
+
+
+def deferred_cut(graph: ir.Graph, stages: int, micro_batches: int, rows: np.ndarray) -> tuple[list[int], bool]:
+    """Rule 10's choice, from measured_cut rule 7's rows (rule 1's prices, the deferring last
+    stage's, and its weight-gradient share): the cut and whether the last stage defers. Two
+    plans: rule 1's cut without deferral, and the cut with the last stage at its deferring
+    prices; each priced as ``(M + S - 1) x`` its slowest stage's per-micro-batch work, the
+    deferring stage's without its weight gradients, which then run once, after the last
+    micro-batch (``M x`` their share). The deferring plan is taken when that is shorter (or
+    always with ``DEFER_ALWAYS``). Why a choice: deferring is a win only where the weight
+    gradients run much faster at the whole batch (the zoo resnet's layer4 on 2x2 maps: 1F1B step
+    simulated from measured calls 357 -> 325 ms); where they run as fast per micro-batch (the
+    zoo bert, the mlp's 1024-wide GEMMs) the whole-batch program only adds a step-long tail after
+    the last micro-batch (bert on ONNX Runtime: 206 -> 234 ms)."""
+    from partitioner.training import deferred_wgrad
+
+    plain = stage_cut(graph, stages, seconds=rows[0])[0]
+    ends = stage_cut(graph, stages, seconds=rows[0], last_seconds=rows[1])[0]
+
+    def step(cut: list[int], last: np.ndarray, tail: np.ndarray) -> float:
+        starts = [0] + [e + 1 for e in cut[:-1]]
+        per = [float(rows[0][a:b + 1].sum()) for a, b in zip(starts, cut)]
+        per[-1] = float(last[starts[-1]:].sum())
+        return (micro_batches + stages - 1) * max(per) + micro_batches * float(tail[starts[-1]:].sum())
+
+    defer = step(ends, rows[1] - rows[2], rows[2]) < step(plain, rows[0], np.zeros_like(rows[0]))
+    return (ends, True) if defer or deferred_wgrad.DEFER_ALWAYS else (plain, False)
 
 
 def _defers(memory_limit: float | None, micro_batches: int) -> bool:

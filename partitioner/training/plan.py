@@ -72,13 +72,15 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         from partitioner.training.pipeline import in_flight, stage_cut
 
         be = backend or (overheads.backend if overheads is not None and overheads.backend else "onnxruntime")
-        from partitioner.training.pipeline import _defers
+        from partitioner.training.pipeline import _defers, deferred_cut
 
         whole = _load(model, batch) if _defers(memory_limit, m) and be == "onnxruntime" else None  # measured_cut rule 7
         seconds = node_seconds(fwd, loss, be, whole, m)
-        seconds, last_s = (seconds[0], seconds[1]) if seconds is not None and seconds.ndim == 2 else (seconds, None)
-        ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
-                                    in_flight=in_flight(schedule, devices, m), seconds=seconds, last_seconds=last_s)
+        if seconds is not None and seconds.ndim == 2:  # pipeline rule 10 decides the cut
+            (ends, _), recompute = deferred_cut(graph, devices, m, seconds), False
+        else:
+            ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
+                                        in_flight=in_flight(schedule, devices, m), seconds=seconds)
         pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
         return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
                                   cut=MEASURED if seconds is not None else COST_MODEL)

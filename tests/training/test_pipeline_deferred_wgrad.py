@@ -40,6 +40,7 @@ def test_deferred_weight_gradients_match_one_rank(schedule, optimizer, earlier, 
     per-micro-batch program outputs one; the whole-batch program outputs them all), and 10 steps
     match 1 rank. Fails with DEFER_WEIGHT_GRADIENTS off (no whole-batch program)."""
     monkeypatch.setattr(deferred_wgrad, "DEFER_EARLIER_STAGES", earlier)
+    monkeypatch.setattr(deferred_wgrad, "DEFER_ALWAYS", True)  # not the timing-dependent choice (deferred_cut)
     model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
     rng = np.random.default_rng(5)
     batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
@@ -88,6 +89,7 @@ def _bn_cnn() -> onnx.ModelProto:
 def _train_bn(defer: bool, monkeypatch) -> tuple[object, dict[str, np.ndarray], list[float]]:
     monkeypatch.setattr(deferred_wgrad, "DEFER_WEIGHT_GRADIENTS", defer)
     monkeypatch.setattr(deferred_wgrad, "DEFER_EARLIER_STAGES", True)  # both stages' programs checked
+    monkeypatch.setattr(deferred_wgrad, "DEFER_ALWAYS", True)
     plan = build_pipeline(_bn_cnn(), "cross_entropy", SGD(lr=0.05), batch=8, stages=2, micro_batches=4)
     rng = np.random.default_rng(2)
     batches = [(rng.standard_normal((8, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
@@ -161,6 +163,7 @@ def test_measured_cut_profiles_the_deferred_programs(monkeypatch, tmp_path) -> N
         return run(steps, names)
 
     monkeypatch.setattr(measured_cut, "_run_profiles", spy)
+    monkeypatch.setattr(deferred_wgrad, "DEFER_ALWAYS", True)
     model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4)
     assert plan.cut == measured_cut.MEASURED
@@ -170,4 +173,23 @@ def test_measured_cut_profiles_the_deferred_programs(monkeypatch, tmp_path) -> N
     files = list(tmp_path.glob("*.npy"))
     assert len(files) == 1
     t = np.load(files[0])
-    assert t.shape == (2, len(model.graph.node)) and (t > 0).all()
+    assert t.shape == (3, len(model.graph.node)) and (t[:2] > 0).all() and (t[2] >= 0).all()
+    assert (t[2] <= t[1]).all() and t[2].sum() > 0  # the weight-gradient share is part of the deferring price
+
+
+def test_deferred_cut_defers_only_when_the_step_gets_shorter() -> None:
+    """Rule 10's choice on hand-made prices (mlp 4 layers, 2 stages, M = 8): the deferring plan's
+    step is (M + 1) x its slowest stage per micro-batch (the last stage without its weight
+    gradients) + M x the weight-gradient share; taken when shorter than rule 1's plan."""
+    from partitioner.training.pipeline import deferred_cut
+    from partitioner.training.step import _load
+
+    graph = _load(models_zoo.build("mlp", batch=16, layers=4, hidden=32, in_features=16), 2).graph
+    n = len(list(graph))
+    plain = np.ones(n)
+    cheap = np.stack([plain, plain * 0.5, plain * 0.05])  # whole-batch weight gradients 10x faster
+    dear = np.stack([plain, plain * 1.2, plain * 0.6])  # no faster: the deferred program is a tail
+    ends, defer = deferred_cut(graph, 2, 8, cheap)
+    assert defer and ends[0] < n // 2 - 1  # the cheaper last stage takes more nodes
+    ends, defer = deferred_cut(graph, 2, 8, dear)
+    assert not defer and ends == deferred_cut(graph, 2, 8, np.stack([plain, plain, 0 * plain]))[0]
