@@ -43,9 +43,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     on the micro-batches' ``w_stash`` values concatenated on their ``w_axes``, while the earlier
     stages drain. That sum replaces rule 4's accumulation for the deferred weights (rule 4
     still holds for the rest). An earlier stage's deferred program would run after its own last
-    backward, on the step's critical path (deferred_wgrad rule 5). The cut prices the last
-    stage's nodes as it runs them (``last_seconds``; measured_cut rule 7). Not with
-    ``--memory-limit`` or recompute (the deferred values stay alive for all ``M`` micro-batches).
+    backward, on the step's critical path (deferred_wgrad rule 5). ONNX Runtime plans only, and
+    only when measured prices say the step gets shorter (:func:`deferred_cut`, from
+    measured_cut rule 7's rows; the cut then prices the last stage's nodes as it runs them).
+    Not with ``--memory-limit`` or recompute (the deferred values stay alive for all ``M``
+    micro-batches).
 """
 
 from __future__ import annotations
