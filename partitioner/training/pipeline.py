@@ -283,29 +283,16 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
 
 def deferred_cut(graph: ir.Graph, stages: int, micro_batches: int, rows: np.ndarray) -> tuple[list[int], bool]:
     """Rule 10's choice, from measured_cut rule 7's rows (rule 1's prices, the deferring last
-    stage's, and its weight-gradient share): the cut and whether the last stage defers. Two
-    plans: rule 1's cut without deferral, and the cut with the last stage at its deferring
-    prices; each priced as ``(M + S - 1) x`` its slowest stage's per-micro-batch work, the
-    deferring stage's without its weight gradients, which then run once, after the last
-    micro-batch (``M x`` their share). The deferring plan is taken when that is shorter (or
-    always with ``DEFER_ALWAYS``). Why a choice: deferring is a win only where the weight
-    gradients run much faster at the whole batch (the zoo resnet's layer4 on 2x2 maps: 1F1B step
-    simulated from measured calls 357 -> 325 ms); where they run as fast per micro-batch (the
-    zoo bert, the mlp's 1024-wide GEMMs) the whole-batch program only adds a step-long tail after
-    the last micro-batch (bert on ONNX Runtime: 206 -> 234 ms)."""
+    stage's, and its weight-gradient share): the cut with the last stage at its deferring prices
+    when that stage's weight gradients are small (deferred_wgrad rule 6:
+    :func:`~partitioner.training.deferred_wgrad.small_gradients`), else rule 1's cut without
+    deferral (always the first with ``DEFER_ALWAYS``)."""
     from partitioner.training import deferred_wgrad
 
-    plain = stage_cut(graph, stages, seconds=rows[0])[0]
     ends = stage_cut(graph, stages, seconds=rows[0], last_seconds=rows[1])[0]
-
-    def step(cut: list[int], last: np.ndarray, tail: np.ndarray) -> float:
-        starts = [0] + [e + 1 for e in cut[:-1]]
-        per = [float(rows[0][a:b + 1].sum()) for a, b in zip(starts, cut)]
-        per[-1] = float(last[starts[-1]:].sum())
-        return (micro_batches + stages - 1) * max(per) + micro_batches * float(tail[starts[-1]:].sum())
-
-    defer = step(ends, rows[1] - rows[2], rows[2]) < step(plain, rows[0], np.zeros_like(rows[0]))
-    return (ends, True) if defer or deferred_wgrad.DEFER_ALWAYS else (plain, False)
+    if deferred_wgrad.DEFER_ALWAYS or deferred_wgrad.small_gradients(graph, ends[-2] + 1):
+        return ends, True
+    return stage_cut(graph, stages, seconds=rows[0])[0], False
 
 
 def _defers(memory_limit: float | None, micro_batches: int) -> bool:

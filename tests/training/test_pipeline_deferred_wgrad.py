@@ -177,19 +177,21 @@ def test_measured_cut_profiles_the_deferred_programs(monkeypatch, tmp_path) -> N
     assert (t[2] <= t[1]).all() and t[2].sum() > 0  # the weight-gradient share is part of the deferring price
 
 
-def test_deferred_cut_defers_only_when_the_step_gets_shorter() -> None:
-    """Rule 10's choice on hand-made prices (mlp 4 layers, 2 stages, M = 8): the deferring plan's
-    step is (M + 1) x its slowest stage per micro-batch (the last stage without its weight
-    gradients) + M x the weight-gradient share; taken when shorter than rule 1's plan."""
-    from partitioner.training.pipeline import deferred_cut
+def test_deferred_cut_defers_only_small_weight_gradients() -> None:
+    """Rule 10's choice (deferred_wgrad rule 6): the mlp at micro-batches of 2 rows (its weight
+    gradients sum over 2 rows, <= DEFER_MAX_ROWS) defers its last stage; at 128 rows it does not
+    and keeps rule 1's cut; the zoo resnet-18 on 64x64 at 2 images defers (layer4's 2x2 maps)."""
+    from partitioner.training.pipeline import deferred_cut, stage_cut
     from partitioner.training.step import _load
 
-    graph = _load(models_zoo.build("mlp", batch=16, layers=4, hidden=32, in_features=16), 2).graph
-    n = len(list(graph))
-    plain = np.ones(n)
-    cheap = np.stack([plain, plain * 0.5, plain * 0.05])  # whole-batch weight gradients 10x faster
-    dear = np.stack([plain, plain * 1.2, plain * 0.6])  # no faster: the deferred program is a tail
-    ends, defer = deferred_cut(graph, 2, 8, cheap)
-    assert defer and ends[0] < n // 2 - 1  # the cheaper last stage takes more nodes
-    ends, defer = deferred_cut(graph, 2, 8, dear)
-    assert not defer and ends == deferred_cut(graph, 2, 8, np.stack([plain, plain, 0 * plain]))[0]
+    model = models_zoo.build("mlp", batch=1024, layers=4, hidden=32, in_features=16)
+    for micro, expect in ((2, True), (128, False)):
+        graph = _load(model, micro).graph
+        rows = np.stack([np.ones(len(list(graph))), np.full(len(list(graph)), 0.5), np.zeros(len(list(graph)))])
+        ends, defer = deferred_cut(graph, 2, 8, rows)
+        assert defer is expect
+        if not expect:
+            assert ends == stage_cut(graph, 2, seconds=rows[0])[0]
+    resnet = _load(models_zoo.build("resnet", batch=16, image=64, classes=10), 2).graph
+    n = len(list(resnet))
+    assert deferred_cut(resnet, 2, 8, np.stack([np.ones(n), np.ones(n), np.zeros(n)]))[1]
