@@ -49,8 +49,9 @@ Rules:
    micro-batch, plus its weight-gradient program at the whole batch divided by ``M``), so a
    node's price is its share of that stage's work per micro-batch; a third row holds that
    weight-gradient share alone. The rows are one cache entry; without a deferrable weight the
-   second row is the first and the third zero. Pipeline rule 10 decides from them whether the
-   last stage defers and where to cut (:func:`partitioner.training.pipeline.deferred_cut`). ONNX Runtime plans only: a
+   second row is the first and the third zero. When the last stage defers (deferred_wgrad rule
+   6), the cut takes the second row for it (:func:`partitioner.training.pipeline.deferred_cut`);
+   otherwise the first row is rule 1's prices. ONNX Runtime plans only: a
    TVM plan's last stage defers too, but its cut keeps rule 1's prices (ORT's whole-batch
    weight-gradient GEMMs priced the zoo mlp's last-stage nodes up to 2.3x its per-micro-batch
    ones, and the cut they gave left the TVM stages at 242 / 98 ms against 163 / 193 without),
