@@ -200,8 +200,7 @@ def _whole_program(g: onnx.GraphProto, whole: onnx.ModelProto, w_idx: set[int], 
     nodes = [n for n in whole.graph.node if n.output and n.output[0] in firsts]
     if len(nodes) != len(firsts):
         return None
-    reads = _reads(whole.graph, set(range(len(whole.graph.node))) & {i for i, n in enumerate(whole.graph.node)
-                                                                     if n.output and n.output[0] in firsts})
+    reads = _reads(whole.graph, {i for i, n in enumerate(whole.graph.node) if n.output and n.output[0] in firsts})
     inputs = stash + sorted(r for r in reads if r in per_step)
     known = {v.name for v in list(whole.graph.value_info) + list(whole.graph.input) + list(whole.graph.output)}
     inits = {t.name for t in whole.graph.initializer}

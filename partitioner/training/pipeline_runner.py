@@ -4,7 +4,9 @@
 :class:`~partitioner.training.runner.StepRunner`: ``step(data, labels)`` takes the *global* batch
 (every stage rank sees it; stage 0 reads the data, the last stage the labels), cuts it into the
 plan's micro-batches and runs the stage's schedule (:mod:`partitioner.training.pipeline` rules
-2-5). It returns the global mean loss on every stage (the last stage broadcasts it).
+2-5). It returns the global mean loss on every stage (the last stage broadcasts it). A stage with a
+deferred weight-gradient program (pipeline rule 10) keeps what it reads from each micro-batch
+and runs it once, after the last micro-batch, on those values concatenated.
 
 Its state arrays (and rule 9's prepared values) are read-only and replaced, never written, so a
 TVM stage program copies each weight into its input buffer once per step, not once per
