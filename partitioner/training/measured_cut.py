@@ -31,13 +31,31 @@ Rules:
    measured step's mean seconds per FLOP), so only the node prices change.
 5. Fallback: when the step cannot be profiled (no node names to charge to, ORT refusing it) the
    cost-model cut is used and the plan says so.
-6. One profile per (model, micro-batch, loss, ONNX Runtime version) on a machine: the seconds
+6. One profile per (model, micro-batch, loss, ONNX Runtime version, rule 7's ``M``) on a machine: the seconds
    are kept in this machine's cache (``<cache>/measured_cut/<key>.npy``, beside the calibration),
    so the planner (``train --plan``, the bench's prediction) and every rank use the same cut. On
    MPI ranks, rank 0 reads or measures them and sends them to the others
    (:func:`shared_node_seconds`): ranks that measured apart could cut differently. A profile costs
    about a few training steps at the micro-batch size. A profile taken while other work loaded
    the machine stays until its file is deleted (``$PARTITIONER_CACHE_DIR``, the calibration's).
+7. Deferred weight gradients (pipeline rule 10, :mod:`partitioner.training.deferred_wgrad`):
+   when the plan's last stage defers (``micro_batches`` > 1, no ``--memory-limit``), its
+   weight gradients run once per step at the whole batch, not once per micro-batch, and cost
+   differently there (the zoo resnet's last stage, layer4 at 2x2: its weight-gradient-only
+   kernels 19 ms per step at 16 images against 50 ms as 8 calls at 2). Two rows of prices are then measured in the same interleaved ORT runs (a load
+   change moves them alike; profiled apart at different loads, they had cut the resnet into a
+   575 / 4 ms split): rule 1's, for the stages that do not defer, and the deferring stage's: the
+   step as that stage runs it, one stage holding every node (its per-micro-batch program at the
+   micro-batch, plus its weight-gradient program at the whole batch divided by ``M``), so a
+   node's price is its share of that stage's work per micro-batch; a third row holds that
+   weight-gradient share alone. The rows are one cache entry; without a deferrable weight the
+   second row is the first and the third zero. When the last stage defers (deferred_wgrad rule
+   6), the cut takes the second row for it (:func:`partitioner.training.pipeline.deferred_cut`);
+   otherwise the first row is rule 1's prices. ONNX Runtime plans only: a
+   TVM plan's last stage defers too, but its cut keeps rule 1's prices (ORT's whole-batch
+   weight-gradient GEMMs priced the zoo mlp's last-stage nodes up to 2.3x its per-micro-batch
+   ones, and the cut they gave left the TVM stages at 242 / 98 ms against 163 / 193 without),
+   so TVM plans do not defer.
 """
 
 from __future__ import annotations
@@ -64,11 +82,11 @@ CUT_TAG = 25000
 PROFILE_VERSION = 2  # part of the cache key: bump when the measurement or its aggregation changes
 
 
-def _key(proto: onnx.ModelProto, loss: str) -> str:
+def _key(proto: onnx.ModelProto, loss: str, deferred: int = 0) -> str:
     import onnxruntime as ort
 
     h = hashlib.sha1(proto.SerializeToString())
-    h.update(f"{loss}|{ort.__version__}|{RUNS}|{PROFILE_VERSION}".encode())
+    h.update(f"{loss}|{ort.__version__}|{RUNS}|{PROFILE_VERSION}{f'|deferred {deferred}' if deferred else ''}".encode())
     return h.hexdigest()
 
 
@@ -78,24 +96,30 @@ def _cache_file(key: str) -> Path:
     return cache_dir() / "measured_cut" / f"{key}.npy"
 
 
-def node_seconds(fwd: ir.Model, loss: str, backend: str) -> np.ndarray | None:
+def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None = None,
+                 micro_batches: int = 1) -> np.ndarray | None:
     """Rules 1-2 and 6: measured forward+backward seconds per node of ``fwd`` (the forward model
-    at the micro-batch size, as the stage DP sees it), or None (rules 3 and 5)."""
+    at the micro-batch size, as the stage DP sees it), or None (rules 3 and 5). ``whole``: the
+    forward model at the whole batch when the plan's last stage defers its weight gradients
+    (rule 7): then two rows, rule 1's prices and the deferring stage's, measured together."""
+    from partitioner.training import deferred_wgrad
+
     if not MEASURED_CUT or backend not in PROFILED_FOR:
         return None
     names = [n.name for n in fwd.graph]
     if not all(names) or len(set(names)) != len(names):
         return None
     proto = ir.serde.serialize_model(fwd)
-    path = _cache_file(_key(proto, loss))
+    deferred = micro_batches if whole is not None and micro_batches > 1 and deferred_wgrad.DEFER_WEIGHT_GRADIENTS else 0
+    path = _cache_file(_key(proto, loss, deferred))
     try:
         t = np.load(path)
-        if t.shape == (len(names),):
+        if t.shape == ((3, len(names)) if deferred else (len(names),)):
             return t
     except (OSError, ValueError):
         pass
     try:
-        t = _profile(proto, names, loss)
+        t = _profile_deferred(proto, whole, names, loss, deferred) if deferred else _profile(proto, names, loss)
     except Exception:  # noqa: BLE001 - rule 5: any failure to profile falls back to the cost model
         return None
     if t is not None:
@@ -109,46 +133,84 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str) -> np.ndarray | None:
     return t
 
 
-def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks: list[int]) -> np.ndarray | None:
+def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks: list[int],
+                        whole: ir.Model | None = None, micro_batches: int = 1) -> np.ndarray | None:
     """Rule 6 on MPI ranks: ``ranks[0]`` reads or measures the seconds and sends them to the others
     (all -1: the cost-model cut), so that every rank cuts the same way."""
     if comm is None or not MEASURED_CUT or backend not in PROFILED_FOR:
-        return node_seconds(fwd, loss, backend)
+        return node_seconds(fwd, loss, backend, whole, micro_batches)
     n = len(list(fwd.graph))
+    shape = (3, n) if whole is not None and micro_batches > 1 else (n,)
     if comm.rank == ranks[0]:
-        t = node_seconds(fwd, loss, backend)
-        msg = np.full(n, -1.0) if t is None else np.asarray(t, dtype=np.float64)
+        t = node_seconds(fwd, loss, backend, whole, micro_batches)
+        msg = np.full(shape, -1.0) if t is None or t.shape != shape else np.asarray(t, dtype=np.float64)
         for r in ranks[1:]:
             comm.send(msg, r, CUT_TAG)
         if hasattr(comm, "flush"):
             comm.flush()
-        return t
-    msg = comm.recv(ranks[0], CUT_TAG, (n,), np.float64)
+        return t if t is None or t.shape == shape else None
+    msg = comm.recv(ranks[0], CUT_TAG, shape, np.float64)
     return None if (msg < 0).any() else msg
 
 
-def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray | None:
-    import onnxruntime as ort
+def _profile_deferred(model: onnx.ModelProto, whole: ir.Model, names: list[str], loss: str,
+                      micro_batches: int) -> np.ndarray | None:
+    """Rule 7: rule 1's prices and, measured in the same interleaved runs, the per-micro-batch
+    program's seconds plus the whole-batch weight-gradient program's divided by
+    ``micro_batches`` (rule 1's twice when nothing is deferrable)."""
+    from partitioner.training.optimizers import SGD
+    from partitioner.training.pipeline import Defer, _stage
+    from partitioner.training.step import default_trainable
 
+    whole_proto = ir.serde.serialize_model(whole)
+    trainable = list(default_trainable(whole.graph))
+    last = len(model.graph.node) - 1
+    args = ({}, 1, trainable, loss, SGD(lr=0.0), "labels", False)
+    big = _stage(whole_proto, 0, 0, last, *args, Defer(None, micro_batches)).fused
+    stage = _stage(model, 0, 0, last, *args, Defer(big, micro_batches))
+    programs = [_gradients_step(model, loss)] + ([stage.fused, stage.weight_grad] if stage.weight_grad else [])
+    t = _run_profiles(programs, names)
+    if any(x is None for x in t):
+        return None
+    if len(t) < 3:
+        return np.stack([t[0], t[0], np.zeros_like(t[0])])
+    return np.stack([t[0], t[1] + t[2] / micro_batches, t[2] / micro_batches])
+
+
+def _gradients_step(model: onnx.ModelProto, loss: str) -> onnx.ModelProto:
     from partitioner.training.step import build_training_graph
 
-    step = ir.serde.serialize_model(build_training_graph(model, loss=loss, gradients_only=True))
-    owner = {n.name: next((p.value for p in n.metadata_props if p.key == "training.forward_node"), n.name)
-             for n in step.graph.node}
-    feeds = _feeds(step)
-    if feeds is None:
-        return None
+    return ir.serde.serialize_model(build_training_graph(model, loss=loss, gradients_only=True))
+
+
+def _profile(model: onnx.ModelProto, names: list[str], loss: str) -> np.ndarray | None:
+    return _run_profiles([_gradients_step(model, loss)], names)[0]
+
+
+def _run_profiles(steps: list[onnx.ModelProto], names: list[str]) -> list[np.ndarray | None]:
+    """Rules 1-2 on each program: ORT's node profile, each kernel charged to its forward node;
+    the programs run in interleaved rounds (a load change moves them alike)."""
+    import onnxruntime as ort
+
+    owners = [{n.name: next((p.value for p in n.metadata_props if p.key == "training.forward_node"), n.name)
+               for n in step.graph.node} for step in steps]
+    feeds = [_feeds(step) for step in steps]
+    if any(f is None for f in feeds):
+        return [None] * len(steps)
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
     so.enable_profiling = True
     so.log_severity_level = 3
     with tempfile.TemporaryDirectory() as tmp:
-        so.profile_file_prefix = str(Path(tmp) / "cut")
-        sess = ort.InferenceSession(step.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sessions = []
+        for i, step in enumerate(steps):
+            so.profile_file_prefix = str(Path(tmp) / f"cut{i}")
+            sessions.append(ort.InferenceSession(step.SerializeToString(), so, providers=["CPUExecutionProvider"]))
         for _ in range(RUNS + 1):
-            sess.run(None, feeds)
-        events = json.loads(Path(sess.end_profiling()).read_text())
-    return charged(events, owner, names)
+            for sess, f in zip(sessions, feeds):
+                sess.run(None, f)
+        events = [json.loads(Path(sess.end_profiling()).read_text()) for sess in sessions]
+    return [charged(e, o, names) for e, o in zip(events, owners)]
 
 
 def charged(events: list[dict[str, Any]], owner: dict[str, str], names: list[str]) -> np.ndarray | None:

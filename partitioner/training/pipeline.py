@@ -35,6 +35,19 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
    ``--memory-limit`` otherwise (:func:`stage_cut`): a stage but the last stashes only its inputs
    (the received values and the data it reads) and its ``B`` recomputes the forward before the
    backward: one micro-batch's activations live at a time, for one more forward per micro-batch.
+9. (Weight-only work hoisted into a ``prepare`` program on TVM plans: :mod:`partitioner.training.hoist`.)
+10. Deferred weight gradients (:mod:`partitioner.training.deferred_wgrad`, knob
+    ``DEFER_WEIGHT_GRADIENTS``), on the last stage only: its per-micro-batch fused program
+    computes only the loss and the gradients that leave the stage or feed earlier layers; its
+    weight gradients run once per step in the ``weight_grad`` program built at the whole batch,
+    on the micro-batches' ``w_stash`` values concatenated on their ``w_axes``, while the earlier
+    stages drain. That sum replaces rule 4's accumulation for the deferred weights (rule 4
+    still holds for the rest). An earlier stage's deferred program would run after its own last
+    backward, on the step's critical path (deferred_wgrad rule 5). ONNX Runtime plans only, and
+    only when measured prices say the step gets shorter (:func:`deferred_cut`, from
+    measured_cut rule 7's rows; the cut then prices the last stage's nodes as it runs them).
+    Not with ``--memory-limit`` or recompute (the deferred values stay alive for all ``M``
+    micro-batches).
 """
 
 from __future__ import annotations
@@ -74,9 +87,21 @@ class Stage:
     fused: onnx.ModelProto | None = None
     update: onnx.ModelProto | None = None
     prepare: onnx.ModelProto | None = None  # rule 9: weight-only work, once per step
+    weight_grad: onnx.ModelProto | None = None  # rule 10: deferred weight gradients, once per step
+    w_stash: list[str] = field(default_factory=list)  # rule 10: values it reads from every micro-batch
+    w_axes: dict[str, int] = field(default_factory=dict)  # rule 10: their batch axes
     stash: list[str] = field(default_factory=list)
     initial: dict[str, np.ndarray] = field(default_factory=dict)
     update_pairs: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Defer:
+    """Rule 10's build settings: ``whole`` is the stage's program built at the whole batch (None
+    while building it), ``micro_batches`` the micro-batch count."""
+
+    whole: onnx.ModelProto | None
+    micro_batches: int
 
 
 @dataclass
@@ -108,7 +133,8 @@ def stage_ends(graph: ir.Graph, stages: int, *, memory_limit: float | None = Non
 
 
 def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None, state_copies: int = 0,
-              in_flight: Sequence[int] | None = None, seconds: np.ndarray | None = None) -> tuple[list[int], bool]:
+              in_flight: Sequence[int] | None = None, seconds: np.ndarray | None = None,
+              last_seconds: np.ndarray | None = None) -> tuple[list[int], bool]:
     """Rule 1: the last node index of each stage, by the pipeline strategy's DP, and whether the
     stages recompute (rule 8). With ``memory_limit`` every stage must fit it: stage s holds its
     trainable weights as the training cost model counts them (``state_copies`` optimizer copies)
@@ -117,7 +143,8 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
     (:func:`_memory_split`). When no split fits, the planner tries recompute: a stage but the last
     then stashes only its inputs and holds one micro-batch's activations (rule 8). ``seconds``:
     measured seconds per node in place of the FLOPs (:mod:`partitioner.training.measured_cut`
-    rule 4: a byte sent still weighs a thousand FLOPs' time, at the measured seconds per FLOP)."""
+    rule 4: a byte sent still weighs a thousand FLOPs' time, at the measured seconds per FLOP);
+    ``last_seconds``: the last stage's node prices when it defers its weight gradients (rule 10)."""
     from partitioner.core.errors import StrategyNotApplicable
     from partitioner.cost.ops import nbytes, op_cost
     from partitioner.strategies.pipeline import best_split
@@ -144,8 +171,9 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
             data = float(sum(nbytes(v) for v in graph.inputs))
             return _memory_split(graph, flops, send, stages, float(memory_limit), state_copies, flight,
                                  np.concatenate([[data], cut[:-1]])), True
+    last = flops if last_seconds is None or seconds is None else np.asarray(last_seconds, dtype=float)
     try:
-        ends, _ = best_split([flops] * stages, send)
+        ends, _ = best_split([flops] * (stages - 1) + [last], send)
     except StrategyNotApplicable as exc:
         raise UsageError(f"pipeline training on {stages} stages: {exc}") from None
     return ends, False
@@ -224,25 +252,97 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     nodes = list(fwd.graph)
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
-    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks))
-    ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
-                                in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
+    whole = _load(model, batch) if _defers(memory_limit, micro_batches) and backend == "onnxruntime" else None
+    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches)
+    defer = False
+    if seconds is not None and seconds.ndim == 2:  # rule 10: measured_cut rule 7's rows
+        (ends, defer), recompute = deferred_cut(fwd.graph, stages, micro_batches, seconds), False
+    else:
+        ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
+                                    in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
     _refuse_shared_weights(proto, starts, ends, set(names))
     value_ids: dict[str, int] = {}
     out_stages = []
+    wholes = _whole_stages(model, batch, micro_batches, memory_limit, recompute, starts, ends, owner, names, loss,
+                           optimizer, label_name) if defer else None
     for s, (a, b) in enumerate(zip(starts, ends)):
-        stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute)
-        (stage.forward, stage.backward, stage.fused), stage.prepare = hoist_stage_programs(
-            f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused], stage.weights,
-            micro_batches=micro_batches, backend=backend)
+        stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute,
+                       None if wholes is None or wholes[s] is None else Defer(wholes[s], micro_batches))
+        (stage.forward, stage.backward, stage.fused, stage.weight_grad), stage.prepare = hoist_stage_programs(
+            f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused, stage.weight_grad],
+            stage.weights, micro_batches=micro_batches, backend=backend)
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
     return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
                         recompute, MEASURED if seconds is not None else COST_MODEL)
+
+
+def deferred_cut(graph: ir.Graph, stages: int, micro_batches: int, rows: np.ndarray) -> tuple[list[int], bool]:
+    """Rule 10's choice, from measured_cut rule 7's rows (rule 1's prices, the deferring last
+    stage's, and its weight-gradient share): the cut with the last stage at its deferring prices
+    when that stage's weight gradients are small (deferred_wgrad rule 6:
+    :func:`~partitioner.training.deferred_wgrad.small_gradients`), else rule 1's cut without
+    deferral (always the first with ``DEFER_ALWAYS``)."""
+    from partitioner.training import deferred_wgrad
+
+    ends = stage_cut(graph, stages, seconds=rows[0], last_seconds=rows[1])[0]
+    if deferred_wgrad.DEFER_ALWAYS or deferred_wgrad.small_gradients(graph, ends[-2] + 1):
+        return ends, True
+    return stage_cut(graph, stages, seconds=rows[0])[0], False
+
+
+def _defers(memory_limit: float | None, micro_batches: int) -> bool:
+    """Rule 10: whether a plan defers its last stage's weight gradients."""
+    from partitioner.training import deferred_wgrad
+
+    return deferred_wgrad.DEFER_WEIGHT_GRADIENTS and micro_batches > 1 and memory_limit is None
+
+
+def _whole_stages(model: Any, batch: int, micro_batches: int, memory_limit: float | None, recompute: bool,
+                  starts: list[int], ends: list[int], owner: dict[str, int], names: list[str], loss: str,
+                  optimizer: Optimizer, label_name: str) -> list[onnx.ModelProto | None] | None:
+    """Rule 10: the last stage's program built at the whole batch (the others: None, they do not
+    defer; all None when the plan does not: the knob off, one micro-batch, ``--memory-limit`` or
+    recompute)."""
+    from partitioner.training import deferred_wgrad
+
+    if not _defers(memory_limit, micro_batches) or recompute:
+        return None
+    proto = ir.serde.serialize_model(_load(model, batch))
+    return [_stage(proto, s, a, b, owner, len(starts), names, loss, optimizer, label_name, False,
+                   Defer(None, micro_batches)).fused
+            if s == len(starts) - 1 or deferred_wgrad.DEFER_EARLIER_STAGES else None
+            for s, (a, b) in enumerate(zip(starts, ends))]
+
+
+def _deferral(stage: Stage, full: onnx.ModelProto, f_outputs: list[str], act_grads: list[str],
+              defer: Defer | None) -> Any:
+    """Rule 10: the stage's deferred weight-gradient split (None: nothing deferred)."""
+    from partitioner.training.deferred_wgrad import split
+
+    if defer is None or defer.whole is None:
+        return None
+    forward = _ancestors(full.graph, f_outputs) if f_outputs else set()
+    per_step = set(stage.weights) | {a for a, _ in stage.bn_state}
+    d = split(full, defer.whole, forward, act_grads, stage.weights, per_step, defer.micro_batches)
+    if d is not None:
+        stage.weight_grad, stage.w_stash, stage.w_axes = d.program, d.stash, d.axes
+    return d
+
+
+def _micro_program(full: onnx.ModelProto, d: Any, suffix: str) -> onnx.ModelProto:
+    """Rule 10: the last stage's per-micro-batch program: every output but the deferred weight
+    gradients, plus the values the whole-batch program reads that it makes."""
+    g = full.graph
+    nodes = [n for i, n in enumerate(g.node) if i in d.micro_nodes]
+    made = {o for n in nodes for o in n.output}
+    deferred = {f"{w}.grad" for w in d.deferred}
+    outs = [o.name for o in g.output if o.name not in deferred] + [v for v in d.stash if v in made]
+    return _subprogram(full, nodes, [i.name for i in g.input], list(dict.fromkeys(outs)), suffix)
 
 
 def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list[int], trainable: set[str]) -> None:
@@ -259,8 +359,9 @@ def _refuse_shared_weights(proto: onnx.ModelProto, starts: list[int], ends: list
 
 
 def _stage(proto: onnx.ModelProto, s: int, a: int, b: int, owner: dict[str, int], stages: int, trainable: list[str],
-           loss: str, optimizer: Optimizer, label_name: str, recompute: bool = False) -> Stage:
-    """Cut stage ``s`` (nodes a..b) out of the forward model and build its programs."""
+           loss: str, optimizer: Optimizer, label_name: str, recompute: bool = False,
+           defer: Defer | None = None) -> Stage:
+    """Cut stage ``s`` (nodes a..b) out of the forward model and build its programs (``defer``: rule 10)."""
     g = proto.graph
     mine = list(g.node[a:b + 1])
     produced = {o for n in mine for o in n.output}
@@ -284,12 +385,15 @@ def _stage(proto: onnx.ModelProto, s: int, a: int, b: int, owner: dict[str, int]
     sub_model = helper.make_model(sub, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     stage_model = ir.serde.deserialize_model(sub_model)
     weights = [w for w in trainable if w in stage_model.graph.initializers]
-    return _stage_programs(stage_model, s, recv, send, data, weights, last, loss, optimizer, label_name, recompute)
+    return _stage_programs(stage_model, s, recv, send, data, weights, last, loss, optimizer, label_name, recompute,
+                           defer)
 
 
 def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: list[tuple[int, str]],
                     data: list[str], weights: list[str], last: bool, loss: str, optimizer: Optimizer,
-                    label_name: str, recompute: bool = False) -> Stage:
+                    label_name: str, recompute: bool = False, defer: Defer | None = None) -> Stage:
+    from partitioner.training.deferred_wgrad import activation_grads, forward_activations
+
     graph = fwd.graph
     dtype = next((v.dtype for v in graph.outputs if is_float(v)), ir.DataType.FLOAT)
     em = Emitter(graph, dtype)
@@ -298,6 +402,7 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
     recv_vals = {v: graph.inputs[len(data) + i] for i, (_, v) in enumerate(recv)}
     grad_in = [v for v, val in recv_vals.items() if is_float(val)]
     w_values, bn_state, out_value = _checked_forward(fwd, em, promote, weights, graph.outputs[0])
+    activations = forward_activations(graph) if defer is not None else []  # rule 10
     sent = list(graph.outputs)
     if last:
         labels_spec = label_spec(loss, out_value, label_name)
@@ -313,7 +418,8 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
                 graph.inputs.append(seed)
                 seeds[v.name] = seed
     sources = list(w_values) + [recv_vals[v] for v in grad_in]
-    grads = backward(graph, None, seeds, sources, em) if sources else {}
+    grads = backward(graph, None, seeds, sources + activations, em) if sources else {}
+    act_grads = activation_grads(grads, activations)
     em.tag = "optimizer"
     grad_outs = [em.op("Identity", grads[v], _name=f"{v}.grad_in") for v in grad_in]
     w_grads = [em.op("Identity", grads[w.name], _name=f"{w.name}.grad") for w in w_values]
@@ -325,10 +431,15 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
     fwd.opset_imports[""] = max(fwd.opset_imports.get("", STEP_OPSET), STEP_OPSET)
     full = ir.serde.serialize_model(_infer(fwd))
     stage = Stage(s, recv, send, data, weights, grad_in, [(a.name, b.name) for a, b in bn_state], initial=initial)
-    if last:
+    f_outputs = [] if last else [v.name for v in sent] + [b.name for b in bn_next]
+    if defer is not None and defer.whole is None:  # rule 10: the whole-batch build only gives its program
         stage.fused = full
+        return stage
+    deferral = _deferral(stage, full, f_outputs, act_grads, defer)
+    if last:
+        stage.fused = full if deferral is None else _micro_program(full, deferral, "FB")
     else:
-        _split_forward_backward(stage, full, [v.name for v in sent] + [b.name for b in bn_next], recompute)
+        _split_forward_backward(stage, full, f_outputs, recompute, deferral)
     stage.update = _update_program(fwd.graph.name, optimizer, weights, initial, dtype, stage)
     return stage
 
@@ -347,16 +458,22 @@ def _ancestors(g: onnx.GraphProto, outputs: list[str]) -> set[int]:
     return need
 
 
-def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list[str], recompute: bool = False) -> None:
+def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list[str], recompute: bool = False,
+                            deferral: Any = None) -> None:
     """Rule 2: F = ancestors of what the stage sends and its BN statistics; B = the rest. Rule 8
     (``recompute``): B = every ancestor of its outputs, the forward included, so the stash is
-    only the stage's inputs."""
+    only the stage's inputs. Rule 10 (``deferral``): B = the per-micro-batch nodes; F and B also
+    output the values the deferred weight-gradient program reads."""
     g = full.graph
     need = _ancestors(g, f_outputs)
     f_nodes = [n for i, n in enumerate(g.node) if i in need]
+    w_reads = set(deferral.stash) if deferral is not None else set()
+    deferred = {f"{w}.grad" for w in deferral.deferred} if deferral is not None else set()
     if recompute:
         keep = _ancestors(g, [o.name for o in g.output if o.name not in f_outputs])
         b_nodes = [n for i, n in enumerate(g.node) if i in keep]
+    elif deferral is not None:
+        b_nodes = [n for i, n in enumerate(g.node) if i in deferral.micro_nodes]
     else:
         b_nodes = [n for i, n in enumerate(g.node) if i not in need]
     state = set(stage.weights) | {a for a, _ in stage.bn_state}
@@ -364,10 +481,14 @@ def _split_forward_backward(stage: Stage, full: onnx.ModelProto, f_outputs: list
     f_have = {o for n in f_nodes for o in n.output} | {i for i in inputs if i not in state and not i.endswith(".grad_out")}
     b_reads = {i for n in b_nodes for i in n.input if i} - {o for n in b_nodes for o in n.output}
     stage.stash = sorted((v for v in f_have if v in b_reads), key=lambda v: (v not in inputs, v))
-    b_outputs = [o.name for o in g.output if o.name not in f_outputs]
+    b_made = {o for n in b_nodes for o in n.output}
+    b_outputs = [o.name for o in g.output if o.name not in f_outputs and o.name not in deferred]
+    b_outputs = list(dict.fromkeys(b_outputs + sorted(v for v in w_reads if v in b_made)))
+    f_w = sorted(v for v in w_reads if v in f_have and v not in inputs)
     stage.forward = _subprogram(full, f_nodes, [i for i in inputs if not i.endswith(".grad_out")
                                                 and i in {x for n in f_nodes for x in n.input}],
-                                list(dict.fromkeys(f_outputs + [v for v in stage.stash if v not in inputs])), "F")
+                                list(dict.fromkeys(f_outputs + [v for v in stage.stash if v not in inputs] + f_w)),
+                                "F")
     b_inputs = [v for v in stage.stash] + [i for i in inputs if i in b_reads and i not in stage.stash]
     stage.backward = _subprogram(full, b_nodes, b_inputs, b_outputs, "B")
 

@@ -4,7 +4,9 @@
 :class:`~partitioner.training.runner.StepRunner`: ``step(data, labels)`` takes the *global* batch
 (every stage rank sees it; stage 0 reads the data, the last stage the labels), cuts it into the
 plan's micro-batches and runs the stage's schedule (:mod:`partitioner.training.pipeline` rules
-2-5). It returns the global mean loss on every stage (the last stage broadcasts it).
+2-5). It returns the global mean loss on every stage (the last stage broadcasts it). A stage with a
+deferred weight-gradient program (pipeline rule 10) keeps what it reads from each micro-batch
+and runs it once, after the last micro-batch, on those values concatenated.
 
 Its state arrays (and rule 9's prepared values) are read-only and replaced, never written, so a
 TVM stage program copies each weight into its input buffer once per step, not once per
@@ -91,12 +93,13 @@ class PipelineRunner:
         st = self.stage
         self._exe = {kind: executable(prog, backend, folder, threads)
                      for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update),
-                                        ("P", st.prepare))
+                                        ("P", st.prepare), ("W", st.weight_grad))
                      if prog is not None}
         for exe in self._exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
             if hasattr(exe, "reuse_readonly_inputs"):
                 exe.reuse_readonly_inputs = True
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
+        self._w_stash: dict[int, dict[str, np.ndarray]] = {}  # rule 10: what W reads, per micro-batch
         self._hoisted: dict[str, np.ndarray] = {}  # rule 9: the prepare program's outputs, this step
         self.peak_stash = 0
         self.steps = 0
@@ -124,10 +127,13 @@ class PipelineRunner:
             else:
                 feeds = self._forward_feeds(m, data, sl)
                 if kind == "FB":
-                    out = self._exe["FB"].run({**feeds, plan.labels: labels[sl]}, self.comm)
+                    feeds[plan.labels] = labels[sl]
+                    out = self._exe["FB"].run(feeds, self.comm)
                     losses.append(float(out["loss"]))
                 else:
                     out = self._exe["F"].run(feeds, self.comm)
+                self._keep_for_weight_grad(m, feeds, out)
+                if kind == "F":
                     for c, v in st.send:
                         self.comm.send(np.ascontiguousarray(out[v]), self.ranks[c], tag(plan, m, v, False))
                     stash[m] = {v: (out[v] if v in out else feeds[v]) for v in st.stash}
@@ -138,6 +144,7 @@ class PipelineRunner:
                     continue
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
+        self._weight_grad(acc)
         self._hoisted = {}
         self._update(acc)
         self.steps += 1
@@ -169,7 +176,33 @@ class PipelineRunner:
             shape, dtype = self._spec[v]
             g = self.comm.recv(self.ranks[c], tag(plan, m, v, True), shape, dtype)
             feeds[key] = feeds[key] + g if key in feeds else g
-        return self._exe["B"].run(feeds, self.comm)
+        out = self._exe["B"].run(feeds, self.comm)
+        self._keep_for_weight_grad(m, feeds, out)
+        return out
+
+    def _keep_for_weight_grad(self, m: int, *parts: Mapping[str, np.ndarray]) -> None:
+        """Rule 10: the values of micro-batch ``m`` the deferred weight-gradient program reads."""
+        keep = self._w_stash.setdefault(m, {}) if self.stage.w_stash else None
+        if keep is None:
+            return
+        for part in parts:
+            keep.update({v: part[v] for v in self.stage.w_stash if v in part and v not in keep})
+
+    def _weight_grad(self, acc: dict[str, np.ndarray]) -> None:
+        """Rule 10: one whole-batch call for the deferred weight gradients (the sum over the
+        micro-batches, as the accumulation gives), the micro-batches' values concatenated on
+        their batch axes."""
+        if "W" not in self._exe:
+            return
+        st, ms = self.stage, sorted(self._w_stash)
+        feeds = {v: np.concatenate([self._w_stash[m][v] for m in ms], axis=st.w_axes[v]) for v in st.w_stash}
+        self._w_stash.clear()
+        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update({a: self.state[a] for a, _ in st.bn_state})
+        feeds.update(self._hoisted)
+        out = self._exe["W"].run(feeds, self.comm)
+        del feeds
+        acc.update({w: out[f"{w}.grad"] for w in st.weights if f"{w}.grad" in out})
 
     def _is_float(self, v: str) -> bool:
         return np.issubdtype(self._spec[v][1], np.floating)
@@ -180,7 +213,9 @@ class PipelineRunner:
             if v in st.grad_in:
                 self.comm.send(np.ascontiguousarray(out[f"{v}.grad_in"]), self.ranks[src], tag(self.plan, m, v, True))
         for w in st.weights:
-            g = out[f"{w}.grad"]
+            g = out.get(f"{w}.grad")
+            if g is None:  # rule 10: a deferred weight gradient (the whole-batch program gives it)
+                continue
             if w not in acc:
                 acc[w] = g if g.flags.writeable else g.copy()
             else:

@@ -71,10 +71,16 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         from partitioner.training.measured_cut import COST_MODEL, MEASURED, node_seconds
         from partitioner.training.pipeline import in_flight, stage_cut
 
-        seconds = node_seconds(fwd, loss, backend or (overheads.backend if overheads is not None and overheads.backend
-                                                      else "onnxruntime"))
-        ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
-                                    in_flight=in_flight(schedule, devices, m), seconds=seconds)
+        be = backend or (overheads.backend if overheads is not None and overheads.backend else "onnxruntime")
+        from partitioner.training.pipeline import _defers, deferred_cut
+
+        whole = _load(model, batch) if _defers(memory_limit, m) and be == "onnxruntime" else None  # measured_cut rule 7
+        seconds = node_seconds(fwd, loss, be, whole, m)
+        if seconds is not None and seconds.ndim == 2:  # pipeline rule 10 decides the cut
+            (ends, _), recompute = deferred_cut(graph, devices, m, seconds), False
+        else:
+            ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
+                                        in_flight=in_flight(schedule, devices, m), seconds=seconds)
         pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
         return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
                                   cut=MEASURED if seconds is not None else COST_MODEL)
