@@ -19,7 +19,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    forward one: those kernels run at other rates than the forward's (the zoo resnet's step took
    9x its forward on ONNX Runtime where its FLOPs are 3x). A forward conv of the step runs at
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
-   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``), and a Where (the ReLU
+   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``; on a TVM rank at the
+   small-map point of its batch's pixels, not one image's: :func:`tvm_batch_columns`,
+   ``TVM_CONV_BATCH_COLUMNS``), and a Where (the ReLU
    gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
    Runtime's Where runs at about 2 GB/s, a thirtieth of its Add), a batched MatMul's weight
    gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
@@ -320,6 +322,37 @@ def tvm_conv_flops_ratio(node: Any) -> float:
     return s * s * taps[0] * taps[1] / (shape[2] * shape[3])
 
 
+#: rule 1: on TVM ranks a step's ``conv_train`` node takes roofline rule 6's small-map term at its
+#: batch's output pixels (images x pixels per image) over the probes' batch
+#: (:data:`CONV_PROBE_BATCH`), not per image (:func:`tvm_batch_columns`); off: per image, as on
+#: ONNX Runtime
+TVM_CONV_BATCH_COLUMNS = True
+#: the batch of the calibration's ``conv_train`` probes (``calibrate.backward_kernels``: batch 4)
+CONV_PROBE_BATCH = 4
+
+
+def tvm_batch_columns(device: Any, node: Any, cls: str, columns: float) -> float:
+    """Rule 1's columns for roofline rule 6 of a TVM rank's ``conv_train`` node (a forward conv, or
+    an input gradient TVM runs as one): ``columns x N / CONV_PROBE_BATCH`` for a batch of ``N``
+    images, so the probes' points (2x2 and 4x4 maps at batch 4) stand for the same pixels per
+    call. Why: TVM's small-map cost is per call, not per image: it repacks a conv's weight (a
+    graph input: the step's state) into its blocked layout on every call
+    (``conv2d_weight_prepack``), and a weight's bytes over the conv's multiply-adds is
+    ``2 / (N x pixels)`` whatever the channels and kernel. Measured (TVM, one thread, CPU time,
+    a 3x3 conv with its weight as an input): 512 channels on 2x2 maps 10.3 ms at batch 4 and
+    11.8 ms at batch 16 (7.4 and 25.5 GFLOP/s), 3.6 ms at batch 16 with a constant weight;
+    256 channels on 4x4 maps 35 and 63 GFLOP/s at batch 4 and 16. Per image, the step's
+    batch-16 layer4 convs were priced at the batch-4 probe's 7 GFLOP/s. ONNX Runtime (and any
+    other class, or a node of unknown batch) keeps the per-image columns: its small-map loss is
+    per image (roofline rule 6)."""
+    x = node.inputs[0] if node.inputs else None
+    shape = x.shape if x is not None else None
+    if not TVM_CONV_BATCH_COLUMNS or cls != "conv_train" or getattr(device, "runtime", "") != "tvm" \
+            or shape is None or len(shape) < 1 or not isinstance(shape[0], int):
+        return columns
+    return columns * shape[0] / CONV_PROBE_BATCH
+
+
 def _sums_the_batch(node: Any) -> bool:
     """A ReduceSum over axis 0 only (constant axes input) of a tensor of rank 3 or more."""
     if node.op_type != "ReduceSum" or len(node.inputs) < 2 or node.inputs[1] is None:
@@ -370,6 +403,7 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
         cls = node_class(device, node, is_backward)
         if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs
             c = replace(c, flops=c.flops * tvm_conv_flops_ratio(node))
+        c = replace(c, columns=tvm_batch_columns(device, node, cls, c.columns))
         t = op_time(c, device, "float32", cls, node in fused, working_set=True)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)
