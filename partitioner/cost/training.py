@@ -37,7 +37,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    then ``W - that``, 5 weight-sized passes where the formula has 3), priced by the roofline with
    its working-set rule; a rank or stage pays its weights' share. Measured (the zoo resnet's
    batch-16 step, 45 MiB of weights, ORT node profiler, load 1.2): the update's nodes 11.8 ms,
-   the formula 5.5 ms.
+   the formula 5.5 ms. Elsewhere the formula's pass runs at the roofline's working-set
+   efficiency of an elementwise op of its bytes (``OPTIMIZER_WORKING_SET``,
+   :func:`optimizer_stream_efficiency`).
 3. Memory per rank, as the runtime holds it at a step's peak (measured by ``train --bench``:
    :mod:`partitioner.training.memory_window`). With the state ``S`` = weights x (1 + optimizer
    copies) and the gradients ``G`` = the weights' bytes: ``3 S`` (the resident state, the step's
@@ -454,7 +456,32 @@ def _optimizer_time(weight_bytes: float, copies: int, device: Any, p: _Profile |
     and the state."""
     if p is not None and p.optimizer_s is not None:
         return p.optimizer_s * weight_bytes / max(float(p.weight.sum()), 1.0)
-    return weight_bytes * (2 + 1 + 2 * copies) / device.memory_bandwidth
+    moved = weight_bytes * (2 + 1 + 2 * copies)
+    return moved / (device.memory_bandwidth * optimizer_stream_efficiency(moved, device))
+
+
+#: rule 2: the formula's pass over the weights at the roofline's working-set efficiency of an
+#: elementwise op of its bytes (:func:`optimizer_stream_efficiency`); off: at the full DRAM
+#: bandwidth (efficiency 1)
+OPTIMIZER_WORKING_SET = True
+
+
+def optimizer_stream_efficiency(moved_bytes: float, device: Any) -> float:
+    """Rule 2's efficiency for a pass moving ``moved_bytes``: roofline rule 7's ``elementwise``
+    efficiency at that working set when the calibration measured ``elementwise_large`` (the
+    update of a zoo model's weights, tens of MiB, streams them from DRAM as the large probe's
+    Add does), else 1. Measured (TVM, the zoo resnet's 1-rank SGD step, 45 MiB of weights, one
+    thread, VM instrument, load 1-2): its ``reshape_multiply_subtract`` update kernels, the same
+    at batch 16 and 8, 24-27 ms a step, against 4.9 ms for the pass at full bandwidth and 15 ms
+    at the cached ``elementwise_large`` value (0.32)."""
+    from partitioner.cost.ops import OpCost
+    from partitioner.cost.roofline import memory_efficiency
+
+    table = getattr(device, "efficiency_by_class", {})
+    if not OPTIMIZER_WORKING_SET or "elementwise_large" not in table or moved_bytes <= 0:
+        return 1.0
+    cost = OpCost(0.0, moved_bytes * 2 / 3, moved_bytes / 3, 1.0)
+    return memory_efficiency(cost, device, "float32", "elementwise", device.class_efficiency("elementwise"))
 
 
 def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
