@@ -19,7 +19,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    forward one: those kernels run at other rates than the forward's (the zoo resnet's step took
    9x its forward on ONNX Runtime where its FLOPs are 3x). A forward conv of the step runs at
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
-   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``), and a Where (the ReLU
+   as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``; on a TVM rank at the
+   small-map point of its batch's pixels, not one image's: :func:`tvm_batch_columns`,
+   ``TVM_CONV_BATCH_COLUMNS``), and a Where (the ReLU
    gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
    Runtime's Where runs at about 2 GB/s, a thirtieth of its Add), a batched MatMul's weight
    gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
@@ -35,7 +37,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    then ``W - that``, 5 weight-sized passes where the formula has 3), priced by the roofline with
    its working-set rule; a rank or stage pays its weights' share. Measured (the zoo resnet's
    batch-16 step, 45 MiB of weights, ORT node profiler, load 1.2): the update's nodes 11.8 ms,
-   the formula 5.5 ms.
+   the formula 5.5 ms. Elsewhere the formula's pass runs at the roofline's working-set
+   efficiency of an elementwise op of its bytes (``OPTIMIZER_WORKING_SET``,
+   :func:`optimizer_stream_efficiency`).
 3. Memory per rank, as the runtime holds it at a step's peak (measured by ``train --bench``:
    :mod:`partitioner.training.memory_window`). With the state ``S`` = weights x (1 + optimizer
    copies) and the gradients ``G`` = the weights' bytes: ``3 S`` (the resident state, the step's
@@ -320,6 +324,37 @@ def tvm_conv_flops_ratio(node: Any) -> float:
     return s * s * taps[0] * taps[1] / (shape[2] * shape[3])
 
 
+#: rule 1: on TVM ranks a step's ``conv_train`` node takes roofline rule 6's small-map term at its
+#: batch's output pixels (images x pixels per image) over the probes' batch
+#: (:data:`CONV_PROBE_BATCH`), not per image (:func:`tvm_batch_columns`); off: per image, as on
+#: ONNX Runtime
+TVM_CONV_BATCH_COLUMNS = True
+#: the batch of the calibration's ``conv_train`` probes (``calibrate.backward_kernels``: batch 4)
+CONV_PROBE_BATCH = 4
+
+
+def tvm_batch_columns(device: Any, node: Any, cls: str, columns: float) -> float:
+    """Rule 1's columns for roofline rule 6 of a TVM rank's ``conv_train`` node (a forward conv, or
+    an input gradient TVM runs as one): ``columns x N / CONV_PROBE_BATCH`` for a batch of ``N``
+    images, so the probes' points (2x2 and 4x4 maps at batch 4) stand for the same pixels per
+    call. Why: TVM's small-map cost is per call, not per image: it repacks a conv's weight (a
+    graph input: the step's state) into its blocked layout on every call
+    (``conv2d_weight_prepack``), and a weight's bytes over the conv's multiply-adds is
+    ``2 / (N x pixels)`` whatever the channels and kernel. Measured (TVM, one thread, CPU time,
+    a 3x3 conv with its weight as an input): 512 channels on 2x2 maps 10.3 ms at batch 4 and
+    11.8 ms at batch 16 (7.4 and 25.5 GFLOP/s), 3.6 ms at batch 16 with a constant weight;
+    256 channels on 4x4 maps 35 and 63 GFLOP/s at batch 4 and 16. Per image, the step's
+    batch-16 layer4 convs were priced at the batch-4 probe's 7 GFLOP/s. ONNX Runtime (and any
+    other class, or a node of unknown batch) keeps the per-image columns: its small-map loss is
+    per image (roofline rule 6)."""
+    x = node.inputs[0] if node.inputs else None
+    shape = x.shape if x is not None else None
+    if not TVM_CONV_BATCH_COLUMNS or cls != "conv_train" or getattr(device, "runtime", "") != "tvm" \
+            or shape is None or len(shape) < 1 or not isinstance(shape[0], int):
+        return columns
+    return columns * shape[0] / CONV_PROBE_BATCH
+
+
 def _sums_the_batch(node: Any) -> bool:
     """A ReduceSum over axis 0 only (constant axes input) of a tensor of rank 3 or more."""
     if node.op_type != "ReduceSum" or len(node.inputs) < 2 or node.inputs[1] is None:
@@ -370,6 +405,7 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
         cls = node_class(device, node, is_backward)
         if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs
             c = replace(c, flops=c.flops * tvm_conv_flops_ratio(node))
+        c = replace(c, columns=tvm_batch_columns(device, node, cls, c.columns))
         t = op_time(c, device, "float32", cls, node in fused, working_set=True)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)
@@ -420,7 +456,32 @@ def _optimizer_time(weight_bytes: float, copies: int, device: Any, p: _Profile |
     and the state."""
     if p is not None and p.optimizer_s is not None:
         return p.optimizer_s * weight_bytes / max(float(p.weight.sum()), 1.0)
-    return weight_bytes * (2 + 1 + 2 * copies) / device.memory_bandwidth
+    moved = weight_bytes * (2 + 1 + 2 * copies)
+    return moved / (device.memory_bandwidth * optimizer_stream_efficiency(moved, device))
+
+
+#: rule 2: the formula's pass over the weights at the roofline's working-set efficiency of an
+#: elementwise op of its bytes (:func:`optimizer_stream_efficiency`); off: at the full DRAM
+#: bandwidth (efficiency 1)
+OPTIMIZER_WORKING_SET = True
+
+
+def optimizer_stream_efficiency(moved_bytes: float, device: Any) -> float:
+    """Rule 2's efficiency for a pass moving ``moved_bytes``: roofline rule 7's ``elementwise``
+    efficiency at that working set when the calibration measured ``elementwise_large`` (the
+    update of a zoo model's weights, tens of MiB, streams them from DRAM as the large probe's
+    Add does), else 1. Measured (TVM, the zoo resnet's 1-rank SGD step, 45 MiB of weights, one
+    thread, VM instrument, load 1-2): its ``reshape_multiply_subtract`` update kernels, the same
+    at batch 16 and 8, 24-27 ms a step, against 4.9 ms for the pass at full bandwidth and 15 ms
+    at the cached ``elementwise_large`` value (0.32)."""
+    from partitioner.cost.ops import OpCost
+    from partitioner.cost.roofline import memory_efficiency
+
+    table = getattr(device, "efficiency_by_class", {})
+    if not OPTIMIZER_WORKING_SET or "elementwise_large" not in table or moved_bytes <= 0:
+        return 1.0
+    cost = OpCost(0.0, moved_bytes * 2 / 3, moved_bytes / 3, 1.0)
+    return memory_efficiency(cost, device, "float32", "elementwise", device.class_efficiency("elementwise"))
 
 
 def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
