@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -258,6 +259,33 @@ def _row(doc: dict, label: str, r: dict, base: float | None, run: str) -> str:
     return head + "".join(f" {c} |" for c in cells)
 
 
+def _table_files(results_dir: Path) -> list[Path]:
+    """The full runs' JSON files (``--paired-env`` runs write ``*_paired.json``: another table)."""
+    return [p for p in sorted(results_dir.glob("train_step_*.json")) if not p.stem.endswith("_paired")]
+
+
+def paired_markdown(results_dir: Path = RESULTS) -> str:
+    """The ``--paired-env`` runs' table: per configuration, the median step of the default
+    setting and of the environment's, over the interleaved rounds, and their ratio."""
+    rows = ["| model | backend | setting compared | configuration | rounds | default step ms (median) | "
+            "with the setting ms (median) | default / with it | load avg |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(results_dir.glob("train_step_*_paired.json")):
+        doc = json.loads(path.read_text())
+        labels = list(dict.fromkeys(r["label"] for r in doc["rows"]))
+        for label in labels:
+            got = {k: [r for r in doc["rows"] if r["label"] == label and r["setting"] == k] for k in ("default", "env")}
+            if not got["default"] or not got["env"]:
+                continue
+            med = {k: statistics.median(r["median_step_s"] for r in v) for k, v in got.items()}
+            loads = [r["load"][0] for v in got.values() for r in v if r.get("load")]
+            load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+            rows.append(f"| {doc['model']} | {doc['backend']} | `{doc['env']}` | {label} | {len(got['default'])} | "
+                        f"{med['default'] * 1e3:.1f} | {med['env'] * 1e3:.1f} | {med['default'] / med['env']:.2f} | "
+                        f"{load} |")
+    return "\n".join(rows)
+
+
 def markdown(results_dir: Path = RESULTS) -> str:
     """The README table: one row per (model, backend, configuration) of every JSON file.
     ``step CPU ms (rank 0)``: rank 0's process CPU seconds per step (bench rule 6): on a loaded
@@ -267,7 +295,7 @@ def markdown(results_dir: Path = RESULTS) -> str:
             "predicted ms | time error | time error without fixed costs | peak MiB/rank (measured) | "
             "predicted MiB/rank | memory error | run (load avg before, after) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path in sorted(results_dir.glob("train_step_*.json")):
+    for path in _table_files(results_dir):
         doc = json.loads(path.read_text())
         loads = [x[0] for x in doc.get("load_average_before_after") or [] if x]
         run = ("quick, " if doc.get("quick") else "") + ("loaded" if doc.get("loaded") else "quiet") + \
@@ -305,7 +333,7 @@ def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> l
 
     os.environ["PARTITIONER_CACHE_DIR"] = str(cache)
     lines = []
-    for path in sorted(results_dir.glob("train_step_*.json")):
+    for path in _table_files(results_dir):
         doc = json.loads(path.read_text())
         model = models_zoo.build(doc["model"], **doc["config"])
         for label, devices, strategy, threads in CONFIGS:
@@ -378,6 +406,8 @@ def main() -> int:
     p.add_argument("--paired-env", default=None, metavar="NAME=VALUE",
                    help="measure each configuration with and without this environment setting (a knob read "
                         "at import), interleaved over --rounds; writes train_step_<model>_<backend>_paired.json")
+    p.add_argument("--paired", action="store_true",
+                   help="with --markdown: the --paired-env runs' table (train_step_*_paired.json)")
     p.add_argument("--configs", default=";".join(c[0] for c in CONFIGS),
                    help="with --paired-env: the configuration labels to run, separated by ';'")
     p.add_argument("--rounds", type=int, default=2, help="with --paired-env: rounds (order alternates)")
@@ -389,7 +419,7 @@ def main() -> int:
         print("\n".join(repredict(args.results_dir, args.repredict, settings or None)))
         return 0
     if args.markdown:
-        print(markdown(args.results_dir))
+        print(paired_markdown(args.results_dir) if args.paired else markdown(args.results_dir))
         return 0
     import onnxruntime
     import tvm

@@ -66,6 +66,7 @@ Knob: :data:`DEFER_WEIGHT_GRADIENTS` (module constant, on).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,8 +76,10 @@ import onnx_ir as ir
 
 from partitioner.training.autodiff import is_float
 
-#: rules 1-5 on (module constant; off: every micro-batch computes and accumulates its weight gradients)
-DEFER_WEIGHT_GRADIENTS = True
+#: rules 1-5 on (off: every micro-batch computes and accumulates its weight gradients); the
+#: environment's ``PARTITIONER_TRAIN_DEFER_WGRAD=0`` turns it off in MPI ranks too (a paired
+#: before/after: ``benchmarks/train_step.py --paired-env PARTITIONER_TRAIN_DEFER_WGRAD=0``)
+DEFER_WEIGHT_GRADIENTS = os.environ.get("PARTITIONER_TRAIN_DEFER_WGRAD", "1") != "0"
 #: rule 5: the stages before the last defer too (off: measured slower, see rule 5)
 DEFER_EARLIER_STAGES = False
 #: rule 6: defer whenever allowed, without pipeline.deferred_cut's choice (tests; off)
