@@ -21,7 +21,7 @@ from partitioner.training.pipeline import build_pipeline
 from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
 from partitioner.training.runner import StepRunner
 
-from .test_pipeline_training import _batches, _run_pipeline
+from .test_pipeline_training import _batches, _run_pipeline, _tvm_pipeline_trains_like_one_rank
 
 
 def _model() -> onnx.ModelProto:
@@ -133,13 +133,4 @@ def test_conv_transpose_input_gradient_becomes_a_conv_of_a_hoisted_flipped_weigh
                               backend="tvm").stages[-1].fused.graph.node), "the case must have a ConvTranspose"
     assert not any(n.op_type == "ConvTranspose" for p in per_mb for n in p.graph.node)
     assert any(n.op_type == "Slice" for st in plan.stages if st.prepare is not None for n in st.prepare.graph.node)
-    rng = np.random.default_rng(2)
-    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
-    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
-    one_losses = [one.step({"input": x}, y) for x, y in batches]
-    world = LocalWorld(2, timeout_s=120)
-    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
-    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
-    full = gathered_state(runners)
-    for name, w in one.state.items():
-        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    _tvm_pipeline_trains_like_one_rank(model, plan, (2, 5, 5), tmp_path)

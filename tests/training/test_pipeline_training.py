@@ -32,6 +32,22 @@ def _batches(n: int = 10) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(n)]
 
 
+def _tvm_pipeline_trains_like_one_rank(model, plan, image: tuple[int, ...], workdir) -> None:
+    """``plan``'s 2 TVM stages (threads, a local world) against a 1-rank ONNX Runtime step: 4 SGD
+    steps (lr 0.1) on seeded batches of 8 ``image``-shaped inputs, losses and every weight within
+    rtol 1e-4, atol 1e-5."""
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((8, *image)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=workdir) for s in range(2)]
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def _run_pipeline(runners: list[PipelineRunner], batches) -> list[float]:
     losses = []
     for x, y in batches:

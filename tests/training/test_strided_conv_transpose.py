@@ -161,26 +161,15 @@ def test_stage_conv_weights_are_hoisted_in_hwio(monkeypatch, on) -> None:
 def test_tvm_pipeline_with_a_strided_conv_trains_like_one_rank(tmp_path) -> None:
     """Rules 4 (phase form) and 5 (HWIO weights) in TVM pipeline stages: 2 stages x 4 micro-batches
     against a 1-rank ONNX Runtime step, 4 SGD steps, rtol 1e-4, atol 1e-5, every state entry."""
-    from partitioner.runtime.comm_local import LocalWorld
     from partitioner.training.pipeline import build_pipeline
-    from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
 
-    from .test_pipeline_training import _run_pipeline
+    from .test_pipeline_training import _tvm_pipeline_trains_like_one_rank
 
     model = _strided_net()
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
     assert not any(n.op_type == "ConvTranspose" for st in plan.stages for p in (st.forward, st.backward, st.fused)
                    if p is not None for n in p.graph.node)
-    rng = np.random.default_rng(2)
-    batches = [(rng.standard_normal((8, 2, 7, 7)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
-    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
-    one_losses = [one.step({"input": x}, y) for x, y in batches]
-    world = LocalWorld(2, timeout_s=120)
-    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
-    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
-    full = gathered_state(runners)
-    for name, w in one.state.items():
-        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    _tvm_pipeline_trains_like_one_rank(model, plan, (2, 7, 7), tmp_path)
 
 
 @pytest.mark.parametrize("on", [None, False])  # None: the module default (on)
