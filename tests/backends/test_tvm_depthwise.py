@@ -83,10 +83,14 @@ def test_depthwise_bn_relu6_matches_ort(n: int, c: int, hw: int, k: int, s: int,
     fused = [name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name]
     assert fused, f"depthwise conv, BN and ReLU6 are not one kernel: {sorted(funcs)}"
     assert not any("transpose" in name and "maximum" in name for name in funcs), sorted(funcs)
-    # the depthwise rule's mark: the (n, h) row loop, and no padded copy (the pad is inlined)
+    # the depthwise rule's mark: the (n, h) row loop; stride 1, dilation 1: the padded input per
+    # kernel row of each tile (TILE_INPUT), else no padded copy (the pad is inlined)
     body = funcs[fused[0]]
     assert "for nn_yy_fused" in body, "not scheduled by the depthwise rule"
-    assert 'T.sblock("pad_temp")' not in body, "the padding was not inlined into the conv"
+    if s == 1 and dil == 1:
+        assert body.index('T.sblock("pad_temp")') > body.index("for ry in"), "input not tiled per kernel row"
+    else:
+        assert 'T.sblock("pad_temp")' not in body, "the padding was not inlined into the conv"
 
 
 @pytest.mark.parametrize("k,s", [(3, 1), (3, 2)], ids=["3x3s1", "3x3s2"])
@@ -96,6 +100,7 @@ def test_padded_copy_when_inlining_is_off(k: int, s: int, monkeypatch: pytest.Mo
     import backends.tvm.schedules.depthwise as dmod
 
     monkeypatch.setattr(dmod, "PAD_INLINE", False)
+    monkeypatch.setattr(dmod, "TILE_INPUT", False)
     m = _model(1, 32, 14, k, s)
     x = np.random.default_rng(2).standard_normal((1, 32, 14, 14)).astype(np.float32)
     got, ref, funcs = _run(m, "host", x)
@@ -135,6 +140,7 @@ def test_border_tiles_split_from_the_interior(n: int, c: int, hw: int, k: int, s
     the result matches ORT (also where the border is wider than one tile); off: one loop."""
     import backends.tvm.schedules.depthwise as dmod
 
+    monkeypatch.setattr(dmod, "TILE_INPUT", False)  # the split is for the inlined padding
     m = _model(n, c, hw, k, s, dil)
     x = np.random.default_rng(3).standard_normal((n, c, hw, hw)).astype(np.float32)
     interior = f"in range(T.int64(1), T.int64({tiles - 1})):"
@@ -172,3 +178,46 @@ def test_depthwise_thread_threshold_scaled_by_its_rate(c: int, hw: int, parallel
         body = funcs[next(name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name)]
         assert "for nn_yy_fused" in body, "not scheduled by the depthwise rule"
         assert ("for nn_yy_fused in T.parallel" in body) == expect, f"fraction {fraction}: parallel row loop"
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize(
+    "n,c,hw,k,parallel",
+    [(8, 144, 28, 3, True),   # MobileNet b8's 144 on 28x28: parallel row loop, row tile 7
+     (2, 32, 24, 5, True),    # 5x5: a 12-vector window (row tile 8)
+     (1, 24, 14, 3, False)],  # 24 channels: 8 lanes on both targets; under the thread threshold
+    ids=["144c-28-b8", "5x5-b2", "c24-serial"],
+)
+def test_input_tiled_per_kernel_row(n: int, c: int, hw: int, k: int, parallel: bool, target_name: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """TILE_INPUT (stride 1): the padded input vectors one kernel row of a register tile reads are
+    computed once into a stack buffer inside the ``ry`` loop, the ``rx`` taps unrolled, and the
+    kernel allocates no workspace (accumulators and window under TVM's 1 KiB stack limit), also in
+    a parallel row loop; matches ORT. Off: the padding is inlined and the kernel allocates its
+    accumulators from the workspace pool (a whole output row of them for a split map)."""
+    import backends.tvm.schedules.depthwise as dmod
+    from backends.tvm.schedules import threads
+
+    monkeypatch.delenv(threads.ENV, raising=False)
+    monkeypatch.setattr(threads, "_configured", None)
+    m = _model(n, c, hw, k, 1)
+    x = np.random.default_rng(5).standard_normal((n, c, hw, hw)).astype(np.float32)
+    got, ref, funcs = _run(m, target_name, x)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+    name = next(name for name in funcs if name.startswith("fused_conv2d") and "maximum_minimum" in name)
+    body = funcs[name]
+    assert ("for nn_yy_fused in T.parallel" in body) == parallel
+    assert body.index("for ry in") < body.index('T.sblock("pad_temp")') < body.index("for rx in T.unroll"), \
+        "the padded input is not computed per kernel row of the tile"
+    assert "TVMBackendAllocWorkspace" not in _kernel_llvm(m, name, target_name), "a workspace in the kernel"
+
+
+def _kernel_llvm(m: onnx.ModelProto, name: str, target_name: str) -> str:
+    """The LLVM IR of the model's kernel ``name`` compiled alone (its calls, not the VM's)."""
+    spec = TARGETS[target_name]
+    target = tvm.target.Target(spec if spec is not None else detect_host_target())
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    func = next(f for gv, f in mod.functions_items() if gv.name_hint == name)
+    lib = tvm.compile(func.with_attr("global_symbol", "main"), target)
+    src = lib.mod.imports[0] if lib.mod.imports else lib.mod
+    return "\n".join(line for line in src.inspect_source("ll").splitlines() if " call " in line)

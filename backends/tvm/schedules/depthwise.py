@@ -30,7 +30,8 @@ output row that needs it (``kh / s`` times, from cache after the first), and the
 written once with its epilogue applied. ``WR`` (:func:`row_tile`) is the largest divisor of
 the output width up to 8: 8 independent accumulators hide the FMA latency.
 
-Padding (:data:`PAD_INLINE`, the default): the pad block is inlined into the conv, so each tap
+Padding (:data:`PAD_INLINE`, the default for the layers :data:`TILE_INPUT` below does not take:
+stride 2, dilation, pooling): the pad block is inlined into the conv, so each tap
 loads ``x`` directly under a bounds check (``if_then_else`` on the row and column only: one
 scalar test per vector load, the same for every channel lane) and no padded copy is written.
 Measured on Zen 4 (1 thread, thread CPU time, each kernel's median over interleaved rounds in one
@@ -42,6 +43,33 @@ are computed per output row when that copies each input row at most :data:`MAX_P
 (``kh / stride``: stride-2 layers); for stride 1 the padded input is written once before the
 loop, as a parallel vectorised copy (measured: per row 0.67x the time of pad-once at stride 2,
 1.1-1.3x at stride 1).
+
+Input tiles (:data:`TILE_INPUT`, the default for stride 1, dilation 1). The padded input vectors
+that one kernel row of a register tile reads, ``WR + kw - 1`` of them, are computed into a small
+buffer inside the ``ry`` loop (the pad block at ``ry``: the bounds check once per vector), and the
+``rx`` taps are unrolled, so each input vector is loaded once and feeds up to ``kw`` FMAs from a
+register (MLAS's depthwise kernel keeps its window in registers the same way)::
+
+    for ry in kh:
+        win[WR + kw - 1, V] = pad(x)[row*s + ry, wo*WR : wo*WR + WR + kw - 1, co*V : (co+1)*V]
+        for rx in unroll(kw): for wi in unroll(WR):
+            acc[wi, :] += win[wi + rx, :] * W[ry, rx, co*V:..]
+
+The window and the accumulators (``global`` scope, ``WR x V`` floats) compact to under
+:data:`INPUT_TILE_BYTES` (TVM's 1 KiB stack limit), so both are stack arrays that LLVM keeps in
+registers. Why: with the padding inlined, LLVM reused a loaded input vector across the taps that
+read it only in a serial kernel. In a parallel row loop TVM emits the body as a lambda whose
+buffer pointers come from a closure (no ``noalias``) with 32-bit index arithmetic, and the
+accumulators lived in a workspace from ``TVMBackendAllocWorkspace`` (its ``local`` scope is never
+put on the stack; with :data:`SPLIT_BORDER`, a whole output row of them): every tap reloaded its
+input (mobilenet b8's 144 on 28x28: 169 of 321 FMAs with a memory operand, against 22 of 259
+serial), so a parallel layer ran 1.15x its serial time on one thread. Tiled, the serial and
+parallel kernels are the same 63 FMAs. Measured (1 thread, thread CPU time, paired with the
+inlined padding in one process): ``benchmarks/kernel_profile.py``'s depthwise class 0.82x on
+mobilenet b8 (load 5-7), 0.83x at b1; single layers at batch 8 0.64-0.96x (heldout_mbv2's 24 on
+48x48 to 288 on 6x6), at batch 1 0.69-0.94x, except mobilenet's 32 on 56x56 at b1 (1.04x).
+Stride 2 stays inlined: a window vector feeds at most 2 of 3 taps there (15 loads for 21 FMAs
+against 9 for 21 at stride 1), and mobilenet b8's 96 on 56x56 stride 2 ran 1.29x slower tiled.
 
 Pooling (:data:`POOLING`): an NHWC ``MaxPool`` / ``AveragePool`` block is the same loop nest
 without the weight (loops ``(n, h, w, c, ry, rx)``, one read of the padded input), equally
@@ -76,7 +104,8 @@ PAD_PER_ROW: bool | None = None
 PAD_INLINE: bool = True
 #: NHWC max/average pooling takes this rule too (module docstring, "Pooling"); off: Contraction
 POOLING: bool = True
-#: with the padding inlined, the first and last column tiles get loops of their own, so that the
+#: with the padding inlined (not :data:`TILE_INPUT`: stride 2, dilation, pooling), the first and
+#: last column tiles get loops of their own, so that the
 #: interior tiles' loads carry no column bounds check (:func:`_split_border_columns`); off: one loop
 SPLIT_BORDER: bool = True
 #: a pooling layer writing fewer output elements than this runs on one thread
@@ -85,6 +114,12 @@ POOL_PARALLEL_MIN_ELEMENTS = 1 << 18
 #: the share of the FMA peak a depthwise conv runs at on one thread, which scales its FLOP
 #: threshold for the thread pool (:func:`_rows_parallel`); 1.0: the GEMM threshold as is
 PARALLEL_PEAK_FRACTION = 0.4
+#: stride-1 convolutions: the padded input per kernel row of each register tile into a stack
+#: buffer, the taps unrolled (module docstring, "Input tiles"); off: the padding is inlined
+TILE_INPUT: bool = True
+#: a window or accumulator buffer of this many bytes or more is not put on the stack by TVM
+#: (``kMaxStackAlloca``): it becomes a workspace allocation, what :data:`TILE_INPUT` avoids
+INPUT_TILE_BYTES = 1024
 
 
 def row_tile(width: int) -> int:
@@ -102,19 +137,18 @@ class Depthwise(TryRule):
             return None
         root, red, loops, exts, stride = found
         taps = exts[4] * exts[5]
-        inlined = PAD_INLINE and _inline_pads(sch, red)
-        per_row = PAD_PER_ROW if PAD_PER_ROW is not None else exts[4] / stride <= MAX_PAD_RECOPY
-        per_row = per_row and not inlined
-        lanes = vector_lanes(target, 32)
-        c = exts[3]
-        if c % lanes:
-            lanes //= 2
-        if lanes < 4 or c % lanes:
+        lanes = _lanes(target, exts[3])
+        if lanes is None:
             return None
-        wr = row_tile(exts[2])
+        tiled = _tile_input(sch, red, exts, stride, lanes)
+        inlined = not tiled and PAD_INLINE and _inline_pads(sch, red)
+        per_row = PAD_PER_ROW if PAD_PER_ROW is not None else exts[4] / stride <= MAX_PAD_RECOPY
+        per_row = per_row and not inlined and not tiled
+        c = exts[3]
+        wr = _input_tile_width(exts, stride, lanes) if tiled else row_tile(exts[2])
         flops = 2.0 * exts[0] * exts[1] * exts[2] * c * taps
 
-        wb = sch.cache_write(red, 0, "local")
+        wb = sch.cache_write(red, 0, "global" if tiled else "local")
         ln, lh, lw, lc, ry, rx, *rc = sch.get_loops(red)  # no rc: pooling
         wo, wi = sch.split(lw, factors=[None, wr])
         co, cv = sch.split(lc, factors=[None, lanes])
@@ -133,18 +167,69 @@ class Depthwise(TryRule):
 
         red_name, wb_name = str(sch.get(red).name_hint), str(sch.get(wb).name_hint)
         for blk in sch.get_producers(red):
-            if per_row and _is_pad(sch, blk):  # the rows this output row reads, next to it in cache
+            if tiled and _is_pad(sch, blk):  # the input vectors one kernel row of this tile reads
+                sch.compute_at(blk, ry, preserve_unit_loops=True)
+                *_, px, ch = sch.get_loops(blk)
+                sch.vectorize(ch)
+                sch.unroll(px)
+            elif per_row and _is_pad(sch, blk):  # the rows this output row reads, next to it in cache
                 sch.compute_at(blk, row, preserve_unit_loops=True)
                 _vectorize_innermost(sch, blk, lanes)
+        if tiled:
+            sch.unroll(rx)
         for blk in sch.get_child_blocks(root):
             name = str(sch.get(blk).name_hint)
             if name in (red_name, wb_name, str(sch.get(init).name_hint)) or name not in names_before:
                 continue
-            if len(sch.get_loops(blk)) > 0 and not (per_row and _is_pad(sch, blk)):
+            if len(sch.get_loops(blk)) > 0 and not ((per_row or tiled) and _is_pad(sch, blk)):
                 schedule_spatial_block(sch, blk, lanes)
         if inlined and SPLIT_BORDER:
             return _split_border_columns(sch, wo, exts[2] // wr)
         return sch
+
+
+def _lanes(target: Any, channels: int) -> int | None:
+    """Vector lanes over channels: the target's float32 width, or half of it when the channels
+    are not a multiple of the full width; None below 4 lanes or when neither divides."""
+    lanes = vector_lanes(target, 32)
+    if channels % lanes:
+        lanes //= 2
+    return None if lanes < 4 or channels % lanes else lanes
+
+
+def _input_tile_width(exts: list[int], stride: int, lanes: int) -> int:
+    """Output pixels per register tile when the input is tiled: the largest divisor of the output
+    width up to :data:`MAX_ROW_TILE` whose input window (``(wr-1)*stride + kw`` vectors) stays
+    under :data:`INPUT_TILE_BYTES`."""
+    ok = [w for w in range(MAX_ROW_TILE, 0, -1)
+          if exts[2] % w == 0 and ((w - 1) * stride + exts[5]) * lanes * 4 < INPUT_TILE_BYTES]
+    return ok[0] if ok else 1
+
+
+def _tile_input(sch: Any, red: Any, exts: list[int], stride: int, lanes: int) -> bool:
+    """Whether the padded input is computed per kernel row of each register tile (:data:`TILE_INPUT`):
+    a convolution (not pooling) with exactly one pad producer and a window that fits."""
+    if not TILE_INPUT or len(exts) != 7 or stride != 1 or not _unit_steps(sch, red):
+        return False
+    pads = [b for b in sch.get_producers(red) if _is_pad(sch, b)]
+    if len(pads) != 1:
+        return False
+    return ((_input_tile_width(exts, stride, lanes) - 1) * stride + exts[5]) * lanes * 4 < INPUT_TILE_BYTES
+
+
+def _unit_steps(sch: Any, red: Any) -> bool:
+    """Whether the data read of the depthwise block ``red`` moves by one pixel per output pixel
+    and per kernel tap in both spatial dims (stride 1, dilation 1)."""
+    from tvm import tirx
+    from tvm.sym.pattern import detect_linear_equation
+
+    stmt = sch.get(red)
+    _, h, w, _, ry, rx = (iv.var for iv in stmt.iter_vars[:6])
+    data = [r.region for r in stmt.reads if len(r.region) == 4 and _uses(r.region[1].min, h)]
+    if len(data) != 1:
+        return False
+    coefs = [detect_linear_equation(data[0][d].min, [v]) for d, v in ((1, h), (1, ry), (2, w), (2, rx))]
+    return all(len(c) == 2 and isinstance(c[0], tirx.IntImm) and int(c[0]) == 1 for c in coefs)
 
 
 def _rows_parallel(flops: float, exts: list[int]) -> bool:
