@@ -1,10 +1,11 @@
 """Depthwise conv + BN + ReLU6 kernels: the depthwise rule against the generic Contraction rule
-and ONNX Runtime, on the depthwise layers of MobileNetV2 (224x224 input, width 1) at batch 1.
+and ONNX Runtime, on the depthwise layers of MobileNetV2 (224x224 input, width 1), at batch 1 or ``--batch``.
 
-    python benchmarks/depthwise.py [--threads 1,2] [--repeats 7] [--json FILE]
+    python benchmarks/depthwise.py [--threads 1,2] [--repeats 7] [--batch 1] [--layers C:HW:K:S,...] [--json FILE]
 
 For each layer: the fused TVM kernel (conv, batch norm, clamp) scheduled by
-:class:`~backends.tvm.schedules.depthwise.Depthwise` (padding inlined, the default) and by
+:class:`~backends.tvm.schedules.depthwise.Depthwise` (the default: input tiled per kernel row at
+stride 1, ``TILE_INPUT``, else the padding inlined; ``inline``: the padding inlined also at stride 1) and by
 :class:`~backends.tvm.schedules.contraction.Contraction` (and the depthwise rule with a padded
 copy per output row / once, what it does with ``PAD_INLINE`` off), called directly on TVM tensors, and
 ONNX Runtime on the one-layer ONNX model (whose NCHW layout is ORT's own choice). Times are
@@ -35,7 +36,7 @@ LAYERS = [(32, 112, 3, 1), (96, 112, 3, 2), (144, 56, 3, 1), (144, 56, 3, 2), (1
           (384, 14, 3, 1), (576, 14, 3, 1), (576, 14, 3, 2), (960, 7, 3, 1), (240, 28, 5, 1)]
 
 
-def _layer_model(c: int, hw: int, k: int, s: int) -> Any:
+def _layer_model(c: int, hw: int, k: int, s: int, batch: int = 1) -> Any:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -51,7 +52,7 @@ def _layer_model(c: int, hw: int, k: int, s: int) -> Any:
     nodes = [helper.make_node("Conv", ["x", "w"], ["dw"], group=c, kernel_shape=[k, k], strides=[s, s], pads=[p] * 4),
              helper.make_node("BatchNormalization", ["dw", "scale", "shift", "mean", "var"], ["bn"]),
              helper.make_node("Clip", ["bn", "lo", "hi"], ["y"])]
-    g = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, hw, hw])],
+    g = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, c, hw, hw])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
 
@@ -84,12 +85,13 @@ def _kernels(model: Any, target: Any) -> tuple[dict[str, Callable[[], Any]], lis
     outs = []
     import backends.tvm.schedules.depthwise as dmod
 
-    for name, rule, per_row in (("depthwise", Depthwise(), None), ("pad_per_row", Depthwise(), True),
-                                ("pad_once", Depthwise(), False), ("contraction", Contraction(), None)):
-        dmod.PAD_PER_ROW, dmod.PAD_INLINE = per_row, per_row is None
+    for name, rule, per_row, tile in (("depthwise", Depthwise(), None, True), ("inline", Depthwise(), None, False),
+                                      ("pad_per_row", Depthwise(), True, False), ("pad_once", Depthwise(), False, False),
+                                      ("contraction", Contraction(), None, False)):
+        dmod.PAD_PER_ROW, dmod.PAD_INLINE, dmod.TILE_INPUT = per_row, per_row is None, tile
         with target:
             sch = rule._apply(s_tir.Schedule(func), target)
-        dmod.PAD_PER_ROW, dmod.PAD_INLINE = None, True
+        dmod.PAD_PER_ROW, dmod.PAD_INLINE, dmod.TILE_INPUT = None, True, True
         lib = tvm.compile(sch.mod["main"].with_attr("global_symbol", "main"), target)
         f = lib["main"]
         f(*args)
@@ -120,7 +122,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, d
             for n in fns}
 
 
-def run(threads_list: list[int], repeats: int) -> dict[str, Any]:
+def run(threads_list: list[int], repeats: int, batch: int = 1) -> dict[str, Any]:
     import onnxruntime as ort
     import tvm
 
@@ -130,33 +132,38 @@ def run(threads_list: list[int], repeats: int) -> dict[str, Any]:
     target = tvm.target.Target(detect_host_target())
     rows = []
     for c, hw, k, s in LAYERS:
-        model = _layer_model(c, hw, k, s)
+        model = _layer_model(c, hw, k, s, batch)
         fns, _args = _kernels(model, target)
-        x = np.random.default_rng(1).standard_normal((1, c, hw, hw)).astype(np.float32)
+        x = np.random.default_rng(1).standard_normal((batch, c, hw, hw)).astype(np.float32)
         out_hw = (hw + 2 * ((k - 1) // 2) - k) // s + 1
-        moved = 4.0 * (c * hw * hw + c * out_hw * out_hw)
+        moved = 4.0 * batch * (c * hw * hw + c * out_hw * out_hw)
         for threads in threads_list:
             configure_threads(threads)
             so = ort.SessionOptions()
             so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
             times = _interleaved({**fns, "ort": lambda: sess.run(None, {"x": x})}, repeats)
-            row = {"channels": c, "size": hw, "kernel": k, "stride": s, "threads": threads, **{
+            row = {"channels": c, "size": hw, "kernel": k, "stride": s, "batch": batch, "threads": threads, **{
                 f"{n}_{key}": v for n, t in times.items() for key, v in t.items()}}
             for n in times:
                 row[f"{n}_gb_s"] = moved / (times[n]["wall_us"] * 1e-6) / 1e9
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), file=sys.stderr)
-    return {"target": str(target), "repeats": repeats, "rows": rows}
+    return {"target": str(target), "repeats": repeats, "batch": batch, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=1, help="batch of every layer (mobilenet's b8 rows: 8)")
+    ap.add_argument("--layers", default="", metavar="C:HW:K:S,...",
+                    help="only these layers (channels:input size:kernel:stride), e.g. 144:28:3:1")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
-    data = run([int(t) for t in args.threads.split(",")], args.repeats)
+    if args.layers:
+        LAYERS[:] = [tuple(int(v) for v in item.split(":")) for item in args.layers.split(",")]
+    data = run([int(t) for t in args.threads.split(",")], args.repeats, args.batch)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     return 0
