@@ -92,5 +92,8 @@ def test_two_use_epilogue_of_a_conv_is_fused_and_matches_ort(act, depthwise):
     assert convs, [gv.name_hint for gv, _ in mod.functions_items()]
     out_shape = f"(T.int64(2), T.int64(12), T.int64(12), T.int64({model.graph.initializer[0].dims[0]}))"
     for body in convs:
-        left = [ln for ln in body.splitlines() if "sblock_alloc_buffer" in ln and out_shape in ln and 'scope="local"' not in ln]
+        # the depthwise rule's stride-1 accumulators are global scope so that TVM puts their one
+        # register tile on the stack (depthwise.TILE_INPUT): the conv's own, not an epilogue's
+        left = [ln for ln in body.splitlines() if "sblock_alloc_buffer" in ln and out_shape in ln
+                and 'scope="local"' not in ln and not ln.strip().startswith("group_conv2d_nhwc_intermediate_global =")]
         assert not left, left
