@@ -48,7 +48,7 @@ Input tiles (:data:`TILE_INPUT`, the default for stride 1, dilation 1). The padd
 that one kernel row of a register tile reads, ``WR + kw - 1`` of them, are computed into a small
 buffer inside the ``ry`` loop (the pad block at ``ry``: the bounds check once per vector), and the
 ``rx`` taps are unrolled, so each input vector is loaded once and feeds up to ``kw`` FMAs from a
-register (MLAS's depthwise kernel keeps its window in registers the same way)::
+register::
 
     for ry in kh:
         win[WR + kw - 1, V] = pad(x)[row*s + ry, wo*WR : wo*WR + WR + kw - 1, co*V : (co+1)*V]
