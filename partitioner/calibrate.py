@@ -227,7 +227,10 @@ def backward_kernels() -> list[MicroKernel]:
     ``Where(x > 0, dy, 0)`` (class ``where``, ``WHERE_PROBE``): ONNX Runtime's Where ran at about
     2 GB/s whatever the size (0.2 to 4 MiB maps, with a scalar or a full third operand, where an
     Add of the same maps ran at 40-75 GB/s), so the ``elementwise`` class priced the zoo resnet's
-    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step. And a
+    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step. And the
+    ``gemm`` and ``gemm_large`` probes' MatMuls with the weight as a graph input (classes
+    ``gemm_train``, ``gemm_large_train``, ``GEMM_TRAIN_PROBES``): ONNX Runtime packs an input
+    weight on every call (1.05-1.18x the constant weight's time, measured). And a
     batched MatMul's weight gradient summed over its batch (class ``reduce_batch``,
     ``REDUCE_BATCH_PROBE``): ONNX Runtime's ReduceSum over the leading axis of [B, 256, 1024]
     ran at 4-5 GB/s for B = 4 and 8, 1.4 GB/s for B = 16 and 6-34 GB/s for B = 32 (an algorithm
@@ -258,6 +261,9 @@ def backward_kernels() -> list[MicroKernel]:
           if REDUCE_BATCH_PROBE else []),
         *([_k("relu_grad_where_64c_28_b4", "where", {"mask": (4, 64, 28, 28), "dy": (4, 64, 28, 28)}, {"zero": ()},
               [("Where", ["mask", "dy", "zero"], ["dx"], {})], ["dx"])] if WHERE_PROBE else []),
+        *([_k(f"gemm_{m}x{k}x{n}_win", cls, {"x": (m, k), "w": (k, n)}, {}, [("MatMul", ["x", "w"], ["y"], {})], ["y"])
+           for cls, (m, k, n) in (("gemm_train", GEMM_PROBE), ("gemm_large_train", GEMM_LARGE_PROBE))]
+          if GEMM_TRAIN_PROBES else []),
     ]
 
 
@@ -275,6 +281,12 @@ LARGE_MAP_PROBES = True
 #: ``reduce_to``), read by the training cost model for a step's ReduceSum over axis 0 of a 3-D
 #: or higher tensor (cost/training.py rule 1); off: they run at the ``reduction`` class value
 REDUCE_BATCH_PROBE = True
+
+#: the ``gemm_train`` / ``gemm_large_train`` probes: the ``gemm`` / ``gemm_large`` probes' MatMuls
+#: with the weight as a graph input, as a training step's forward products take it (its state;
+#: ONNX Runtime prepacks only a constant weight), read by the training cost model's rule 1
+#: (``cost.training.train_gemm_device``); off: those products run at the constant-weight values
+GEMM_TRAIN_PROBES = True
 
 #: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
 #: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);

@@ -21,7 +21,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
    as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``; on a TVM rank at the
    small-map point of its batch's pixels, not one image's: :func:`tvm_batch_columns`,
-   ``TVM_CONV_BATCH_COLUMNS``), and a Where (the ReLU
+   ``TVM_CONV_BATCH_COLUMNS``), a forward GEMM / MatMul whose weight is a graph input (the
+   step's state) on the ``gemm_train`` / ``gemm_large_train`` pair when calibrated
+   (:func:`train_gemm_device`, ``TRAIN_GEMM_PROBES``: ONNX Runtime packs an input weight on every
+   call, 1.06-1.11x a prepacked constant one's time), and a Where (the ReLU
    gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
    Runtime's Where runs at about 2 GB/s, a thirtieth of its Add), a batched MatMul's weight
    gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
@@ -421,8 +424,36 @@ def priced_step_nodes(step: Any, device: Any) -> list[tuple[Any, str | None, flo
         if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs
             c = replace(c, flops=c.flops * tvm_conv_flops_ratio(node))
         c = replace(c, columns=tvm_batch_columns(device, node, cls, c.columns))
-        out.append((node, key, op_time(c, device, "float32", cls, node in fused, working_set=True)))
+        on = train_gemm_device(device, node, cls)
+        out.append((node, key, op_time(c, on, "float32", cls, node in fused, working_set=True)))
     return out
+
+
+#: rule 1: a step's forward products whose weight operand is a graph input (the step's state) at
+#: the calibrated ``gemm_train`` / ``gemm_large_train`` pair when measured (off: at the ``gemm`` /
+#: ``gemm_large`` probes', whose weights are constant)
+TRAIN_GEMM_PROBES = True
+
+
+def train_gemm_device(device: Any, node: Any, cls: str) -> Any:
+    """Rule 1: the device a step's ``gemm``-class forward product is priced on: for a product
+    whose second operand is a graph input (the step's weights are: its state), ``device`` with
+    the ``gemm_train`` / ``gemm_large_train`` probes' values (the calibration's MatMuls with the
+    weight as an input: ``calibrate.backward_kernels``) in place of ``gemm`` / ``gemm_large``,
+    so roofline rule 5 interpolates between those; else ``device``. Why: ONNX Runtime prepacks a
+    constant MatMul weight once, at session creation, and packs an input one on every call.
+    Measured (ORT, one thread, thread CPU, 9 interleaved rounds, load 6.4-7.1): input over
+    constant weight 1.13x at 128x256x256, 1.12x at 256x1024x1024, 1.05-1.18x at the zoo bert's
+    2048-row and the mlp's 1024-row products; the ``gemm`` probes' constant weights had priced
+    every forward product of a training step at the prepacked rate."""
+    table = getattr(device, "efficiency_by_class", {})
+    if not TRAIN_GEMM_PROBES or cls != "gemm" or "gemm_train" not in table or "gemm_large_train" not in table:
+        return device
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is None or not w.is_graph_input():
+        return device
+    return replace(device, efficiency_by_class={**table, "gemm": table["gemm_train"],
+                                                "gemm_large": table["gemm_large_train"]})
 
 
 def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
