@@ -207,7 +207,8 @@ def backward_kernels() -> list[MicroKernel]:
     cost model's rule 1 for the backward's contractions, :func:`partitioner.cost.training.backward_class`):
     the forward set's GEMM and 3x3 convs in the forms the gradient rules emit
     (:mod:`partitioner.training.rules.linear`): the weight gradient ``Gemm(x, dy, transA=1)`` and
-    the input gradient ``Gemm(dy, W, transB=1)``; the 3x3 convs' input gradient
+    the input gradient ``Gemm(dy, W, transB=1)`` (``W`` a graph input, as the step's state:
+    ``DGRAD_WEIGHT_INPUT``); the 3x3 convs' input gradient
     ``ConvTranspose(dy, W)`` (``conv_backward``) and their weight gradient, the GEMM rule's one
     MatMul ``dY [M, N*H*W] @ cols [N*H*W, C*9]`` (``gemm_backward``: a MatMul, as the cost model
     classes it; the im2col's slices and transposes are data movement, costed apart). A weight
@@ -241,8 +242,9 @@ def backward_kernels() -> list[MicroKernel]:
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
-        _k("gemm_dgrad_128x256x256", "gemm_backward", {"dy": (128, 256)}, {"w": (256, 256)},
-           [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
+        _k("gemm_dgrad_128x256x256_win" if DGRAD_WEIGHT_INPUT else "gemm_dgrad_128x256x256", "gemm_backward",
+           {"dy": (128, 256), **({"w": (256, 256)} if DGRAD_WEIGHT_INPUT else {})},
+           {} if DGRAD_WEIGHT_INPUT else {"w": (256, 256)}, [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
         _conv_transpose_kernel(64, 28, "conv_backward"),
         _k("wgrad_im2col3x3_64c_28_b4", "gemm_backward", {"dy": (64, 4 * 28 * 28), "cols": (4 * 28 * 28, 64 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
@@ -287,6 +289,12 @@ REDUCE_BATCH_PROBE = True
 #: ONNX Runtime prepacks only a constant weight), read by the training cost model's rule 1
 #: (``cost.training.train_gemm_device``); off: those products run at the constant-weight values
 GEMM_TRAIN_PROBES = True
+
+#: the ``gemm_backward`` input-gradient probe ``Gemm(dy, W, transB=1)`` takes ``W`` as a graph
+#: input, as the step does (its state; ONNX Runtime prepacks only a constant ``W``: measured
+#: 1.07x faster with it constant, calibration timer, CPU clock, 9 interleaved reps); off: ``W``
+#: constant (the probe before 2026-12-01 night)
+DGRAD_WEIGHT_INPUT = True
 
 #: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
 #: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);

@@ -47,3 +47,18 @@ def test_a_product_of_activations_is_not_the_state() -> None:
     assert all(ct.train_gemm_device(device, n, "gemm") is device for n in computed)
     fc1 = next(n for n in step.graph if n.name == "fc1")
     assert ct.train_gemm_device(device, fc1, "gemm").efficiency_by_class["gemm"] == 0.5
+
+
+def test_training_gemm_probes_take_the_weight_as_an_input() -> None:
+    """The calibration's ``gemm_train`` / ``gemm_large_train`` MatMuls and ``gemm_backward``'s
+    input-gradient Gemm take the weight as a graph input (no constant weights), as the step does;
+    fails with ``GEMM_TRAIN_PROBES`` or ``DGRAD_WEIGHT_INPUT`` off."""
+    from partitioner.calibrate import backward_kernels
+
+    kernels = backward_kernels()
+    by_class = {k.op_class: k for k in kernels if k.op_class in ("gemm_train", "gemm_large_train")}
+    assert sorted(by_class) == ["gemm_large_train", "gemm_train"]
+    dgrad = [k for k in kernels if k.name.startswith("gemm_dgrad")]
+    for k in (*by_class.values(), *dgrad):
+        assert not k.weights and "w" in dict(k.inputs), k.name
+    assert dgrad
