@@ -207,7 +207,8 @@ def backward_kernels() -> list[MicroKernel]:
     cost model's rule 1 for the backward's contractions, :func:`partitioner.cost.training.backward_class`):
     the forward set's GEMM and 3x3 convs in the forms the gradient rules emit
     (:mod:`partitioner.training.rules.linear`): the weight gradient ``Gemm(x, dy, transA=1)`` and
-    the input gradient ``Gemm(dy, W, transB=1)``; the 3x3 convs' input gradient
+    the input gradient ``Gemm(dy, W, transB=1)`` (``W`` a graph input, as the step's state:
+    ``DGRAD_WEIGHT_INPUT``); the 3x3 convs' input gradient
     ``ConvTranspose(dy, W)`` (``conv_backward``) and their weight gradient, the GEMM rule's one
     MatMul ``dY [M, N*H*W] @ cols [N*H*W, C*9]`` (``gemm_backward``: a MatMul, as the cost model
     classes it; the im2col's slices and transposes are data movement, costed apart). A weight
@@ -227,7 +228,10 @@ def backward_kernels() -> list[MicroKernel]:
     ``Where(x > 0, dy, 0)`` (class ``where``, ``WHERE_PROBE``): ONNX Runtime's Where ran at about
     2 GB/s whatever the size (0.2 to 4 MiB maps, with a scalar or a full third operand, where an
     Add of the same maps ran at 40-75 GB/s), so the ``elementwise`` class priced the zoo resnet's
-    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step. And a
+    17 ReLU-gradient Wheres at 0.4 ms where they took 11 ms of its batch-16 step. And the
+    ``gemm`` and ``gemm_large`` probes' MatMuls with the weight as a graph input (classes
+    ``gemm_train``, ``gemm_large_train``, ``GEMM_TRAIN_PROBES``): ONNX Runtime packs an input
+    weight on every call (1.05-1.18x the constant weight's time, measured). And a
     batched MatMul's weight gradient summed over its batch (class ``reduce_batch``,
     ``REDUCE_BATCH_PROBE``): ONNX Runtime's ReduceSum over the leading axis of [B, 256, 1024]
     ran at 4-5 GB/s for B = 4 and 8, 1.4 GB/s for B = 16 and 6-34 GB/s for B = 32 (an algorithm
@@ -238,8 +242,9 @@ def backward_kernels() -> list[MicroKernel]:
     return [
         _k("gemm_wgrad_128x256x256", "gemm_backward", {"x": (128, 256), "dy": (128, 256)}, {},
            [("Gemm", ["x", "dy"], ["dw"], {"transA": 1})], ["dw"]),
-        _k("gemm_dgrad_128x256x256", "gemm_backward", {"dy": (128, 256)}, {"w": (256, 256)},
-           [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
+        _k("gemm_dgrad_128x256x256_win" if DGRAD_WEIGHT_INPUT else "gemm_dgrad_128x256x256", "gemm_backward",
+           {"dy": (128, 256), **({"w": (256, 256)} if DGRAD_WEIGHT_INPUT else {})},
+           {} if DGRAD_WEIGHT_INPUT else {"w": (256, 256)}, [("Gemm", ["dy", "w"], ["dx"], {"transB": 1})], ["dx"]),
         _conv_transpose_kernel(64, 28, "conv_backward"),
         _k("wgrad_im2col3x3_64c_28_b4", "gemm_backward", {"dy": (64, 4 * 28 * 28), "cols": (4 * 28 * 28, 64 * 9)},
            {}, [("MatMul", ["dy", "cols"], ["dw"], {})], ["dw"]),
@@ -258,6 +263,9 @@ def backward_kernels() -> list[MicroKernel]:
           if REDUCE_BATCH_PROBE else []),
         *([_k("relu_grad_where_64c_28_b4", "where", {"mask": (4, 64, 28, 28), "dy": (4, 64, 28, 28)}, {"zero": ()},
               [("Where", ["mask", "dy", "zero"], ["dx"], {})], ["dx"])] if WHERE_PROBE else []),
+        *([_k(f"gemm_{m}x{k}x{n}_win", cls, {"x": (m, k), "w": (k, n)}, {}, [("MatMul", ["x", "w"], ["y"], {})], ["y"])
+           for cls, (m, k, n) in (("gemm_train", GEMM_PROBE), ("gemm_large_train", GEMM_LARGE_PROBE))]
+          if GEMM_TRAIN_PROBES else []),
     ]
 
 
@@ -275,6 +283,18 @@ LARGE_MAP_PROBES = True
 #: ``reduce_to``), read by the training cost model for a step's ReduceSum over axis 0 of a 3-D
 #: or higher tensor (cost/training.py rule 1); off: they run at the ``reduction`` class value
 REDUCE_BATCH_PROBE = True
+
+#: the ``gemm_train`` / ``gemm_large_train`` probes: the ``gemm`` / ``gemm_large`` probes' MatMuls
+#: with the weight as a graph input, as a training step's forward products take it (its state;
+#: ONNX Runtime prepacks only a constant weight), read by the training cost model's rule 1
+#: (``cost.training.train_gemm_device``); off: those products run at the constant-weight values
+GEMM_TRAIN_PROBES = True
+
+#: the ``gemm_backward`` input-gradient probe ``Gemm(dy, W, transB=1)`` takes ``W`` as a graph
+#: input, as the step does (its state; ONNX Runtime prepacks only a constant ``W``: measured
+#: 1.07x faster with it constant, calibration timer, CPU clock, 9 interleaved reps); off: ``W``
+#: constant (the probe before 2026-12-01 night)
+DGRAD_WEIGHT_INPUT = True
 
 #: the ``where`` probe: the ReLU gradient's ``Where(x > 0, dy, 0)`` (training/rules), class
 #: ``where``, read by the training cost model for a step's Where nodes (cost/training.py rule 1);

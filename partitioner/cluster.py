@@ -66,9 +66,9 @@ MEMORY_SIZE_CLASSES = ("elementwise_large", "data_movement_large")
 #: the small-map conv probes' classes (calibrate.backward_kernels), read by the roofline's
 #: output-pixels rule for ``conv_backward`` and ``conv_train`` ops (cost/roofline.py rule 6)
 CONV_SIZE_CLASSES = ("conv_backward_px16", "conv_backward_px4", "conv_train_px16", "conv_train_px4")
-#: the training probes' forward conv with its weights as an input, as a training step runs it
-#: (calibrate.backward_kernels; cost/training.py rule 1)
-TRAIN_FORWARD_CLASSES = ("conv_train",)
+#: the training probes' forward conv and GEMM pair with their weights as an input, as a training
+#: step runs them (calibrate.backward_kernels; cost/training.py rule 1)
+TRAIN_FORWARD_CLASSES = ("conv_train", "gemm_train", "gemm_large_train")
 #: kernels a training step runs whose backend's rate is their own: the ReLU gradient's Where and
 #: a batched weight gradient's sum over its batch (calibrate.backward_kernels; cost/training.py rule 1)
 TRAIN_OP_CLASSES = ("where", "reduce_batch")

@@ -21,7 +21,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ``conv_train`` when calibrated (:func:`forward_class`: the probes' convs with their weights
    as a graph input, as the step's state is; ``TRAIN_FORWARD_PROBES``; on a TVM rank at the
    small-map point of its batch's pixels, not one image's: :func:`tvm_batch_columns`,
-   ``TVM_CONV_BATCH_COLUMNS``), and a Where (the ReLU
+   ``TVM_CONV_BATCH_COLUMNS``), a forward GEMM / MatMul whose weight is a graph input (the
+   step's state) on the ``gemm_train`` / ``gemm_large_train`` pair when calibrated
+   (:func:`train_gemm_device`, ``TRAIN_GEMM_PROBES``: ONNX Runtime packs an input weight on every
+   call, 1.06-1.11x a prepacked constant one's time), and a Where (the ReLU
    gradient) at ``where`` when calibrated (:func:`node_class`, ``TRAIN_WHERE_CLASS``: ONNX
    Runtime's Where runs at about 2 GB/s, a thirtieth of its Add), a batched MatMul's weight
    gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
@@ -103,6 +106,17 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    (:mod:`partitioner.cost.comm`). Without overheads the model is compute and communication only.
 8. Pipeline gradient accumulation: every micro-batch after the first adds its gradients into the
    accumulator in place, a memory-bound pass (read two, write one) over the stage's weights.
+9. Deferred weight gradients (pipeline rule 10, :mod:`partitioner.training.deferred_wgrad`; for
+   ONNX Runtime plans whose last stage's weight products sum over few rows, as the zoo resnet's
+   layer3-4 at micro-batch 2): the last stage's micro-batches run without their
+   weight-gradient-only nodes (:func:`weight_gradient_only`: deferred_wgrad rule 1's ``W``,
+   found on the 1-rank step graph) and accumulate nothing (rule 8), and its ``W`` program runs
+   once per step at the whole batch (those nodes priced by rule 1 on the step built at the
+   whole batch) after its last micro-batch, beside the earlier stages' last backwards: the
+   step is longer by what ``W`` takes beyond them. Rule 7: the micro-batch calls return no
+   weight gradients, and ``W`` is one more call. Before this rule the plan was priced as if it
+   accumulated (the zoo resnet's ORT pipeline: 226.1 ms predicted with accumulation, 206.0
+   deferred; measured, paired, session 10: 342.4 and 310.2 ms). ``PRICE_DEFERRED_WGRAD``.
 """
 
 from __future__ import annotations
@@ -169,6 +183,16 @@ class StepOverheads:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class DeferredWeightGradients:
+    """Rule 9's prices per forward node: its weight-gradient-only nodes' seconds at the
+    micro-batch (``micro``) and at the whole batch (``whole``), and their step-node count."""
+
+    micro: np.ndarray
+    whole: np.ndarray
+    nodes: np.ndarray
+
+
 @dataclass
 class _Profile:
     forward: np.ndarray  # seconds per node
@@ -186,6 +210,8 @@ class _Profile:
     weight_tensors: np.ndarray | None = None  # trainable tensors first read by each node
     #: rule 2 from the step graph (ONNX Runtime): its optimizer nodes' seconds for all the weights
     optimizer_s: float | None = None
+    #: rule 9 (set by the planner when the pipeline's last stage defers its weight gradients)
+    deferred: DeferredWeightGradients | None = None
 
     def fixed(self, calls: float, nodes: float, arrays: float, output_bytes: float) -> float:
         """Rule 7 for ``calls`` program calls with these totals; 0 without overheads."""
@@ -384,29 +410,65 @@ def node_class(device: Any, node: Any, backward: bool) -> str:
     return backward_class(device, op_class(node)) if backward else forward_class(device, op_class(node))
 
 
+def priced_step_nodes(step: Any, device: Any) -> list[tuple[Any, str | None, float]]:
+    """Rule 1's price of every node of the step graph ``step``: (node, its forward-node key
+    (``training.forward_node``: None for a forward node), seconds)."""
+    from partitioner.cost.roofline import fused_nodes, op_time
+    from partitioner.cost.workdepth import constant_values, node_costs
+
+    fused = fused_nodes(step)
+    out = []
+    for node, c in zip(list(step), node_costs(step, constant_values(step))):
+        key = node.metadata_props.get(FORWARD_NODE_KEY)
+        cls = node_class(device, node, key is not None and key not in ("loss", "optimizer"))
+        if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs
+            c = replace(c, flops=c.flops * tvm_conv_flops_ratio(node))
+        c = replace(c, columns=tvm_batch_columns(device, node, cls, c.columns))
+        on = train_gemm_device(device, node, cls)
+        out.append((node, key, op_time(c, on, "float32", cls, node in fused, working_set=True)))
+    return out
+
+
+#: rule 1: a step's forward products whose weight operand is a graph input (the step's state) at
+#: the calibrated ``gemm_train`` / ``gemm_large_train`` pair when measured (off: at the ``gemm`` /
+#: ``gemm_large`` probes', whose weights are constant)
+TRAIN_GEMM_PROBES = True
+
+
+def train_gemm_device(device: Any, node: Any, cls: str) -> Any:
+    """Rule 1: the device a step's ``gemm``-class forward product is priced on: for a product
+    whose second operand is a graph input (the step's weights are: its state), ``device`` with
+    the ``gemm_train`` / ``gemm_large_train`` probes' values (the calibration's MatMuls with the
+    weight as an input: ``calibrate.backward_kernels``) in place of ``gemm`` / ``gemm_large``,
+    so roofline rule 5 interpolates between those; else ``device``. Why: ONNX Runtime prepacks a
+    constant MatMul weight once, at session creation, and packs an input one on every call.
+    Measured (ORT, one thread, thread CPU, 9 interleaved rounds, load 6.4-7.1): input over
+    constant weight 1.13x at 128x256x256, 1.12x at 256x1024x1024, 1.05-1.18x at the zoo bert's
+    2048-row and the mlp's 1024-row products; the ``gemm`` probes' constant weights had priced
+    every forward product of a training step at the prepacked rate."""
+    table = getattr(device, "efficiency_by_class", {})
+    if not TRAIN_GEMM_PROBES or cls != "gemm" or "gemm_train" not in table or "gemm_large_train" not in table:
+        return device
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is None or not w.is_graph_input():
+        return device
+    return replace(device, efficiency_by_class={**table, "gemm": table["gemm_train"],
+                                                "gemm_large": table["gemm_large_train"]})
+
+
 def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
                backward: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rule 1 from the step graph ``step`` (an onnx-ir graph): (forward, backward) seconds per
     forward node ``names``; a forward node the step graph does not name keeps ``forward`` /
     ``backward`` (the factor rule); step nodes of no known forward node are spread evenly."""
-    from partitioner.cost.roofline import fused_nodes, op_time
-    from partitioner.cost.workdepth import constant_values, node_costs
-
     nodes = list(step)
     index = {n: i for i, n in enumerate(names)}
     rewrite = {n.name: n.metadata_props.get(REWRITE_KEY) for n in nodes if n.metadata_props.get(REWRITE_KEY)}
     fwd, bwd = np.zeros(len(names)), np.zeros(len(names))
     seen_f, seen_b = np.zeros(len(names), bool), np.zeros(len(names), bool)
     other = loss = 0.0
-    fused = fused_nodes(step)
-    for node, c in zip(nodes, node_costs(step, constant_values(step))):
-        key = node.metadata_props.get(FORWARD_NODE_KEY)
+    for node, key, t in priced_step_nodes(step, device):
         is_backward = key is not None and key not in ("loss", "optimizer")
-        cls = node_class(device, node, is_backward)
-        if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs
-            c = replace(c, flops=c.flops * tvm_conv_flops_ratio(node))
-        c = replace(c, columns=tvm_batch_columns(device, node, cls, c.columns))
-        t = op_time(c, device, "float32", cls, node in fused, working_set=True)
         if key == "optimizer":
             continue  # rule 2 (the optimizer's own formula)
         if key == "loss":
@@ -426,6 +488,51 @@ def step_times(step: Any, device: Any, names: list[str], forward: np.ndarray,
     fwd[-1] += loss
     bwd = np.where(seen_b | seen_f, bwd, backward)
     return fwd, bwd + other / max(1, len(names))
+
+
+#: rule 9: a pipeline plan whose last stage defers its weight gradients (pipeline rule 10) is
+#: priced as it runs (off: every stage computes and accumulates its weight gradients per
+#: micro-batch, as before rule 10)
+PRICE_DEFERRED_WGRAD = True
+
+
+def _is_backward(node: Any) -> bool:
+    key = node.metadata_props.get(FORWARD_NODE_KEY)
+    return key is not None and key not in ("loss", "optimizer")
+
+
+def weight_gradient_only(step: Any) -> set[Any]:
+    """Rule 9: the backward nodes of the step graph ``step`` that only compute weight gradients
+    (deferred_wgrad rule 1's ``W``): no path from them reaches the loss or a backward node of
+    another forward node (the gradient of a forward value, which earlier layers' backward
+    reads), so they end in the weight gradients and the optimizer alone. A conv's im2col and
+    weight-gradient product, a Gemm's ``dY^T X``, a bias's sum are; an input gradient, a
+    ReLU gradient's Where, a BatchNormalization's shared backward are not."""
+    per_micro_batch: dict[Any, bool] = {}
+    for node in reversed(list(step)):
+        if not _is_backward(node):
+            continue
+        key = node.metadata_props.get(FORWARD_NODE_KEY)
+        per_micro_batch[node] = any(
+            c.metadata_props.get(FORWARD_NODE_KEY) == "loss"
+            or (_is_backward(c) and (c.metadata_props.get(FORWARD_NODE_KEY) != key or per_micro_batch.get(c, False)))
+            for o in node.outputs for c, _ in o.uses())
+    return {n for n, needed in per_micro_batch.items() if not needed}
+
+
+def weight_gradient_times(step: Any, device: Any, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 9: per forward node ``names``, the seconds and the node count of its weight-gradient-only
+    backward nodes (:func:`weight_gradient_only`) in the step graph ``step``, priced as rule 1."""
+    index = {n: i for i, n in enumerate(names)}
+    only = weight_gradient_only(step)
+    rewrite = {n.name: n.metadata_props.get(REWRITE_KEY) for n in step if n.metadata_props.get(REWRITE_KEY)}
+    seconds, count = np.zeros(len(names)), np.zeros(len(names))
+    for node, key, t in priced_step_nodes(step, device):
+        i = index.get(rewrite.get(key, key)) if node in only else None
+        if i is not None:
+            seconds[i] += t
+            count[i] += 1
+    return seconds, count
 
 
 def _state_arrays(tensors: float, copies: int) -> float:
@@ -561,13 +668,14 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     sends = [2 * collective_time("send", cut_bytes(p.graph, ends[k]), [k, k + 1], cluster).seconds
              for k in range(stages - 1)]  # activations forward and their gradients back
     ws = [float(p.weight[s].sum()) for s in spans]
+    stage_t, accumulated, tail = _deferred_last_stage(p, spans, stage_t, ws)
     # rule 8: every micro-batch but the first adds its gradients into the accumulator
-    stage_t = [t + 3 * w * (m - 1) / m / device.memory_bandwidth for t, w in zip(stage_t, ws)]
+    stage_t = [t + 3 * w * (m - 1) / m / device.memory_bandwidth for t, w in zip(stage_t, accumulated)]
     mb_fixed, upd_fixed = _pipeline_fixed(p, spans, copies)
     stage_t = [t + f for t, f in zip(stage_t, mb_fixed)]
     opt = [_optimizer_time(w, copies, device, p) + f for w, f in zip(ws, upd_fixed)]
     per_step = p.overheads.per_step_s if p.overheads is not None else 0.0
-    step = pipeline_step_time(stage_t, sends, m) + max(opt) + per_step
+    step = pipeline_step_time(stage_t, sends, m) + tail + max(opt) + per_step
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
     inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
@@ -576,9 +684,26 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
            for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t),
-             "fixed_s": per_step + max(f * m for f in mb_fixed) + max(upd_fixed)}
+             "fixed_s": per_step + max(f * m for f in mb_fixed) + max(upd_fixed), "deferred_tail_s": tail}
     return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m,
                               [float(p.weight[s].sum()) for s in spans], recompute)
+
+
+def _deferred_last_stage(p: _Profile, spans: list[slice], stage_t: list[float],
+                         ws: list[float]) -> tuple[list[float], list[float], float]:
+    """Rule 9: (per-micro-batch stage times, the weight bytes each stage accumulates (rule 8),
+    the step's tail) with the last stage's weight gradients deferred when ``p.deferred`` is set:
+    its micro-batches run without their weight-gradient-only nodes and accumulate nothing, and
+    its whole-batch weight-gradient program runs once after its last micro-batch, while the
+    earlier stages run their last backwards (one backward per earlier stage: the drain); the
+    step is longer by what that program takes beyond them."""
+    d = p.deferred if PRICE_DEFERRED_WGRAD else None
+    if d is None or len(spans) < 2:
+        return stage_t, ws, 0.0
+    last = spans[-1]
+    drain = sum(float(p.backward[s].sum()) for s in spans[:-1])
+    stage_t = [*stage_t[:-1], stage_t[-1] - float(d.micro[last].sum())]
+    return stage_t, [*ws[:-1], 0.0], max(0.0, float(d.whole[last].sum()) - drain)
 
 
 def _pipeline_fixed(p: _Profile, spans: list[slice], copies: int) -> tuple[list[float], list[float]]:
@@ -589,15 +714,21 @@ def _pipeline_fixed(p: _Profile, spans: list[slice], copies: int) -> tuple[list[
     nodes = p.step_nodes if p.step_nodes is not None else np.ones(len(p.names))
     total_w = max(float(p.weight.sum()), 1.0)
     mb, upd = [], []
+    d = p.deferred if PRICE_DEFERRED_WGRAD and len(spans) > 1 else None
     for i, s in enumerate(spans):
         last = i == len(spans) - 1
         tensors, w = float(p.weight_tensors[s].sum()), float(p.weight[s].sum())
         n = float(nodes[s].sum()) + (p.loss_nodes if last else 0)
+        deferred = float(d.nodes[s].sum()) if d is not None and last else None
         # F: data or received values + weights in, sends + stash out; B: stash + weights +
-        # output gradients in, weight and input gradients out (the fused call: both in one)
-        mb.append(p.fixed(1 if last else 2, n, (3 if last else 4) * tensors + 6, w) + p.overheads.per_micro_batch_s)
+        # output gradients in, weight and input gradients out (the fused call: both in one);
+        # rule 9: a deferring stage's micro-batches return no weight gradients, and its
+        # weight-gradient program is one more call per step, returning them
+        mb.append(p.fixed(1 if last else 2, n - (deferred or 0.0), (3 if last else 4) * tensors + 6,
+                          0.0 if deferred is not None else w) + p.overheads.per_micro_batch_s)
         upd.append(p.fixed(1, p.optimizer_nodes * w / total_w, _state_arrays(tensors, copies) + tensors + 1,
-                           w * (1 + copies)))
+                           w * (1 + copies))
+                   + (p.fixed(1, deferred, 2 * tensors, w) if deferred is not None else 0.0))
     return mb, upd
 
 

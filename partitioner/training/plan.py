@@ -77,7 +77,9 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         whole = _load(model, batch) if _defers(memory_limit, m) and be == "onnxruntime" else None  # measured_cut rule 7
         seconds = node_seconds(fwd, loss, be, whole, m)
         if seconds is not None and seconds.ndim == 2:  # pipeline rule 10 decides the cut
-            (ends, _), recompute = deferred_cut(graph, devices, m, seconds), False
+            (ends, defers), recompute = deferred_cut(graph, devices, m, seconds), False
+            if defers:  # cost rule 9: the last stage's weight gradients once, at the whole batch
+                prof.deferred = _deferred_prices(model, graph, step, local, batch, loss, optimizer, device)
         else:
             ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
                                         in_flight=in_flight(schedule, devices, m), seconds=seconds)
@@ -104,6 +106,18 @@ def _step_graph(model: Any, batch: int, loss: str, optimizer: str) -> ir.Model |
         return build_training_graph(model, loss=loss, optimizer=make_optimizer(optimizer, 1e-3), batch=batch)
     except (UsageError, InputError):
         return None
+
+
+def _deferred_prices(model: Any, graph: ir.Graph, step: ir.Model | None, local: int, batch: int, loss: str,
+                     optimizer: str, device: Any) -> cost.DeferredWeightGradients | None:
+    """Cost rule 9's prices: every forward node's weight-gradient-only nodes in the step at the
+    micro-batch ``local`` and at the whole ``batch`` (None without a step graph)."""
+    whole = _step_graph(model, batch, loss, optimizer)
+    if step is None or whole is None:
+        return None
+    names = [n.name or f"node{i}" for i, n in enumerate(graph)]
+    micro, nodes = cost.weight_gradient_times(step.graph, device, names)
+    return cost.DeferredWeightGradients(micro, cost.weight_gradient_times(whole.graph, device, names)[0], nodes)
 
 
 def _count_step_nodes(prof: Any, model: Any, batch: int, loss: str, optimizer: str,

@@ -268,9 +268,10 @@ def test_backward_probes_do_the_forward_convs_and_gemms_work() -> None:
     dev = Device("probe", "cpu", {"float32": peak}, 1e9, 1e15)  # bandwidth high: compute bound
     flops = {"gemm": 2 * 128 * 256 * 256, "conv64": 2 * 4 * 64 * 64 * 9 * 28 * 28,
              "conv256": 2 * 4 * 256 * 256 * 9 * 7 * 7, "conv256_4": 2 * 4 * 256 * 256 * 9 * 4 * 4,
-             "conv512_2": 2 * 4 * 512 * 512 * 9 * 2 * 2}
+             "conv512_2": 2 * 4 * 512 * 512 * 9 * 2 * 2, "gemm_large": 2 * 256 * 1024 * 1024}
     for k in (k for k in backward_kernels() if k.op_class not in ("where", "reduce_batch")):  # contractions only
-        want = flops["conv256_4" if "256c_4" in k.name else "conv512_2" if "512c_2" in k.name
+        want = flops["gemm_large" if "1024x1024" in k.name else "conv256_4" if "256c_4" in k.name
+                     else "conv512_2" if "512c_2" in k.name
                      else "conv64" if "64c" in k.name else "conv256" if "256c" in k.name else "gemm"]
         roof, launches = kernel_roof(kernel_model(k), dev)
         assert roof == pytest.approx(want / peak, rel=1e-6), k.name
