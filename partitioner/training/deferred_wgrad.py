@@ -56,7 +56,7 @@ Rules:
    bert (4 x 64 = 256 rows) 206.4 -> 234.3 ms. Measured prices alone (the time each plan
    would take from rule 7's rows) did not separate them: the single-program profile misprices
    the split stages by about 20%, more than the margins. (:func:`~partitioner.training.pipeline.deferred_cut`;
-   :data:`DEFER_ALWAYS` skips the choice.) TVM plans do not defer: their cut is measured on ONNX Runtime, whose
+   :data:`DEFER_ALWAYS` skips the choice.) TVM plans do not defer the whole batch's (rule 7's tail they do): their cut is measured on ONNX Runtime, whose
    whole-batch prices misled it (measured_cut rule 7), and with rule 1's cut the zoo mlp's
    1F1B step simulated from its measured TVM calls went 201 -> 211 ms (its 128-row GEMMs run as
    fast as the whole batch's, so the deferred program only adds a tail).
