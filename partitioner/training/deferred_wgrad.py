@@ -56,13 +56,15 @@ Rules:
    bert (4 x 64 = 256 rows) 206.4 -> 234.3 ms. Measured prices alone (the time each plan
    would take from rule 7's rows) did not separate them: the single-program profile misprices
    the split stages by about 20%, more than the margins. (:func:`~partitioner.training.pipeline.deferred_cut`;
-   :data:`DEFER_ALWAYS` skips the choice.) TVM plans do not defer the whole batch's (rule 7's tail they do): their cut is measured on ONNX Runtime, whose
+   :data:`DEFER_ALWAYS` skips the choice.) TVM plans do not defer the whole batch's (only rule 7's tail): their cut is measured on ONNX Runtime, whose
    whole-batch prices misled it (measured_cut rule 7), and with rule 1's cut the zoo mlp's
    1F1B step simulated from its measured TVM calls went 201 -> 211 ms (its 128-row GEMMs run as
    fast as the whole batch's, so the deferred program only adds a tail).
 
-7. The tail (zero-bubble's ZB-H1 on the last stage): where rule 6 does not defer the whole
-   batch's weight gradients (bigger GEMMs: the mlp's 128 rows, bert's 256; and every TVM plan),
+7. The tail (zero-bubble's ZB-H1 on the last stage): where rule 6 finds the last stage's weight
+   gradients too big to defer the whole batch's (the mlp's 128 rows, bert's 256; on ONNX Runtime
+   and TVM plans; a TVM plan with small ones, the resnet's, keeps them per micro-batch as before:
+   measured, each stage alone, its stage 0 is the slower, and the tail adds two TVM builds),
    the last stage defers those of its last ``K`` = :data:`DEFER_TAIL_MICRO_BATCHES` micro-batches
    only: micro-batches ``0 .. M-K-1`` run the full fused program (weight gradients accumulated,
    rule 4), the last ``K`` the program without them, so each sends its input gradient back

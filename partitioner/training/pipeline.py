@@ -47,8 +47,8 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     only when measured prices say the step gets shorter (:func:`deferred_cut`, from
     measured_cut rule 7's rows; the cut then prices the last stage's nodes as it runs them).
     Not with ``--memory-limit`` or recompute (the deferred values stay alive for all ``M``
-    micro-batches). Where the last stage does not defer the whole batch's (the other plans, TVM
-    included), it defers its last ``K`` micro-batches' (deferred_wgrad rule 7, the ZB-H1 tail:
+    micro-batches). Where the last stage's weight gradients are too big to defer the whole batch's
+    (ONNX Runtime and TVM plans), it defers its last ``K`` micro-batches' (deferred_wgrad rule 7, the ZB-H1 tail:
     ``Stage.fused`` for the first ``M - K``, ``Stage.fused_tail`` for the last ``K``, then
     ``weight_grad`` built at ``K`` micro-batches; ``Stage.w_tail`` = ``K``, or ``M`` for the
     whole batch).
@@ -274,7 +274,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     _refuse_shared_weights(proto, starts, ends, set(names))
     value_ids: dict[str, int] = {}
     out_stages = []
-    count = micro_batches if defer else _tail(micro_batches)
+    count = micro_batches if defer else _tail(fwd.graph, ends, micro_batches)
     wholes = _whole_stages(model, micro * count, count, memory_limit, recompute, starts, ends, owner, names, loss,
                            optimizer, label_name, tail=not defer) if count else None
     for s, (a, b) in enumerate(zip(starts, ends)):
@@ -313,13 +313,17 @@ def _defers(memory_limit: float | None, micro_batches: int) -> bool:
     return deferred_wgrad.DEFER_WEIGHT_GRADIENTS and micro_batches > 1 and memory_limit is None
 
 
-def _tail(micro_batches: int) -> int:
+def _tail(graph: ir.Graph, ends: list[int], micro_batches: int) -> int:
     """Rule 10's tail (deferred_wgrad rule 7): how many trailing micro-batches the last stage
-    defers when it does not defer them all (0: none)."""
+    defers when it does not defer them all (0: none; also where its weight gradients are small,
+    deferred_wgrad rule 6, so that a TVM plan whose ONNX Runtime twin defers the whole batch
+    keeps per-micro-batch gradients)."""
     from partitioner.training import deferred_wgrad
 
     k = deferred_wgrad.DEFER_TAIL_MICRO_BATCHES
-    return k if 2 <= k < micro_batches else 0
+    if not 2 <= k < micro_batches or len(ends) < 2 or deferred_wgrad.small_gradients(graph, ends[-2] + 1):
+        return 0
+    return k
 
 
 def _whole_stages(model: Any, rows: int, micro_batches: int, memory_limit: float | None, recompute: bool,

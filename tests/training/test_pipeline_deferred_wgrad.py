@@ -229,3 +229,22 @@ def test_tail_deferral_matches_one_rank(schedule, optimizer, monkeypatch) -> Non
     full = gathered_state(runners)
     for name, w in one.state.items():
         np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
+
+
+def test_tail_only_where_the_last_stage_gradients_are_big(monkeypatch) -> None:
+    """deferred_wgrad rule 7's choice: the train_step mlp (128-row micro-batches, above
+    DEFER_MAX_ROWS) defers its last 2 micro-batches; the resnet-18 at 2 images (layer4's 2x2
+    maps, small) does not (a TVM plan keeps per-micro-batch gradients there); neither with the
+    knob at 0 or with no more micro-batches than the tail."""
+    from partitioner.training.pipeline import _tail, stage_cut
+    from partitioner.training.step import _load
+
+    mlp = _load(models_zoo.build("mlp", batch=1024, layers=4, hidden=64, in_features=16), 128).graph
+    mlp_ends = stage_cut(mlp, 2)[0]
+    resnet = _load(models_zoo.build("resnet", batch=16, image=64, classes=10), 2).graph
+    n = len(list(resnet))
+    assert _tail(mlp, mlp_ends, 8) == 2
+    assert _tail(resnet, [n // 2, n - 1], 8) == 0
+    assert _tail(mlp, mlp_ends, 2) == 0
+    monkeypatch.setattr(deferred_wgrad, "DEFER_TAIL_MICRO_BATCHES", 0)
+    assert _tail(mlp, mlp_ends, 8) == 0
