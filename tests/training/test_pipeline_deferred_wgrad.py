@@ -248,3 +248,17 @@ def test_tail_only_where_the_last_stage_gradients_are_big(monkeypatch) -> None:
     assert _tail(mlp, mlp_ends, 2) == 0
     monkeypatch.setattr(deferred_wgrad, "DEFER_TAIL_MICRO_BATCHES", 0)
     assert _tail(mlp, mlp_ends, 8) == 0
+
+
+def test_tvm_tail_deferral_matches_one_rank(monkeypatch, tmp_path) -> None:
+    """deferred_wgrad rule 7 on a TVM plan (DEFER_MAX_ROWS 0: its weight gradients count as big):
+    the last stage has the tail programs, and 4 SGD steps of its 2 TVM stages match a 1-rank
+    ONNX Runtime step (rtol 1e-4, atol 1e-5). Fails with DEFER_TAIL_MICRO_BATCHES 0."""
+    from .test_pipeline_training import _tvm_pipeline_trains_like_one_rank
+
+    monkeypatch.setattr(deferred_wgrad, "DEFER_MAX_ROWS", 0)
+    model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    last = plan.stages[-1]
+    assert last.w_tail == 2 and last.fused_tail is not None and last.weight_grad is not None, "no tail on TVM"
+    _tvm_pipeline_trains_like_one_rank(model, plan, (16,), tmp_path)
