@@ -78,7 +78,8 @@ def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict
     return out
 
 
-def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> dict:
+def case(name: str) -> tuple:
+    """The train_step.py model ``name``, its loss, global batch and seeded feed and labels."""
     import models_zoo
     from train_step import CASES
 
@@ -93,7 +94,11 @@ def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> d
     out = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
     y = (rng.integers(0, out[-1], [batch] + out[1:-1]) if loss == "cross_entropy"
          else rng.standard_normal([batch] + out[1:]).astype(np.float32))
-    feed = {vi.name: x}
+    return model, loss, batch, {vi.name: x}, y
+
+
+def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> dict:
+    model, loss, batch, feed, y = case(name)
     load_before = os.getloadavg()
     plans = _plans(model, loss, batch, backend, baseline)
     with tempfile.TemporaryDirectory() as tmp:

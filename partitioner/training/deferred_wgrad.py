@@ -56,12 +56,31 @@ Rules:
    bert (4 x 64 = 256 rows) 206.4 -> 234.3 ms. Measured prices alone (the time each plan
    would take from rule 7's rows) did not separate them: the single-program profile misprices
    the split stages by about 20%, more than the margins. (:func:`~partitioner.training.pipeline.deferred_cut`;
-   :data:`DEFER_ALWAYS` skips the choice.) TVM plans do not defer: their cut is measured on ONNX Runtime, whose
+   :data:`DEFER_ALWAYS` skips the choice.) TVM plans do not defer the whole batch's (only rule 7's tail): their cut is measured on ONNX Runtime, whose
    whole-batch prices misled it (measured_cut rule 7), and with rule 1's cut the zoo mlp's
    1F1B step simulated from its measured TVM calls went 201 -> 211 ms (its 128-row GEMMs run as
    fast as the whole batch's, so the deferred program only adds a tail).
 
-Knob: :data:`DEFER_WEIGHT_GRADIENTS` (module constant, on).
+7. The tail (zero-bubble's ZB-H1 on the last stage): where rule 6 finds the last stage's weight
+   gradients too big to defer the whole batch's (the mlp's 128 rows, bert's 256; on ONNX Runtime
+   and TVM plans; a TVM plan with small ones, the resnet's, keeps them per micro-batch as before:
+   measured, each stage alone, its stage 0 is the slower, and the tail adds two TVM builds),
+   the last stage defers those of its last ``K`` = :data:`DEFER_TAIL_MICRO_BATCHES` micro-batches
+   only: micro-batches ``0 .. M-K-1`` run the full fused program (weight gradients accumulated,
+   rule 4), the last ``K`` the program without them, so each sends its input gradient back
+   without waiting for its weight gradients, and one ``W`` program built at ``K`` micro-batches
+   (rules 2-3 with ``K`` for ``M``) runs after the last, added to the sum. In 1F1B and GPipe the
+   earlier stages' last backwards wait on those input gradients, and stage ``S-2``'s last
+   backward is the step's tail; ``W`` now runs beside it instead of before it. For 2 stages
+   with per-micro-batch stage 0 backward ``b`` and last-stage weight gradients ``w``, the tail
+   after the last stage's last weight-free program shrinks from ``K w + b`` (the ``K w`` in its
+   programs before) to ``max(K w, b)``, i.e. by ``min(K w, b)``; ``K = 2`` fits the zoo mlp (the
+   last stage's two weight-gradient GEMMs per micro-batch against stage 0's three GEMMs in its
+   backward). Needs ``K >= 2`` (rule 2's batch axis) and ``M > K``; with ``M <= K`` rule 6
+   decides alone.
+
+Knobs: :data:`DEFER_WEIGHT_GRADIENTS` (module constant, on; off turns rule 7 off too),
+:data:`DEFER_TAIL_MICRO_BATCHES` (2).
 """
 
 from __future__ import annotations
@@ -86,6 +105,9 @@ DEFER_EARLIER_STAGES = False
 DEFER_ALWAYS = False
 #: rule 6: the most rows per micro-batch a deferring stage's weight gradients sum over
 DEFER_MAX_ROWS = 64
+#: rule 7 (ZB-H1 tail): where the last stage does not defer every micro-batch's weight gradients,
+#: it defers those of its last this-many micro-batches (0 or 1: off; ``PARTITIONER_TRAIN_DEFER_TAIL``)
+DEFER_TAIL_MICRO_BATCHES = int(os.environ.get("PARTITIONER_TRAIN_DEFER_TAIL", "2"))
 _PRODUCTS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 

@@ -55,7 +55,8 @@ Rules:
    TVM plan's last stage defers too, but its cut keeps rule 1's prices (ORT's whole-batch
    weight-gradient GEMMs priced the zoo mlp's last-stage nodes up to 2.3x its per-micro-batch
    ones, and the cut they gave left the TVM stages at 242 / 98 ms against 163 / 193 without),
-   so TVM plans do not defer.
+   so TVM plans do not defer the whole batch's weight gradients (only the tail's, deferred_wgrad
+   rule 7, with rule 1's cut).
 """
 
 from __future__ import annotations

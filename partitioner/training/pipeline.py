@@ -47,7 +47,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     only when measured prices say the step gets shorter (:func:`deferred_cut`, from
     measured_cut rule 7's rows; the cut then prices the last stage's nodes as it runs them).
     Not with ``--memory-limit`` or recompute (the deferred values stay alive for all ``M``
-    micro-batches).
+    micro-batches). Where the last stage's weight gradients are too big to defer the whole batch's
+    (ONNX Runtime and TVM plans), it defers its last ``K`` micro-batches' (deferred_wgrad rule 7, the ZB-H1 tail:
+    ``Stage.fused`` for the first ``M - K``, ``Stage.fused_tail`` for the last ``K``, then
+    ``weight_grad`` built at ``K`` micro-batches; ``Stage.w_tail`` = ``K``, or ``M`` for the
+    whole batch).
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class Stage:
     update: onnx.ModelProto | None = None
     prepare: onnx.ModelProto | None = None  # rule 9: weight-only work, once per step
     weight_grad: onnx.ModelProto | None = None  # rule 10: deferred weight gradients, once per step
+    fused_tail: onnx.ModelProto | None = None  # rule 10's tail: the last w_tail micro-batches' fused program
+    w_tail: int = 0  # rule 10: how many trailing micro-batches weight_grad covers (M: all of them)
     w_stash: list[str] = field(default_factory=list)  # rule 10: values it reads from every micro-batch
     w_axes: dict[str, int] = field(default_factory=dict)  # rule 10: their batch axes
     stash: list[str] = field(default_factory=list)
@@ -97,11 +103,13 @@ class Stage:
 
 @dataclass
 class Defer:
-    """Rule 10's build settings: ``whole`` is the stage's program built at the whole batch (None
-    while building it), ``micro_batches`` the micro-batch count."""
+    """Rule 10's build settings: ``whole`` is the stage's program built at the ``micro_batches``
+    micro-batches it defers (None while building it); ``tail``: those are the step's last ones
+    (deferred_wgrad rule 7), the others keep the full program."""
 
     whole: onnx.ModelProto | None
     micro_batches: int
+    tail: bool = False
 
 
 @dataclass
@@ -266,14 +274,17 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     _refuse_shared_weights(proto, starts, ends, set(names))
     value_ids: dict[str, int] = {}
     out_stages = []
-    wholes = _whole_stages(model, batch, micro_batches, memory_limit, recompute, starts, ends, owner, names, loss,
-                           optimizer, label_name) if defer else None
+    count = micro_batches if defer else _tail(fwd.graph, ends, micro_batches)
+    wholes = _whole_stages(model, micro * count, count, memory_limit, recompute, starts, ends, owner, names, loss,
+                           optimizer, label_name, tail=not defer) if count else None
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute,
-                       None if wholes is None or wholes[s] is None else Defer(wholes[s], micro_batches))
-        (stage.forward, stage.backward, stage.fused, stage.weight_grad), stage.prepare = hoist_stage_programs(
-            f"{fwd.graph.name or 'model'}.stage{s}", [stage.forward, stage.backward, stage.fused, stage.weight_grad],
+                       None if wholes is None or wholes[s] is None else Defer(wholes[s], count, not defer))
+        programs, stage.prepare = hoist_stage_programs(
+            f"{fwd.graph.name or 'model'}.stage{s}",
+            [stage.forward, stage.backward, stage.fused, stage.weight_grad, stage.fused_tail],
             stage.weights, micro_batches=micro_batches, backend=backend)
+        stage.forward, stage.backward, stage.fused, stage.weight_grad, stage.fused_tail = programs
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
@@ -302,20 +313,34 @@ def _defers(memory_limit: float | None, micro_batches: int) -> bool:
     return deferred_wgrad.DEFER_WEIGHT_GRADIENTS and micro_batches > 1 and memory_limit is None
 
 
-def _whole_stages(model: Any, batch: int, micro_batches: int, memory_limit: float | None, recompute: bool,
+def _tail(graph: ir.Graph, ends: list[int], micro_batches: int) -> int:
+    """Rule 10's tail (deferred_wgrad rule 7): how many trailing micro-batches the last stage
+    defers when it does not defer them all (0: none; also where its weight gradients are small,
+    deferred_wgrad rule 6, so that a TVM plan whose ONNX Runtime twin defers the whole batch
+    keeps per-micro-batch gradients)."""
+    from partitioner.training import deferred_wgrad
+
+    k = deferred_wgrad.DEFER_TAIL_MICRO_BATCHES
+    if not 2 <= k < micro_batches or len(ends) < 2 or deferred_wgrad.small_gradients(graph, ends[-2] + 1):
+        return 0
+    return k
+
+
+def _whole_stages(model: Any, rows: int, micro_batches: int, memory_limit: float | None, recompute: bool,
                   starts: list[int], ends: list[int], owner: dict[str, int], names: list[str], loss: str,
-                  optimizer: Optimizer, label_name: str) -> list[onnx.ModelProto | None] | None:
-    """Rule 10: the last stage's program built at the whole batch (the others: None, they do not
-    defer; all None when the plan does not: the knob off, one micro-batch, ``--memory-limit`` or
-    recompute)."""
+                  optimizer: Optimizer, label_name: str, tail: bool = False) -> list[onnx.ModelProto | None] | None:
+    """Rule 10: the last stage's program built at the ``rows`` of the ``micro_batches`` it defers
+    (the whole batch; ``tail``: its last micro-batches, and only the last stage) (the others:
+    None, they do not defer; all None when the plan does not: the knob off, one micro-batch,
+    ``--memory-limit`` or recompute)."""
     from partitioner.training import deferred_wgrad
 
     if not _defers(memory_limit, micro_batches) or recompute:
         return None
-    proto = ir.serde.serialize_model(_load(model, batch))
+    proto = ir.serde.serialize_model(_load(model, rows))
     return [_stage(proto, s, a, b, owner, len(starts), names, loss, optimizer, label_name, False,
                    Defer(None, micro_batches)).fused
-            if s == len(starts) - 1 or deferred_wgrad.DEFER_EARLIER_STAGES else None
+            if s == len(starts) - 1 or (deferred_wgrad.DEFER_EARLIER_STAGES and not tail) else None
             for s, (a, b) in enumerate(zip(starts, ends))]
 
 
@@ -330,7 +355,7 @@ def _deferral(stage: Stage, full: onnx.ModelProto, f_outputs: list[str], act_gra
     per_step = set(stage.weights) | {a for a, _ in stage.bn_state}
     d = split(full, defer.whole, forward, act_grads, stage.weights, per_step, defer.micro_batches)
     if d is not None:
-        stage.weight_grad, stage.w_stash, stage.w_axes = d.program, d.stash, d.axes
+        stage.weight_grad, stage.w_stash, stage.w_axes, stage.w_tail = d.program, d.stash, d.axes, defer.micro_batches
     return d
 
 
@@ -436,7 +461,9 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
         stage.fused = full
         return stage
     deferral = _deferral(stage, full, f_outputs, act_grads, defer)
-    if last:
+    if last and deferral is not None and defer is not None and defer.tail:  # rule 10's tail
+        stage.fused, stage.fused_tail = full, _micro_program(full, deferral, "FBt")
+    elif last:
         stage.fused = full if deferral is None else _micro_program(full, deferral, "FB")
     else:
         _split_forward_backward(stage, full, f_outputs, recompute, deferral)

@@ -5,8 +5,9 @@
 (every stage rank sees it; stage 0 reads the data, the last stage the labels), cuts it into the
 plan's micro-batches and runs the stage's schedule (:mod:`partitioner.training.pipeline` rules
 2-5). It returns the global mean loss on every stage (the last stage broadcasts it). A stage with a
-deferred weight-gradient program (pipeline rule 10) keeps what it reads from each micro-batch
-and runs it once, after the last micro-batch, on those values concatenated.
+deferred weight-gradient program (pipeline rule 10) keeps what it reads from each micro-batch it
+covers (every one, or the last ``w_tail``: those run the stage's ``fused_tail`` program) and runs
+it once, after the last micro-batch, on those values concatenated.
 
 Its state arrays (and rule 9's prepared values) are read-only and replaced, never written, so a
 TVM stage program copies each weight into its input buffer once per step, not once per
@@ -93,7 +94,7 @@ class PipelineRunner:
         st = self.stage
         self._exe = {kind: executable(prog, backend, folder, threads)
                      for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update),
-                                        ("P", st.prepare), ("W", st.weight_grad))
+                                        ("P", st.prepare), ("W", st.weight_grad), ("FBt", st.fused_tail))
                      if prog is not None}
         for exe in self._exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
             if hasattr(exe, "reuse_readonly_inputs"):
@@ -128,7 +129,7 @@ class PipelineRunner:
                 feeds = self._forward_feeds(m, data, sl)
                 if kind == "FB":
                     feeds[plan.labels] = labels[sl]
-                    out = self._exe["FB"].run(feeds, self.comm)
+                    out = self._exe[self._fused_kind(m)].run(feeds, self.comm)
                     losses.append(float(out["loss"]))
                 else:
                     out = self._exe["F"].run(feeds, self.comm)
@@ -180,18 +181,25 @@ class PipelineRunner:
         self._keep_for_weight_grad(m, feeds, out)
         return out
 
+    def _fused_kind(self, m: int) -> str:
+        """Rule 10's tail: the last ``w_tail`` micro-batches run the program without the deferred
+        weight gradients (``FBt``), the others the full one."""
+        return "FBt" if "FBt" in self._exe and m >= self.plan.micro_batches - self.stage.w_tail else "FB"
+
     def _keep_for_weight_grad(self, m: int, *parts: Mapping[str, np.ndarray]) -> None:
-        """Rule 10: the values of micro-batch ``m`` the deferred weight-gradient program reads."""
-        keep = self._w_stash.setdefault(m, {}) if self.stage.w_stash else None
+        """Rule 10: the values of micro-batch ``m`` the deferred weight-gradient program reads
+        (only the last ``w_tail`` micro-batches')."""
+        covered = m >= self.plan.micro_batches - self.stage.w_tail
+        keep = self._w_stash.setdefault(m, {}) if self.stage.w_stash and covered else None
         if keep is None:
             return
         for part in parts:
             keep.update({v: part[v] for v in self.stage.w_stash if v in part and v not in keep})
 
     def _weight_grad(self, acc: dict[str, np.ndarray]) -> None:
-        """Rule 10: one whole-batch call for the deferred weight gradients (the sum over the
-        micro-batches, as the accumulation gives), the micro-batches' values concatenated on
-        their batch axes."""
+        """Rule 10: one call for the deferred weight gradients over the micro-batches it covers
+        (the sum, as the accumulation gives; added to the other micro-batches' sum with the
+        tail), their values concatenated on their batch axes."""
         if "W" not in self._exe:
             return
         st, ms = self.stage, sorted(self._w_stash)
@@ -202,7 +210,12 @@ class PipelineRunner:
         feeds.update(self._hoisted)
         out = self._exe["W"].run(feeds, self.comm)
         del feeds
-        acc.update({w: out[f"{w}.grad"] for w in st.weights if f"{w}.grad" in out})
+        for w in st.weights:
+            g = out.get(f"{w}.grad")
+            if g is not None and w in acc:  # the tail: the earlier micro-batches' sum
+                np.add(acc[w], g, out=acc[w])
+            elif g is not None:
+                acc[w] = g
 
     def _is_float(self, v: str) -> bool:
         return np.issubdtype(self._spec[v][1], np.floating)

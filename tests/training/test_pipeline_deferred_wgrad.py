@@ -195,3 +195,70 @@ def test_deferred_cut_defers_only_small_weight_gradients() -> None:
     resnet = _load(models_zoo.build("resnet", batch=16, image=64, classes=10), 2).graph
     n = len(list(resnet))
     assert deferred_cut(resnet, 2, 8, np.stack([np.ones(n), np.ones(n), np.zeros(n)]))[1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
+def test_tail_deferral_matches_one_rank(schedule, optimizer, monkeypatch) -> None:
+    """deferred_wgrad rule 7 (the ZB-H1 tail): where rule 6 does not defer the whole batch
+    (DEFER_MAX_ROWS 0 here), the last stage runs its full program for micro-batches 0-1 and the
+    program without weight gradients for the last 2 (``FBt``, called twice per step), and one
+    weight-gradient program over those 2 added to the sum; 10 steps match 1 rank (rtol 1e-4,
+    atol 1e-5). Fails with DEFER_TAIL_MICRO_BATCHES 0 (no tail program)."""
+    monkeypatch.setattr(deferred_wgrad, "DEFER_MAX_ROWS", 0)
+    model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+    rng = np.random.default_rng(7)
+    batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
+    plan = build_pipeline(model, "cross_entropy", optimizer, batch=8, stages=2, micro_batches=4, schedule=schedule)
+    first, last = plan.stages
+    grads = {f"{w}.grad" for w in last.weights}
+    assert first.weight_grad is None and first.fused_tail is None
+    assert last.w_tail == 2 and last.fused_tail is not None, "no tail deferral"
+    assert grads <= _outputs(last.fused) and not grads & _outputs(last.fused_tail)
+    assert _outputs(last.weight_grad) == grads
+    assert last.weight_grad.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 4  # 2 micro-batches of 2
+    one = StepRunner(build_training_graph(model, optimizer=optimizer))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    runners = _runners(plan)
+    calls = {"FB": 0, "FBt": 0, "W": 0}
+    for kind in calls:
+        exe = runners[-1]._exe[kind]
+        exe.run = (lambda f, k=kind: lambda *a: (calls.__setitem__(k, calls[k] + 1), f(*a))[1])(exe.run)
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, **TOL)
+    assert calls == {"FB": 20, "FBt": 20, "W": 10}, calls
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
+
+
+def test_tail_only_where_the_last_stage_gradients_are_big(monkeypatch) -> None:
+    """deferred_wgrad rule 7's choice: the train_step mlp (128-row micro-batches, above
+    DEFER_MAX_ROWS) defers its last 2 micro-batches; the resnet-18 at 2 images (layer4's 2x2
+    maps, small) does not (a TVM plan keeps per-micro-batch gradients there); neither with the
+    knob at 0 or with no more micro-batches than the tail."""
+    from partitioner.training.pipeline import _tail, stage_cut
+    from partitioner.training.step import _load
+
+    mlp = _load(models_zoo.build("mlp", batch=1024, layers=4, hidden=64, in_features=16), 128).graph
+    mlp_ends = stage_cut(mlp, 2)[0]
+    resnet = _load(models_zoo.build("resnet", batch=16, image=64, classes=10), 2).graph
+    n = len(list(resnet))
+    assert _tail(mlp, mlp_ends, 8) == 2
+    assert _tail(resnet, [n // 2, n - 1], 8) == 0
+    assert _tail(mlp, mlp_ends, 2) == 0
+    monkeypatch.setattr(deferred_wgrad, "DEFER_TAIL_MICRO_BATCHES", 0)
+    assert _tail(mlp, mlp_ends, 8) == 0
+
+
+def test_tvm_tail_deferral_matches_one_rank(monkeypatch, tmp_path) -> None:
+    """deferred_wgrad rule 7 on a TVM plan (DEFER_MAX_ROWS 0: its weight gradients count as big):
+    the last stage has the tail programs, and 4 SGD steps of its 2 TVM stages match a 1-rank
+    ONNX Runtime step (rtol 1e-4, atol 1e-5). Fails with DEFER_TAIL_MICRO_BATCHES 0."""
+    from .test_pipeline_training import _tvm_pipeline_trains_like_one_rank
+
+    monkeypatch.setattr(deferred_wgrad, "DEFER_MAX_ROWS", 0)
+    model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    last = plan.stages[-1]
+    assert last.w_tail == 2 and last.fused_tail is not None and last.weight_grad is not None, "no tail on TVM"
+    _tvm_pipeline_trains_like_one_rank(model, plan, (16,), tmp_path)
