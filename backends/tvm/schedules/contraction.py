@@ -163,18 +163,9 @@ class Contraction(TryRule):
         red_loops = [loops[i] for i in r_idx]
         inner = [lp for lp in (col_inner, row_inner) if lp is not None] + [v_j, v_lane]
         pad = _image_pad(sch, red, exts, r_idx) if spatial_outer else None
-        head = ([spatial_outer[0], v_outer, *spatial_outer[1:]] if pad is not None
-                else _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos))
-        order = [*head, *red_loops, *inner]
-        sch.reorder(*order)
-        outer = sch.fuse(*order[int(pad is not None):len(spatial_outer) + 1]) if spatial_outer else v_outer
-        par = order[0] if pad is not None else outer
-        if worth_parallel(_flops(exts)):  # small kernels: the fork/join costs more (threads.py)
-            sch.parallel(par)
+        outer = _order_outer(sch, pad, v_outer, spatial_outer, [*red_loops, *inner], exts, r_idx, vec_pos)
         if pad is not None:
-            sch.compute_at(pad, par, preserve_unit_loops=True)
             _vectorize_copy(sch, pad, lanes)
-
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
         consumers = [b for b in sch.get_child_blocks(root)]
         names_before = {str(sch.get(b).name_hint) for b in consumers}
@@ -509,6 +500,31 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
             or input_bytes <= WIDE_INPUT_BYTES or exts[row_pos] % 2 or (exts[vec_pos] // vec) % 4):
         return ni
     return 2
+
+
+def _order_outer(sch: Any, pad: Any, v_outer: Any, spatial_outer: list, rest: list, exts: list,
+                 r_idx: list[int], vec_pos: int) -> Any:
+    """Reorder the tile loops (``rest``: reductions and register tile, innermost), fuse the outer
+    ones and mark the parallel loop; returns the fused loop of one output tile. Without ``pad``:
+    one fused parallel loop in :func:`_parallel_order`'s order. With ``pad`` (the batch's padded
+    input copy, :func:`_image_pad`): the image loop outermost and parallel, ``pad`` computed in
+    it, the image's tiles (channel tiles, then pixels) fused inside."""
+    if not spatial_outer:
+        order = [v_outer, *rest]
+        sch.reorder(*order)
+        if worth_parallel(_flops(exts)):
+            sch.parallel(v_outer)
+        return v_outer
+    head = ([spatial_outer[0], v_outer, *spatial_outer[1:]] if pad is not None
+            else _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos))
+    sch.reorder(*head, *rest)
+    outer = sch.fuse(*head[int(pad is not None):])
+    par = head[0] if pad is not None else outer
+    if worth_parallel(_flops(exts)):  # small kernels: the fork/join costs more (threads.py)
+        sch.parallel(par)
+    if pad is not None:
+        sch.compute_at(pad, par, preserve_unit_loops=True)
+    return outer
 
 
 def _image_pad(sch: Any, red: Any, exts: list, r_idx: list[int]) -> Any:
