@@ -17,7 +17,9 @@ Schedule (the classic register-blocked GEMM applied to the block's own loop nest
 weights fuses ``(n, h, vec_axis.o, row_axis.o)`` instead, so that each thread writes whole
 output rows (:data:`ROWS_OUTER_CONV`, :func:`_parallel_order`); at batch > 1 a convolution whose
 input exceeds L2 takes 4 channel vectors per tile, so the channel tiles sweep it fewer times
-(:data:`WIDE_INPUT_TILE`, :func:`_wide_input_rows`). The weight panel of one
+(:data:`WIDE_INPUT_TILE`, :func:`_wide_input_rows`); at batch >= 4 a padded convolution runs
+the images as the parallel loop and copies each image's padded input just before its tiles
+(:data:`PAD_PER_IMAGE`, :func:`_image_pad`). The weight panel of one
 ``vec_axis`` tile stays in L2 while every row tile streams past it (a convolution's constant
 weights are packed into contiguous panels at build time: :func:`_pack_conv_weights`). Producers
 are materialised and scheduled as injective loops (a transposed operand becomes contiguous once
@@ -533,13 +535,20 @@ def _image_pad(sch: Any, red: Any, exts: list, r_idx: list[int]) -> Any:
 
     Shapes it is for: direct convolutions (three reductions kh, kw, ci with at least 4 input
     channels: not RGB stems, whose pad copy has its own row schedule) with padding at batch >=
-    :data:`PAD_PER_IMAGE_MIN_BATCH`. TOPI pads the whole batch into ``pad_temp`` before the
-    convolution: at batch 8 the U-Net's 16-channel 64x64 input is 2.2 MiB padded, so the copy
-    writes it out of L2 and the convolution reads it back from L3 or memory; with 16-32 output
-    channels (9 x 16-32 FMAs per input value) that traffic is a tenth of the kernel. Copied per
-    image (one padded 64x64x16 image: 272 KiB) just before that image's output tiles, it is
-    read back from L2. The images are then the parallel loop (hence the batch bound: 4 images
-    on 2 threads), each thread copying and convolving its own images."""
+    :data:`PAD_PER_IMAGE_MIN_BATCH` and weights up to :data:`PAD_PER_IMAGE_MAX_WEIGHT_BYTES`.
+    TOPI pads the whole batch into ``pad_temp`` before the convolution: at batch 8 the U-Net's
+    16-channel 64x64 input is 2.1 MiB padded, so the copy writes it out of L2 and the
+    convolution reads it back from L3 or memory; with 16-32 output channels (9 x 16-32 FMAs per
+    input value) that traffic is a tenth of the kernel. Copied per image (one padded 64x64x16
+    image: 272 KiB) just before that image's output tiles, it is read back from L2. The images
+    are then the parallel loop (hence the batch bound: 4 images on 2 threads), each thread
+    copying and convolving its own images, and the channel tiles of one image run inside it:
+    the weights are read once per image, hence the weight bound (measured gain up to 1.1 MiB,
+    none at 2.25 MiB). Measured (one conv + bias + ReLU, 1 thread, thread CPU time, 15-21
+    interleaved rounds, load 5-7; new / knob off): 16 -> 16 on 64x64 b8 0.93, 32 -> 16 0.87,
+    16 -> 32 on 32x32 b8 0.93, 64 -> 64 on 28x28 b8 0.94, 64 -> 64 on 56x56 b4 0.96, 3x3
+    stride 2 64 -> 128 on 56x56 b4 0.92, 128 -> 256 on 28x28 b4 0.96; 3x3 256 -> 256 (2.25 MiB
+    of weights) 0.98-1.01 and 512 -> 512 1.01-1.02, which the weight bound leaves out."""
     weight = 4 * exts[-1 - len(r_idx)]
     for i in r_idx:
         weight *= exts[i]
