@@ -1,5 +1,5 @@
-"""Conv + bias + ReLU layers of the zoo's resnet18 / resnet50 / mobilenet (the per_device sizes,
-and resnet18 at 224x224 as bench_runtime.py runs it), one layer at a time: our builds against
+"""Conv + bias + ReLU layers of the zoo's resnet18 / resnet50 / mobilenet and the held-out U-Net (the
+per_device sizes, and resnet18 at 224x224 as bench_runtime.py runs it), one layer at a time: our builds against
 ONNX Runtime, in one process, 1 thread.
 
     python benchmarks/conv_layers.py [--batches 1,8] [--variants direct,im2col] [--repeats 7] [--json FILE]
@@ -56,6 +56,10 @@ LAYERS = [
     # ... and its stem (the RGB pad copy: injective.SPLIT_PAD_COPY) and stride-2 1x1 downsamples
     ("resnet18_224", 3, 224, 64, 7, 2), ("resnet18_224", 64, 56, 128, 1, 2),
     ("resnet18_224", 128, 28, 256, 1, 2), ("resnet18_224", 256, 14, 512, 1, 2),
+    # the held-out U-Net (per_device size: 64x64 images, 16 base channels): its narrow 3x3 convs
+    ("heldout_unet", 16, 64, 16, 3, 1), ("heldout_unet", 32, 64, 16, 3, 1), ("heldout_unet", 16, 32, 32, 3, 1),
+    ("heldout_unet", 32, 32, 32, 3, 1), ("heldout_unet", 64, 32, 32, 3, 1), ("heldout_unet", 32, 16, 64, 3, 1),
+    ("heldout_unet", 64, 16, 64, 3, 1),
 ]
 
 
