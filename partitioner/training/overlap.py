@@ -58,6 +58,10 @@ Rules:
    the same 4.7M elements as ``[4718592]`` 3.2 ms; the zoo resnet's 62 weights 27-33 ms, numpy's
    two passes 7 ms). A 2-D weight with a long last dim (the mlp) gains nothing and loses
    nothing. :data:`FLAT_ELEMENTWISE` (default on; ``$PARTITIONER_TRAIN_FLAT_UPDATE=0`` off).
+   A 1-rank TVM step (no comm op) gets the same: it is cut where the optimizer's nodes begin
+   (:func:`update_kind`, the ``training.forward_node`` tag ``optimizer``) into the forward and
+   backward's library and the update's, so both sides of the data-parallel comparison run the
+   same update kernels.
 """
 
 from __future__ import annotations
@@ -181,9 +185,9 @@ class TvmBucketedExecutable(_BucketedSteps):
     compute segment, the gradients AllReduced in place between them."""
 
     def __init__(self, program: onnx.ModelProto, workdir: Path | None, *, threads: int = 1,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, kind_of: Any = None) -> None:
         self.outputs = tuple(o.name for o in program.graph.output)
-        segments = [s for s in split_program(program) if not isinstance(s, Segment) or s.outputs]
+        segments = [s for s in split_program(program, kind_of) if not isinstance(s, Segment) or s.outputs]
         flat = {s.index: flat_elementwise(s.model) if FLAT_ELEMENTWISE else None
                 for s in segments if isinstance(s, Segment)}
         self._shapes = {k: f[1] for k, f in flat.items() if f is not None}  # rule 9: original shapes
@@ -211,6 +215,13 @@ class TvmBucketedExecutable(_BucketedSteps):
         shapes = self._shapes.get(step.index, {})  # rule 9: views in, views of the original shapes out
         out = run.run({n: np.reshape(env[n], -1) if n in shapes else env[n] for n in step.inputs}, None)
         return [np.reshape(out[n], shapes[n]) if n in shapes else out[n] for n in step.outputs]  # no comm op
+
+
+def update_kind(node: onnx.NodeProto) -> str:
+    """Rule 9's cut of a 1-rank step (:func:`partitioner.core.segments.split_program`'s
+    ``kind_of``): ``update`` for the optimizer's nodes, ``compute`` for the others."""
+    tag = next((p.value for p in node.metadata_props if p.key == "training.forward_node"), None)
+    return "update" if tag == "optimizer" else "compute"
 
 
 def flat_elementwise(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]]] | None:

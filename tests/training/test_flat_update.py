@@ -1,12 +1,16 @@
 """Overlap rule 9: a data-parallel TVM rank builds its all-elementwise segment (the optimizer
 update) over 1-D tensors, fed ``reshape(-1)`` views and returning views of the original shapes.
 
+Also a 1-rank TVM step: its optimizer's nodes become a library of their own, built so.
+
 Checked: which segments qualify (the update of SGD and Adam with weight decay does; a broadcast,
 a non-elementwise op or a 1-D-only segment does not); on 2 in-process TVM ranks of a conv net
 (4-D conv weights) the update's library receives only 1-D arrays (4-D ones with
 ``FLAT_ELEMENTWISE`` off: that assertion fails when the knob is off) and the weights after 10
 SGD and 10 Adam steps match a 1-rank TVM run of the same global batch within rtol 1e-4, atol
-1e-5 (seeded batches).
+1e-5 (seeded batches); the 1-rank TVM step's update library likewise receives only 1-D arrays
+(fails with the knob off: one library, fed the 4-D weights) and its losses and state match the
+ONNX Runtime step within rtol 1e-4, atol 1e-5 over 4 seeded SGD steps.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from partitioner.training.runner import StepRunner
 from partitioner.training.step import step_program
 
 from .test_pipeline_hoist import _conv_net
+from .test_tvm_step_conv_transpose import _tvm_steps_match_ort
 
 OPTIMIZERS = {"sgd": SGD(lr=0.1), "adamw": AdamW(lr=1e-2, weight_decay=0.01)}
 STEPS = 10
@@ -68,6 +73,25 @@ def test_broadcasts_other_ops_and_flat_segments_are_left_alone() -> None:
     assert overlap_mod.flat_elementwise(helper.make_model(one_d)) is None  # nothing of rank >= 2
 
 
+def _spy_update(monkeypatch, runner: StepRunner) -> list[int]:
+    """The ranks of the arrays ``runner``'s last library is called with (appended per call)."""
+    fed: list[int] = []
+    lib = runner._exe.steps[-1][1] if isinstance(runner._exe, overlap_mod.TvmBucketedExecutable) else runner._exe
+    real = lib.run
+    monkeypatch.setattr(lib, "run", lambda feeds, comm: fed.extend(np.ndim(v) for v in feeds.values()) or
+                        real(feeds, comm))
+    return fed
+
+
+@pytest.mark.slow
+def test_one_rank_tvm_step_updates_over_1d_views_and_matches_ort(tmp_path: Path, monkeypatch) -> None:
+    step = build_training_graph(_conv_net(), optimizer=SGD(lr=0.1))
+    tvm = StepRunner(step, backend="tvm", workdir=tmp_path)
+    fed = _spy_update(monkeypatch, tvm)
+    _tvm_steps_match_ort(tvm, StepRunner(step), (2, 5, 5), seed=7)
+    assert fed and max(fed) == 1, sorted(set(fed))  # the whole step's 4-D inputs with FLAT_ELEMENTWISE off
+
+
 def _batches(seed: int = 11):
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(STEPS)]
@@ -83,11 +107,7 @@ def test_tvm_data_ranks_update_over_1d_views_and_match_one_rank(name: str, tmp_p
     world = LocalWorld(2, timeout_s=120)
     runners = [StepRunner(step2, backend="tvm", comm=world.communicator(r), workdir=tmp_path / f"r{r}")
                for r in range(2)]
-    fed: list[int] = []  # the ranks of the arrays rank 0's update library is called with
-    lib = runners[0]._exe.steps[-1][1]
-    real = lib.run
-    monkeypatch.setattr(lib, "run", lambda feeds, comm: fed.extend(np.ndim(v) for v in feeds.values()) or
-                        real(feeds, comm))
+    fed = _spy_update(monkeypatch, runners[0])
     for x, y in batches:
         ts = [threading.Thread(target=lambda r=r, x=x, y=y: runners[r].step({"input": x[4 * r:4 * r + 4]},
                                                                            y[4 * r:4 * r + 4])) for r in range(2)]
