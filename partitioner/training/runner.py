@@ -101,6 +101,10 @@ class StepRunner:
                 from partitioner.training.pipeline_runner import executable
 
                 self._exe = executable(self.program, "tvm", folder, threads)
+            from partitioner.training.overlap import TvmBucketedExecutable, vm_aligned
+
+            if isinstance(self._exe, TvmBucketedExecutable):  # they take aligned state as it lies (rule 8)
+                self.state = {k: vm_aligned(v) for k, v in self.state.items()}
 
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step on a batch; returns the loss (the global mean with data parallelism)."""

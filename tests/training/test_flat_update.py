@@ -9,8 +9,9 @@ a non-elementwise op or a 1-D-only segment does not); on 2 in-process TVM ranks 
 ``FLAT_ELEMENTWISE`` off: that assertion fails when the knob is off) and the weights after 10
 SGD and 10 Adam steps match a 1-rank TVM run of the same global batch within rtol 1e-4, atol
 1e-5 (seeded batches); the 1-rank TVM step's update library likewise receives only 1-D arrays
-(fails with the knob off: one library, fed the 4-D weights) and its losses and state match the
-ONNX Runtime step within rtol 1e-4, atol 1e-5 over 4 seeded SGD steps.
+(fails with the knob off: one library, fed the 4-D weights), no library copied a weight into a
+buffer of its own (the runner starts from 64-byte aligned state), and its losses and state match
+the ONNX Runtime step within rtol 1e-4, atol 1e-5 over 4 seeded SGD steps.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def test_one_rank_tvm_step_updates_over_1d_views_and_matches_ort(tmp_path: Path,
     fed = _spy_update(monkeypatch, tvm)
     _tvm_steps_match_ort(tvm, StepRunner(step), (2, 5, 5), seed=7)
     assert fed and max(fed) == 1, sorted(set(fed))  # the whole step's 4-D inputs with FLAT_ELEMENTWISE off
+    # overlap rule 8: the state went in as it lay from the first step on (runner: vm_aligned); only
+    # the batch was copied into a library's buffer
+    copied = {n for _, lib in tvm._exe.steps if lib is not None for n, b in zip(lib.inputs, lib._in_bufs) if b}
+    assert copied <= {"input", "labels"}, copied
 
 
 def _batches(seed: int = 11):
