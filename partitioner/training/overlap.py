@@ -45,7 +45,7 @@ Rules:
    passes every input that is already a writable, C-contiguous array on a
    :data:`VM_ALIGNMENT`-byte boundary (an earlier segment's outputs, the state the update
    returned: VM tensors) to the VM as it lies, through DLPack; only the others (the batch)
-   are copied. The state a runner starts from (numpy's arrays, on no such boundary) is put on
+   are copied. The state a runner starts from (numpy's arrays, often off that boundary) is put on
    one first (:func:`vm_aligned`), so the first step copies no weight either: a library keeps
    the buffer it copied an input into for its life, so one first-step copy of every weight
    would stay resident (45 MiB per library that reads the weights, for the zoo resnet).
