@@ -29,7 +29,9 @@ Rules:
    one more TVM library (the activations the later part reads cross as arrays). Measured on the
    zoo resnet (local batch 8, SGD, 2 MPI ranks, CPU per step of each rank, 3 interleaved rounds,
    load 5-8): 212.3 / 224.7 ms with one 45 MiB bucket against 225.1 / 243.0 ms with the two
-   25 MiB ones. ONNX Runtime ranks keep their buckets (not measured apart).
+   25 MiB ones; `benchmarks/train_step.py` paired (load 2.5-3.8, 2 rounds) 244.8 / 356.6 ms
+   of wall against 321.7 / 511.5 with the same CPU on average (docs/training.md). ONNX Runtime
+   ranks keep their buckets (not measured apart).
 """
 
 from __future__ import annotations
