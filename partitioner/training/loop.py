@@ -20,6 +20,18 @@ Rules:
    latest, ``history.json`` the loss curve (one entry per step) and ``report.html`` its plot.
 5. A NaN or infinite loss stops training at once, naming the epoch and step; the last good
    checkpoint is left as it was (:class:`RunFailed`, exit 1).
+6. Gradient buckets (:mod:`partitioner.training.step` rule 5): at most :data:`BUCKET_BYTES` each,
+   except on data-parallel TVM ranks of one thread, which AllReduce every gradient as one bucket
+   (:func:`bucket_bytes`, :data:`TVM_ONE_BUCKET`). Such a rank has one core (each rank is
+   pinned to its share), so the comm thread that overlaps a bucket's AllReduce with the rest of
+   the backward (:mod:`partitioner.training.overlap` rule 2) only takes turns with it on that
+   core, busy-polling while it waits for the peer, and each extra bucket cuts the backward into
+   one more TVM library (the activations the later part reads cross as arrays). Measured on the
+   zoo resnet (local batch 8, SGD, 2 MPI ranks, CPU per step of each rank, 3 interleaved rounds,
+   load 5-8): 212.3 / 224.7 ms with one 45 MiB bucket against 225.1 / 243.0 ms with the two
+   25 MiB ones; `benchmarks/train_step.py` paired (load 2.5-3.8, 2 rounds) 244.8 / 356.6 ms
+   of wall against 321.7 / 511.5 with the same CPU on average (docs/training.md). ONNX Runtime
+   ranks keep their buckets (not measured apart).
 """
 
 from __future__ import annotations
@@ -43,6 +55,16 @@ from partitioner.training.runner import StepRunner
 from partitioner.training.step import build_training_graph, signature
 
 STRATEGIES = ("data", "single", "auto", "pipeline", "tensor", "hybrid")
+#: rule 6: the most gradient bytes one AllReduce carries (step rule 5's default)
+BUCKET_BYTES = 25 * 2**20
+#: rule 6: data-parallel TVM ranks of one thread AllReduce all their gradients as one bucket
+#: (``$PARTITIONER_TRAIN_TVM_ONE_BUCKET=0``: :data:`BUCKET_BYTES` buckets, to measure it)
+TVM_ONE_BUCKET = os.environ.get("PARTITIONER_TRAIN_TVM_ONE_BUCKET", "1") != "0"
+
+
+def bucket_bytes(backend: str, threads: int) -> int:
+    """Rule 6: the bucket size of a data-parallel rank on ``backend`` with ``threads`` threads."""
+    return 1 << 62 if backend == "tvm" and threads == 1 and TVM_ONE_BUCKET else BUCKET_BYTES
 
 
 @dataclass
@@ -172,7 +194,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
                 else model if isinstance(model, onnx.ModelProto) else checked)
     local = batch if pipelined else batch // devices
     step = build_training_graph(checked, loss=loss, optimizer=opt, batch=local, world_size=1 if pipelined else devices,
-                                trainable=trainable)
+                                trainable=trainable, bucket_bytes=bucket_bytes(backend, threads))
     from partitioner.training.step import step_program
 
     _check_data(x, y, step_program(step), loss, batch)  # bad input is refused before any rank starts

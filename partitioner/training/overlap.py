@@ -45,12 +45,32 @@ Rules:
    passes every input that is already a writable, C-contiguous array on a
    :data:`VM_ALIGNMENT`-byte boundary (an earlier segment's outputs, the state the update
    returned: VM tensors) to the VM as it lies, through DLPack; only the others (the batch)
-   are copied.
+   are copied. The state a runner starts from (numpy's arrays, often off that boundary) is put on
+   one first (:func:`vm_aligned`), so the first step copies no weight either: a library keeps
+   the buffer it copied an input into for its life, so one first-step copy of every weight
+   would stay resident (45 MiB per library that reads the weights, for the zoo resnet).
+9. A segment whose every node is elementwise (:data:`ELEMENTWISE_OPS`) over values of one shape
+   besides scalars (rank 0 or ``[1]``) is built over 1-D tensors (:func:`flat_elementwise`):
+   each input of rank >= 2 goes in as a ``reshape(-1)`` view and each such output comes back as
+   a view of its own shape, so no element moves and every element gets the same operations (the
+   results are bit-identical). It is for the optimizer update of a data rank (the segment after
+   the last AllReduce: ``Mul``/``Sub`` for SGD, ``Add``/``Div``/``Sqrt``/``Pow`` too for Adam, on
+   every weight, gradient and slot): TVM's CPU kernel for an elementwise op loops over the
+   tensor's own dims, and over a conv weight ``[O, I, 3, 3]`` its innermost loop has 3
+   iterations (measured, one thread, SGD's ``W - g * lr``: ``[512, 512, 3, 3]`` x 2 11.2 ms,
+   the same 4.7M elements as ``[4718592]`` 3.2 ms; the zoo resnet's 62 weights 27-33 ms, numpy's
+   two passes 7 ms). A 2-D weight with a long last dim (the mlp) gains nothing and loses
+   nothing. :data:`FLAT_ELEMENTWISE` (default on; ``$PARTITIONER_TRAIN_FLAT_UPDATE=0`` off).
+   A 1-rank TVM step (no comm op) gets the same: it is cut where the optimizer's nodes begin
+   (:func:`update_kind`, the ``training.forward_node`` tag ``optimizer``) into the forward and
+   backward's library and the update's, so both sides of the data-parallel comparison run the
+   same update kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +88,10 @@ from partitioner.training.buckets import bucket_runs
 
 #: rule 8: TVM's kernels take their arguments on this alignment (the VM allocates so)
 VM_ALIGNMENT = 64
+#: rule 9: build an all-elementwise segment (a data rank's optimizer update) over 1-D tensors
+FLAT_ELEMENTWISE = os.environ.get("PARTITIONER_TRAIN_FLAT_UPDATE", "1") != "0"
+#: rule 9: the ops such a segment may hold (what :mod:`partitioner.training.optimizers` emits)
+ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Neg", "Identity"})
 
 
 class _BucketedSteps:
@@ -164,10 +188,14 @@ class TvmBucketedExecutable(_BucketedSteps):
     compute segment, the gradients AllReduced in place between them."""
 
     def __init__(self, program: onnx.ModelProto, workdir: Path | None, *, threads: int = 1,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, kind_of: Any = None) -> None:
         self.outputs = tuple(o.name for o in program.graph.output)
-        self.steps = [(s, _build_segment(s.model, workdir, threads) if isinstance(s, Segment) else None)
-                      for s in split_program(program) if not isinstance(s, Segment) or s.outputs]
+        segments = [s for s in split_program(program, kind_of) if not isinstance(s, Segment) or s.outputs]
+        flat = {s.index: flat_elementwise(s.model) if FLAT_ELEMENTWISE else None
+                for s in segments if isinstance(s, Segment)}
+        self._shapes = {k: f[1] for k, f in flat.items() if f is not None}  # rule 9: original shapes
+        self.steps = [(s, _build_segment(flat[s.index][0] if flat[s.index] else s.model, workdir, threads)
+                       if isinstance(s, Segment) else None) for s in segments]
         self._bucketed(overlap)
         self._in_place: dict[int, bool] = {}
 
@@ -187,8 +215,64 @@ class TvmBucketedExecutable(_BucketedSteps):
         return self._in_place[run]
 
     def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        out = run.run({n: env[n] for n in step.inputs}, None)  # a segment holds no comm op
-        return [out[n] for n in step.outputs]
+        shapes = self._shapes.get(step.index, {})  # rule 9: views in, views of the original shapes out
+        out = run.run({n: np.reshape(env[n], -1) if n in shapes else env[n] for n in step.inputs}, None)
+        return [np.reshape(out[n], shapes[n]) if n in shapes else out[n] for n in step.outputs]  # no comm op
+
+
+def vm_aligned(x: np.ndarray) -> np.ndarray:
+    """Rule 8: ``x`` itself when a segment library takes it as it lies (C-contiguous, writable,
+    on a :data:`VM_ALIGNMENT`-byte boundary), else a copy that is."""
+    x = np.asarray(x)
+    if x.flags.c_contiguous and x.flags.writeable and x.ctypes.data % VM_ALIGNMENT == 0:
+        return x
+    raw = np.empty(x.nbytes + VM_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % VM_ALIGNMENT
+    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    np.copyto(out, x)
+    return out
+
+
+def update_kind(node: onnx.NodeProto) -> str:
+    """Rule 9's cut of a 1-rank step (:func:`partitioner.core.segments.split_program`'s
+    ``kind_of``): ``update`` for the optimizer's nodes, ``compute`` for the others."""
+    tag = next((p.value for p in node.metadata_props if p.key == "training.forward_node"), None)
+    return "update" if tag == "optimizer" else "compute"
+
+
+def flat_elementwise(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]]] | None:
+    """Rule 9: ``model`` with every value of rank >= 2 declared 1-D, and those values' original
+    shapes; None when a node is not in :data:`ELEMENTWISE_OPS`, a value's shape is unknown, a
+    node mixes two shapes other than scalars (a broadcast: flattening would change it), an
+    initializer has rank >= 2, or no value has rank >= 2 (nothing to gain)."""
+    g = model.graph
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for vi in (*g.input, *g.output, *g.value_info):
+        t = vi.type.tensor_type
+        known = t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+        shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim) if known else None
+    shapes.update({t.name: tuple(t.dims) for t in g.initializer})
+
+    def scalar(s: tuple[int, ...]) -> bool:
+        return len(s) <= 1 and int(np.prod(s)) == 1
+
+    for n in g.node:
+        if n.op_type not in ELEMENTWISE_OPS or n.domain not in ("", "ai.onnx"):
+            return None
+        seen = {shapes.get(v) for v in (*n.input, *n.output) if v}
+        if None in seen or len({s for s in seen if not scalar(s)}) > 1:
+            return None
+    changed = {k: s for k, s in shapes.items() if s is not None and len(s) >= 2}
+    if not changed or any(t.name in changed for t in g.initializer):
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for vi in (*out.graph.input, *out.graph.output, *out.graph.value_info):
+        if vi.name in changed:
+            dims = vi.type.tensor_type.shape.dim
+            del dims[:]
+            dims.add().dim_value = int(np.prod(changed[vi.name]))
+    return out, changed  # type: ignore[return-value]
 
 
 @functools.cache

@@ -39,6 +39,13 @@ SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
 TVM_CONV_TRANSPOSE_AS_CONV = True
 
 
+def _overlap_flat() -> bool:
+    """Whether overlap rule 9 (``FLAT_ELEMENTWISE``) is on, read at build time (tests switch it)."""
+    from partitioner.training import overlap
+
+    return overlap.FLAT_ELEMENTWISE
+
+
 class _NoComm:
     """The communicator of a 1-rank step (its program has no comm op)."""
 
@@ -85,10 +92,19 @@ class StepRunner:
 
                 self._exe = TvmBucketedExecutable(_buckets.unbucket(self.program), folder, threads=threads,
                                                   overlap=overlap and buckets > 1)
+            elif not buckets and _overlap_flat():  # overlap rule 9: the update its own library, over 1-D views
+                from partitioner.training.overlap import TvmBucketedExecutable, update_kind
+
+                self._exe = TvmBucketedExecutable(self.program, folder, threads=threads, overlap=False,
+                                                  kind_of=update_kind)
             else:
                 from partitioner.training.pipeline_runner import executable
 
                 self._exe = executable(self.program, "tvm", folder, threads)
+            from partitioner.training.overlap import TvmBucketedExecutable, vm_aligned
+
+            if isinstance(self._exe, TvmBucketedExecutable):  # they take aligned state as it lies (rule 8)
+                self.state = {k: vm_aligned(v) for k, v in self.state.items()}
 
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step on a batch; returns the loss (the global mean with data parallelism)."""
