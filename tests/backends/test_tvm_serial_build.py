@@ -115,3 +115,21 @@ def test_compile_builds_for_the_ranks_threads(cores: int, launches: bool, tmp_pa
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = art.run({"x": x}, in_process=True).outputs
     np.testing.assert_allclose(next(iter(got.values())), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,launches", [(1, False), (2, True)], ids=["1thread", "2threads"])
+def test_training_rank_builds_for_its_threads(n: int, launches: bool, tmp_path: Path, monkeypatch) -> None:
+    """A training rank's library (``pipeline_runner.executable``, what ``StepRunner`` builds for
+    the TVM backend) is built for the threads the rank runs on, and matches ONNX Runtime."""
+    from partitioner.runtime.comm_local import LocalWorld
+    from partitioner.training.pipeline_runner import executable
+
+    monkeypatch.delenv(threads.ENV, raising=False)
+    m = gemm_model()
+    m.graph.name = f"serial_t{n}"
+    exe = executable(m, "tvm", tmp_path, n)
+    assert (b"TVMBackendParallelLaunch" in (tmp_path / f"serial_t{n}.so").read_bytes()) == launches
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = exe.run({"x": x}, LocalWorld(1).communicator(0))
+    np.testing.assert_allclose(got["y"], ref, rtol=1e-4, atol=1e-5)
