@@ -6,7 +6,9 @@ the script calibrates the backend once if the per-machine cache has none, ``--re
 it), then runs ``--rounds`` (default 3) rounds of ``partitioner bench``; each round runs, one after
 the other, the partitioned artifact (every rank one thread, profiled per rank), ONNX Runtime on the
 source model with the same total threads and, with ``--baseline single``, the same model compiled
-for 1 rank with the same backend on the same total cores (2 threads) and on 1 thread. Rounds are
+for 1 rank with the same backend on the same total cores (2 threads) and on 1 thread (the 2-rank
+artifacts are built for 1 thread per rank, without parallel loops, and the 1-rank one for both
+cores: ``partitioner.cost.threads.build_threads``, this machine's cores // ranks). Rounds are
 interleaved, so a burst of other load on the machine hits every variant alike; the JSON keeps each
 round and ``rounds`` gives min/median/max over them of every median step and speed-up.
 It writes ``benchmarks/results/runtime_<model>_<strategy>.json``.

@@ -6,7 +6,9 @@
 
 For each model (the ``benchmarks/per_device.py`` sizes) and batch:
 
-- ours: the ``scheduled`` pipeline built once; every kernel call of a run is timed with the
+- ours: the ``scheduled`` pipeline built once, for one thread (no parallel loops:
+  ``backends/tvm/schedules/threads.py``, "Builds for one thread"; ``--scaling`` and ``--outside``,
+  which also run 2 threads, build the parallel kernels); every kernel call of a run is timed with the
   calling thread's CPU time (``time.thread_time``) from a VM instrument hook (before/after each
   call), so a loaded machine's time slicing matters less and each kernel runs in the cache state
   the model leaves it. A kernel's time is its median over ``--runs`` runs.
@@ -116,15 +118,18 @@ def tir_kernel_info(func: Any, name: str) -> dict[str, Any]:
     return info
 
 
-def build_ours(m: onnx.ModelProto, target: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """The compiled VM executable and the info of every PrimFunc by symbol."""
+def build_ours(m: onnx.ModelProto, target: Any, threads: int | None = None) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The compiled VM executable and the info of every PrimFunc by symbol, built for ``threads``
+    threads (``threads.building_for``: 1 = no parallel loops; None = the parallel build)."""
     import tvm
     from tvm import tirx
 
     from backends.tvm.lower import lower_program
     from backends.tvm.pipeline import run_pipeline
+    from backends.tvm.schedules.threads import building_for
 
-    mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+    with building_for(threads):
+        mod = run_pipeline(lower_program(m).mod, "scheduled", target)
     infos = {gv.name_hint: tir_kernel_info(f, gv.name_hint) for gv, f in mod.functions_items()
              if isinstance(f, tirx.PrimFunc)}
     return tvm.compile(mod, target), infos
@@ -469,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_threads(1)
     target = resolve_target(None)
+    # the 1-thread profile times builds made for one thread, as a 1-thread run gets them
+    # (per_device.build_threads_for); --scaling and --outside run 2 threads: the parallel build
+    bt = None if args.scaling or args.outside else 1
     pd = _per_device()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -481,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                     node.name = node.name or f"node{i}_{node.op_type}"
                 feeds = pd._feeds(m)
                 print(f"build {key} b{batch}", file=sys.stderr, flush=True)
-                ex, infos = build_ours(m, target)
+                ex, infos = build_ours(m, target, bt)
                 if args.outside:
                     rows = [outside_kernels(ex, feeds, args.runs, int(n)) for n in args.outside.split(",")]
                     for r in rows:
@@ -490,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if args.scaling and args.baseline:
                     with with_settings(args.baseline):
-                        base = build_ours(m, target)
+                        base = build_ours(m, target, bt)
                     rows, base_rows = paired_scaling([(ex, infos), base], feeds, args.runs)
                     print_scaling(key, batch, rows, args.layers)
                     print_scaling(f"{key} baseline ({' '.join(args.baseline)}), same rounds", batch, base_rows, 0)
@@ -505,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 exes = [ex]
                 if args.baseline:
                     with with_settings(args.baseline):
-                        base_ex, base_infos = build_ours(m, target)
+                        base_ex, base_infos = build_ours(m, target, bt)
                     exes.append(base_ex)
                 timed = profile_ours(exes, feeds, args.runs)
                 ort = profile_ort(m, feeds, args.runs, Path(tmp))

@@ -28,7 +28,11 @@ row also keeps each block's median (``*_block_ms``), the 10th/90th percentile of
 threads ~1 per parallel kernel means TVM's worker ran on the main thread's core), and how often
 the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``). The untuned
 column is timed apart (``--zero-runs`` runs after one warm-up, since it is up to 100x slower).
-Ratios are computed from times of the same invocation. Every TVM output is
+Ratios are computed from times of the same invocation. The TVM builds are compiled once per
+kind of row (:func:`build_threads_for`): the 1-thread rows time builds made for one thread, which
+have no parallel loops (a parallel loop's closure is slower even on a 1-thread pool:
+``backends/tvm/schedules/threads.py``, "Builds for one thread"), the other rows the parallel
+builds; so a run with ``--threads 1,2`` compiles every column twice. Every TVM output is
 checked against ONNX Runtime (``--rtol`` 1e-4, ``--atol`` 1e-5 by default) and the max error is saved.
 
 Sizes are chosen so that a full run stays under ~15 minutes on a 2-core machine (see
@@ -266,6 +270,25 @@ def _tvm_build(m: onnx.ModelProto, out: Path, options: dict[str, Any]) -> tuple[
     return load(m, out), compile_s
 
 
+def build_threads_for(threads: int) -> int | None:
+    """The build a row on ``threads`` threads times: built for 1 thread (``options["threads"]`` = 1,
+    no parallel loops: ``backends/tvm/schedules/threads.py``, "Builds for one thread") for the
+    1-thread rows, the usual parallel build (None: thread count not fixed) for the others."""
+    return 1 if threads == 1 else None
+
+
+def _tvm_builds(m: onnx.ModelProto, stem: str, variants: dict[str, dict[str, Any]], threads: int | None,
+                work: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """Every variant of :func:`bench_model` built for ``threads`` (see :func:`build_threads_for`)."""
+    exes, compile_s = {}, {}
+    suffix = f"_t{threads}" if threads else ""
+    for name, opts in variants.items():
+        print(f"  compile {stem} {name}{suffix}", file=sys.stderr, flush=True)
+        opts = {**opts, "threads": threads} if threads else opts
+        exes[name], compile_s[name] = _tvm_build(m, work / f"{stem}_{name}{suffix}.so", opts)
+    return exes, compile_s
+
+
 def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from backends.tvm.executable import configure_threads
     from partitioner.runtime.comm_local import LocalWorld
@@ -287,16 +310,17 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
                              "tune_progress": True}
         if "conv" in variants:  # tune what the conv-algorithm build runs (Winograd GEMMs included)
             variants["tuned"]["conv_algorithm"] = args.conv_algorithm
-    exes, compile_s = {}, {}
-    for name, opts in variants.items():
-        print(f"  compile {key} b{batch} {name}", file=sys.stderr, flush=True)
-        exes[name], compile_s[name] = _tvm_build(m, work / f"{key}_b{batch}_{name}.so", opts)
+    builds: dict[int | None, tuple[dict[str, Any], dict[str, float]]] = {}
     base = {"model": Path(key).name, "source": info["source"], "zoo": info.get("zoo"), "args": info["args"],
             "batch": batch, "flops": flops, "flops_by_class": by_class}
     rows = []
     for threads in threads_list:
+        group = build_threads_for(threads)
+        if group not in builds:
+            builds[group] = _tvm_builds(m, f"{key}_b{batch}", variants, group, work)
+        exes, compile_s = builds[group]
         configure_threads(threads)
-        row = {**base, "threads": threads, **time_row(m, feeds, exes, threads, args, comm)}
+        row = {**base, "threads": threads, "tvm_build_threads": group, **time_row(m, feeds, exes, threads, args, comm)}
         for name in exes:
             row[f"tvm_{name}_compile_s"] = round(compile_s[name], 2)
             row[f"tvm_{name}_vs_ort"] = row[f"tvm_{name}_ms"] / row["ort_ms"]

@@ -13,6 +13,10 @@ Rules:
 4. :class:`Artifact` is the artifact view of :mod:`partitioner.artifact` plus :meth:`Artifact.run`:
    the run sits up here, on top of the runtime, so that the runtime only ever calls
    :func:`partitioner.artifact.load_artifact` and never the reverse.
+5. A TVM build learns the threads each rank will run on (``build_options["threads"]``, unless the
+   caller set it): :func:`partitioner.cost.threads.build_threads` (this machine's cores // ranks
+   on a one-node CPU cluster, None otherwise); a build for 1 thread has no parallel loops
+   (``backends/tvm/schedules/threads.py``, "Builds for one thread").
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     import onnx_ir as ir
 
     from partitioner.cluster import resolve_cluster
+    from partitioner.cost.threads import build_threads
     from partitioner.partition import partition
 
     path = source_path if source_path is not None else model
@@ -155,6 +160,8 @@ def compile(model: Any, cluster: Any = None, *, strategy: str = "auto", target: 
     if sim is not None:
         prediction["simulated"] = sim
         prediction["step_latency_s"] = sim["step_latency_s"]
+    if backend == "tvm" and "threads" not in (build_options or {}):  # rule 5
+        build_options = {**(build_options or {}), "threads": build_threads(cluster_obj, result.plan.world_size)}
     return build_artifact(out, result.models, result.bindings, source=source, backend=backend, target=target,
                           plan=result.plan.to_json(), cluster=cluster_obj.to_json(),
                           prediction=prediction, explanation=result.explanation,

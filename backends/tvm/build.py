@@ -16,6 +16,10 @@ Rules:
    each in a fresh ``python -m backends.tvm.compile_worker`` process (see that module for why
    not multiprocessing). Progress goes to stderr (see progress.py).
 3. Build facts are plain JSON-able dicts for the manifest: target dict, versions, sha256, times.
+4. ``options["threads"]``: the threads each rank's library will run on, when the caller knows it
+   (``partitioner.compiler``: the plan's threads per rank on one node's CPU cores); the default
+   schedules are chosen for it (:func:`backends.tvm.schedules.threads.building_for`: a build for
+   1 thread has no parallel loops). Absent: unknown, the schedules' thresholds decide as before.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from partitioner.core.files import sha256_file
 from .lower import lower_program
 from .progress import BuildProgress
 from .schedules.gpu import cuda_kernel_count
+from .schedules.threads import building_for
 from .target import gpu_facts, target_dict
 
 NAME = "tvm"
@@ -137,7 +142,8 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
     try:
         target = tvm.target.Target(tdict)
         # one pipeline for both (backends/tvm/pipeline.py): on CUDA it schedules with dlight's GPU rules
-        mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
+        with building_for(options.get("threads")):  # rule 4: a 1-thread build has no parallel loops
+            mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
         conv_used = tuning.pop("conv_algorithms", None)
         prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
         ex = tvm.compile(mod, target)
@@ -172,6 +178,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         **({"gpu": {**(gpu_facts(tdict) or {}), "kernels": cuda_kernel_count(ex.mod), "prim_funcs": prim_funcs}}
            if tdict.get("kind") == "cuda" else {}),
         "pipeline": pipeline,
+        **({"threads": int(options["threads"])} if options.get("threads") else {}),
         "tuned": bool(tuning.get("tuned", False)),
         **({"tuning": tuning} if tuning else {}),
         **({"conv_algorithms": conv_used} if conv_used else {}),

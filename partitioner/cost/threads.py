@@ -19,6 +19,11 @@ Rules:
    ``benchmarks/results/runtime_*.json`` of 2026-11-30): ResNet-18 1.72x and 1.99x, a BERT encoder
    1.75x and 0.98x (the latter's kernels are a few microseconds: thread start-up eats the gain).
    0.75 takes the typical figure; the per-call overhead is not sped up.
+4. The threads a rank's library is built for (:func:`build_threads`, ``partitioner.compiler``):
+   on a one-node CPU cluster, the worker's own share, this machine's usable cores // R
+   (``runtime/worker.py``'s ``pin_cores``, which counts the host's cores, not the cluster's
+   devices: a ``cpu:1`` plan runs its one rank on every core); None (unknown) elsewhere. A
+   build for 1 thread has no parallel loops (``backends/tvm/schedules/threads.py``).
 3. Why it matters: ``auto`` compares every split against ``single x1`` on the same cores; counting
    the 1-rank plan on one core made a 2-way split look 2x faster when the 1-rank build on both
    cores measured within 15% of it (issue 13: ``auto`` must never pick a split slower than single).
@@ -26,18 +31,39 @@ Rules:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 THREAD_EFFICIENCY = 0.75
 
 
+def _one_cpu_node(cluster: Any) -> bool:
+    """Whether every device of ``cluster`` is a CPU core of its one node (rules 1 and 4)."""
+    devices = getattr(cluster, "devices", ())
+    return bool(devices) and len(getattr(cluster, "nodes", ())) == 1 and all(d.kind == "cpu" for d in devices)
+
+
 def rank_threads(cluster: Any, world_size: int) -> int:
     """Rule 1: threads per rank of a ``world_size``-rank plan on ``cluster``."""
-    devices = getattr(cluster, "devices", ())
-    nodes = getattr(cluster, "nodes", ())
-    if world_size < 1 or not devices or len(nodes) != 1 or any(d.kind != "cpu" for d in devices):
+    if world_size < 1 or not _one_cpu_node(cluster):
         return 1
-    return max(1, len(devices) // world_size)
+    return max(1, len(cluster.devices) // world_size)
+
+
+def build_threads(cluster: Any, world_size: int) -> int | None:
+    """Rule 4: the threads each rank of a ``world_size``-rank plan will run on, as the worker
+    pins it on this machine; None when the cluster is not one node's CPU cores."""
+    if world_size < 1 or not _one_cpu_node(cluster):
+        return None
+    return max(1, _usable_cores() // world_size)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (what ``pin_cores`` divides among a host's ranks)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def thread_speedup(threads: int) -> float:

@@ -314,5 +314,5 @@ def _build_segment(model: onnx.ModelProto, workdir: Path | None, threads: int) -
     folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{model.graph.name}.so"
-    build_one(model, path, target_dict(None))
+    build_one(model, path, target_dict(None), {"threads": threads})  # 1: no parallel loops (threads.py)
     return _segment_library()(model, path, threads=threads)

@@ -67,7 +67,7 @@ def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, thr
     folder = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-pipe-"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{program.graph.name}.so"
-    build_one(program, path, target_dict(None))
+    build_one(program, path, target_dict(None), {"threads": threads})  # 1: no parallel loops (threads.py)
     return TvmRankExecutable(program, path, threads=threads)
 
 

@@ -470,7 +470,7 @@ def _schedule_runtime_packs(mod: Any, _ctx: Any) -> Any:
 def _schedule_pack_copy(sch: Any, blk: Any, lanes: int) -> bool:
     """Schedule one pack block by the rules of :func:`_schedule_runtime_packs`; False (nothing
     changed) when its innermost loop is not B's column axis or the panel width is not constant."""
-    from .threads import PARALLEL_MIN_ELEMENTS
+    from .threads import parallel_elements
 
     stmt = sch.get(blk)
     loops = sch.get_loops(blk)
@@ -489,7 +489,7 @@ def _schedule_pack_copy(sch: Any, blk: Any, lanes: int) -> bool:
     total = 1
     for e in exts:
         total *= e
-    if total >= PARALLEL_MIN_ELEMENTS:
+    if parallel_elements(total):
         sch.parallel(sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0])
     return True
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
+from .threads import parallel_elements
 from .vector import const_extent, vector_lanes
 
 PARALLEL_MIN = 16384
@@ -92,7 +93,7 @@ def schedule_spatial_block(sch: Any, block: Any, lanes: int, parallel: bool = Tr
         outer.append(inner)
     if not parallel or not outer:
         return
-    if total < PARALLEL_MIN:
+    if not parallel_elements(total, PARALLEL_MIN):
         return
     fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
     sch.parallel(fused)
@@ -128,7 +129,7 @@ def schedule_concat_block(sch: Any, block: Any, lanes: int) -> bool:
     sch.vectorize(cv)
     sch.loop_partition(co, factors=[w // vec for w in widths[:-1]] + [None])
     outer = list(loops[:-1])
-    if outer and _product(sch, outer) * ext >= PARALLEL_MIN:
+    if outer and parallel_elements(_product(sch, outer) * ext, PARALLEL_MIN):
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
     return True
 
@@ -198,7 +199,7 @@ def schedule_padded_copy(sch: Any, block: Any, lanes: int) -> bool:
             _, v = sch.split(run, factors=[None, width])
             sch.vectorize(v)
     outer = sch.get_loops(block)[:len(loops) - 2]
-    if total >= PARALLEL_MIN and outer:
+    if outer and parallel_elements(total, PARALLEL_MIN):
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
     return True
 

@@ -61,7 +61,7 @@ from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
-from .threads import PARALLEL_MIN_ELEMENTS
+from .threads import parallel_elements
 from .vector import const_extent, vector_lanes
 
 #: schedule LayerNorm/softmax-style functions with this rule; off: dlight's CPU Reduction does
@@ -226,7 +226,7 @@ def _schedule(sch: Any, root: Any, out: Any, d: int, lanes: int) -> Any:
         if not _reduce_vars(stmt) and stmt.name_hint not in rf_names and len(sch.get_loops(b)) > 1 and width:
             _, v = sch.split(sch.get_loops(b)[-1], factors=[None, width])
             sch.vectorize(v)
-    if n_rows is not None and n_rows * d >= PARALLEL_MIN_ELEMENTS:
+    if n_rows is not None and parallel_elements(n_rows * d):
         sch.parallel(rows)
     for rf in hoist:
         _hoist_init(sch, rf)

@@ -21,6 +21,19 @@ Where the number comes from, first match wins:
    :func:`threshold_from` give the machine's own value);
 3. :data:`DEFAULT_PARALLEL_MIN_FLOPS`.
 
+Builds for one thread (:data:`SERIAL_WHEN_ONE_THREAD`). A build that knows it will run on one
+thread (:func:`building_for`, set around the TVM build from the artifact's threads per rank:
+each data-parallel rank on its own core, the 1-thread rows of ``benchmarks/per_device.py``)
+emits no parallel loop at all: :func:`worth_parallel` and :func:`parallel_elements` answer False.
+Why: TVM lowers a parallel loop into a closure called through ``TVMBackendParallelLaunch``, whose
+buffer pointers lose their no-alias facts and whose accumulators come from a workspace
+allocation, so such a kernel is slower even when the pool has a single thread (measured,
+session 11, mobilenet batch 8 on one thread, thread CPU time: 1x1 convs 12.53 ms with parallel
+loops against 11.00 ms all serial, depthwise 3.20 against 2.77). Shapes it is for: every kernel
+of a 1-thread build, whatever its size. A build whose thread count is unknown (None: a plain
+``partitioner compile`` for a cluster that is not one node's CPU cores, ``backends.tvm.build``
+without ``options["threads"]``) keeps the thresholds above, as before.
+
 Memory-bound kernels (elementwise, pads, transposes) use :data:`PARALLEL_MIN_ELEMENTS` instead,
 in the same spirit: ~16K float32 elements is ~64 KiB, a few microseconds of copying.
 
@@ -61,7 +74,9 @@ kernel hands the core away (gpt at batch 1 on 2 threads: 3.7-68 ms a run at load
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 DEFAULT_PARALLEL_MIN_FLOPS = 2e6
 FORK_JOIN_MARGIN = 2.0
@@ -69,8 +84,36 @@ PARALLEL_MIN_ELEMENTS = 16384
 ENV = "PARTITIONER_PARALLEL_MIN_FLOPS"
 POOL_SPIN_COUNT = 10000
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
+#: a build for one thread emits no parallel loop (module docstring, "Builds for one thread");
+#: False: the FLOP/element thresholds alone decide, whatever the build's thread count
+SERIAL_WHEN_ONE_THREAD = True
 
 _configured: float | None = None
+_build_threads: int | None = None
+
+
+def build_threads() -> int | None:
+    """The thread count the kernels being built will run on (None: unknown, see :func:`building_for`)."""
+    return _build_threads
+
+
+@contextlib.contextmanager
+def building_for(threads: int | None) -> Iterator[None]:
+    """Schedule the kernels built inside this block for ``threads`` threads (None: unknown, the
+    thresholds decide as before). Module state, not thread-local: a process builds one program
+    at a time (``backends.tvm.build`` runs each rank's build on one thread, or in its own
+    compile-worker process)."""
+    global _build_threads
+    saved = _build_threads
+    _build_threads = None if threads is None else max(1, int(threads))
+    try:
+        yield
+    finally:
+        _build_threads = saved
+
+
+def _serial_build() -> bool:
+    return SERIAL_WHEN_ONE_THREAD and _build_threads == 1
 
 
 def threshold_from(fork_join_s: float, flops_per_s: float) -> float:
@@ -102,5 +145,14 @@ def worth_parallel(flops: float, peak_fraction: float = 1.0) -> bool:
     compute-bound GEMM or conv, what :func:`parallel_min_flops` is sized for). The rule compares
     the kernel's *time* with the fork/join, so a kernel that runs at a fraction ``f`` of the peak
     needs only ``f x`` the FLOPs: a memory-bound depthwise conv at 0.4 of the peak takes as long
-    per FLOP as 2.5 GEMM FLOPs (``depthwise.PARALLEL_PEAK_FRACTION``)."""
-    return flops >= parallel_min_flops() * peak_fraction
+    per FLOP as 2.5 GEMM FLOPs (``depthwise.PARALLEL_PEAK_FRACTION``). Always False in a build
+    for one thread (:data:`SERIAL_WHEN_ONE_THREAD`)."""
+    return not _serial_build() and flops >= parallel_min_flops() * peak_fraction
+
+
+def parallel_elements(elements: float, minimum: float = PARALLEL_MIN_ELEMENTS) -> bool:
+    """True when a memory-bound kernel (copy, pad, pack, row-wise norm) touching ``elements``
+    elements should use the thread pool: at least ``minimum`` of them (the module docstring's
+    :data:`PARALLEL_MIN_ELEMENTS`; a caller with its own bound passes it), and not a build for
+    one thread (:data:`SERIAL_WHEN_ONE_THREAD`)."""
+    return not _serial_build() and elements >= minimum
