@@ -38,6 +38,7 @@ import onnx
 from partitioner.core.errors import BackendError, PartitionerError
 from partitioner.core.files import sha256_file
 
+from . import lift_step_constants
 from .lower import lower_program
 from .progress import BuildProgress
 from .schedules.gpu import cuda_kernel_count
@@ -138,6 +139,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         target = tvm.target.Target(tdict)
         # one pipeline for both (backends/tvm/pipeline.py): on CUDA it schedules with dlight's GPU rules
         mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
+        mod = lift_step_constants.lift(mod, program, len(lowered.comm_ops))  # weight-only kernels once per change
         conv_used = tuning.pop("conv_algorithms", None)
         prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
         ex = tvm.compile(mod, target)

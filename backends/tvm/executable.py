@@ -24,6 +24,10 @@ Rules:
    With ``reuse_readonly_inputs`` (set by a caller that never changes an array it made
    read-only: the pipeline runner's weights, constant through a step's micro-batches) a feed
    that is the very read-only array a buffer was last filled from is not copied again.
+8. A library with step-constant transforms lifted out of ``main`` (:mod:`backends.tvm.lift_step_constants`)
+   keeps the results of ``main_transform_params`` and calls it again only when one of its
+   step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
+   holds is not); ``main`` gets those results in place of the step constants.
 6. Programs with ONNX Runtime fallback segments (:mod:`backends.tvm.fallback`) get one
    ``InferenceSession`` per segment at load time, bound thread-locally around the VM call like the
    communicator; the library calls them through ``partitioner.ort_segment``.
@@ -66,6 +70,7 @@ from partitioner.core.comm_ops import OPS, CommOp, Communicator, execute
 from partitioner.core.errors import BackendError, InputError, PartitionerError, RunFailed
 
 from . import contention, device_comm, fallback
+from .lift_step_constants import TRANSFORM, step_constant_inputs
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
 from .weight_params import bind_weights, main_weight_params
 
@@ -238,6 +243,10 @@ class TvmRankExecutable:
         self._in_src: list[np.ndarray | None] = [None] * len(self.inputs)  # rule 5: the read-only array copied
         self.reuse_readonly_inputs = False
         self.vm_s = 0.0
+        self._refilled = False  # rule 8: a step-constant buffer was filled on this call
+        self._transform = _function(self._vm, TRANSFORM)
+        self._constants = len(step_constant_inputs(program)) if self._transform is not None else 0
+        self._lifted: list[Any] | None = None
 
     def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
         """Fill (creating on first use) one persistent TVM tensor per input; see rule 5."""
@@ -258,19 +267,31 @@ class TvmRankExecutable:
                 if view is None:
                     self._in_bufs[i] = None  # no view to reuse: a fresh tensor per call
                     t.copyfrom(np.asarray(x, order="C"))
+                    self._refilled = True
                     args.append(t)
                     continue
             if x is not self._in_src[i]:
                 np.copyto(buf[1], x)
+                self._refilled = self._refilled or i >= len(self.inputs) - self._constants
                 keep = self.reuse_readonly_inputs and isinstance(x, np.ndarray) and not x.flags.writeable
                 self._in_src[i] = x if keep else None
             args.append(buf[0])
         return args
 
+    def _lift(self, args: list[Any]) -> list[Any]:
+        """Rule 8: ``main``'s arguments, the step constants replaced by their lifted transforms."""
+        if not self._constants:
+            return args
+        k = len(args) - self._constants
+        if self._lifted is None or self._refilled:
+            self._lifted = list(self._transform(list(args[k:])))
+        return [*args[:k], *self._lifted]
+
     def run(self, feeds: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
         import tvm
 
         try:
+            self._refilled = not self._on_cpu
             if self._on_cpu:
                 args = self._input_buffers(feeds)
             else:
@@ -285,7 +306,7 @@ class TvmRankExecutable:
         watch = guard.before(_threads or 1) if guard is not None else None
         t0 = time.perf_counter()
         try:
-            res = self._main(*args, *self._weights)
+            res = self._main(*self._lift(args), *self._weights)
         except Exception as e:
             err = getattr(_local, "error", None) or fallback.last_error()
             if isinstance(err, PartitionerError):
@@ -313,6 +334,14 @@ class TvmRankExecutable:
                 arr = arr.copy()
             out[name] = arr
         return out
+
+
+def _function(vm: Any, name: str) -> Any:
+    """The VM's function ``name``, or None when the library has none."""
+    try:
+        return vm[name]
+    except Exception:  # noqa: BLE001 - TVM raises its own error for a missing function
+        return None
 
 
 def _output_array(v: Any, *, copy: bool = False) -> np.ndarray:
