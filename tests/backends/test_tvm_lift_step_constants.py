@@ -94,3 +94,34 @@ def test_unmarked_program_lifts_nothing(tmp_path) -> None:
     program = _program(False)
     build_one(program, tmp_path / "plain.so", target_dict(None))
     assert TvmRankExecutable(program, tmp_path / "plain.so")._transform is None
+
+
+def test_returned_reshape_stays_a_view(tmp_path) -> None:
+    """A returned Reshape of a computed value, beside another output (a stage's weight gradients
+    reshaped back to the weights' shapes) stays a view after the lift, as it is without it: no
+    ``reshape`` kernel runs."""
+    vi = helper.make_tensor_value_info
+    shape = helper.make_tensor("shape", TensorProto.INT64, [4], [8, 64, 3, 3])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Reshape", ["m", "shape"], ["y"]),
+             helper.make_node("Relu", ["m"], ["r"])]
+    g = helper.make_graph(nodes, "reshaped", [vi("x", TensorProto.FLOAT, [8, 64]), vi("w", TensorProto.FLOAT, [64, 576])],
+                          [vi("y", TensorProto.FLOAT, [8, 64, 3, 3]), vi("r", TensorProto.FLOAT, [8, 576])], [shape])
+    program = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    mark_step_constants(program, ["w"])
+    build_one(program, tmp_path / "r.so", target_dict(None))
+    exe = TvmRankExecutable(program, tmp_path / "r.so")
+    assert exe._transform is not None
+    called: list[str] = []
+
+    def instrument(func, symbol, before, ret, *args):
+        if before:
+            called.append(str(symbol))
+        return 0
+
+    exe._vm.set_instrument(instrument)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((8, 64)).astype(np.float32),
+             "w": rng.standard_normal((64, 576)).astype(np.float32)}
+    got = exe.run(dict(feeds), LocalWorld(1).communicator(0))["y"]
+    np.testing.assert_allclose(got, _ort(program, feeds), rtol=1e-4, atol=1e-4)
+    assert called and not [s for s in called if s.startswith("reshape")], called
