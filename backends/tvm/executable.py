@@ -24,6 +24,11 @@ Rules:
    With ``reuse_readonly_inputs`` (set by a caller that never changes an array it made
    read-only: the pipeline runner's weights, constant through a step's micro-batches) a feed
    that is the very read-only array a buffer was last filled from is not copied again.
+9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
+   into another program, the pipeline runner's stash) ``output_tensors`` holds this call's output
+   tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
+   ``tvm.runtime.Tensor`` to the VM as it is (no copy into an input buffer). The VM never writes
+   its inputs, and the tensor is a fresh result of an earlier call, held by the caller.
 8. A library with step-constant transforms lifted out of ``main`` (:mod:`backends.tvm.lift_step_constants`)
    keeps the results of ``main_transform_params`` and calls it again only when one of its
    step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
@@ -249,6 +254,8 @@ class TvmRankExecutable:
         self._constants = len(step_constant_inputs(program)) if self._transform is not None else 0
         self._lifted: list[Any] | None = None
         self._spans: tuple[list[int], list[int]] | None = None  # rule 5: the input buffers' byte ranges
+        self.keep_output_tensors = False  # rule 9
+        self.output_tensors: dict[str, Any] = {}
 
     def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
         """Fill (creating on first use) one persistent TVM tensor per input; see rule 5."""
@@ -257,6 +264,11 @@ class TvmRankExecutable:
         args = []
         for i, name in enumerate(self.inputs):
             x = feeds[name]
+            if isinstance(x, tvm.runtime.Tensor):  # rule 9: an earlier call's output, as it is
+                self._in_src[i] = None
+                self._refilled = self._refilled or i >= len(self.inputs) - self._constants
+                args.append(x)
+                continue
             buf = self._in_bufs[i]
             if buf is None or buf[1].shape != x.shape or buf[1].dtype != x.dtype:
                 t = tvm.runtime.empty(x.shape, str(x.dtype), self.device)
@@ -343,12 +355,15 @@ class TvmRankExecutable:
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}
         out = {}
+        self.output_tensors = {}
         for name, v in zip(self.outputs, values):
             arr = _output_array(v)
             # an output that is an input buffer, or a view of one (Flatten/Reshape of an input
             # lower to views sharing its storage), is overwritten by the next call: rule 5
             if isinstance(v, tvm.runtime.Tensor) and self._in_input_buffer(arr):
                 arr = arr.copy()
+            elif self.keep_output_tensors and isinstance(v, tvm.runtime.Tensor):  # rule 9
+                self.output_tensors[name] = v
             out[name] = arr
         return out
 

@@ -82,6 +82,7 @@ pipeline to ONNX Runtime's 1-rank step at rtol 1e-4).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,8 +95,9 @@ from backends.tvm.lift_step_constants import mark_step_constants
 HOIST_WEIGHT_NODES = True
 #: rule 5 (module constant; off: a stage's Conv weights are permuted to HWIO by TVM on every call)
 HWIO_CONV_WEIGHTS = True
-#: rule 7 (module constant; off: TVM packs a stage's conv weights inside the program on every call)
-LIFT_STEP_CONSTANTS = True
+#: rule 7 (module constant; off: TVM packs a stage's conv weights inside the program on every call);
+#: the environment's ``PARTITIONER_TRAIN_LIFT_STEP_CONSTANTS=0`` turns it off in MPI ranks too
+LIFT_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_LIFT_STEP_CONSTANTS", "1") != "0"
 #: rule 4 on constant filters as well as weights (module constant; off: weights only)
 CONSTANT_FILTERS = True
 #: rule 4's phase form for strided ConvTransposes, used by 1-rank, data-parallel and pipeline TVM
