@@ -24,15 +24,6 @@ Rules:
    With ``reuse_readonly_inputs`` (set by a caller that never changes an array it made
    read-only: the pipeline runner's weights, constant through a step's micro-batches) a feed
    that is the very read-only array a buffer was last filled from is not copied again.
-9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
-   into another program, the pipeline runner's stash) ``output_tensors`` holds this call's output
-   tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
-   ``tvm.runtime.Tensor`` to the VM as it is (no copy into an input buffer). The VM never writes
-   its inputs, and the tensor is a fresh result of an earlier call, held by the caller.
-8. A library with step-constant transforms lifted out of ``main`` (:mod:`backends.tvm.lift_step_constants`)
-   keeps the results of ``main_transform_params`` and calls it again only when one of its
-   step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
-   holds is not); ``main`` gets those results in place of the step constants.
 6. Programs with ONNX Runtime fallback segments (:mod:`backends.tvm.fallback`) get one
    ``InferenceSession`` per segment at load time, bound thread-locally around the VM call like the
    communicator; the library calls them through ``partitioner.ort_segment``.
@@ -42,6 +33,15 @@ Rules:
    parallel kernel (per ``CONTENTION_CPU_MS_PER_SWITCH`` of its CPU time: the pool taking turns on
    one core, or yielding to other processes), drops that thread's pool to 1 thread for a while,
    then probes the requested count again.
+8. A library with step-constant transforms lifted out of ``main`` (:mod:`backends.tvm.lift_step_constants`)
+   keeps the results of ``main_transform_params`` and calls it again only when one of its
+   step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
+   holds is not); ``main`` gets those results in place of the step constants.
+9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
+   into another program, the pipeline runner's stash) ``output_tensors`` holds this call's output
+   tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
+   ``tvm.runtime.Tensor`` to the VM as it is (no copy into an input buffer). The VM never writes
+   its inputs, and the tensor is a fresh result of an earlier call, held by the caller.
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
