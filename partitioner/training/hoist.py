@@ -69,7 +69,14 @@ Rules:
    its stage weights and hoisted values as *step constants* (knob :data:`LIFT_STEP_CONSTANTS`;
    ``backends/tvm/lift_step_constants.py``): the build lifts every kernel computed from them
    alone into ``main_transform_params``, which the executable reruns only when one of them was
-   copied in anew (once per step: the runner's weights are read-only, executable rule 8).
+   copied in anew (once per step: the runner's weights are read-only, executable rule 8). Only
+   values of at least :data:`LIFT_MIN_BYTES` (an L2) are named: a smaller weight packed right
+   before its conv is read back from L2, while its lifted copy comes from memory on every call
+   (the zoo resnet's stage 0, layer1-2 weights of 0.15-0.6 MiB, lifting all: 285.7 -> 312.2 ms
+   per step in one paired run at load 3, 337.7 -> 308.5 in another at load 5; its last stage's
+   layer3-4 weights of 2.4-9.4 MiB: 216.7 -> 213.0 and 207.9 -> 190.7). With the bound (one
+   paired run, 5 rounds, load 3.6-3.0): 320.3 / 208.2 -> 295.6 / 191.4 ms against a 376.7 ms
+   1-rank step (the 1F1B bound 1.05x -> 1.13x).
 6. Cost: each hoisted value is alive for the whole step (a weight-sized buffer per transposed
    weight), one more program call per step; the arithmetic is once per step instead of ``M``
    times. With ``M = 1`` nothing is hoisted (nothing to save).
@@ -98,6 +105,8 @@ HWIO_CONV_WEIGHTS = True
 #: rule 7 (module constant; off: TVM packs a stage's conv weights inside the program on every call);
 #: the environment's ``PARTITIONER_TRAIN_LIFT_STEP_CONSTANTS=0`` turns it off in MPI ranks too
 LIFT_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_LIFT_STEP_CONSTANTS", "1") != "0"
+#: rule 7: only values of at least this many bytes (one core's L2, Zen 4: 1 MiB); 0: every one
+LIFT_MIN_BYTES = 1 << 20
 #: rule 4 on constant filters as well as weights (module constant; off: weights only)
 CONSTANT_FILTERS = True
 #: rule 4's phase form for strided ConvTransposes, used by 1-rank, data-parallel and pipeline TVM
@@ -270,6 +279,11 @@ def conv_weights_hwio(model: onnx.ModelProto, weights: set[str]) -> None:
     g.node.extend(nodes)
 
 
+def _bytes(info: onnx.ValueInfoProto) -> int:
+    t = info.type.tensor_type
+    return int(np.prod([d.dim_value for d in t.shape.dim])) * helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+
+
 def _signature(node: onnx.NodeProto, inputs: list[str]) -> tuple:
     return (node.op_type, node.domain, tuple(inputs),
             tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute)))
@@ -385,8 +399,8 @@ def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], 
             conv_weights_hwio(model, hoister.weights)
         model = hoister.program(model)
         if LIFT_STEP_CONSTANTS:  # rule 7
-            mark_step_constants(model, [v.name for v in model.graph.input
-                                        if v.name in hoister.weights or v.name.startswith(PREFIX)])
+            mark_step_constants(model, [v.name for v in model.graph.input if _bytes(v) >= LIFT_MIN_BYTES
+                                        and (v.name in hoister.weights or v.name.startswith(PREFIX))])
         out.append(model)
     first = present[0]
     return out, hoister.prepare(name, first.opset_import, first.ir_version)

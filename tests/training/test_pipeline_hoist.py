@@ -161,7 +161,7 @@ def _count_transforms(runners: list[PipelineRunner]) -> dict[str, int]:
     return calls
 
 
-def test_stage_weight_packing_runs_once_per_step(tmp_path) -> None:
+def test_stage_weight_packing_runs_once_per_step(tmp_path, monkeypatch) -> None:
     """Rule 7 on TVM plans: every per-micro-batch program names its weights and hoisted values as
     step constants, its build lifts their weight-only kernels (the conv weight packing), which run
     once per step, not once per micro-batch; the pipeline still trains like 1 rank (TVM stages
@@ -169,6 +169,7 @@ def test_stage_weight_packing_runs_once_per_step(tmp_path) -> None:
     kept past a weight update would fail it). Fails with ``LIFT_STEP_CONSTANTS`` off."""
     from backends.tvm.lift_step_constants import step_constant_inputs
 
+    monkeypatch.setattr(hoist, "LIFT_MIN_BYTES", 0)  # the conv net's weights are small
     model = _conv_net()
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
     for st in plan.stages:
@@ -198,3 +199,22 @@ def test_lift_knob_off_marks_nothing(monkeypatch) -> None:
                           backend="tvm")
     assert all(not step_constant_inputs(p) for st in plan.stages for p in (st.forward, st.backward, st.fused)
                if p is not None)
+
+
+def test_lift_names_only_values_of_lift_min_bytes(monkeypatch) -> None:
+    """Rule 7's size bound: with it at 2 KiB only the conv net's fc weight (6 KiB) and hoisted
+    values at least that large are named; the 4x2x3x3 and 6x4x3x3 conv weights' forms are not
+    (fails without the bound)."""
+    from backends.tvm.lift_step_constants import step_constant_inputs
+
+    monkeypatch.setattr(hoist, "LIFT_MIN_BYTES", 2048)
+    plan = build_pipeline(_conv_net(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4,
+                          backend="tvm")
+    named = {n for st in plan.stages for p in (st.forward, st.backward, st.fused) if p is not None
+             for n in step_constant_inputs(p)}
+    sizes = {v.name: hoist._bytes(v) for st in plan.stages for p in (st.forward, st.backward, st.fused)
+             if p is not None for v in p.graph.input}
+    weights = {w for st in plan.stages for w in st.weights}
+    small = {n for n in sizes if (n in weights or n.startswith(hoist.PREFIX)) and sizes[n] < 2048}
+    assert "fc.weight" in named and all(sizes[n] >= 2048 for n in named)
+    assert small and not named & small  # the conv weights' hoisted forms (864 and 288 bytes)
