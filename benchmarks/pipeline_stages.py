@@ -6,8 +6,9 @@ For one zoo model (the ``benchmarks/train_step.py`` sizes) and backend, two 2-st
   micro-batches);
 - ``old``: the cost-model cut, no hoist, every input copied per call (the code before session 9);
 
-or, with ``--baseline MODULE.ATTR=VALUE`` (repeatable), ``old`` is today's plan built with those
-settings (a knob's before/after, e.g. ``partitioner.training.hoist.HWIO_CONV_WEIGHTS=False``);
+or, with ``--baseline MODULE.ATTR=VALUE`` (repeatable), ``old`` is today's plan and its stage runners
+built with those settings (a knob's before/after, e.g. ``partitioner.training.hoist.HWIO_CONV_WEIGHTS=False``
+or ``partitioner.training.pipeline_runner.STASH_TENSORS=False``);
 
 each stage's :class:`PipelineRunner` over a communicator that returns at once
 (``overheads._Instant``: no waiting on a peer, so a loaded machine's descheduled peer does not
@@ -56,7 +57,9 @@ def _plans(model, loss: str, batch: int, backend: str, baseline: dict | None = N
     return {"new": new, "old": old}
 
 
-def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict, y, reuse_old: bool) -> dict:
+def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict, y, reuse_old: bool,
+             baseline: dict | None = None) -> dict:
+    from partitioner.training.bench import _with_settings
     from partitioner.training.optimizers import SGD
     from partitioner.training.overheads import _Instant
     from partitioner.training.pipeline_runner import PipelineRunner
@@ -66,7 +69,8 @@ def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict
     out = {}
     for k, plan in plans.items():
         for s in range(plan.num_stages):
-            r = PipelineRunner(plan, s, comm=_Instant(s), backend=backend, workdir=work / k)
+            r = _with_settings(baseline if k == "old" and baseline else {},  # runner knobs too
+                               lambda: PipelineRunner(plan, s, comm=_Instant(s), backend=backend, workdir=work / k))
             for e in r._exe.values():
                 if hasattr(e, "reuse_readonly_inputs"):
                     e.reuse_readonly_inputs = k == "new" or reuse_old
@@ -102,7 +106,7 @@ def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> d
     load_before = os.getloadavg()
     plans = _plans(model, loss, batch, backend, baseline)
     with tempfile.TemporaryDirectory() as tmp:
-        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, reuse_old=bool(baseline))
+        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, reuse_old=bool(baseline), baseline=baseline)
         times: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(rounds):
             for k, r in runners.items():

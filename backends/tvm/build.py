@@ -20,6 +20,9 @@ Rules:
    (``partitioner.compiler``: the plan's threads per rank on one node's CPU cores); the default
    schedules are chosen for it (:func:`backends.tvm.schedules.threads.building_for`: a build for
    1 thread has no parallel loops). Absent: unknown, the schedules' thresholds decide as before.
+5. After scheduling, a program that names its step constants (training pipeline stages) has its
+   weight-only kernels lifted into ``main_transform_params``
+   (:mod:`backends.tvm.lift_step_constants`); any other program builds unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import onnx
 from partitioner.core.errors import BackendError, PartitionerError
 from partitioner.core.files import sha256_file
 
+from . import lift_step_constants
 from .lower import lower_program
 from .progress import BuildProgress
 from .schedules.gpu import cuda_kernel_count
@@ -144,6 +148,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         # one pipeline for both (backends/tvm/pipeline.py): on CUDA it schedules with dlight's GPU rules
         with building_for(options.get("threads")):  # rule 4: a 1-thread build has no parallel loops
             mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
+        mod = lift_step_constants.lift(mod, program, len(lowered.comm_ops))  # weight-only kernels once per change
         conv_used = tuning.pop("conv_algorithms", None)
         prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
         ex = tvm.compile(mod, target)

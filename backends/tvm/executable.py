@@ -33,6 +33,15 @@ Rules:
    parallel kernel (per ``CONTENTION_CPU_MS_PER_SWITCH`` of its CPU time: the pool taking turns on
    one core, or yielding to other processes), drops that thread's pool to 1 thread for a while,
    then probes the requested count again.
+8. A library with step-constant transforms lifted out of ``main`` (:mod:`backends.tvm.lift_step_constants`)
+   keeps the results of ``main_transform_params`` and calls it again only when one of its
+   step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
+   holds is not); ``main`` gets those results in place of the step constants.
+9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
+   into another program, the pipeline runner's stash) ``output_tensors`` holds this call's output
+   tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
+   ``tvm.runtime.Tensor`` to the VM as it is (no copy into an input buffer). The VM never writes
+   its inputs, and the tensor is a fresh result of an earlier call, held by the caller.
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
@@ -53,6 +62,7 @@ one process share it. It also bounds the workers' idle spin (``TVM_THREAD_POOL_S
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -66,6 +76,7 @@ from partitioner.core.comm_ops import OPS, CommOp, Communicator, execute
 from partitioner.core.errors import BackendError, InputError, PartitionerError, RunFailed
 
 from . import contention, device_comm, fallback
+from .lift_step_constants import TRANSFORM, step_constant_inputs
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
 from .weight_params import bind_weights, main_weight_params
 
@@ -238,6 +249,13 @@ class TvmRankExecutable:
         self._in_src: list[np.ndarray | None] = [None] * len(self.inputs)  # rule 5: the read-only array copied
         self.reuse_readonly_inputs = False
         self.vm_s = 0.0
+        self._refilled = False  # rule 8: a step-constant buffer was filled on this call
+        self._transform = _function(self._vm, TRANSFORM)
+        self._constants = len(step_constant_inputs(program)) if self._transform is not None else 0
+        self._lifted: list[Any] | None = None
+        self._spans: tuple[list[int], list[int]] | None = None  # rule 5: the input buffers' byte ranges
+        self.keep_output_tensors = False  # rule 9
+        self.output_tensors: dict[str, Any] = {}
 
     def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
         """Fill (creating on first use) one persistent TVM tensor per input; see rule 5."""
@@ -246,6 +264,11 @@ class TvmRankExecutable:
         args = []
         for i, name in enumerate(self.inputs):
             x = feeds[name]
+            if isinstance(x, tvm.runtime.Tensor):  # rule 9: an earlier call's output, as it is
+                self._in_src[i] = None
+                self._refilled = self._refilled or i >= len(self.inputs) - self._constants
+                args.append(x)
+                continue
             buf = self._in_bufs[i]
             if buf is None or buf[1].shape != x.shape or buf[1].dtype != x.dtype:
                 t = tvm.runtime.empty(x.shape, str(x.dtype), self.device)
@@ -255,22 +278,50 @@ class TvmRankExecutable:
                     view = None  # bfloat16/float8/int4: numpy's DLPack import lacks the dtype
                 buf = (t, view)
                 self._in_bufs[i], self._in_src[i] = buf, None
+                self._spans = None
                 if view is None:
                     self._in_bufs[i] = None  # no view to reuse: a fresh tensor per call
                     t.copyfrom(np.asarray(x, order="C"))
+                    self._refilled = True
                     args.append(t)
                     continue
             if x is not self._in_src[i]:
                 np.copyto(buf[1], x)
+                self._refilled = self._refilled or i >= len(self.inputs) - self._constants
                 keep = self.reuse_readonly_inputs and isinstance(x, np.ndarray) and not x.flags.writeable
                 self._in_src[i] = x if keep else None
             args.append(buf[0])
         return args
 
+    def _in_input_buffer(self, arr: np.ndarray) -> bool:
+        """Rule 5: whether ``arr``'s bytes overlap a persistent input buffer (one bisection over
+        the buffers' sorted, disjoint byte ranges: the pairwise ``np.may_share_memory`` over every
+        output and input cost the resnet's first pipeline stage about 5600 Python checks a call)."""
+        if not arr.nbytes:
+            return False
+        if self._spans is None:
+            spans = sorted((b[1].ctypes.data, b[1].ctypes.data + b[1].nbytes) for b in self._in_bufs
+                           if b is not None and b[1].nbytes)
+            self._spans = ([a for a, _ in spans], [e for _, e in spans])
+        starts, ends = self._spans
+        lo, hi = _byte_bounds(arr)
+        k = bisect.bisect_left(starts, hi) - 1  # the last buffer that starts before arr ends
+        return k >= 0 and ends[k] > lo
+
+    def _lift(self, args: list[Any]) -> list[Any]:
+        """Rule 8: ``main``'s arguments, the step constants replaced by their lifted transforms."""
+        if not self._constants:
+            return args
+        k = len(args) - self._constants
+        if self._lifted is None or self._refilled:
+            self._lifted = list(self._transform(list(args[k:])))
+        return [*args[:k], *self._lifted]
+
     def run(self, feeds: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
         import tvm
 
         try:
+            self._refilled = not self._on_cpu
             if self._on_cpu:
                 args = self._input_buffers(feeds)
             else:
@@ -285,7 +336,7 @@ class TvmRankExecutable:
         watch = guard.before(_threads or 1) if guard is not None else None
         t0 = time.perf_counter()
         try:
-            res = self._main(*args, *self._weights)
+            res = self._main(*self._lift(args), *self._weights)
         except Exception as e:
             err = getattr(_local, "error", None) or fallback.last_error()
             if isinstance(err, PartitionerError):
@@ -304,15 +355,36 @@ class TvmRankExecutable:
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}
         out = {}
+        self.output_tensors = {}
         for name, v in zip(self.outputs, values):
             arr = _output_array(v)
             # an output that is an input buffer, or a view of one (Flatten/Reshape of an input
             # lower to views sharing its storage), is overwritten by the next call: rule 5
-            if isinstance(v, tvm.runtime.Tensor) and any(v.same_as(a) or np.may_share_memory(arr, buf[1])
-                   for a, buf in zip(args, self._in_bufs) if buf is not None):
+            if isinstance(v, tvm.runtime.Tensor) and self._in_input_buffer(arr):
                 arr = arr.copy()
+            elif self.keep_output_tensors and isinstance(v, tvm.runtime.Tensor):  # rule 9
+                self.output_tensors[name] = v
             out[name] = arr
         return out
+
+
+def _byte_bounds(arr: np.ndarray) -> tuple[int, int]:
+    """First and one-past-last byte ``arr`` can touch (as ``np.may_share_memory`` bounds it)."""
+    lo = hi = arr.ctypes.data
+    for n, stride in zip(arr.shape, arr.strides):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi + arr.itemsize
+
+
+def _function(vm: Any, name: str) -> Any:
+    """The VM's function ``name``, or None when the library has none."""
+    try:
+        return vm[name]
+    except Exception:  # noqa: BLE001 - TVM raises its own error for a missing function
+        return None
 
 
 def _output_array(v: Any, *, copy: bool = False) -> np.ndarray:

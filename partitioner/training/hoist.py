@@ -61,6 +61,22 @@ Rules:
    per call). Such a Conv's weight ``V`` is rewritten to ``Transpose(Transpose(V, HWIO), OIHW)``:
    rule 1 hoists the inner one, and TVM cancels the outer one against its own HWIO permute (the
    same six: 4.6 ms of kernels per call, against 7.2 ms for conv2d_transpose).
+7. TVM plans only. What no ONNX rewrite reaches, TVM's own weight-only kernels inside a program
+   (the conv schedule's panel packing of a weight given as an input,
+   ``schedules/contraction._pack_conv_weights``, and the transposes ConvertLayout wraps around
+   it), runs on every call too (measured, the zoo resnet's last stage at micro-batch 2: 52 of 192
+   ms of kernels per step re-packing conv weights). Each per-micro-batch program therefore names
+   its stage weights and hoisted values as *step constants* (knob :data:`LIFT_STEP_CONSTANTS`;
+   ``backends/tvm/lift_step_constants.py``): the build lifts every kernel computed from them
+   alone into ``main_transform_params``, which the executable reruns only when one of them was
+   copied in anew (once per step: the runner's weights are read-only, executable rule 8). Only
+   values of at least :data:`LIFT_MIN_BYTES` (an L2) are named: a smaller weight packed right
+   before its conv is read back from L2, while its lifted copy comes from memory on every call
+   (the zoo resnet's stage 0, layer1-2 weights of 0.15-0.6 MiB, lifting all: 285.7 -> 312.2 ms
+   per step in one paired run at load 3, 337.7 -> 308.5 in another at load 5; its last stage's
+   layer3-4 weights of 2.4-9.4 MiB: 216.7 -> 213.0 and 207.9 -> 190.7). With the bound (one
+   paired run, 5 rounds, load 3.6-3.0): 320.3 / 208.2 -> 295.6 / 191.4 ms against a 376.7 ms
+   1-rank step (the 1F1B bound 1.05x -> 1.13x).
 6. Cost: each hoisted value is alive for the whole step (a weight-sized buffer per transposed
    weight), one more program call per step; the arithmetic is once per step instead of ``M``
    times. With ``M = 1`` nothing is hoisted (nothing to save).
@@ -73,16 +89,24 @@ pipeline to ONNX Runtime's 1-rank step at rtol 1e-4).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from backends.tvm.lift_step_constants import mark_step_constants
+
 #: rules 1-2 on (module constant; off: every program recomputes its weight-only nodes per micro-batch)
 HOIST_WEIGHT_NODES = True
 #: rule 5 (module constant; off: a stage's Conv weights are permuted to HWIO by TVM on every call)
 HWIO_CONV_WEIGHTS = True
+#: rule 7 (module constant; off: TVM packs a stage's conv weights inside the program on every call);
+#: the environment's ``PARTITIONER_TRAIN_LIFT_STEP_CONSTANTS=0`` turns it off in MPI ranks too
+LIFT_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_LIFT_STEP_CONSTANTS", "1") != "0"
+#: rule 7: only values of at least this many bytes (one core's L2, Zen 4: 1 MiB); 0: every one
+LIFT_MIN_BYTES = 1 << 20
 #: rule 4 on constant filters as well as weights (module constant; off: weights only)
 CONSTANT_FILTERS = True
 #: rule 4's phase form for strided ConvTransposes, used by 1-rank, data-parallel and pipeline TVM
@@ -255,6 +279,11 @@ def conv_weights_hwio(model: onnx.ModelProto, weights: set[str]) -> None:
     g.node.extend(nodes)
 
 
+def _bytes(info: onnx.ValueInfoProto) -> int:
+    t = info.type.tensor_type
+    return int(np.prod([d.dim_value for d in t.shape.dim])) * helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+
+
 def _signature(node: onnx.NodeProto, inputs: list[str]) -> tuple:
     return (node.op_type, node.domain, tuple(inputs),
             tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute)))
@@ -350,7 +379,7 @@ def _renamed(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
 
 def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], weights: Sequence[str], *,
                          micro_batches: int, backend: str) -> tuple[list[onnx.ModelProto | None], onnx.ModelProto | None]:
-    """Rules 1-5 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
+    """Rules 1-5 and 7 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
     ``<name>.prepare`` (None when nothing is hoisted, ``micro_batches`` is 1, ``backend`` is not
     TVM or :data:`HOIST_WEIGHT_NODES` is off)."""
     present = [p for p in programs if p is not None]
@@ -368,6 +397,10 @@ def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], 
         conv_transpose_as_conv(model, hoister.weights)
         if HWIO_CONV_WEIGHTS:
             conv_weights_hwio(model, hoister.weights)
-        out.append(hoister.program(model))
+        model = hoister.program(model)
+        if LIFT_STEP_CONSTANTS:  # rule 7
+            mark_step_constants(model, [v.name for v in model.graph.input if _bytes(v) >= LIFT_MIN_BYTES
+                                        and (v.name in hoister.weights or v.name.startswith(PREFIX))])
+        out.append(model)
     first = present[0]
     return out, hoister.prepare(name, first.opset_import, first.ir_version)

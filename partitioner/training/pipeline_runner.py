@@ -28,6 +28,12 @@ import onnx
 from partitioner.core.errors import UsageError
 from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, stage_state_names, tag
 
+#: a stage's ``B`` reads its stashed activations as ``F``'s own TVM output tensors, not copied into
+#: its input buffers (``backends.tvm.executable`` rule 9; module constant, off: copied per call).
+#: Off by default: on the zoo resnet's TVM stage 0 (each stage alone, 5 rounds, load 8) it ran
+#: 335.6 ms per step against 305.1 with the copies, within this machine's noise or worse; the
+#: environment's ``PARTITIONER_TRAIN_STASH_TENSORS=1`` turns it on, in MPI ranks too
+STASH_TENSORS = os.environ.get("PARTITIONER_TRAIN_STASH_TENSORS", "0") == "1"
 GATHER_TAG = 30000
 LOSS_TAG = 29999
 REPLICA_TAG = 26000
@@ -99,6 +105,9 @@ class PipelineRunner:
         for exe in self._exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
             if hasattr(exe, "reuse_readonly_inputs"):
                 exe.reuse_readonly_inputs = True
+        if STASH_TENSORS and hasattr(self._exe.get("F"), "keep_output_tensors"):
+            self._exe["F"].keep_output_tensors = True
+        self._stash_tensors: dict[int, dict[str, Any]] = {}  # STASH_TENSORS: micro-batch -> F's tensors
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
         self._w_stash: dict[int, dict[str, np.ndarray]] = {}  # rule 10: what W reads, per micro-batch
         self._hoisted: dict[str, np.ndarray] = {}  # rule 9: the prepare program's outputs, this step
@@ -138,6 +147,8 @@ class PipelineRunner:
                     for c, v in st.send:
                         self.comm.send(np.ascontiguousarray(out[v]), self.ranks[c], tag(plan, m, v, False))
                     stash[m] = {v: (out[v] if v in out else feeds[v]) for v in st.stash}
+                    kept = getattr(self._exe["F"], "output_tensors", {})
+                    self._stash_tensors[m] = {v: kept[v] for v in st.stash if v in kept}
                     self.peak_stash = max(self.peak_stash, len(stash))
                 for a, b in st.bn_state:
                     self.state[a] = out[b]  # a fresh array of the backend's (no copy per step)
@@ -177,7 +188,7 @@ class PipelineRunner:
             shape, dtype = self._spec[v]
             g = self.comm.recv(self.ranks[c], tag(plan, m, v, True), shape, dtype)
             feeds[key] = feeds[key] + g if key in feeds else g
-        out = self._exe["B"].run(feeds, self.comm)
+        out = self._exe["B"].run({**feeds, **self._stash_tensors.pop(m, {})}, self.comm)
         self._keep_for_weight_grad(m, feeds, out)
         return out
 

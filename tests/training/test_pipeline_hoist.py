@@ -134,3 +134,87 @@ def test_conv_transpose_input_gradient_becomes_a_conv_of_a_hoisted_flipped_weigh
     assert not any(n.op_type == "ConvTranspose" for p in per_mb for n in p.graph.node)
     assert any(n.op_type == "Slice" for st in plan.stages if st.prepare is not None for n in st.prepare.graph.node)
     _tvm_pipeline_trains_like_one_rank(model, plan, (2, 5, 5), tmp_path)
+
+
+def exe_program(r: PipelineRunner, kind: str) -> onnx.ModelProto:
+    return {"F": r.stage.forward, "B": r.stage.backward, "FB": r.stage.fused}[kind]
+
+
+def _count_transforms(runners: list[PipelineRunner]) -> dict[str, int]:
+    """Wrap each per-micro-batch executable's lifted transform (rule 7) with a call counter."""
+    calls: dict[str, int] = {}
+    for r in runners:
+        for kind in ("F", "B", "FB"):
+            exe = r._exe.get(kind)
+            if exe is None or not any(v.name in r.stage.weights or v.name.startswith(hoist.PREFIX)
+                                      for v in exe_program(r, kind).graph.input):
+                continue
+            key = f"stage{r.stage.index}.{kind}"
+            assert exe._transform is not None, f"{key}: nothing lifted"
+            calls[key] = 0
+
+            def counted(args, key=key, transform=exe._transform):
+                calls[key] += 1
+                return transform(args)
+
+            exe._transform = counted
+    return calls
+
+
+def test_stage_weight_packing_runs_once_per_step(tmp_path, monkeypatch) -> None:
+    """Rule 7 on TVM plans: every per-micro-batch program names its weights and hoisted values as
+    step constants, its build lifts their weight-only kernels (the conv weight packing), which run
+    once per step, not once per micro-batch; the pipeline still trains like 1 rank (TVM stages
+    against a 1-rank ONNX Runtime step, 4 SGD steps, rtol 1e-4, atol 1e-5: a transform result
+    kept past a weight update would fail it). Fails with ``LIFT_STEP_CONSTANTS`` off."""
+    from backends.tvm.lift_step_constants import step_constant_inputs
+
+    monkeypatch.setattr(hoist, "LIFT_MIN_BYTES", 0)  # the conv net's weights are small
+    model = _conv_net()
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    for st in plan.stages:
+        for prog in (st.forward, st.backward, st.fused):
+            if prog is not None:  # every weight or hoisted value it reads, nothing else
+                assert set(step_constant_inputs(prog)) == {v.name for v in prog.graph.input if v.name in st.weights
+                                                           or v.name.startswith(hoist.PREFIX)}
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
+    calls = _count_transforms(runners)
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert len(calls) == 2 and set(calls.values()) == {len(batches)}, calls  # stage 0's B reads no weight
+
+
+def test_lift_knob_off_marks_nothing(monkeypatch) -> None:
+    from backends.tvm.lift_step_constants import step_constant_inputs
+
+    monkeypatch.setattr(hoist, "LIFT_STEP_CONSTANTS", False)
+    plan = build_pipeline(_conv_net(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4,
+                          backend="tvm")
+    assert all(not step_constant_inputs(p) for st in plan.stages for p in (st.forward, st.backward, st.fused)
+               if p is not None)
+
+
+def test_lift_names_only_values_of_lift_min_bytes(monkeypatch) -> None:
+    """Rule 7's size bound: with it at 2 KiB only the conv net's fc weight (6 KiB) and hoisted
+    values at least that large are named; the 4x2x3x3 and 6x4x3x3 conv weights' forms are not
+    (fails without the bound)."""
+    from backends.tvm.lift_step_constants import step_constant_inputs
+
+    monkeypatch.setattr(hoist, "LIFT_MIN_BYTES", 2048)
+    plan = build_pipeline(_conv_net(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4,
+                          backend="tvm")
+    named = {n for st in plan.stages for p in (st.forward, st.backward, st.fused) if p is not None
+             for n in step_constant_inputs(p)}
+    sizes = {v.name: hoist._bytes(v) for st in plan.stages for p in (st.forward, st.backward, st.fused)
+             if p is not None for v in p.graph.input}
+    weights = {w for st in plan.stages for w in st.weights}
+    small = {n for n in sizes if (n in weights or n.startswith(hoist.PREFIX)) and sizes[n] < 2048}
+    assert "fc.weight" in named and all(sizes[n] >= 2048 for n in named)
+    assert small and not named & small  # the conv weights' hoisted forms (864 and 288 bytes)

@@ -1,0 +1,92 @@
+"""Weight-only kernels of a program called many times with the same weights, run once per change.
+
+A pipeline stage calls its per-micro-batch programs ``M`` times a step with the same weights
+(``partitioner.training.pipeline`` rule 4; ``hoist.py`` rule 7 marks them). Inside TVM, a
+weight given as a program input (not a constant) still goes through weight-only kernels on every
+call that no ONNX-level hoist can reach: the convolution schedule's panel packing
+(``schedules/contraction._pack_conv_weights``, split into its own ``*_weight_prepack`` kernel),
+and the HWIO transposes ConvertLayout adds around a weight. Measured before this module (the zoo
+resnet-18 pipeline at 64x64, batch 16, 1F1B x8, micro-batches of 2 images, last stage): 52 of
+192 ms of kernels per step re-packing conv weights.
+
+Rules:
+
+1. Which programs: those whose ONNX program names its *step constants* in ``metadata_props``
+   under :data:`STEP_CONSTANTS_KEY` (comma-separated input names), where they are exactly the
+   trailing graph inputs, the program has no comm op, and ``main`` takes exactly the graph
+   inputs (no weight parameters of ``weight_params.py``). Any other program builds as before.
+2. How (:func:`lift`, after the scheduled pipeline, so that the packs exist as calls): the
+   segment function is inlined into ``main`` (``InlinePrivateFunctions``), ``main`` gets
+   ``num_input`` = the number of the other inputs, and TVM's ``LiftTransformParams`` moves every
+   binding computed from step constants alone into ``main_transform_params`` (:data:`TRANSFORM`),
+   which takes the step constants and returns what ``main`` now takes in their place. Then
+   ``ConvertToDataflow`` + ``CanonicalizeBindings`` put the returned tuple back into the dataflow
+   block (else every returned reshape stays a copy: see the code).
+3. At run time (``executable.py`` rule 8) the executable calls ``main_transform_params`` when a
+   step-constant input buffer was refilled (a new weight, or a caller that does not reuse
+   read-only inputs), keeps its results, and calls ``main`` with them.
+
+Cost: the lifted values (a packed copy of each conv weight) stay alive in the executable between
+calls: about one weight-sized buffer per lifted weight per program. Invariant: the same kernels
+compute the same values (bit for bit); only how often the weight-only ones run changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+
+STEP_CONSTANTS_KEY = "partitioner.step_constant_inputs"
+TRANSFORM = "main_transform_params"
+
+
+def step_constant_inputs(program: onnx.ModelProto) -> tuple[str, ...]:
+    """Rule 1: the program's step-constant inputs (trailing graph inputs), or ``()``."""
+    marked = next((p.value for p in program.metadata_props if p.key == STEP_CONSTANTS_KEY), "")
+    names = tuple(n for n in marked.split(",") if n)
+    inits = {t.name for t in program.graph.initializer}
+    inputs = [v.name for v in program.graph.input if v.name not in inits]
+    if not names or len(names) >= len(inputs) or tuple(inputs[-len(names):]) != names:
+        return ()
+    return names
+
+
+def mark_step_constants(program: onnx.ModelProto, names: list[str]) -> None:
+    """Rule 1, for a caller: move ``names`` (inputs of ``program``) to the end of its inputs and
+    name them under :data:`STEP_CONSTANTS_KEY` (in place)."""
+    chosen = set(names)
+    if not chosen:
+        return
+    inputs = list(program.graph.input)
+    ordered = [v for v in inputs if v.name not in chosen] + [v for v in inputs if v.name in chosen]
+    del program.graph.input[:]
+    program.graph.input.extend(ordered)
+    entry = next((p for p in program.metadata_props if p.key == STEP_CONSTANTS_KEY), None)
+    if entry is None:
+        entry = program.metadata_props.add()
+        entry.key = STEP_CONSTANTS_KEY
+    entry.value = ",".join(v.name for v in ordered if v.name in chosen)
+
+
+def lift(mod: Any, program: onnx.ModelProto, comm_ops: int) -> Any:
+    """Rule 2: ``mod`` (after the pipeline) with the step constants' transforms lifted into
+    :data:`TRANSFORM`; ``mod`` unchanged where rule 1 does not apply."""
+    from tvm import relax
+
+    names = step_constant_inputs(program)
+    inits = {t.name for t in program.graph.initializer}
+    inputs = [v.name for v in program.graph.input if v.name not in inits]
+    if not names or comm_ops or len(mod["main"].params) != len(inputs):
+        return mod
+    mod = relax.transform.InlinePrivateFunctions()(relax.transform.RewriteDataflowReshape()(mod))
+    mod["main"] = mod["main"].with_attr("num_input", len(inputs) - len(names))
+    mod = relax.transform.LiftTransformParams()(mod)
+    # the returned values leave the dataflow block one by one after the inlining and the lift, and
+    # tvm.compile's RewriteDataflowReshape skips a reshape whose result leaves its block: it stays
+    # a copy (measured: the resnet's last stage's weight-gradient reshapes, 13 ms a call). Build
+    # the returned tuple inside the block again, so only the tuple leaves it.
+    return relax.transform.CanonicalizeBindings()(relax.transform.ConvertToDataflow()(mod))
+
+
+__all__ = ["STEP_CONSTANTS_KEY", "TRANSFORM", "lift", "mark_step_constants", "step_constant_inputs"]
