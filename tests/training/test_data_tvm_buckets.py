@@ -39,6 +39,18 @@ MPI_HIDDEN = {"sgd": 512, "adamw": 32}  # module docstring
 STEPS = 10
 
 
+
+def step_data_ranks(runners: list[StepRunner], batches, timeout_s: float = 120) -> None:
+    """Step 2 data-parallel ranks (threads, one per rank) over ``batches``: rank r takes rows
+    ``4r .. 4r+3`` of each batch of 8."""
+    for x, y in batches:
+        ts = [threading.Thread(target=lambda r=r, x=x, y=y: runners[r].step({"input": x[4 * r:4 * r + 4]},
+                                                                           y[4 * r:4 * r + 4])) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=timeout_s)
+
 def _model(hidden: int):
     return models_zoo.build("mlp", batch=8, layers=2, hidden=hidden, in_features=16)
 
@@ -73,13 +85,7 @@ def test_tvm_data_ranks_in_process_match_one_rank_without_concat(name: str, tmp_
     assert isinstance(exe, TvmBucketedExecutable)
     ops = _segment_ops(exe)
     assert "Concat" not in ops and "Split" not in ops, ops
-    for x, y in batches:
-        ts = [threading.Thread(target=lambda r=r, x=x, y=y: runners[r].step({"input": x[4 * r:4 * r + 4]},
-                                                                           y[4 * r:4 * r + 4])) for r in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(timeout=120)
+    step_data_ranks(runners, batches)
     one = _one_rank(model, opt, batches, tmp_path / "one")
     for n, w in one.weights().items():
         for r in runners:

@@ -16,7 +16,6 @@ the ONNX Runtime step within rtol 1e-4, atol 1e-5 over 4 seeded SGD steps.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from partitioner.training import overlap as overlap_mod
 from partitioner.training.runner import StepRunner
 from partitioner.training.step import step_program
 
+from .test_data_tvm_buckets import step_data_ranks
 from .test_pipeline_hoist import _conv_net
 from .test_tvm_step_conv_transpose import _tvm_steps_match_ort
 
@@ -113,13 +113,7 @@ def test_tvm_data_ranks_update_over_1d_views_and_match_one_rank(name: str, tmp_p
     runners = [StepRunner(step2, backend="tvm", comm=world.communicator(r), workdir=tmp_path / f"r{r}")
                for r in range(2)]
     fed = _spy_update(monkeypatch, runners[0])
-    for x, y in batches:
-        ts = [threading.Thread(target=lambda r=r, x=x, y=y: runners[r].step({"input": x[4 * r:4 * r + 4]},
-                                                                           y[4 * r:4 * r + 4])) for r in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(timeout=120)
+    step_data_ranks(runners, batches)
     assert fed and max(fed) == 1, sorted(set(fed))  # 4-D with FLAT_ELEMENTWISE off
     one = StepRunner(build_training_graph(_conv_net(), optimizer=opt), backend="tvm", workdir=tmp_path / "one")
     for x, y in batches:

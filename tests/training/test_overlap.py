@@ -4,7 +4,6 @@ partitioner/training/step.py rule 5)."""
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import onnx_ir as ir
@@ -14,6 +13,8 @@ from partitioner.runtime.comm_local import LocalWorld
 from partitioner.training import SGD, build_training_graph
 from partitioner.training.overlap import OverlappedExecutable
 from partitioner.training.runner import StepRunner
+
+from .test_data_tvm_buckets import step_data_ranks
 
 
 def _step(bucket_bytes: int):
@@ -49,13 +50,7 @@ def test_overlapped_ranks_start_bucket_0_before_the_backward_ends_and_match_bloc
 
             for r in runners:
                 r._exe = RankExecutable(r.program)
-        for _ in range(3):
-            ts = [threading.Thread(target=lambda r=r: runners[r].step({"input": x[4 * r:4 * r + 4]},
-                                                                       y[4 * r:4 * r + 4])) for r in range(2)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(timeout=60)
+        step_data_ranks(runners, [(x, y)] * 3, timeout_s=60)
         return runners
 
     over, block = ranks(False), ranks(True)

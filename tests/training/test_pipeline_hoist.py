@@ -161,6 +161,28 @@ def _count_transforms(runners: list[PipelineRunner]) -> dict[str, int]:
     return calls
 
 
+def conv_pipeline_case(tmp_path):
+    """The conv net's 2-stage TVM 1F1B plan (batch 8, 4 micro-batches, SGD lr 0.1), 4 seeded
+    batches, a 1-rank ONNX Runtime step runner, and the two stage runners (not stepped yet)."""
+    model = _conv_net()
+    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
+    world = LocalWorld(2, timeout_s=120)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
+    return plan, batches, one, runners
+
+
+def trains_like_one_rank(runners: list[PipelineRunner], batches, one: StepRunner) -> None:
+    """Run the pipeline and ``one`` over ``batches``: same losses and weights (rtol 1e-4, atol 1e-5)."""
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_stage_weight_packing_runs_once_per_step(tmp_path, monkeypatch) -> None:
     """Rule 7 on TVM plans: every per-micro-batch program names its weights and hoisted values as
     step constants, its build lifts their weight-only kernels (the conv weight packing), which run
@@ -170,24 +192,14 @@ def test_stage_weight_packing_runs_once_per_step(tmp_path, monkeypatch) -> None:
     from backends.tvm.lift_step_constants import step_constant_inputs
 
     monkeypatch.setattr(hoist, "LIFT_MIN_BYTES", 0)  # the conv net's weights are small
-    model = _conv_net()
-    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
+    plan, batches, one, runners = conv_pipeline_case(tmp_path)
     for st in plan.stages:
         for prog in (st.forward, st.backward, st.fused):
             if prog is not None:  # every weight or hoisted value it reads, nothing else
                 assert set(step_constant_inputs(prog)) == {v.name for v in prog.graph.input if v.name in st.weights
                                                            or v.name.startswith(hoist.PREFIX)}
-    rng = np.random.default_rng(2)
-    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
-    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
-    one_losses = [one.step({"input": x}, y) for x, y in batches]
-    world = LocalWorld(2, timeout_s=120)
-    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
     calls = _count_transforms(runners)
-    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
-    full = gathered_state(runners)
-    for name, w in one.state.items():
-        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    trains_like_one_rank(runners, batches, one)
     assert len(calls) == 2 and set(calls.values()) == {len(batches)}, calls  # stage 0's B reads no weight
 
 

@@ -5,16 +5,9 @@ every weight within rtol 1e-4, atol 1e-5)."""
 
 from __future__ import annotations
 
-import numpy as np
+from partitioner.training import pipeline_runner
 
-from partitioner.runtime.comm_local import LocalWorld
-from partitioner.training import SGD, build_training_graph, pipeline_runner
-from partitioner.training.pipeline import build_pipeline
-from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
-from partitioner.training.runner import StepRunner
-
-from .test_pipeline_hoist import _conv_net
-from .test_pipeline_training import _run_pipeline
+from .test_pipeline_hoist import conv_pipeline_case, trains_like_one_rank
 
 
 def _trains_like_one_rank(tmp_path) -> dict[str, int]:
@@ -22,14 +15,7 @@ def _trains_like_one_rank(tmp_path) -> dict[str, int]:
     values ``B`` got as tensors and as numpy arrays."""
     import tvm
 
-    model = _conv_net()
-    plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
-    rng = np.random.default_rng(2)
-    batches = [(rng.standard_normal((8, 2, 5, 5)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
-    one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
-    one_losses = [one.step({"input": x}, y) for x, y in batches]
-    world = LocalWorld(2, timeout_s=120)
-    runners = [PipelineRunner(plan, s, comm=world.communicator(s), backend="tvm", workdir=tmp_path) for s in range(2)]
+    plan, batches, one, runners = conv_pipeline_case(tmp_path)
     seen = {"tensor": 0, "array": 0}
     stage0 = runners[0]
     produced = {o.name for o in plan.stages[0].forward.graph.output}
@@ -43,10 +29,7 @@ def _trains_like_one_rank(tmp_path) -> dict[str, int]:
         return run(feeds, comm)
 
     stage0._exe["B"].run = counted
-    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, rtol=1e-4, atol=1e-5)
-    full = gathered_state(runners)
-    for name, w in one.state.items():
-        np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+    trains_like_one_rank(runners, batches, one)
     return seen
 
 
