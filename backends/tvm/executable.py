@@ -74,6 +74,7 @@ import onnx
 
 from partitioner.core.comm_ops import OPS, CommOp, Communicator, execute
 from partitioner.core.errors import BackendError, InputError, PartitionerError, RunFailed
+from partitioner.core.machine import usable_cores as _usable_cores
 
 from . import contention, device_comm, fallback
 from .lift_step_constants import TRANSFORM, step_constant_inputs
@@ -84,13 +85,6 @@ _local = threading.local()
 _register_lock = threading.Lock()
 _registered = False
 _threads: int | None = None
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def configure_threads(threads: int) -> None:

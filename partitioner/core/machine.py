@@ -22,12 +22,17 @@ def cpu_model() -> str:
     return model
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, cores (all and usable by this process), memory, OS, Python and load average."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
+    usable = usable_cores()
     try:
         import psutil
 

@@ -19,20 +19,21 @@ Rules:
    ``benchmarks/results/runtime_*.json`` of 2026-11-30): ResNet-18 1.72x and 1.99x, a BERT encoder
    1.75x and 0.98x (the latter's kernels are a few microseconds: thread start-up eats the gain).
    0.75 takes the typical figure; the per-call overhead is not sped up.
+3. Why it matters: ``auto`` compares every split against ``single x1`` on the same cores; counting
+   the 1-rank plan on one core made a 2-way split look 2x faster when the 1-rank build on both
+   cores measured within 15% of it (issue 13: ``auto`` must never pick a split slower than single).
 4. The threads a rank's library is built for (:func:`build_threads`, ``partitioner.compiler``):
    on a one-node CPU cluster, the worker's own share, this machine's usable cores // R
    (``runtime/worker.py``'s ``pin_cores``, which counts the host's cores, not the cluster's
    devices: a ``cpu:1`` plan runs its one rank on every core); None (unknown) elsewhere. A
    build for 1 thread has no parallel loops (``backends/tvm/schedules/threads.py``).
-3. Why it matters: ``auto`` compares every split against ``single x1`` on the same cores; counting
-   the 1-rank plan on one core made a 2-way split look 2x faster when the 1-rank build on both
-   cores measured within 15% of it (issue 13: ``auto`` must never pick a split slower than single).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from partitioner.core.machine import usable_cores as _usable_cores  # what pin_cores divides among ranks
 
 THREAD_EFFICIENCY = 0.75
 
@@ -56,14 +57,6 @@ def build_threads(cluster: Any, world_size: int) -> int | None:
     if world_size < 1 or not _one_cpu_node(cluster):
         return None
     return max(1, _usable_cores() // world_size)
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (what ``pin_cores`` divides among a host's ranks)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def thread_speedup(threads: int) -> float:
