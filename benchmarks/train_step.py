@@ -260,8 +260,10 @@ def _row(doc: dict, label: str, r: dict, base: float | None, run: str) -> str:
 
 
 def _table_files(results_dir: Path) -> list[Path]:
-    """The full runs' JSON files (``--paired-env`` runs write ``*_paired.json``: another table)."""
-    return [p for p in sorted(results_dir.glob("train_step_*.json")) if not p.stem.endswith("_paired")]
+    """The full runs' JSON files (``--paired-env`` runs write ``*_paired.json``: another table;
+    ``--repredict`` writes ``train_step_repredicted*.json``: records, not a run)."""
+    return [p for p in sorted(results_dir.glob("train_step_*.json"))
+            if not p.stem.endswith("_paired") and not p.stem.startswith("train_step_repredicted")]
 
 
 def paired_markdown(results_dir: Path = RESULTS) -> str:
@@ -306,14 +308,40 @@ def markdown(results_dir: Path = RESULTS) -> str:
 
 
 _ACTIVE: dict = {}  # the --baseline settings a repredict runs under (recorded with its figures)
+#: ``--repredict recorded``: each file's own calibration (the figures its run recorded), not a cache
+RECORDED = "recorded"
 
 
-def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> list[str]:
+def recorded_cache(results_dir: Path, out: Path) -> Path:
+    """A calibration cache under ``out`` that holds, per backend, the figures the JSON files of
+    ``results_dir`` recorded (``calibration``: the device's ``efficiency_by_class``,
+    ``peak_flops`` and ``memory_bandwidth``) in this machine's cached cluster for that backend
+    (its link and the rest as cached), and this machine's measured pipeline cuts: the rows
+    predicted again as their run predicted them (the same figures), under today's rules."""
+    from partitioner.calibrate_cache import cache_dir, cache_path, load_cached
+
+    (out / "calibration").mkdir(parents=True, exist_ok=True)
+    cuts = cache_dir() / "measured_cut"
+    if cuts.is_dir() and not (out / "measured_cut").exists():
+        (out / "measured_cut").symlink_to(cuts)
+    for path in _table_files(results_dir):
+        doc = json.loads(path.read_text())
+        cal, cached = doc.get("calibration") or {}, load_cached(doc["backend"])
+        if cached is None or not cal.get("efficiency_by_class"):
+            raise SystemExit(f"--repredict {RECORDED}: {path.name} has no recorded calibration or this machine no "
+                             f"cached {doc['backend']} calibration to hold it")
+        for dev in cached["cluster"]["devices"]:
+            dev.update({k: cal[k] for k in ("efficiency_by_class", "peak_flops", "memory_bandwidth")})
+        (out / "calibration" / cache_path(doc["backend"]).name).write_text(json.dumps(cached))
+    return out
+
+
+def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> list[dict]:
     """Each measured row of ``results_dir``'s JSON files predicted again with the calibration
     cache under ``cache`` (``$PARTITIONER_CACHE_DIR``), the row's recorded fixed costs and the
-    ``--baseline`` settings if any: a calibration's before/after (another probe set, say)
-    against the same measured steps. Records ``repredicted_step_s`` {cache [+ settings]:
-    seconds} in the files; returns one line per row."""
+    ``--baseline`` settings if any: a calibration's or a rule's before/after against the same
+    measured steps. Returns one record per row (the measured files are left as they are):
+    measured wall and CPU seconds, the run's own prediction and this one, and their errors."""
     from partitioner.training.bench import _with_settings
 
     if settings:
@@ -332,7 +360,7 @@ def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> l
     from partitioner.training.plan import predict_training
 
     os.environ["PARTITIONER_CACHE_DIR"] = str(cache)
-    lines = []
+    rows = []
     for path in _table_files(results_dir):
         doc = json.loads(path.read_text())
         model = models_zoo.build(doc["model"], **doc["config"])
@@ -346,15 +374,38 @@ def repredict(results_dir: Path, cache: Path, settings: dict | None = None) -> l
             pred = predict_training(onnx.load_from_string(model.SerializeToString()), "single" if devices == 1 else strategy,
                                     devices, batch=doc["config"]["batch"], loss=doc["loss"], overheads=fixed,
                                     overlap=doc["backend"] == "onnxruntime" or LIST_ALLREDUCE,
-                                    cluster=resolve_cluster(f"cpu:{devices}", doc["backend"]), **extra).step_time_s
-            key = str(cache) + "".join(f" {k}={v!r}" for k, v in _ACTIVE.items())
-            r.setdefault("repredicted_step_s", {})[key] = pred
-            cpu = r.get("median_step_cpu_s")
-            lines.append(f"{doc['model']} {doc['backend']} {label}: measured {r['median_step_s'] * 1e3:.1f} ms "
-                         f"(CPU {cpu * 1e3 if cpu else float('nan'):.1f}), predicted {r['predicted_step_s'] * 1e3:.1f}, "
-                         f"with {key}: {pred * 1e3:.1f} ms")
-        path.write_text(json.dumps(doc, indent=2) + "\n")
-    return lines
+                                    cluster=resolve_cluster(f"cpu:{devices}", doc["backend"]), **extra)
+            measured = r["median_step_s"]
+            rows.append({"model": doc["model"], "backend": doc["backend"], "configuration": label,
+                         "measured_step_s": measured, "median_step_cpu_s": r.get("median_step_cpu_s"),
+                         "predicted_step_s": r["predicted_step_s"], "repredicted_step_s": pred.step_time_s,
+                         "error": r["predicted_step_s"] / measured - 1, "repredicted_error": pred.step_time_s / measured - 1,
+                         "measured_memory_per_rank": r.get("measured_memory_per_rank"),
+                         "predicted_memory_per_rank": r.get("predicted_memory_per_rank"),
+                         "repredicted_memory_per_rank": pred.memory_per_rank})
+    return rows
+
+
+def repredict_main(args) -> int:
+    """``--repredict``: prints one line per row and writes the records (:func:`repredict`) with the
+    cache and settings to ``--json`` (default ``<results-dir>/train_step_repredicted.json``)."""
+    settings = {**(_settings(args.baseline) or {}), **({"no_fixed": True} if args.no_fixed else {})}
+    cache = args.repredict
+    with tempfile.TemporaryDirectory(prefix="train-step-recorded-") as tmp:
+        if str(cache) == RECORDED:
+            cache = recorded_cache(args.results_dir, Path(tmp))
+        rows = repredict(args.results_dir, cache, settings or None)
+    for r in rows:
+        cpu = r["median_step_cpu_s"]
+        print(f"{r['model']} {r['backend']} {r['configuration']}: measured {r['measured_step_s'] * 1e3:.1f} ms (CPU "
+              f"{cpu * 1e3 if cpu else float('nan'):.1f}), predicted {r['predicted_step_s'] * 1e3:.1f} "
+              f"({r['error']:+.1%}), repredicted {r['repredicted_step_s'] * 1e3:.1f} ({r['repredicted_error']:+.1%})")
+    within = [sum(abs(r[k]) <= 0.25 for r in rows) for k in ("error", "repredicted_error")]
+    print(f"within 25%: {within[0]} of {len(rows)} recorded, {within[1]} of {len(rows)} repredicted")
+    out = args.json or args.results_dir / "train_step_repredicted.json"
+    out.write_text(json.dumps({"cache": str(args.repredict), "settings": {k: repr(v) for k, v in settings.items()},
+                               "load_average": _load(), "rows": rows}, indent=2) + "\n")
+    return 0
 
 
 def _settings(items: list[str]) -> dict | None:
@@ -399,7 +450,10 @@ def main() -> int:
                         "applied together): the rule's before/after on the same calibration and run")
     p.add_argument("--repredict", type=Path, default=None, metavar="CACHE_DIR",
                    help="predict the rows of --results-dir again with the calibration cache under CACHE_DIR "
-                        "(another calibration against the same measured steps; with --baseline settings) and exit")
+                        "(another calibration against the same measured steps; with --baseline settings), or "
+                        f"'{RECORDED}': with each file's recorded calibration; writes --json and exits")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="with --repredict: where the records go (default <results-dir>/train_step_repredicted.json)")
     p.add_argument("--no-fixed", action="store_true",
                    help="with --repredict: compute and communication only (no fixed costs: those recorded on a "
                         "loaded run are inflated by it), to compare with the rows' CPU time")
@@ -415,9 +469,7 @@ def main() -> int:
     if args.paired_env is not None:
         return paired_main(args)
     if args.repredict is not None:
-        settings = {**(_settings(args.baseline) or {}), **({"no_fixed": True} if args.no_fixed else {})}
-        print("\n".join(repredict(args.results_dir, args.repredict, settings or None)))
-        return 0
+        return repredict_main(args)
     if args.markdown:
         print(paired_markdown(args.results_dir) if args.paired else markdown(args.results_dir))
         return 0

@@ -117,6 +117,25 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    weight gradients, and ``W`` is one more call. Before this rule the plan was priced as if it
    accumulated (the zoo resnet's ORT pipeline: 226.1 ms predicted with accumulation, 206.0
    deferred; measured, paired, session 10: 342.4 and 310.2 ms). ``PRICE_DEFERRED_WGRAD``.
+10. Step constants (TVM pipeline plans whose stages hoist their weights' work,
+   :mod:`partitioner.training.hoist` rules 5 and 7, ``M >= 2``; :func:`step_constant_prices`): a
+   conv over a stage weight (a forward Conv of a weight, a ConvTranspose TVM runs as a Conv: the
+   input gradient) does per-call weight-only work when its weight is a program input: the HWIO
+   transpose ConvertLayout adds and the schedule's panel packing. Rule 1 prices that work inside
+   the ``conv_train`` probes (weights as inputs); a hoisting stage runs it once per step (rule 5
+   hoists the transposes of every conv weight; rule 7 lifts the packing of weights of at least
+   ``hoist.LIFT_MIN_BYTES``; the packing of the smaller ones stays, 0.01-0.1 ms a call for the zoo
+   resnet's layer1-2 weights at batch 16, VM instrument). So per conv the work is its rule-1 price
+   minus its price at the constant-weight ``conv`` class (the same multiply-adds, per-image
+   columns: the calibration's convs with constant weights): subtracted from every micro-batch of
+   its stage, paid once per step before the stage's first micro-batch, which delays the step by
+   what it takes beyond the fill that reaches the stage (the earlier stages' first forwards).
+   Memory: each such conv's filter (the transposed weight; the input gradient's flipped or
+   phase-form filter, ``tvm_conv_flops_ratio`` x the weight) is alive for the whole step (hoist
+   rule 6), and a lifted one's packed copy too (lift_step_constants: one per lifted weight per
+   program). Before this rule the zoo resnet's TVM pipeline (session 11, quiet) was predicted at
+   437.7 ms against 348.8 measured (+25.5%), its peaks at 84 / 225 MiB against 222 / 524.
+   ``PRICE_STEP_CONSTANTS``.
 """
 
 from __future__ import annotations
@@ -193,6 +212,16 @@ class DeferredWeightGradients:
     nodes: np.ndarray
 
 
+@dataclass(frozen=True)
+class StepConstants:
+    """Rule 10's prices per forward node: the seconds of weight-only work its convs over a stage
+    weight do on every call (``work``: saved per micro-batch, paid once per step) and the bytes of
+    the buffers that work leaves alive for the whole step (``held``)."""
+
+    work: np.ndarray
+    held: np.ndarray
+
+
 @dataclass
 class _Profile:
     forward: np.ndarray  # seconds per node
@@ -212,6 +241,8 @@ class _Profile:
     optimizer_s: float | None = None
     #: rule 9 (set by the planner when the pipeline's last stage defers its weight gradients)
     deferred: DeferredWeightGradients | None = None
+    #: rule 10 (set by the planner for a TVM pipeline whose stages hoist and lift their weight work)
+    constants: StepConstants | None = None
 
     def fixed(self, calls: float, nodes: float, arrays: float, output_bytes: float) -> float:
         """Rule 7 for ``calls`` program calls with these totals; 0 without overheads."""
@@ -669,22 +700,24 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
              for k in range(stages - 1)]  # activations forward and their gradients back
     ws = [float(p.weight[s].sum()) for s in spans]
     stage_t, accumulated, tail = _deferred_last_stage(p, spans, stage_t, ws)
+    stage_t, head, lifted = _step_constant_stages(p, spans, stage_t)
     # rule 8: every micro-batch but the first adds its gradients into the accumulator
     stage_t = [t + 3 * w * (m - 1) / m / device.memory_bandwidth for t, w in zip(stage_t, accumulated)]
     mb_fixed, upd_fixed = _pipeline_fixed(p, spans, copies)
     stage_t = [t + f for t, f in zip(stage_t, mb_fixed)]
     opt = [_optimizer_time(w, copies, device, p) + f for w, f in zip(ws, upd_fixed)]
     per_step = p.overheads.per_step_s if p.overheads is not None else 0.0
-    step = pipeline_step_time(stage_t, sends, m) + tail + max(opt) + per_step
+    step = pipeline_step_time(stage_t, sends, m) + tail + head + max(opt) + per_step
     inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
     inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
             else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
-    mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], PIPELINE_GRADIENT_COPIES)
+    mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], PIPELINE_GRADIENT_COPIES) + lifted[i]
            for i, s in enumerate(spans)]
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t),
-             "fixed_s": per_step + max(f * m for f in mb_fixed) + max(upd_fixed), "deferred_tail_s": tail}
+             "fixed_s": per_step + max(f * m for f in mb_fixed) + max(upd_fixed), "deferred_tail_s": tail,
+             "step_constants_head_s": head}
     return TrainingPrediction("pipeline", stages, batch, step, batch / step, mem, parts, schedule, m,
                               [float(p.weight[s].sum()) for s in spans], recompute)
 
@@ -762,3 +795,60 @@ def tensor(p: _Profile, world: int, batch: int, copies: int, split: set[str], al
     held = 2 * sum(allreduce_bytes) + world * max(allreduce_bytes, default=0.0)
     mem = resident_bytes(w, copies, float((p.activation * share).sum()) + held)
     return TrainingPrediction("tensor", world, batch, step, batch / step, [mem] * world, parts)
+
+
+#: rule 10: a TVM pipeline plan whose stages hoist and lift their weight-only work (hoist rules 5 and
+#: 7: the HWIO weight transposes and the conv schedule's weight packing) is priced as it runs: its
+#: convs over a stage weight without that work per micro-batch, the work once per step, its buffers
+#: in the stage's memory (off: every micro-batch's convs pay it, as before those rules)
+PRICE_STEP_CONSTANTS = True
+
+
+def _conv_over_weight(device: Any, node: Any) -> bool:
+    """Rule 10's nodes: a forward Conv whose filter is a graph input (a stage weight), or a
+    ConvTranspose TVM runs as a Conv of a weight (:func:`_tvm_runs_as_conv`: the input gradient)."""
+    if node.op_type == "Conv":
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        return w is not None and w.is_graph_input()
+    return _tvm_runs_as_conv(device, node)
+
+
+def step_constant_prices(step: Any, device: Any, names: list[str], lift_min_bytes: float) -> StepConstants:
+    """Rule 10 on the step graph ``step`` built at the micro-batch: per forward node ``names``,
+    the weight-only work of its convs over a weight (:func:`_conv_over_weight`) and the buffers
+    it leaves (see :data:`PRICE_STEP_CONSTANTS` and the module's rule 10)."""
+    from partitioner.cost.ops import nbytes
+    from partitioner.cost.roofline import fused_nodes, op_time
+    from partitioner.cost.workdepth import constant_values, node_costs
+
+    index = {n: i for i, n in enumerate(names)}
+    rewrite = {n.name: n.metadata_props.get(REWRITE_KEY) for n in step if n.metadata_props.get(REWRITE_KEY)}
+    priced = {id(node): t for node, _key, t in priced_step_nodes(step, device)}
+    fused = fused_nodes(step)
+    work, held = np.zeros(len(names)), np.zeros(len(names))
+    for node, c in zip(list(step), node_costs(step, constant_values(step))):
+        if not _conv_over_weight(device, node):
+            continue
+        key = node.metadata_props.get(FORWARD_NODE_KEY) or node.name
+        i = index.get(rewrite.get(key, key))
+        if i is None:
+            continue
+        ratio = tvm_conv_flops_ratio(node) if node.op_type == "ConvTranspose" else 1.0
+        constant = op_time(replace(c, flops=c.flops * ratio), device, "float32", "conv", node in fused, working_set=True)
+        work[i] += max(0.0, priced[id(node)] - constant)
+        w = nbytes(node.inputs[1]) * ratio  # the filter the conv runs with (the phase form's: ratio x)
+        held[i] += w * (2 if nbytes(node.inputs[1]) >= lift_min_bytes else 1)
+    return StepConstants(work, held)
+
+
+def _step_constant_stages(p: _Profile, spans: list[slice], stage_t: list[float]) -> tuple[list[float], float, list[float]]:
+    """Rule 10 per stage: (per-micro-batch times without the weight-only work, the step's head:
+    how long the slowest stage's once-per-step work delays its first micro-batch beyond the fill
+    that reaches it, the bytes held); unchanged, 0 and zeros without ``p.constants``."""
+    c = p.constants if PRICE_STEP_CONSTANTS else None
+    if c is None:
+        return stage_t, 0.0, [0.0] * len(spans)
+    once = [float(c.work[s].sum()) for s in spans]
+    fill = np.concatenate([[0.0], np.cumsum([float(p.forward[s].sum()) for s in spans[:-1]])])
+    head = max(0.0, *(o - float(f) for o, f in zip(once, fill)))
+    return [t - o for t, o in zip(stage_t, once)], head, [float(c.held[s].sum()) for s in spans]

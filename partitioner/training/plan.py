@@ -83,6 +83,8 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         else:
             ends, recompute = stage_cut(graph, devices, memory_limit=memory_limit, state_copies=copies,
                                         in_flight=in_flight(schedule, devices, m), seconds=seconds)
+        if be == "tvm" and step is not None:  # cost rule 10: hoist rules 5 and 7 on TVM stages
+            prof.constants = _step_constants(graph, step, m, device)
         pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute)
         return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
                                   cut=MEASURED if seconds is not None else COST_MODEL)
@@ -118,6 +120,19 @@ def _deferred_prices(model: Any, graph: ir.Graph, step: ir.Model | None, local: 
     names = [n.name or f"node{i}" for i, n in enumerate(graph)]
     micro, nodes = cost.weight_gradient_times(step.graph, device, names)
     return cost.DeferredWeightGradients(micro, cost.weight_gradient_times(whole.graph, device, names)[0], nodes)
+
+
+def _step_constants(graph: ir.Graph, step: ir.Model, m: int, device: Any) -> cost.StepConstants | None:
+    """Cost rule 10's prices when the TVM stages hoist their conv weights' work out of the
+    micro-batch loop (:mod:`partitioner.training.hoist`: rules 1-2 and 5 on, ``m >= 2``; rule 7
+    lifts the packing of weights of at least ``LIFT_MIN_BYTES``, 0 bytes lifted when it is off)."""
+    from partitioner.training import hoist
+
+    if m < 2 or not (hoist.HOIST_WEIGHT_NODES and hoist.HWIO_CONV_WEIGHTS):
+        return None
+    names = [n.name or f"node{i}" for i, n in enumerate(graph)]
+    lift = hoist.LIFT_MIN_BYTES if hoist.LIFT_STEP_CONSTANTS else float("inf")
+    return cost.step_constant_prices(step.graph, device, names, lift)
 
 
 def _count_step_nodes(prof: Any, model: Any, batch: int, loss: str, optimizer: str,
