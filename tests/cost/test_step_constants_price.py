@@ -109,3 +109,26 @@ def test_planner_prices_only_hoisting_tvm_stages(monkeypatch) -> None:
     assert plan._step_constants(graph, step, 8, _tvm_device()) == float("inf")
     monkeypatch.setattr(hoist, "HWIO_CONV_WEIGHTS", False)
     assert plan._step_constants(graph, step, 8, _tvm_device()) is None
+
+
+def test_tvm_im2col_slices_are_priced_inside_their_concat(monkeypatch) -> None:
+    """Rule 1 (``TVM_FUSED_IM2COL_SLICES``): the weight gradient's im2col of conv2 (9 Slices of the
+    padded map, each through an Unsqueeze into one Concat) costs nothing beyond its Concat on a TVM
+    rank; with the knob off, or on ONNX Runtime, each Slice is its own pass. Fails with the knob off
+    (the TVM prices then equal the knob-off ones)."""
+    step = _two_conv_step().graph
+    slices = [n for n in step if n.op_type == "Slice"
+              and all(u.op_type == "Unsqueeze" for o in n.outputs for u, _ in o.uses())]
+    assert len(slices) >= 9
+    dev = _tvm_device()
+
+    def priced(on: bool, device) -> dict:
+        monkeypatch.setattr(ct, "TVM_FUSED_IM2COL_SLICES", on)
+        return {id(n): t for n, _k, t in ct.priced_step_nodes(step, device)}
+
+    on, off = priced(True, dev), priced(False, dev)
+    assert all(on[id(n)] == 0.0 and off[id(n)] > 0.0 for n in slices)
+    others = [n for n in step if n not in slices]
+    assert all(on[id(n)] == off[id(n)] for n in others)
+    ort = priced(True, dataclasses.replace(dev, runtime="onnxruntime"))
+    assert all(ort[id(n)] > 0.0 for n in slices)
