@@ -43,6 +43,9 @@ and adds 34 MiB of gradients per micro-batch. The quiet run takes about 5-8 minu
         [--baseline partitioner.cost.training.TRAIN_WHERE_CLASS=False ...]  # also predict with a rule off
     .venv/bin/python benchmarks/train_step.py --quick       # smoke run
     .venv/bin/python benchmarks/train_step.py --markdown    # the README table from the JSON files
+    .venv/bin/python benchmarks/train_step.py --repredict recorded [--baseline M.ATTR=V] [--json FILE]
+        # every recorded row predicted again with its run's own calibration under today's rules (or a
+        # cache folder in place of "recorded"): benchmarks/results/train_step_repredicted.json
     .venv/bin/python benchmarks/train_step.py --models bert --paired-env PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD=0 \
         --configs "1 rank, 1 thread;2 ranks data (MPI)" --rounds 2 --steps 10  # a knob's before/after, paired
 """
