@@ -53,9 +53,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     ``weight_grad`` built at ``K`` micro-batches; ``Stage.w_tail`` = ``K``, or ``M`` for the
     whole batch).
 11. Where the last stage is the slower by more than a few columns of its first product's work,
-    that product is split by output columns across the last cut (:mod:`partitioner.training.split_cut`,
-    knob ``SPLIT_ACROSS_CUT``): the stage before runs the first part, the last stage the rest; the
-    stages hold the parts' state (``PipelinePlan.parts``), joined back under rule 6's names.
+    that product is split by output columns across the last cut
+    (:mod:`partitioner.training.split_cut`, knob ``SPLIT_ACROSS_CUT``, off: measured 0-4% on the
+    zoo mlp's replayed step, split_cut rule 6): the stage before runs the first part, the last
+    stage the rest; the stages hold the parts' state (``PipelinePlan.parts``), joined back under
+    rule 6's names.
 """
 
 from __future__ import annotations

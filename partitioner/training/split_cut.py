@@ -31,8 +31,22 @@ Rules:
 5. Not with ``--memory-limit`` or recompute (the stage DP's memory split is over the unsplit
    graph), nor for one micro-batch.
 
-Knob: :data:`SPLIT_ACROSS_CUT` (module constant, on; ``PARTITIONER_TRAIN_SPLIT_CUT=0`` turns it
-off in MPI ranks too, for a paired ``train_step.py --paired-env`` measurement).
+6. Off by default. Measured on the zoo mlp (ONNX Runtime, ``benchmarks/pipeline_schedule.py
+   --model mlp --rounds 11 --baseline partitioner.training.split_cut.SPLIT_ACROSS_CUT=False`` with
+   ``PARTITIONER_TRAIN_SPLIT_COLUMNS`` set: each stage alone, thread CPU per call, the 1F1B x8 step
+   replayed with free messages, split / unsplit interleaved; load 8.3-8.8 from other sessions):
+   64 columns moved: stages 174.2 / 173.5 ms of CPU per step (unsplit 162.0 / 188.3), replayed
+   step 195.7 against 203.1 ms; 96 columns: 207.7 against 208.7; 128: 215.4 against 217.4 (5
+   rounds: 256 columns 185.4 against 184.8, the stages inverted, 170.4 / 146.6). The split's
+   two narrower products and the ``Concat`` cost about what they move (the stages' CPU sum stays
+   within 1%), and stage 0's last backward grows with its part, so balancing the stages' CPU
+   shortens the replayed step by 0-4%. Rule 3's estimate from the 1-rank profile (256 columns:
+   it prices the last stage 1.25-1.38x stage 0, where the stages alone measure 1.09-1.19x)
+   overshoots; a better one would time the stage programs themselves.
+
+Knobs: :data:`SPLIT_ACROSS_CUT` (module constant, off; ``PARTITIONER_TRAIN_SPLIT_CUT=1`` turns it on
+in MPI ranks too), :data:`COLUMNS` (``PARTITIONER_TRAIN_SPLIT_COLUMNS=N``: split N columns, for a
+paired ``train_step.py --paired-env`` measurement).
 """
 
 from __future__ import annotations
@@ -46,10 +60,13 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-#: rules 1-4 on (off: stages cut between nodes only)
-SPLIT_ACROSS_CUT = os.environ.get("PARTITIONER_TRAIN_SPLIT_CUT", "1") != "0"
+#: rules 1-4 on (off, measured: see rule 6; ``PARTITIONER_TRAIN_SPLIT_CUT=1`` turns it on in MPI ranks too)
+SPLIT_ACROSS_CUT = os.environ.get("PARTITIONER_TRAIN_SPLIT_CUT", "0") == "1"
 #: rule 3: the moved columns are a multiple of this
 COLUMN_STEP = 16
+#: rule 3 overridden: move this many columns, split on even with the knob off (0: rule 3's estimate;
+#: ``PARTITIONER_TRAIN_SPLIT_COLUMNS``, for measuring the step against the split's size)
+COLUMNS = int(os.environ.get("PARTITIONER_TRAIN_SPLIT_COLUMNS", "0"))
 
 
 @dataclass(frozen=True)
@@ -63,7 +80,7 @@ class Split:
 
 def choose(graph: ir.Graph, ends: Sequence[int], seconds: np.ndarray, trainable: Sequence[str]) -> Split | None:
     """Rules 1 and 3: the split that balances the last two stages, or None."""
-    if not SPLIT_ACROSS_CUT or len(ends) < 2:
+    if not (SPLIT_ACROSS_CUT or COLUMNS > 0) or len(ends) < 2:
         return None
     nodes = list(graph)
     i = ends[-2] + 1
@@ -75,7 +92,7 @@ def choose(graph: ir.Graph, ends: Sequence[int], seconds: np.ndarray, trainable:
     p = float(seconds[i])
     if p <= 0:
         return None
-    n = int(n_cols * (t1 - t0) / (2 * p)) // COLUMN_STEP * COLUMN_STEP
+    n = int(n_cols * (t1 - t0) / (2 * p)) // COLUMN_STEP * COLUMN_STEP if COLUMNS <= 0 else COLUMNS
     if n < COLUMN_STEP or 2 * n > n_cols:
         return None
     return Split(i, nodes[i].name or nodes[i].outputs[0].name, n)

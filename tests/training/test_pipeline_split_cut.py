@@ -29,6 +29,8 @@ def _seconds(fwd, *_args, **_kw) -> np.ndarray:
 
 
 def _plan(optimizer, schedule: str, monkeypatch):
+    monkeypatch.setattr(split_cut, "SPLIT_ACROSS_CUT", True)  # off by default (split_cut rule 6)
+    monkeypatch.setattr(split_cut, "COLUMNS", 0)
     monkeypatch.setattr(measured_cut, "shared_node_seconds", _seconds)
     model = models_zoo.build("mlp", batch=8, layers=4, hidden=64, in_features=16)
     return model, build_pipeline(model, "cross_entropy", optimizer, batch=8, stages=2, micro_batches=4,
@@ -85,8 +87,10 @@ def test_no_split_when_the_last_stage_is_not_the_slower(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(measured_cut, "shared_node_seconds", first_heavy)
+    monkeypatch.setattr(split_cut, "SPLIT_ACROSS_CUT", True)
+    monkeypatch.setattr(split_cut, "COLUMNS", 0)
     model = models_zoo.build("mlp", batch=8, layers=4, hidden=64, in_features=16)
     assert build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4).parts == {}
+    monkeypatch.setattr(measured_cut, "shared_node_seconds", _seconds)
     monkeypatch.setattr(split_cut, "SPLIT_ACROSS_CUT", False)
-    _, plan = _plan(SGD(lr=0.1), "1f1b", monkeypatch)
-    assert plan.parts == {}
+    assert build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4).parts == {}
