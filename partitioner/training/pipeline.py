@@ -25,7 +25,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
 5. Schedules: ``gpipe`` runs every micro-batch's ``F`` (fill), then every ``B`` in reverse
    (drain): ``M`` stashes in flight. ``1f1b`` runs ``S - s - 1`` warm-up forwards on stage ``s``,
    then alternates one forward and one backward, then drains: at most ``S - s`` stashes in flight.
-   The peak is recorded (``PipelineRunner.peak_stash``).
+   The peak is recorded (``PipelineRunner.peak_stash``). With :data:`EXTRA_WARMUP` ``= e`` the
+   stages before the last run ``e`` more warm-up forwards (``S - s + e`` stashes): on 2 stages
+   stage 0's ``F(m)`` then waits for ``B(m-2-e)`` instead of ``B(m-2)``, so the last stage's
+   ``FB(m)`` no longer waits for a chain through both ranks and two messages when the stages
+   are balanced (for models where that chain, not the slower stage, sets the step).
 6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
    ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
@@ -66,6 +70,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import os
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -80,6 +86,10 @@ from partitioner.training.step import STEP_OPSET, _checked_forward, _infer, _loa
 
 SCHEDULES = ("gpipe", "1f1b")
 TAG_BASE = 20000
+#: rule 5: 1F1B's stages before the last run this many more warm-up forwards (and stash as many more
+#: micro-batches). Off (0): the same step with free messages, and not measured on a quiet machine
+#: (docs/training.md, session 12); ``PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP=1`` in MPI ranks too
+EXTRA_WARMUP = int(os.environ.get("PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP", "0"))
 
 
 @dataclass
@@ -584,7 +594,8 @@ def _update_program(name: str, optimizer: Optimizer, weights: list[str], initial
 
 def in_flight(schedule: str, stages: int, micro_batches: int) -> list[int]:
     """Rule 5: the most micro-batches each stage stashes at once."""
-    return [micro_batches if schedule == "gpipe" else min(stages - s, micro_batches) for s in range(stages)]
+    return [micro_batches if schedule == "gpipe" else min(stages - s + (EXTRA_WARMUP if s < stages - 1 else 0),
+                                                          micro_batches) for s in range(stages)]
 
 
 def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -594,7 +605,7 @@ def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -
         return [("FB", m) for m in m_all]
     if schedule == "gpipe":
         return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
-    warm = min(stages - stage - 1, micro_batches)
+    warm = min(stages - stage - 1 + EXTRA_WARMUP, micro_batches)
     order = [("F", m) for m in range(warm)]
     for i in range(micro_batches - warm):
         order += [("F", warm + i), ("B", i)]

@@ -94,3 +94,29 @@ def test_no_split_when_the_last_stage_is_not_the_slower(monkeypatch) -> None:
     monkeypatch.setattr(measured_cut, "shared_node_seconds", _seconds)
     monkeypatch.setattr(split_cut, "SPLIT_ACROSS_CUT", False)
     assert build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4).parts == {}
+
+
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
+def test_extra_warmup_matches_one_rank(optimizer, monkeypatch) -> None:
+    """Pipeline rule 5's ``EXTRA_WARMUP`` (1): stage 0 runs two warm-up forwards (F0 F1 F2 B0 ...)
+    and stashes 3 micro-batches at its peak (the plan's in_flight says so); 10 1F1B steps match 1
+    rank (rtol 1e-4, atol 1e-5). Fails with the knob at 0 (peak 2)."""
+    from partitioner.training import pipeline
+    from partitioner.training.pipeline import in_flight, schedule_order
+
+    monkeypatch.setattr(pipeline, "EXTRA_WARMUP", 1)
+    assert schedule_order("1f1b", 0, 2, 4)[:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
+    assert in_flight("1f1b", 2, 8) == [3, 1]
+    model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
+    plan = build_pipeline(model, "cross_entropy", optimizer, batch=8, stages=2, micro_batches=4, schedule="1f1b")
+    rng = np.random.default_rng(13)
+    batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
+    one = StepRunner(build_training_graph(model, optimizer=optimizer))
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    world = LocalWorld(2, timeout_s=60)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s)) for s in range(2)]
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, **TOL)
+    assert runners[0].peak_stash == 3
+    full = gathered_state(runners)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
