@@ -42,7 +42,14 @@ Rules:
    within 1%), and stage 0's last backward grows with its part, so balancing the stages' CPU
    shortens the replayed step by 0-4%. Rule 3's estimate from the 1-rank profile (256 columns:
    it prices the last stage 1.25-1.38x stage 0, where the stages alone measure 1.09-1.19x)
-   overshoots; a better one would time the stage programs themselves.
+   overshoots; a better one would time the stage programs themselves. On TVM (7 rounds, load
+   10.3-10.8, ``--baseline partitioner.training.split_cut.COLUMNS=0``) 128 columns balanced the
+   stages (154.3 / 155.9 against 133.3 / 159.7 ms) but cost stage 0 21 ms for 4 off the last
+   (TVM's narrow products run slower), the step 173.7 against 166.2 ms. The 2-rank MPI steps
+   (``train_step.py --models mlp --paired-env PARTITIONER_TRAIN_SPLIT_COLUMNS=64 --configs "2
+   ranks pipeline 1f1b x8 (MPI)" --rounds 3 --steps 8``, ONNX Runtime, load 8.3-13) measured
+   970.6 ms unsplit against 987.5 split (medians; rounds 757-1158 ms, a quiet step is about
+   225): the load, not the split.
 
 Knobs: :data:`SPLIT_ACROSS_CUT` (module constant, off; ``PARTITIONER_TRAIN_SPLIT_CUT=1`` turns it on
 in MPI ranks too), :data:`COLUMNS` (``PARTITIONER_TRAIN_SPLIT_COLUMNS=N``: split N columns, for a
