@@ -87,8 +87,9 @@ from partitioner.training.step import STEP_OPSET, _checked_forward, _infer, _loa
 SCHEDULES = ("gpipe", "1f1b")
 TAG_BASE = 20000
 #: rule 5: 1F1B's stages before the last run this many more warm-up forwards (and stash as many more
-#: micro-batches). Off (0): the same step with free messages, and not measured on a quiet machine
-#: (docs/training.md, session 12); ``PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP=1`` in MPI ranks too
+#: micro-batches). Off (0): the same step with free messages, and its paired MPI run (bert, load 10.6-11.1:
+#: 542.9 ms off against 608.9 on, rounds 509-674 ms) is noise (docs/training.md, session 12);
+#: ``PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP=1`` in MPI ranks too
 EXTRA_WARMUP = int(os.environ.get("PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP", "0"))
 
 
