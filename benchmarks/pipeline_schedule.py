@@ -92,6 +92,7 @@ def run(name: str, backend: str, rounds: int, baseline: dict) -> dict:
                 _timed(calls.setdefault(key, []), kind, exe)
         sims: dict[str, list[float]] = {k: [] for k in plans}
         one: list[float] = []
+        cpu: dict[str, list[float]] = {}  # each stage's program CPU per step
         for _ in range(rounds):
             for c in calls.values():
                 c.clear()
@@ -102,13 +103,19 @@ def run(name: str, backend: str, rounds: int, baseline: dict) -> dict:
                     one.append(time.thread_time() - t)
             for k in plans:
                 sims[k].append(simulate(calls[f"{k} stage 0"], calls[f"{k} stage 1"]))
+                for s in range(2):
+                    cpu.setdefault(f"{k} stage {s}", []).append(sum(d for _, d in calls[f"{k} stage {s}"]))
     med = {k: statistics.median(v) for k, v in sims.items()}
     doc = {"model": name, "backend": backend, "rounds": rounds, "baseline": baseline,
            "simulated_step_s": med, "one_rank_s": statistics.median(one),
            "speedup": {k: statistics.median(one) / v for k, v in med.items()},
            "tail": {k: [st.w_tail for st in p.stages] for k, p in plans.items()},
+           "split": {k: p.parts for k, p in plans.items()},  # pipeline rule 11 (split_cut)
+           "stage_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
            "load_before": list(load_before), "load_after": list(os.getloadavg())}
     for k in plans:
+        print(f"{name} {backend} {k}: split {plans[k].parts or 'none'}; stage CPU per step "
+              + " / ".join(f"{statistics.median(cpu[f'{k} stage {s}']) * 1e3:.1f}" for s in range(2)) + " ms")
         print(f"{name} {backend} {k}: simulated 1F1B x8 step {med[k] * 1e3:.1f} ms, 1 rank "
               f"{doc['one_rank_s'] * 1e3:.1f} ms: {doc['speedup'][k]:.3f}x", flush=True)
     print(f"load average before {load_before[0]:.2f}, after {doc['load_after'][0]:.2f}")

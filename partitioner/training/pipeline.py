@@ -25,7 +25,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
 5. Schedules: ``gpipe`` runs every micro-batch's ``F`` (fill), then every ``B`` in reverse
    (drain): ``M`` stashes in flight. ``1f1b`` runs ``S - s - 1`` warm-up forwards on stage ``s``,
    then alternates one forward and one backward, then drains: at most ``S - s`` stashes in flight.
-   The peak is recorded (``PipelineRunner.peak_stash``).
+   The peak is recorded (``PipelineRunner.peak_stash``). With :data:`EXTRA_WARMUP` ``= e`` the
+   stages before the last run ``e`` more warm-up forwards (``S - s + e`` stashes): on 2 stages
+   stage 0's ``F(m)`` then waits for ``B(m-2-e)`` instead of ``B(m-2)``, so the last stage's
+   ``FB(m)`` no longer waits for a chain through both ranks and two messages when the stages
+   are balanced (for models where that chain, not the slower stage, sets the step).
 6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
    ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
@@ -52,6 +56,12 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     ``Stage.fused`` for the first ``M - K``, ``Stage.fused_tail`` for the last ``K``, then
     ``weight_grad`` built at ``K`` micro-batches; ``Stage.w_tail`` = ``K``, or ``M`` for the
     whole batch).
+11. Where the last stage is the slower by more than a few columns of its first product's work,
+    that product is split by output columns across the last cut
+    (:mod:`partitioner.training.split_cut`, knob ``SPLIT_ACROSS_CUT``, off: measured 0-4% on the
+    zoo mlp's replayed step, split_cut rule 6): the stage before runs the first part, the last
+    stage the rest; the stages hold the parts' state (``PipelinePlan.parts``), joined back under
+    rule 6's names.
 """
 
 from __future__ import annotations
@@ -60,12 +70,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import os
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import helper
 
 from partitioner.core.errors import UsageError
+from partitioner.training import split_cut
 from partitioner.training.autodiff import Emitter, backward, is_float
 from partitioner.training.losses import emit_loss, label_spec
 from partitioner.training.optimizers import STEP_NAME, Optimizer
@@ -73,6 +86,11 @@ from partitioner.training.step import STEP_OPSET, _checked_forward, _infer, _loa
 
 SCHEDULES = ("gpipe", "1f1b")
 TAG_BASE = 20000
+#: rule 5: 1F1B's stages before the last run this many more warm-up forwards (and stash as many more
+#: micro-batches). Off (0): the same step with free messages, and its paired MPI run (bert, load 10.6-11.1:
+#: 542.9 ms off against 608.9 on, rounds 509-674 ms) is noise (docs/training.md, session 12);
+#: ``PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP=1`` in MPI ranks too
+EXTRA_WARMUP = int(os.environ.get("PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP", "0"))
 
 
 @dataclass
@@ -127,6 +145,7 @@ class PipelinePlan:
     value_ids: dict[str, int]  # one id per exchanged value (message tags)
     recompute: bool = False  # rule 8: stages but the last recompute their forward in B
     cut: str = "cost model"  # rule 1: which node costs the stage DP balanced
+    parts: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # rule 11: split_cut.parts_of
 
     @property
     def num_stages(self) -> int:
@@ -268,6 +287,11 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     else:
         ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
                                     in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
+    split = _balancing_split(fwd.graph, ends, seconds, names, recompute, memory_limit, micro_batches)
+    if split is not None:  # rule 11
+        fwd, ends = split_cut.apply(fwd, split), split_cut.shifted(ends, split)
+        parts = split_cut.parts_of(fwd, split)
+        names = split_cut.renamed(names, parts)
     proto = ir.serde.serialize_model(fwd)
     starts = [0] + [e + 1 for e in ends[:-1]]
     owner = {o: s for s, (a, b) in enumerate(zip(starts, ends)) for n in proto.graph.node[a:b + 1] for o in n.output}
@@ -276,7 +300,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     out_stages = []
     count = micro_batches if defer else _tail(fwd.graph, ends, micro_batches)
     wholes = _whole_stages(model, micro * count, count, memory_limit, recompute, starts, ends, owner, names, loss,
-                           optimizer, label_name, tail=not defer) if count else None
+                           optimizer, label_name, tail=not defer, split=split) if count else None
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute,
                        None if wholes is None or wholes[s] is None else Defer(wholes[s], count, not defer))
@@ -289,7 +313,16 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
     return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
-                        recompute, MEASURED if seconds is not None else COST_MODEL)
+                        recompute, MEASURED if seconds is not None else COST_MODEL,
+                        split_cut.parts_of(fwd, split) if split is not None else {})
+
+
+def _balancing_split(graph: ir.Graph, ends: list[int], seconds: np.ndarray | None, names: list[str],
+                     recompute: bool, memory_limit: float | None, micro_batches: int) -> Any:
+    """Rule 11 (split_cut rules 3 and 5): the product split across the last cut, or None."""
+    if seconds is None or recompute or memory_limit is not None or micro_batches < 2:
+        return None
+    return split_cut.choose(graph, ends, seconds[0] if seconds.ndim == 2 else seconds, names)
 
 
 def deferred_cut(graph: ir.Graph, stages: int, micro_batches: int, rows: np.ndarray) -> tuple[list[int], bool]:
@@ -328,7 +361,8 @@ def _tail(graph: ir.Graph, ends: list[int], micro_batches: int) -> int:
 
 def _whole_stages(model: Any, rows: int, micro_batches: int, memory_limit: float | None, recompute: bool,
                   starts: list[int], ends: list[int], owner: dict[str, int], names: list[str], loss: str,
-                  optimizer: Optimizer, label_name: str, tail: bool = False) -> list[onnx.ModelProto | None] | None:
+                  optimizer: Optimizer, label_name: str, tail: bool = False,
+                  split: Any = None) -> list[onnx.ModelProto | None] | None:
     """Rule 10: the last stage's program built at the ``rows`` of the ``micro_batches`` it defers
     (the whole batch; ``tail``: its last micro-batches, and only the last stage) (the others:
     None, they do not defer; all None when the plan does not: the knob off, one micro-batch,
@@ -337,7 +371,8 @@ def _whole_stages(model: Any, rows: int, micro_batches: int, memory_limit: float
 
     if not _defers(memory_limit, micro_batches) or recompute:
         return None
-    proto = ir.serde.serialize_model(_load(model, rows))
+    loaded = _load(model, rows)
+    proto = ir.serde.serialize_model(split_cut.apply(loaded, split) if split is not None else loaded)
     return [_stage(proto, s, a, b, owner, len(starts), names, loss, optimizer, label_name, False,
                    Defer(None, micro_batches)).fused
             if s == len(starts) - 1 or (deferred_wgrad.DEFER_EARLIER_STAGES and not tail) else None
@@ -560,7 +595,8 @@ def _update_program(name: str, optimizer: Optimizer, weights: list[str], initial
 
 def in_flight(schedule: str, stages: int, micro_batches: int) -> list[int]:
     """Rule 5: the most micro-batches each stage stashes at once."""
-    return [micro_batches if schedule == "gpipe" else min(stages - s, micro_batches) for s in range(stages)]
+    return [micro_batches if schedule == "gpipe" else min(stages - s + (EXTRA_WARMUP if s < stages - 1 else 0),
+                                                          micro_batches) for s in range(stages)]
 
 
 def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -570,7 +606,7 @@ def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -
         return [("FB", m) for m in m_all]
     if schedule == "gpipe":
         return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
-    warm = min(stages - stage - 1, micro_batches)
+    warm = min(stages - stage - 1 + EXTRA_WARMUP, micro_batches)
     order = [("F", m) for m in range(warm)]
     for i in range(micro_batches - warm):
         order += [("F", warm + i), ("B", i)]
@@ -588,7 +624,7 @@ def plan_state(plan: PipelinePlan) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for st in plan.stages:
         out.update({k: v.copy() for k, v in st.initial.items()})
-    return out
+    return split_cut.join_state(plan.parts, out)
 
 
 def stage_state_names(stage: Stage) -> list[str]:

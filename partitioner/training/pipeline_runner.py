@@ -27,6 +27,7 @@ import onnx
 
 from partitioner.core.errors import UsageError
 from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, stage_state_names, tag
+from partitioner.training.split_cut import join_state, split_state
 
 #: a stage's ``B`` reads its stashed activations as ``F``'s own TVM output tensors, not copied into
 #: its input buffers (``backends.tvm.executable`` rule 9; module constant, off: copied per call).
@@ -94,7 +95,7 @@ class PipelineRunner:
         self.replica = replica
         self.replica_group = list(replica_group) if replica_group is not None else [self.ranks[stage]]
         self.comm = comm
-        src = state if state is not None else self.stage.initial
+        src = split_state(plan.parts, state) if state is not None else self.stage.initial  # rule 11
         self.state = {n: _frozen(np.array(src[n], copy=True)) for n in stage_state_names(self.stage)}
         folder = Path(workdir) / f"stage{stage}" if workdir is not None else None
         st = self.stage
@@ -288,7 +289,7 @@ def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
     in this process it is a merge; with one stage per MPI rank, the first stage's rank receives
     the others' state (call it on every rank; the others get their own state back)."""
     if len(runners) > 1:  # every rank in this process: replica 0's stages hold the state
-        return merged([r.state for r in runners if r.replica == 0])
+        return join_state(runners[0].plan.parts, merged([r.state for r in runners if r.replica == 0]))
     me = runners[0]
     if me.replica != 0:  # replicas hold the same state; replica 0's stages gather it
         return dict(me.state)
@@ -306,7 +307,7 @@ def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
             init = other.initial[name]
             part[name] = me.comm.recv(me.ranks[other.index], GATHER_TAG + i, init.shape, init.dtype)
         parts.append(part)
-    return merged(parts)
+    return join_state(me.plan.parts, merged(parts))
 
 
 def pipeline_runners(model: Any, loss: str, optimizer: Any, *, batch: int, devices: int, schedule: str,
