@@ -85,6 +85,10 @@ PAD_PER_IMAGE = True
 PAD_PER_IMAGE_MIN_BATCH = 4
 #: ... for weights (``kh*kw*ci*co`` floats) up to this size: larger ones are read again per image
 PAD_PER_IMAGE_MAX_WEIGHT_BYTES = 3 << 19
+#: batch-1 padded convolutions read the input directly, the padding inlined as bounds checks, and
+#: the first / last row and column tiles get loops of their own so that the interior's checks
+#: drop (:func:`_inline_border_pad`, :func:`_split_border_tiles`); off: TOPI's whole padded copy
+SPLIT_PAD_BORDER = True
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -145,6 +149,7 @@ class Contraction(TryRule):
             col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
             hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
 
+        border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
         wb = sch.cache_write(red, 0, "local")
@@ -164,8 +169,9 @@ class Contraction(TryRule):
                 spatial_outer.append(loops[i])
         red_loops = [loops[i] for i in r_idx]
         inner = [lp for lp in (col_inner, row_inner) if lp is not None] + [v_j, v_lane]
-        pad = _image_pad(sch, red, exts, r_idx) if spatial_outer else None
-        outer = _order_outer(sch, pad, v_outer, spatial_outer, [*red_loops, *inner], exts, r_idx, vec_pos)
+        pad = _image_pad(sch, red, exts, r_idx) if spatial_outer and not border else None
+        outer = _order_outer(sch, pad, v_outer, spatial_outer, [*red_loops, *inner], exts, r_idx, vec_pos,
+                             border)
         if pad is not None:
             _vectorize_copy(sch, pad, lanes)
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
@@ -191,7 +197,8 @@ class Contraction(TryRule):
                 continue
             if not schedule_padded_copy(sch, b, lanes):
                 schedule_spatial_block(sch, b, lanes)
-        return sch
+        name = str(sch.get(red).name_hint)
+        return _split_border_tiles(sch, outer, exts[row_pos] // ni, exts[1], name) if border else sch
 
     @staticmethod
     def _match(sch: Any) -> tuple | None:
@@ -505,12 +512,21 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
 
 
 def _order_outer(sch: Any, pad: Any, v_outer: Any, spatial_outer: list, rest: list, exts: list,
-                 r_idx: list[int], vec_pos: int) -> Any:
+                 r_idx: list[int], vec_pos: int, border: bool = False) -> Any:
     """Reorder the tile loops (``rest``: reductions and register tile, innermost), fuse the outer
     ones and mark the parallel loop; returns the fused loop of one output tile. Without ``pad``:
     one fused parallel loop in :func:`_parallel_order`'s order. With ``pad`` (the batch's padded
     input copy, :func:`_image_pad`): the image loop outermost and parallel, ``pad`` computed in
-    it, the image's tiles (channel tiles, then pixels) fused inside."""
+    it, the image's tiles (channel tiles, then pixels) fused inside. With ``border``
+    (:func:`_inline_border_pad`): ``[n, h, v_outer, w tiles]``, only ``(n, h)`` fused (the parallel
+    loop), the column-tile loop returned, so that :func:`_split_border_tiles` can cut both."""
+    if border:
+        head = _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos)
+        sch.reorder(*head, *rest)
+        rows = sch.fuse(*head[:-2])
+        if worth_parallel(_flops(exts)):
+            sch.parallel(rows)
+        return head[-1]
     if not spatial_outer:
         order = [v_outer, *rest]
         sch.reorder(*order)
@@ -555,6 +571,11 @@ def _image_pad(sch: Any, red: Any, exts: list, r_idx: list[int]) -> Any:
     if (not PAD_PER_IMAGE or len(r_idx) != 3 or exts[r_idx[-1]] < 4 or exts[0] < PAD_PER_IMAGE_MIN_BATCH
             or weight > PAD_PER_IMAGE_MAX_WEIGHT_BYTES):
         return None
+    return _pad_producer(sch, red)
+
+
+def _pad_producer(sch: Any, red: Any) -> Any:
+    """The 4-d zero-padding block (TOPI's ``pad_temp``) that only ``red`` reads, or None."""
     from tvm import tirx
 
     for blk in sch.get_producers(red):
@@ -564,6 +585,60 @@ def _image_pad(sch: Any, red: Any, exts: list, r_idx: list[int]) -> Any:
                 and "if_then_else" in str(getattr(body.value, "op", ""))):
             return blk
     return None
+
+
+def _inline_border_pad(sch: Any, red: Any, exts: list, s_idx: list[int], row_pos: int | None,
+                       col_pos: int | None, ni: int) -> bool:
+    """Inline the zero padding of a batch-1 direct convolution into its loads
+    (:data:`SPLIT_PAD_BORDER`); True when it did, and :func:`_split_border_tiles` then gives the
+    interior tiles loops of their own.
+
+    Shapes it is for: padded 3x3 / KxK convs (stride 1 or 2, at least 4 input channels: not RGB
+    stems) at batch 1 whose loop runs rows outermost (:func:`_parallel_order`: weights up to
+    :data:`ROWS_OUTER_WEIGHT_BYTES`), with a register tile of ``ni`` > 1 pixels of one output row
+    (not :func:`_narrow_tile`'s multi-row tiles) and at least 3 column tiles and 3 output rows:
+    the U-Net's 16-64-channel convs on 32x32-64x64 maps, ResNet-18's 64-128-channel convs on
+    28x28-56x56 at batch 1. There TOPI's ``pad_temp`` copies the whole input before the
+    convolution (a 16-channel 64x64 map: 272 KiB written and read back from L2) for a border of
+    one pixel. Inlined, the interior tiles (all but the first and last row and column tile) read
+    the input directly, their bounds checks provably true and dropped at lowering; the border
+    tiles keep the checks. Narrower maps (16x16 and below with 8-pixel tiles: every tile is a
+    border tile) keep the copy. Batches >= :data:`PAD_PER_IMAGE_MIN_BATCH` copy per image
+    (:func:`_image_pad`)."""
+    if not SPLIT_PAD_BORDER or len(exts) - len(s_idx) != 3 or len(s_idx) != 4 or exts[-1] < 4:
+        return False
+    weight = 4 * exts[s_idx[-1]] * exts[-1] * exts[-2] * exts[-3]
+    if (not ROWS_OUTER_CONV or exts[0] != 1 or weight > ROWS_OUTER_WEIGHT_BYTES or col_pos is not None
+            or row_pos != s_idx[-2] or ni < 2 or exts[row_pos] // ni < 3 or exts[1] < 3):
+        return False
+    pad = _pad_producer(sch, red)
+    if pad is None:
+        return False
+    try:
+        sch.compute_inline(pad)
+    except Exception:  # noqa: BLE001 - TVM checks before it acts: nothing changed
+        return False
+    return True
+
+
+def _split_border_tiles(sch: Any, w_tiles_loop: Any, w_tiles: int, rows: int, update: str) -> Any:
+    """The schedule with the column-tile loop cut into its first tile, the interior tiles and its
+    last tile, and (when the rows loop is serial: a one-thread build or a small conv) the rows
+    loop cut the same way (``depthwise._split_border_columns``, which copies the loop in the
+    PrimFunc); in the interior copies the inlined padding's bounds checks are provably true and
+    TVM drops them. A parallel rows loop stays whole (three parallel loops would fork three
+    times); its row check, one per kernel row, stays."""
+    from tvm import tirx
+
+    from .depthwise import _split_border_columns
+
+    sch = _split_border_columns(sch, w_tiles_loop, w_tiles)
+    root = sch.get_sblock("root")
+    blk = next(b for b in sch.get_child_blocks(root) if str(sch.get(b).name_hint) == update)
+    outer = sch.get_loops(blk)[0]
+    if sch.get(outer).kind == tirx.ForKind.PARALLEL:
+        return sch
+    return _split_border_columns(sch, outer, rows)
 
 
 def _vectorize_copy(sch: Any, block: Any, lanes: int) -> None:
