@@ -50,7 +50,7 @@ def _checked_updates(f: tvm.tirx.PrimFunc) -> list[bool]:
     return ["if_then_else" in ln for ln in stores]
 
 
-SHAPES = [(16, 16, 32, 1), (16, 32, 48, 2)]  # ci, co, map, stride: 4 and 3 column tiles of 8 pixels
+SHAPES = [(16, 16, 40, 1), (16, 32, 80, 2)]  # ci, co, map, stride: 5 column tiles of 8 pixels
 
 
 @pytest.mark.parametrize("ci,co,hw,stride", SHAPES, ids=["stride1", "stride2"])
@@ -73,7 +73,7 @@ def test_parallel_build_splits_columns_only(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv(threads.ENV, raising=False)
     threads.set_parallel_min_flops(0.0)
     try:
-        f = _conv_func(build_and_compare(_conv(1, 16, 16, 32, 1)))
+        f = _conv_func(build_and_compare(_conv(1, 16, 16, 40, 1)))
     finally:
         threads.set_parallel_min_flops(None)
     assert 'sblock("pad_temp")' not in f.script()
@@ -83,12 +83,13 @@ def test_parallel_build_splits_columns_only(monkeypatch: pytest.MonkeyPatch) -> 
 def test_knob_off_copies_the_padded_input(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(C, "SPLIT_PAD_BORDER", False)
     with threads.building_for(1):
-        f = _conv_func(build_and_compare(_conv(1, 16, 16, 32, 1)))
+        f = _conv_func(build_and_compare(_conv(1, 16, 16, 40, 1)))
     assert 'sblock("pad_temp")' in f.script()
 
 
 def test_narrow_maps_keep_the_copy() -> None:
-    """16x16 output: 2 column tiles of 8, all of them border tiles."""
+    """32x32 output: 4 column tiles of 8 (under SPLIT_PAD_MIN_TILES), half of them border tiles."""
+    assert 32 // 8 < C.SPLIT_PAD_MIN_TILES
     with threads.building_for(1):
-        f = _conv_func(build_and_compare(_conv(1, 16, 16, 16, 1)))
+        f = _conv_func(build_and_compare(_conv(1, 16, 16, 32, 1)))
     assert 'sblock("pad_temp")' in f.script()

@@ -19,7 +19,10 @@ output rows (:data:`ROWS_OUTER_CONV`, :func:`_parallel_order`); at batch > 1 a c
 input exceeds L2 takes 4 channel vectors per tile, so the channel tiles sweep it fewer times
 (:data:`WIDE_INPUT_TILE`, :func:`_wide_input_rows`); at batch >= 4 a padded convolution runs
 the images as the parallel loop and copies each image's padded input just before its tiles
-(:data:`PAD_PER_IMAGE`, :func:`_image_pad`). The weight panel of one
+(:data:`PAD_PER_IMAGE`, :func:`_image_pad`); at batch 1 a padded convolution on a map of at
+least 3 column tiles reads its input directly, the padding inlined as bounds checks that only
+the first / last row and column tiles keep (:data:`SPLIT_PAD_BORDER`, :func:`_inline_border_pad`,
+:func:`_split_border_tiles`). The weight panel of one
 ``vec_axis`` tile stays in L2 while every row tile streams past it (a convolution's constant
 weights are packed into contiguous panels at build time: :func:`_pack_conv_weights`). Producers
 are materialised and scheduled as injective loops (a transposed operand becomes contiguous once
@@ -89,6 +92,8 @@ PAD_PER_IMAGE_MAX_WEIGHT_BYTES = 3 << 19
 #: the first / last row and column tiles get loops of their own so that the interior's checks
 #: drop (:func:`_inline_border_pad`, :func:`_split_border_tiles`); off: TOPI's whole padded copy
 SPLIT_PAD_BORDER = True
+#: ... for maps of at least this many column tiles (register tiles along the output row)
+SPLIT_PAD_MIN_TILES = 5
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -593,23 +598,29 @@ def _inline_border_pad(sch: Any, red: Any, exts: list, s_idx: list[int], row_pos
     (:data:`SPLIT_PAD_BORDER`); True when it did, and :func:`_split_border_tiles` then gives the
     interior tiles loops of their own.
 
-    Shapes it is for: padded 3x3 / KxK convs (stride 1 or 2, at least 4 input channels: not RGB
-    stems) at batch 1 whose loop runs rows outermost (:func:`_parallel_order`: weights up to
+    Shapes it is for: padded 3x3 / KxK convs (at least 4 input channels: not RGB stems) at batch
+    1 whose loop runs rows outermost (:func:`_parallel_order`: weights up to
     :data:`ROWS_OUTER_WEIGHT_BYTES`), with a register tile of ``ni`` > 1 pixels of one output row
-    (not :func:`_narrow_tile`'s multi-row tiles) and at least 3 column tiles and 3 output rows:
-    the U-Net's 16-64-channel convs on 32x32-64x64 maps, ResNet-18's 64-128-channel convs on
-    28x28-56x56 at batch 1. There TOPI's ``pad_temp`` copies the whole input before the
-    convolution (a 16-channel 64x64 map: 272 KiB written and read back from L2) for a border of
-    one pixel. Inlined, the interior tiles (all but the first and last row and column tile) read
-    the input directly, their bounds checks provably true and dropped at lowering; the border
-    tiles keep the checks. Narrower maps (16x16 and below with 8-pixel tiles: every tile is a
-    border tile) keep the copy. Batches >= :data:`PAD_PER_IMAGE_MIN_BATCH` copy per image
-    (:func:`_image_pad`)."""
+    (not :func:`_narrow_tile`'s multi-row tiles), at least :data:`SPLIT_PAD_MIN_TILES` column
+    tiles and 3 output rows: the U-Net's 16 -> 16 and 32 -> 16 convs on 64x64 (and ResNet-style
+    64-channel convs on 56x56, 224x224 images, where it is neutral). There TOPI's ``pad_temp`` copies the whole input
+    before the convolution (16 channels on 64x64: 272 KiB written, then read back from L2) for a
+    border of one pixel. Inlined, the interior tiles (all but the first and last row and column
+    tile) read the input directly, their bounds checks provably true and dropped at lowering; the
+    border tiles keep the checks (a branch around each checked load). Measured (1 thread, thread
+    CPU time, paired with the knob off; ``kernel_profile.py`` per layer, three runs at load 2-10,
+    and a one-layer driver): 16 -> 16 on 64x64 0.91-0.99, 32 -> 16 on 64x64 0.91-0.98; 64 -> 64
+    on 56x56 0.995-1.005 (a copy under 1% of that conv's time: neutral). Maps of
+    3-4 column tiles (32x32 and 28x28 outputs with 8- and 7-pixel tiles: half the tiles are border
+    tiles) ran 0.97-1.07 (32 -> 48 on 32x32 1.02-1.11 in four runs), hence the bound, which also
+    leaves out a stride-2 16 -> 32 from 64x64 to 32x32 that gained (0.93-0.96); 16x16 and smaller
+    have no interior. Batches >=
+    :data:`PAD_PER_IMAGE_MIN_BATCH` copy per image (:func:`_image_pad`)."""
     if not SPLIT_PAD_BORDER or len(exts) - len(s_idx) != 3 or len(s_idx) != 4 or exts[-1] < 4:
         return False
     weight = 4 * exts[s_idx[-1]] * exts[-1] * exts[-2] * exts[-3]
     if (not ROWS_OUTER_CONV or exts[0] != 1 or weight > ROWS_OUTER_WEIGHT_BYTES or col_pos is not None
-            or row_pos != s_idx[-2] or ni < 2 or exts[row_pos] // ni < 3 or exts[1] < 3):
+            or row_pos != s_idx[-2] or ni < 2 or exts[row_pos] // ni < SPLIT_PAD_MIN_TILES or exts[1] < 3):
         return False
     pad = _pad_producer(sch, red)
     if pad is None:
