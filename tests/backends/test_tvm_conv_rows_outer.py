@@ -41,7 +41,8 @@ def _conv(c: int, hw: int, batch: int = 1, ci: int | None = None) -> onnx.ModelP
 def _first_half(mod: Any) -> tuple[set[int], set[int], int]:
     """(output rows, output channels, parallel extent) the first half of the conv's parallel loop
     writes: its update block's bindings of ``yy`` and ``ff`` evaluated for those iterations (the
-    inner loops at 0, which only add offsets within a tile)."""
+    inner loops at 0, which only add offsets within a tile, except a serial channel-tile loop,
+    which runs over its range)."""
     [src] = [f.script() for gv, f in mod.functions_items()
              if isinstance(f, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint
              and not gv.name_hint.endswith("_weight_prepack")]
@@ -50,11 +51,14 @@ def _first_half(mod: Any) -> tuple[set[int], set[int], int]:
     update = src.split('sblock("conv2d_nhwc_update")')[1]
     bind = {k: re.sub(r"T\.int64\((\d+)\)", r"\1", re.search(rf"v_{k} = T\.axis\.spatial\([^,]+, (.*)\)\n", update).group(1))
             for k in ("yy", "ff")}
+    # a serial channel-tile loop inside the parallel one (SPLIT_PAD_BORDER: only (n, h) is fused)
+    tiles = re.search(r"for ff_0 in range\(T\.int64\((\d+)\)\)", src)
     rows, chans = set(), set()
     for i in range(int(ext) // 2):
-        env = {var: i, "ff_1": 0, "ff_2": 0, "xx_1": 0}
-        rows.add(eval(bind["yy"], {}, env))  # noqa: S307 - an index expression of our own build
-        chans.add(eval(bind["ff"], {}, env))  # noqa: S307
+        for f0 in range(int(tiles.group(1)) if tiles else 1):
+            env = {var: i, "ff_0": f0, "ff_1": 0, "ff_2": 0, "xx_0": 0, "xx_1": 0}
+            rows.add(eval(bind["yy"], {}, env))  # noqa: S307 - an index expression of our own build
+            chans.add(eval(bind["ff"], {}, env))  # noqa: S307
     return rows, chans, int(ext)
 
 

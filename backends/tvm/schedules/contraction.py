@@ -19,7 +19,10 @@ output rows (:data:`ROWS_OUTER_CONV`, :func:`_parallel_order`); at batch > 1 a c
 input exceeds L2 takes 4 channel vectors per tile, so the channel tiles sweep it fewer times
 (:data:`WIDE_INPUT_TILE`, :func:`_wide_input_rows`); at batch >= 4 a padded convolution runs
 the images as the parallel loop and copies each image's padded input just before its tiles
-(:data:`PAD_PER_IMAGE`, :func:`_image_pad`). The weight panel of one
+(:data:`PAD_PER_IMAGE`, :func:`_image_pad`); at batch 1 a padded convolution on a map of at
+least 3 column tiles reads its input directly, the padding inlined as bounds checks that only
+the first / last row and column tiles keep (:data:`SPLIT_PAD_BORDER`, :func:`_inline_border_pad`,
+:func:`_split_border_tiles`). The weight panel of one
 ``vec_axis`` tile stays in L2 while every row tile streams past it (a convolution's constant
 weights are packed into contiguous panels at build time: :func:`_pack_conv_weights`). Producers
 are materialised and scheduled as injective loops (a transposed operand becomes contiguous once
@@ -85,6 +88,12 @@ PAD_PER_IMAGE = True
 PAD_PER_IMAGE_MIN_BATCH = 4
 #: ... for weights (``kh*kw*ci*co`` floats) up to this size: larger ones are read again per image
 PAD_PER_IMAGE_MAX_WEIGHT_BYTES = 3 << 19
+#: batch-1 padded convolutions read the input directly, the padding inlined as bounds checks, and
+#: the first / last row and column tiles get loops of their own so that the interior's checks
+#: drop (:func:`_inline_border_pad`, :func:`_split_border_tiles`); off: TOPI's whole padded copy
+SPLIT_PAD_BORDER = True
+#: ... for maps of at least this many column tiles (register tiles along the output row)
+SPLIT_PAD_MIN_TILES = 5
 
 
 def _uses(expr: Any, var: Any) -> bool:
@@ -145,6 +154,7 @@ class Contraction(TryRule):
             col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
             hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
 
+        border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
         wb = sch.cache_write(red, 0, "local")
@@ -164,8 +174,9 @@ class Contraction(TryRule):
                 spatial_outer.append(loops[i])
         red_loops = [loops[i] for i in r_idx]
         inner = [lp for lp in (col_inner, row_inner) if lp is not None] + [v_j, v_lane]
-        pad = _image_pad(sch, red, exts, r_idx) if spatial_outer else None
-        outer = _order_outer(sch, pad, v_outer, spatial_outer, [*red_loops, *inner], exts, r_idx, vec_pos)
+        pad = _image_pad(sch, red, exts, r_idx) if spatial_outer and not border else None
+        outer = _order_outer(sch, pad, v_outer, spatial_outer, [*red_loops, *inner], exts, r_idx, vec_pos,
+                             border)
         if pad is not None:
             _vectorize_copy(sch, pad, lanes)
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
@@ -191,7 +202,8 @@ class Contraction(TryRule):
                 continue
             if not schedule_padded_copy(sch, b, lanes):
                 schedule_spatial_block(sch, b, lanes)
-        return sch
+        name = str(sch.get(red).name_hint)
+        return _split_border_tiles(sch, outer, exts[row_pos] // ni, exts[1], name) if border else sch
 
     @staticmethod
     def _match(sch: Any) -> tuple | None:
@@ -505,12 +517,21 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
 
 
 def _order_outer(sch: Any, pad: Any, v_outer: Any, spatial_outer: list, rest: list, exts: list,
-                 r_idx: list[int], vec_pos: int) -> Any:
+                 r_idx: list[int], vec_pos: int, border: bool = False) -> Any:
     """Reorder the tile loops (``rest``: reductions and register tile, innermost), fuse the outer
     ones and mark the parallel loop; returns the fused loop of one output tile. Without ``pad``:
     one fused parallel loop in :func:`_parallel_order`'s order. With ``pad`` (the batch's padded
     input copy, :func:`_image_pad`): the image loop outermost and parallel, ``pad`` computed in
-    it, the image's tiles (channel tiles, then pixels) fused inside."""
+    it, the image's tiles (channel tiles, then pixels) fused inside. With ``border``
+    (:func:`_inline_border_pad`): ``[n, h, v_outer, w tiles]``, only ``(n, h)`` fused (the parallel
+    loop), the column-tile loop returned, so that :func:`_split_border_tiles` can cut both."""
+    if border:
+        head = _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos)
+        sch.reorder(*head, *rest)
+        rows = sch.fuse(*head[:-2])
+        if worth_parallel(_flops(exts)):
+            sch.parallel(rows)
+        return head[-1]
     if not spatial_outer:
         order = [v_outer, *rest]
         sch.reorder(*order)
@@ -555,6 +576,11 @@ def _image_pad(sch: Any, red: Any, exts: list, r_idx: list[int]) -> Any:
     if (not PAD_PER_IMAGE or len(r_idx) != 3 or exts[r_idx[-1]] < 4 or exts[0] < PAD_PER_IMAGE_MIN_BATCH
             or weight > PAD_PER_IMAGE_MAX_WEIGHT_BYTES):
         return None
+    return _pad_producer(sch, red)
+
+
+def _pad_producer(sch: Any, red: Any) -> Any:
+    """The 4-d zero-padding block (TOPI's ``pad_temp``) that only ``red`` reads, or None."""
     from tvm import tirx
 
     for blk in sch.get_producers(red):
@@ -564,6 +590,66 @@ def _image_pad(sch: Any, red: Any, exts: list, r_idx: list[int]) -> Any:
                 and "if_then_else" in str(getattr(body.value, "op", ""))):
             return blk
     return None
+
+
+def _inline_border_pad(sch: Any, red: Any, exts: list, s_idx: list[int], row_pos: int | None,
+                       col_pos: int | None, ni: int) -> bool:
+    """Inline the zero padding of a batch-1 direct convolution into its loads
+    (:data:`SPLIT_PAD_BORDER`); True when it did, and :func:`_split_border_tiles` then gives the
+    interior tiles loops of their own.
+
+    Shapes it is for: padded 3x3 / KxK convs (at least 4 input channels: not RGB stems) at batch
+    1 whose loop runs rows outermost (:func:`_parallel_order`: weights up to
+    :data:`ROWS_OUTER_WEIGHT_BYTES`), with a register tile of ``ni`` > 1 pixels of one output row
+    (not :func:`_narrow_tile`'s multi-row tiles), at least :data:`SPLIT_PAD_MIN_TILES` column
+    tiles and 3 output rows: the U-Net's 16 -> 16 and 32 -> 16 convs on 64x64 (and ResNet-style
+    64-channel convs on 56x56, 224x224 images, where it is neutral). There TOPI's ``pad_temp`` copies the whole input
+    before the convolution (16 channels on 64x64: 272 KiB written, then read back from L2) for a
+    border of one pixel. Inlined, the interior tiles (all but the first and last row and column
+    tile) read the input directly, their bounds checks provably true and dropped at lowering; the
+    border tiles keep the checks (a branch around each checked load). Measured (1 thread, thread
+    CPU time, paired with the knob off; ``kernel_profile.py`` per layer, three runs at load 2-10,
+    and a one-layer driver): 16 -> 16 on 64x64 0.91-0.99, 32 -> 16 on 64x64 0.91-0.98; 64 -> 64
+    on 56x56 0.995-1.005 (a copy under 1% of that conv's time: neutral). Maps of
+    3-4 column tiles (32x32 and 28x28 outputs with 8- and 7-pixel tiles: half the tiles are border
+    tiles) ran 0.97-1.07 (32 -> 48 on 32x32 1.02-1.11 in four runs), hence the bound, which also
+    leaves out a stride-2 16 -> 32 from 64x64 to 32x32 that gained (0.93-0.96); 16x16 and smaller
+    have no interior. Batches >=
+    :data:`PAD_PER_IMAGE_MIN_BATCH` copy per image (:func:`_image_pad`)."""
+    if not SPLIT_PAD_BORDER or len(exts) - len(s_idx) != 3 or len(s_idx) != 4 or exts[-1] < 4:
+        return False
+    weight = 4 * exts[s_idx[-1]] * exts[-1] * exts[-2] * exts[-3]
+    if (not ROWS_OUTER_CONV or exts[0] != 1 or weight > ROWS_OUTER_WEIGHT_BYTES or col_pos is not None
+            or row_pos != s_idx[-2] or ni < 2 or exts[row_pos] // ni < SPLIT_PAD_MIN_TILES or exts[1] < 3):
+        return False
+    pad = _pad_producer(sch, red)
+    if pad is None:
+        return False
+    try:
+        sch.compute_inline(pad)
+    except Exception:  # noqa: BLE001 - TVM checks before it acts: nothing changed
+        return False
+    return True
+
+
+def _split_border_tiles(sch: Any, w_tiles_loop: Any, w_tiles: int, rows: int, update: str) -> Any:
+    """The schedule with the column-tile loop cut into its first tile, the interior tiles and its
+    last tile, and (when the rows loop is serial: a one-thread build or a small conv) the rows
+    loop cut the same way (``depthwise._split_border_columns``, which copies the loop in the
+    PrimFunc); in the interior copies the inlined padding's bounds checks are provably true and
+    TVM drops them. A parallel rows loop stays whole (three parallel loops would fork three
+    times); its row check, one per kernel row, stays."""
+    from tvm import tirx
+
+    from .depthwise import _split_border_columns
+
+    sch = _split_border_columns(sch, w_tiles_loop, w_tiles)
+    root = sch.get_sblock("root")
+    blk = next(b for b in sch.get_child_blocks(root) if str(sch.get(b).name_hint) == update)
+    outer = sch.get_loops(blk)[0]
+    if sch.get(outer).kind == tirx.ForKind.PARALLEL:
+        return sch
+    return _split_border_columns(sch, outer, rows)
 
 
 def _vectorize_copy(sch: Any, block: Any, lanes: int) -> None:
