@@ -132,12 +132,20 @@ def _measure(name: str, tmp: Path, label: str, devices: int, strategy: str, thre
             "measured_memory_per_rank": [m["measured"] for m in mem]}
 
 
-def run_case(name: str, backend: str, steps: int, quick: bool, baseline: dict | None = None) -> dict:
+def case(name: str, quick: bool, batch: int | None = None) -> tuple[dict, str]:
+    """The model's builder arguments and loss (``QUICK`` or ``CASES``), its batch replaced by
+    ``batch`` when given (``--batch``)."""
+    kwargs, loss = (QUICK if quick else CASES)[name]
+    return ({**kwargs, "batch": batch} if batch else dict(kwargs)), loss
+
+
+def run_case(name: str, backend: str, steps: int, quick: bool, baseline: dict | None = None,
+             batch: int | None = None) -> dict:
     import onnx
 
     import models_zoo
 
-    kwargs, loss = (QUICK if quick else CASES)[name]
+    kwargs, loss = case(name, quick, batch)
     batch = kwargs["batch"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,7 +255,9 @@ def _load() -> list[float]:
 
 def _row(doc: dict, label: str, r: dict, base: float | None, run: str) -> str:
     """One table row (a configuration of one JSON file)."""
-    head = f"| {doc['model']} | {doc['backend']} | {label} |"
+    batch, default = (doc.get("config") or {}).get("batch"), CASES.get(doc["model"], ({}, ""))[0].get("batch")
+    model = doc["model"] if doc.get("quick") or batch in (None, default) else f"{doc['model']} (batch {batch})"
+    head = f"| {model} | {doc['backend']} | {label} |"
     if "not_applicable" in r:
         return head + " - | - | - | - | - | - | - | - | - | - | not applicable |"
     pred, meas = r.get("predicted_step_s"), r["median_step_s"]
@@ -445,6 +455,9 @@ def main() -> int:
     p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tvm"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="small models, 4 steps: a smoke run")
+    p.add_argument("--batch", type=int, default=None,
+                   help="every model's global batch instead of its default (e.g. resnet at 64: 8 images per "
+                        "pipeline micro-batch); use with --results-dir so the default rows are kept")
     p.add_argument("--markdown", action="store_true", help="print the README table from the JSON files and exit")
     p.add_argument("--results-dir", type=Path, default=RESULTS,
                    help="where the JSON files go (default benchmarks/results; another folder for a trial run)")
@@ -469,6 +482,8 @@ def main() -> int:
                    help="with --paired-env: the configuration labels to run, separated by ';'")
     p.add_argument("--rounds", type=int, default=2, help="with --paired-env: rounds (order alternates)")
     args = p.parse_args()
+    if args.batch is not None and (args.batch < 1 or args.paired_env is not None or args.quick):
+        p.error("--batch takes a positive batch, and not with --paired-env or --quick")
     if args.paired_env is not None:
         return paired_main(args)
     if args.repredict is not None:
@@ -484,10 +499,11 @@ def main() -> int:
     cal = calibration(args.backend)
     for name in args.models.split(","):
         before = _load()
-        results = run_case(name, args.backend, steps, args.quick, _settings(args.baseline))
+        results = run_case(name, args.backend, steps, args.quick, _settings(args.baseline), args.batch)
         after = _load()
-        doc = {"model": name, "backend": args.backend, "config": (QUICK if args.quick else CASES)[name][0],
-               "loss": (QUICK if args.quick else CASES)[name][1], "quick": args.quick, "steps": steps,
+        config, loss = case(name, args.quick, args.batch)
+        doc = {"model": name, "backend": args.backend, "config": config,
+               "loss": loss, "quick": args.quick, "steps": steps,
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "python": platform.python_version()},
                "versions": {"onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
