@@ -2,7 +2,8 @@
 
 Two TIR rewrites at the end of TVM's host lowering, both for the CPU (llvm) target.
 
-1. Parallel chunks with no-alias pointers (:data:`NOALIAS_PARALLEL_BODY`). TVM's LLVM codegen
+1. Parallel chunks with no-alias pointers (:data:`NOALIAS_PARALLEL_BODY`, default off: see
+   "Measured" below). TVM's LLVM codegen
    turns a parallel loop into a closure launched through ``TVMBackendParallelLaunch``
    (``CodeGenCPU::CreateParallelLaunch``): the buffer pointers the body uses are loaded from the
    closure's struct, so LLVM knows nothing about whether they alias each other. A serial kernel
@@ -47,15 +48,23 @@ Where it runs (:func:`tir_pipeline`): a TIR pipeline named :data:`PIPELINE` = TV
 builds (``kernel_profile.py``, ``thread_scaling.py``) and ``conv_algorithms._time_alone`` compile through
 it. Both knobs off: TVM's ``"default"`` pipeline (the "before").
 
-Measured: docs/per_device_speed.md, "Session 12: parallel chunks with no-alias pointers".
+Measured (docs/per_device_speed.md, "Session 12: parallel chunks with no-alias pointers"),
+paired, ``kernel_profile.py --scaling``: rule 1 alone took 22-23% off mobilenet batch 8's 2-thread
+kernel time (1 thread unchanged); rule 2 alone, with rule 1 on, 5.5% (1 thread) and 14% (2
+threads); but rule 1 on top of rule 2 gains nothing (mobilenet batch 8 0.99x / 1.03x on 1 / 2
+threads, heldout_mbv2 batch 8 1.06x / 0.94x, heldout_inception batch 1 1.02x / 1.14x): once the
+accumulators are stack slots the closure's missing ``noalias`` no longer costs, and rule 1 adds a
+call per iteration. So :data:`LOCALS_ON_STACK` is on and :data:`NOALIAS_PARALLEL_BODY` is off
+(kept, tested, for the day a kernel's body needs it).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-#: rule 1: each parallel loop's body in a compute scope with no-alias pointer arguments
-NOALIAS_PARALLEL_BODY = True
+#: rule 1: each parallel loop's body in a compute scope with no-alias pointer arguments (off:
+#: no gain once LOCALS_ON_STACK holds, module docstring "Measured")
+NOALIAS_PARALLEL_BODY = False
 #: rule 2: constant-size "local" buffers up to LOCAL_STACK_MAX_BYTES on the stack
 LOCALS_ON_STACK = True
 LOCAL_STACK_MAX_BYTES = 16384
