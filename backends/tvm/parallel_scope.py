@@ -31,15 +31,17 @@ Two TIR rewrites at the end of TVM's host lowering, both for the CPU (llvm) targ
 2. Accumulators on the stack (:data:`LOCALS_ON_STACK`). ``LowerTVMBuiltin`` turns every
    ``"local"`` buffer into a ``TVMBackendAllocWorkspace`` call (on the CPU only small "global"
    buffers stay on the stack), so a conv's register tile (``conv2d_nhwc_local``: 16 x float32x16
-   = 1 KiB) is heap memory behind a pointer returned by a call: LLVM cannot keep it in vector
-   registers (scalar replacement works on stack slots only), and the kernel allocates and frees
-   it on every tile, which also gives the body an error path.
+   = 1 KiB) is heap memory behind a pointer returned by a call: LLVM's scalar replacement, which
+   turns such a tile into vector registers, works on stack slots only, and the kernel allocates
+   and frees it on every tile, which also gives the body an error path. In the small conv test
+   model's LLVM IR the tile, once on the stack, leaves neither an alloca nor a workspace call.
 
    Rule (:func:`locals_on_stack`): a ``"local"`` buffer of constant size up to
-   :data:`LOCAL_STACK_MAX_BYTES` (16 KiB: our register tiles are 0.25-2 KiB; a worker thread's
-   stack is the process default, 8 MiB) gets TVM's ``disable_lower_builtin`` annotation, so
-   codegen allocates it on the stack. Shapes it is for: every kernel with a "local" (cache_write)
-   buffer, serial or parallel. Larger or dynamic-size local buffers keep the workspace.
+   :data:`LOCAL_STACK_MAX_BYTES` (16 KiB: 16x the conv tile above, far below a thread's stack of
+   megabytes; codegen puts the slot in the function's entry block, once per call) gets TVM's
+   ``disable_lower_builtin`` annotation, so codegen allocates it on the stack. Shapes it is for:
+   every kernel with a "local" (cache_write) buffer, serial or parallel. Larger or dynamic-size
+   local buffers keep the workspace.
 
 Where it runs (:func:`tir_pipeline`): a TIR pipeline named :data:`PIPELINE` = TVM's default
 ``s_tir`` lowering; host finalisation = rule 2, ``LowerTVMBuiltin`` + ``LowerIntrin``, rule 1
@@ -50,7 +52,7 @@ it. Both knobs off: TVM's ``"default"`` pipeline (the "before").
 
 Measured (docs/per_device_speed.md, "Session 12: parallel chunks with no-alias pointers"),
 paired, ``kernel_profile.py --scaling``: rule 1 alone took 22-23% off mobilenet batch 8's 2-thread
-kernel time (1 thread unchanged); rule 2 alone, with rule 1 on, 5.5% (1 thread) and 14% (2
+kernel time (1 thread unchanged); rule 2 on top of rule 1 5.5% (1 thread) and 14% (2
 threads); but rule 1 on top of rule 2 gains nothing (mobilenet batch 8 0.99x / 1.03x on 1 / 2
 threads, heldout_mbv2 batch 8 1.06x / 0.94x, heldout_inception batch 1 1.02x / 1.14x): once the
 accumulators are stack slots the closure's missing ``noalias`` no longer costs, and rule 1 adds a
@@ -142,7 +144,8 @@ def wrap_parallel_bodies(func: Any, name: str) -> Any:
             return None
         if _scoped(s.body) or _holds(s.body, _is_parallel):
             return s
-        scope = tirx.AttrStmt(tirx.const(0, "int32"), ATTR, tvm.ir.StringImm(f"{name}_par_body{count[0]}"), s.body)
+        label = tvm.ir.StringImm(f"{name}_par_body{count[0]}")
+        scope = tirx.AttrStmt(tirx.const(0, "int32"), ATTR, label, s.body)
         count[0] += 1
         return _with_body(s, tirx.SeqStmt([scope, tirx.Evaluate(tirx.const(0, "int32"))]))
 
