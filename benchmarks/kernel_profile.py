@@ -126,13 +126,14 @@ def build_ours(m: onnx.ModelProto, target: Any, threads: int | None = None) -> t
 
     from backends.tvm.lower import lower_program
     from backends.tvm.pipeline import run_pipeline
+    from backends.tvm import parallel_scope
     from backends.tvm.schedules.threads import building_for
 
     with building_for(threads):
         mod = run_pipeline(lower_program(m).mod, "scheduled", target)
     infos = {gv.name_hint: tir_kernel_info(f, gv.name_hint) for gv, f in mod.functions_items()
              if isinstance(f, tirx.PrimFunc)}
-    return tvm.compile(mod, target), infos
+    return parallel_scope.compile(mod, target), infos
 
 
 def profile_ours(exes: list[Any], feeds: dict[str, np.ndarray], runs: int) -> list[list[tuple[str, float]]]:

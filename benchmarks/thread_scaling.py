@@ -91,12 +91,13 @@ def build(m: Any, target: Any, kp: Any) -> tuple[Any, dict[str, dict[str, Any]],
     """``kernel_profile.build_ours`` plus the serial kernels' symbols (one pipeline run)."""
     import tvm
 
+    from backends.tvm import parallel_scope
     from backends.tvm.lower import lower_program
     from backends.tvm.pipeline import run_pipeline
 
     mod = run_pipeline(lower_program(m).mod, "scheduled", target)
     funcs = [(gv.name_hint, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
-    return tvm.compile(mod, target), {n: kp.tir_kernel_info(f, n) for n, f in funcs}, serial_symbols(mod)
+    return parallel_scope.compile(mod, target), {n: kp.tir_kernel_info(f, n) for n, f in funcs}, serial_symbols(mod)
 
 
 def main(argv: list[str] | None = None) -> int:

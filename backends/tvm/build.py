@@ -45,7 +45,7 @@ import onnx
 from partitioner.core.errors import BackendError, PartitionerError
 from partitioner.core.files import sha256_file
 
-from . import lift_step_constants
+from . import lift_step_constants, parallel_scope
 from .lower import lower_program
 from .progress import BuildProgress
 from .schedules.gpu import cuda_kernel_count
@@ -151,7 +151,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         mod = lift_step_constants.lift(mod, program, len(lowered.comm_ops))  # weight-only kernels once per change
         conv_used = tuning.pop("conv_algorithms", None)
         prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
-        ex = tvm.compile(mod, target)
+        ex = parallel_scope.compile(mod, target)  # parallel loop bodies with no-alias pointers
     except PartitionerError:
         raise
     except Exception as e:

@@ -192,6 +192,7 @@ def _time_alone(p: dict[str, Any], algorithm: str, target: Any, runs: int = 5) -
     import tvm
     from tvm import relax
 
+    from . import parallel_scope
     from .pipeline import run_pipeline
 
     rng = np.random.default_rng(0)
@@ -209,7 +210,7 @@ def _time_alone(p: dict[str, Any], algorithm: str, target: Any, runs: int = 5) -
     mod = bb.get()
     with target:
         mod = relax.transform.FoldConstant()(mod)
-    vm = relax.VirtualMachine(tvm.compile(run_pipeline(mod, "scheduled", target), target), tvm.cpu())
+    vm = relax.VirtualMachine(parallel_scope.compile(run_pipeline(mod, "scheduled", target), target), tvm.cpu())
     xt = tvm.runtime.tensor(rng.standard_normal(p["data"]).astype(np.float32))
     vm["main"](xt)
     times = []

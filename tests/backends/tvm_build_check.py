@@ -11,6 +11,7 @@ import onnxruntime as ort
 import tvm
 from tvm import relax
 
+from backends.tvm import parallel_scope
 from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.target import detect_host_target
@@ -24,7 +25,7 @@ def build_and_compare(m: onnx.ModelProto, target: Any = None) -> Any:
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     target = target or tvm.target.Target(detect_host_target())
     mod = run_pipeline(lower_program(m).mod, "scheduled", target)
-    res = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
+    res = relax.VirtualMachine(parallel_scope.compile(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x))
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
     return mod

@@ -29,7 +29,9 @@ Why: TVM lowers a parallel loop into a closure called through ``TVMBackendParall
 buffer pointers lose their no-alias facts and whose accumulators come from a workspace
 allocation, so such a kernel is slower even when the pool has a single thread (measured,
 session 11, mobilenet batch 8 on one thread, thread CPU time: 1x1 convs 12.53 ms with parallel
-loops against 11.00 ms all serial, depthwise 3.20 against 2.77). Shapes it is for: every kernel
+loops against 11.00 ms all serial, depthwise 3.20 against 2.77; ``backends.tvm.parallel_scope``
+now puts the accumulators on the stack, and the serial build is still 0.92x of the parallel one:
+docs/per_device_speed.md, session 12). Shapes it is for: every kernel
 of a 1-thread build, whatever its size. A build whose thread count is unknown (None: a plain
 ``partitioner compile`` for a cluster that is not one node's CPU cores, ``backends.tvm.build``
 without ``options["threads"]``) keeps the thresholds above, as before.
