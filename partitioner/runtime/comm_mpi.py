@@ -39,12 +39,24 @@ Rules:
    ``out`` the results are written into the caller's arrays (``out=xs``: in place, as TVM data
    ranks do, :mod:`partitioner.training.overlap` rule 7): on rule 7's path no array is
    allocated per call.
+9. Waiting (:meth:`MPICommunicator._wait`) depends on the thread. The main thread (a pipeline
+   stage's receive, an inline collective) spins 100 us, yields the core until 10 ms, then sleeps
+   0.5 ms between polls. A background thread (a data rank's AllReduce thread,
+   :mod:`partitioner.training.overlap` rule 4) spins ``BACKGROUND_SPIN_S`` only, then sleeps
+   ``BACKGROUND_NAP_S`` between polls and never calls ``sched_yield``: each data rank owns one
+   core, and a thread that yields stays runnable, so while it waits for its peer at a bucket's
+   AllReduce the scheduler gives it a share of the core that the backward computing beside it
+   (ONNX Runtime or TVM, GIL released) needs. A sleeping poller costs a wake-up per nap
+   (``BACKGROUND_NAP_S`` adds at most that much latency to an AllReduce that lasts milliseconds).
+   ``$PARTITIONER_COMM_BACKGROUND_SLEEP=0`` (:data:`BACKGROUND_SLEEP_WAIT`) gives background
+   threads the main thread's policy.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -61,6 +73,12 @@ _MPI_OPS = ("sum", "max", "min", "prod")
 SHM_ENV = "PARTITIONER_SHM_ALLREDUCE"
 #: rule 7: arrays from this size reduce through shared memory (below it the gather is faster)
 SHM_MIN_BYTES = 1 << 20
+BACKGROUND_SLEEP_ENV = "PARTITIONER_COMM_BACKGROUND_SLEEP"
+#: rule 9: a background thread's waits sleep-poll instead of yielding (0 in the env: off)
+BACKGROUND_SLEEP_WAIT = os.environ.get(BACKGROUND_SLEEP_ENV, "1") != "0"
+#: rule 9: a background thread's spin before it sleeps, and its sleep between polls (seconds)
+BACKGROUND_SPIN_S = 1e-5
+BACKGROUND_NAP_S = 1e-4
 
 
 def default_timeout() -> float:
@@ -146,20 +164,26 @@ class MPICommunicator:
 
     # waiting ------------------------------------------------------------------------------------
     def _wait(self, req: Any, what: str, status: Any = None) -> None:
-        """Poll ``req`` until done or the deadline: spin 100 us (as MPICH's blocking waits spin: a
-        pipeline's next message is usually that close), then yield the core until 10 ms (fair when
-        ranks oversubscribe cores), then sleep 0.5 ms between polls."""
+        """Poll ``req`` until done or the deadline (rule 9). The main thread spins 100 us (as
+        MPICH's blocking waits spin: a pipeline's next message is usually that close), then yields
+        the core until 10 ms (fair when ranks oversubscribe cores), then sleeps 0.5 ms between
+        polls. A background thread (with :data:`BACKGROUND_SLEEP_WAIT`) spins
+        :data:`BACKGROUND_SPIN_S`, then sleeps :data:`BACKGROUND_NAP_S` between polls."""
         if req.Test(status):  # the common case on a busy pipeline: already there
             return
+        if BACKGROUND_SLEEP_WAIT and threading.current_thread() is not threading.main_thread():
+            spin, yield_until, nap = BACKGROUND_SPIN_S, BACKGROUND_SPIN_S, BACKGROUND_NAP_S
+        else:
+            spin, yield_until, nap = 1e-4, 1e-2, 5e-4
         clock = time.perf_counter
         start = clock()
         deadline = start + self.timeout_s
         while not req.Test(status):
             now = clock()
             waited = now - start
-            if waited < 1e-4:
+            if waited < spin:
                 continue
-            if waited < 1e-2:
+            if waited < yield_until:
                 os.sched_yield()
                 continue
             if now > deadline:
@@ -169,7 +193,7 @@ class MPICommunicator:
                     pass
                 raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
                                 f"raise ${TIMEOUT_ENV} for slow steps)")
-            time.sleep(0.0005)
+            time.sleep(nap)
 
     def _enter(self, op: str, detail: str) -> str:
         self.current_op = f"{op} {detail}"
