@@ -39,17 +39,17 @@ Rules:
    ``out`` the results are written into the caller's arrays (``out=xs``: in place, as TVM data
    ranks do, :mod:`partitioner.training.overlap` rule 7): on rule 7's path no array is
    allocated per call.
-9. Waiting (:meth:`MPICommunicator._wait`) depends on the thread. The main thread (a pipeline
-   stage's receive, an inline collective) spins 100 us, yields the core until 10 ms, then sleeps
-   0.5 ms between polls. A background thread (a data rank's AllReduce thread,
-   :mod:`partitioner.training.overlap` rule 4) spins ``BACKGROUND_SPIN_S`` only, then sleeps
-   ``BACKGROUND_NAP_S`` between polls and never calls ``sched_yield``: each data rank owns one
-   core, and a thread that yields stays runnable, so while it waits for its peer at a bucket's
-   AllReduce the scheduler gives it a share of the core that the backward computing beside it
-   (ONNX Runtime or TVM, GIL released) needs. A sleeping poller costs a wake-up per nap
-   (``BACKGROUND_NAP_S`` adds at most that much latency to an AllReduce that lasts milliseconds).
-   ``$PARTITIONER_COMM_BACKGROUND_SLEEP=0`` (:data:`BACKGROUND_SLEEP_WAIT`) gives background
-   threads the main thread's policy.
+9. Waiting (:meth:`MPICommunicator._wait`): spin 100 us, yield the core until 10 ms, then sleep
+   0.5 ms between polls, on every thread. With :data:`BACKGROUND_SLEEP_WAIT` (off by default;
+   ``$PARTITIONER_COMM_BACKGROUND_SLEEP=1`` on) a background thread (a data rank's AllReduce
+   thread, :mod:`partitioner.training.overlap` rule 4) spins ``BACKGROUND_SPIN_S`` only, then
+   sleeps ``BACKGROUND_NAP_S`` between polls and never calls ``sched_yield``. It was meant to
+   stop the waiting thread from taking the core from the backward computing beside it, but the
+   yield loop does not: measured (session 12, 2 ranks data, resnet, load 5 on 2 cores) the comm
+   thread's CPU while waiting is 6-11% of its wait time with either policy (ONNX Runtime, and
+   TVM with two buckets), and two threads pinned to one core show the yielder using 0.7 ms of
+   CPU over 32 ms of waits against 1.6-2.9 ms for the 100 us sleep-poll (a wake-up per nap).
+   The knob stays, off, to measure it again on a quiet machine (docs/training.md).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ SHM_ENV = "PARTITIONER_SHM_ALLREDUCE"
 #: rule 7: arrays from this size reduce through shared memory (below it the gather is faster)
 SHM_MIN_BYTES = 1 << 20
 BACKGROUND_SLEEP_ENV = "PARTITIONER_COMM_BACKGROUND_SLEEP"
-#: rule 9: a background thread's waits sleep-poll instead of yielding (0 in the env: off)
-BACKGROUND_SLEEP_WAIT = os.environ.get(BACKGROUND_SLEEP_ENV, "1") != "0"
+#: rule 9: a background thread's waits sleep-poll instead of yielding (off: measured no better;
+#: 1 in the env: on)
+BACKGROUND_SLEEP_WAIT = os.environ.get(BACKGROUND_SLEEP_ENV, "0") == "1"
 #: rule 9: a background thread's spin before it sleeps, and its sleep between polls (seconds)
 BACKGROUND_SPIN_S = 1e-5
 BACKGROUND_NAP_S = 1e-4
@@ -112,6 +113,16 @@ def _dtype_code(dtype: np.dtype) -> int:
 
 def _code_dtype(code: int) -> np.dtype:
     return np.dtype(int(code).to_bytes(8, "little").decode().strip())
+
+
+def _wait_policy() -> tuple[float, float, float]:
+    """Rule 9, for the calling thread: seconds to spin, to yield the core until, and to sleep
+    between polls after that. Spinning 100 us is as MPICH's blocking waits spin (a pipeline's
+    next message is usually that close); yielding until 10 ms is fair when ranks oversubscribe
+    cores. A background thread with :data:`BACKGROUND_SLEEP_WAIT` on never yields."""
+    if BACKGROUND_SLEEP_WAIT and threading.current_thread() is not threading.main_thread():
+        return BACKGROUND_SPIN_S, BACKGROUND_SPIN_S, BACKGROUND_NAP_S
+    return 1e-4, 1e-2, 5e-4
 
 
 class MPICommunicator:
@@ -164,17 +175,11 @@ class MPICommunicator:
 
     # waiting ------------------------------------------------------------------------------------
     def _wait(self, req: Any, what: str, status: Any = None) -> None:
-        """Poll ``req`` until done or the deadline (rule 9). The main thread spins 100 us (as
-        MPICH's blocking waits spin: a pipeline's next message is usually that close), then yields
-        the core until 10 ms (fair when ranks oversubscribe cores), then sleeps 0.5 ms between
-        polls. A background thread (with :data:`BACKGROUND_SLEEP_WAIT`) spins
-        :data:`BACKGROUND_SPIN_S`, then sleeps :data:`BACKGROUND_NAP_S` between polls."""
+        """Poll ``req`` until done or the deadline, as :func:`_wait_policy` says (rule 9): spin,
+        yield the core, then sleep between polls."""
         if req.Test(status):  # the common case on a busy pipeline: already there
             return
-        if BACKGROUND_SLEEP_WAIT and threading.current_thread() is not threading.main_thread():
-            spin, yield_until, nap = BACKGROUND_SPIN_S, BACKGROUND_SPIN_S, BACKGROUND_NAP_S
-        else:
-            spin, yield_until, nap = 1e-4, 1e-2, 5e-4
+        spin, yield_until, nap = _wait_policy()
         clock = time.perf_counter
         start = clock()
         deadline = start + self.timeout_s
