@@ -39,12 +39,24 @@ Rules:
    ``out`` the results are written into the caller's arrays (``out=xs``: in place, as TVM data
    ranks do, :mod:`partitioner.training.overlap` rule 7): on rule 7's path no array is
    allocated per call.
+9. Waiting (:meth:`MPICommunicator._wait`): spin 100 us, yield the core until 10 ms, then sleep
+   0.5 ms between polls, on every thread. With :data:`BACKGROUND_SLEEP_WAIT` (off by default;
+   ``$PARTITIONER_COMM_BACKGROUND_SLEEP=1`` on) a background thread (a data rank's AllReduce
+   thread, :mod:`partitioner.training.overlap` rule 4) spins ``BACKGROUND_SPIN_S`` only, then
+   sleeps ``BACKGROUND_NAP_S`` between polls and never calls ``sched_yield``. It was meant to
+   stop the waiting thread from taking the core from the backward computing beside it, but the
+   yield loop does not: measured (session 12, 2 ranks data, resnet, load 5 on 2 cores) the comm
+   thread's CPU while waiting is 6-11% of its wait time with either policy (ONNX Runtime, and
+   TVM with two buckets), and two threads pinned to one core show the yielder using 0.7 ms of
+   CPU over 32 ms of waits against 1.6-2.9 ms for the 100 us sleep-poll (a wake-up per nap).
+   The knob stays, off, to measure it again on a quiet machine (docs/training.md).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -61,6 +73,13 @@ _MPI_OPS = ("sum", "max", "min", "prod")
 SHM_ENV = "PARTITIONER_SHM_ALLREDUCE"
 #: rule 7: arrays from this size reduce through shared memory (below it the gather is faster)
 SHM_MIN_BYTES = 1 << 20
+BACKGROUND_SLEEP_ENV = "PARTITIONER_COMM_BACKGROUND_SLEEP"
+#: rule 9: a background thread's waits sleep-poll instead of yielding (off: measured no better;
+#: 1 in the env: on)
+BACKGROUND_SLEEP_WAIT = os.environ.get(BACKGROUND_SLEEP_ENV, "0") == "1"
+#: rule 9: a background thread's spin before it sleeps, and its sleep between polls (seconds)
+BACKGROUND_SPIN_S = 1e-5
+BACKGROUND_NAP_S = 1e-4
 
 
 def default_timeout() -> float:
@@ -94,6 +113,16 @@ def _dtype_code(dtype: np.dtype) -> int:
 
 def _code_dtype(code: int) -> np.dtype:
     return np.dtype(int(code).to_bytes(8, "little").decode().strip())
+
+
+def _wait_policy() -> tuple[float, float, float]:
+    """Rule 9, for the calling thread: seconds to spin, to yield the core until, and to sleep
+    between polls after that. Spinning 100 us is as MPICH's blocking waits spin (a pipeline's
+    next message is usually that close); yielding until 10 ms is fair when ranks oversubscribe
+    cores. A background thread with :data:`BACKGROUND_SLEEP_WAIT` on never yields."""
+    if BACKGROUND_SLEEP_WAIT and threading.current_thread() is not threading.main_thread():
+        return BACKGROUND_SPIN_S, BACKGROUND_SPIN_S, BACKGROUND_NAP_S
+    return 1e-4, 1e-2, 5e-4
 
 
 class MPICommunicator:
@@ -146,20 +175,20 @@ class MPICommunicator:
 
     # waiting ------------------------------------------------------------------------------------
     def _wait(self, req: Any, what: str, status: Any = None) -> None:
-        """Poll ``req`` until done or the deadline: spin 100 us (as MPICH's blocking waits spin: a
-        pipeline's next message is usually that close), then yield the core until 10 ms (fair when
-        ranks oversubscribe cores), then sleep 0.5 ms between polls."""
+        """Poll ``req`` until done or the deadline, as :func:`_wait_policy` says (rule 9): spin,
+        yield the core, then sleep between polls."""
         if req.Test(status):  # the common case on a busy pipeline: already there
             return
+        spin, yield_until, nap = _wait_policy()
         clock = time.perf_counter
         start = clock()
         deadline = start + self.timeout_s
         while not req.Test(status):
             now = clock()
             waited = now - start
-            if waited < 1e-4:
+            if waited < spin:
                 continue
-            if waited < 1e-2:
+            if waited < yield_until:
                 os.sched_yield()
                 continue
             if now > deadline:
@@ -169,7 +198,7 @@ class MPICommunicator:
                     pass
                 raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
                                 f"raise ${TIMEOUT_ENV} for slow steps)")
-            time.sleep(0.0005)
+            time.sleep(nap)
 
     def _enter(self, op: str, detail: str) -> str:
         self.current_op = f"{op} {detail}"
