@@ -38,6 +38,7 @@ from typing import Any
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .threads import parallel_elements
+from .transpose_tiles import schedule_strided_transpose
 from .vector import const_extent, vector_lanes
 
 PARALLEL_MIN = 16384
@@ -241,7 +242,8 @@ class Injective(CPUScheduleRule):
                         pass
             lanes = vector_lanes(target)
             for b in sch.get_child_blocks(root):
-                schedule_spatial_block(sch, b, lanes)
+                if not schedule_strided_transpose(sch, b, lanes):
+                    schedule_spatial_block(sch, b, lanes)
             return sch
         except Exception:  # a shape this rule does not handle: leave it unscheduled
             return None
