@@ -28,6 +28,10 @@ runs one loop per input (:data:`SPLIT_CONCAT`, :func:`schedule_concat_block`): i
 input is known and the copy is a plain vector load/store. Before, TOPI's chain of
 ``if_then_else`` on the channel index was vectorised as a select of every input's load per
 vector.
+
+An axis permutation whose output-innermost axis is strided in its source (a training step's conv
+weight OIHW -> HWIO, recomputed every step) walks the source rows in order instead
+(:mod:`.transpose_tiles`, tried before the default order).
 """
 
 from __future__ import annotations

@@ -10,14 +10,20 @@ at build time; in training the weights change every step, so each step runs them
 cost does not shrink with the batch (issue 16: a data rank's batch-8 step against half the
 batch-16 step).
 
-Rule (:func:`schedule_strided_transpose`): split the output-innermost axis by the vector width;
-loops = its outer part, then the other output axes in their *source* order, then the vector
-part (vectorised). Each vector lane then walks its source row sequentially and every store
-writes whole vectors. The default injective order (output order, innermost vectorised) made
-every vector a gather of ``lanes`` loads ``stride`` apart and walked the source ``H*W`` times
-over (resnet-18's ``(512, 512, 3, 3)`` transpose, 1 thread: 5.7 ms a call, measured in the
-batch-8 training step). The outer part is the parallel loop when the block is large enough
-(``threads.parallel_elements``). Off (:data:`TILE_STRIDED_TRANSPOSE`): the default order.
+Rule (:func:`schedule_strided_transpose`): split the output-innermost axis by the vector width and
+the output's second-innermost axis by :data:`ROW_TILE` (when it divides it and is larger); loops =
+the vector columns' outer part, the row tiles' outer part, the other output axes in their *source*
+order, the rows of a tile, the vector (vectorised). A tile (``lanes`` x ``ROW_TILE`` x the axes
+between, 16 x 16 x 3 x 3 floats for a 3x3 conv weight on AVX-512) reads ``lanes`` source rows of
+``ROW_TILE * 9`` contiguous floats each once (9 KiB, in L1 while the tile's ``3 x 3`` taps are
+written) and writes whole vectors. The default injective order (output order, innermost
+vectorised) makes every vector a gather of ``lanes`` loads ``I*H*W`` floats apart and walks the
+whole source once per tap (by analysis, not measured apart). The vector columns' loop is the
+parallel loop when the block is large enough (``threads.parallel_elements``). Measured (1 thread,
+thread CPU, load ~5.7, 15 interleaved calls): ``(512, 512, 3, 3) -> (3, 3, 512, 512)`` 2.78 ms
+against 6.13 ms off; with the two taps reversed (the data gradient's flipped weight) 2.05 against
+5.70 ms. Inference builds are unchanged (conv weights are folded constants there: the rule fires
+on no function of resnet-18). Off (:data:`TILE_STRIDED_TRANSPOSE`): the default order.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from .threads import parallel_elements
 #: an axis permutation whose output-innermost axis is strided in the source walks the source
 #: rows in order (:func:`schedule_strided_transpose`); off: the injective rule's output order
 TILE_STRIDED_TRANSPOSE = True
+#: elements: as ``injective.PARALLEL_MIN`` (below it a parallel loop costs more than it saves)
 PARALLEL_MIN = 16384
+#: rows (the output's second-innermost axis) per tile: ``lanes`` x ROW_TILE source rows stay in L1
 ROW_TILE = 16
 
 
@@ -41,7 +49,8 @@ def _source_axes(sch: Any, block: Any) -> list[int] | None:
 
     stmt = sch.get(block)
     body = stmt.body
-    if not isinstance(body, tirx.stmt.BufferStore) or not hasattr(body.value, "indices"):  # a load (TensorLoad)
+    # the stored value a load (TVM 0.27 names its class TensorLoad)
+    if not isinstance(body, tirx.stmt.BufferStore) or not hasattr(body.value, "indices"):
         return None
     ivars = [iv.var for iv in stmt.iter_vars]
     if len(body.indices) != len(ivars) or not all(i.same_as(v) for i, v in zip(body.indices, ivars)):
@@ -49,8 +58,9 @@ def _source_axes(sch: Any, block: Any) -> list[int] | None:
     axis_of: dict[int, int] = {}
     for axis, idx in enumerate(body.value.indices):
         used = [k for k, v in enumerate(ivars) if any(u.same_as(v) for u in undefined_vars(idx))]
-        plain = isinstance(idx, tirx.expr.Var) or (isinstance(idx, tirx.expr.Sub) and isinstance(idx.a, tirx.expr.IntImm)
-                                                   and isinstance(idx.b, tirx.expr.Var))
+        E = tirx.expr
+        plain = isinstance(idx, E.Var) or (isinstance(idx, E.Sub) and isinstance(idx.a, E.IntImm)
+                                           and isinstance(idx.b, E.Var))
         if len(used) != 1 or not plain or used[0] in axis_of:
             return None
         axis_of[used[0]] = axis
