@@ -64,3 +64,10 @@ def test_contiguous_innermost_is_left_alone() -> None:
     """The source's innermost axis stays innermost: the default order already reads rows."""
     ext = _loop_extents(build_and_compare(_transpose([32, 64, 3, 64], [1, 0, 2, 3])))
     assert ext[-1] == LANES and ext[0] != 64 // LANES
+
+
+def test_short_source_stride_is_left_alone() -> None:
+    """(I, O, 3, 3) -> (3, 3, I, O) with the taps reversed: the output-innermost axis is 9 floats
+    apart in the source, under a cache line (MIN_SOURCE_STRIDE), where the default order was faster."""
+    ext = _loop_extents(build_and_compare(_transpose([32, 64, 3, 3], [2, 3, 0, 1], flip=True)))
+    assert ext[-1] == LANES and ext[0] != 64 // LANES

@@ -23,7 +23,13 @@ parallel loop when the block is large enough (``threads.parallel_elements``). Me
 thread CPU, load ~5.7, 15 interleaved calls): ``(512, 512, 3, 3) -> (3, 3, 512, 512)`` 2.78 ms
 against 6.13 ms off; with the two taps reversed (the data gradient's flipped weight) 2.05 against
 5.70 ms. Inference builds are unchanged (conv weights are folded constants there: the rule fires
-on no function of resnet-18). Off (:data:`TILE_STRIDED_TRANSPOSE`): the default order.
+on no function of resnet-18). Only from a source stride of :data:`MIN_SOURCE_STRIDE` elements:
+below a cache line the default order's lanes share lines (the data gradient's fused ``(I, O, 3,
+3) -> (3, 3, I, O)`` with its taps reversed, stride 9: 2.2-2.5 ms tiled against 1.8-1.9 ms).
+Also caught, and not better: a batch's NHWC -> NCHW activation transpose, ``(16, 32, 32, 64)``,
+stride 64: 1.23-1.61 ms tiled against 1.12-1.36 ms (two interleaved runs, load 3.3-3.7); the
+training step measured whole and paired is faster at both batches (docs/per_device_speed.md,
+"Session 12"). Off (:data:`TILE_STRIDED_TRANSPOSE`): the default order.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from .threads import parallel_elements
 TILE_STRIDED_TRANSPOSE = True
 #: elements: as ``injective.PARALLEL_MIN`` (below it a parallel loop costs more than it saves)
 PARALLEL_MIN = 16384
+#: the source stride (elements) of the output-innermost axis from which the rule applies (one
+#: cache line of float32; see the module docstring)
+MIN_SOURCE_STRIDE = 16
 #: rows (the output's second-innermost axis) per tile: ``lanes`` x ROW_TILE source rows stay in L1
 ROW_TILE = 16
 
@@ -69,6 +78,16 @@ def _source_axes(sch: Any, block: Any) -> list[int] | None:
     return [axis_of[k] for k in range(len(ivars))]
 
 
+def _source_stride(sch: Any, block: Any, axis: int) -> int:
+    """Elements between neighbours of the source's ``axis`` (its row-major stride; 0 if not constant)."""
+    stride = 1
+    for e in sch.get(block).body.value.source.shape[axis + 1:]:  # the loaded buffer (TVM 0.27: source)
+        if not hasattr(e, "value"):
+            return 0
+        stride *= int(e.value)
+    return stride
+
+
 def schedule_strided_transpose(sch: Any, block: Any, lanes: int, parallel: bool = True) -> bool:
     """Apply the module's rule to ``block`` (in place); False (nothing changed) when it does not fit."""
     from .vector import const_extent
@@ -81,6 +100,8 @@ def schedule_strided_transpose(sch: Any, block: Any, lanes: int, parallel: bool 
         return False
     exts = [const_extent(sch, lp) for lp in loops]
     if any(e is None for e in exts) or exts[-1] % lanes:
+        return False
+    if _source_stride(sch, block, src[-1]) < MIN_SOURCE_STRIDE:
         return False
     o, v = sch.split(loops[-1], factors=[None, lanes])
     rest = sorted(range(len(loops) - 1), key=lambda k: src[k])
