@@ -1,5 +1,5 @@
 """An axis permutation whose output-innermost axis is strided in its source (a training step's
-conv weight OIHW -> HWIO transpose, and its flipped twin for the data gradient) runs tiled: the
+conv weight OIHW -> HWIO transpose, also with its taps reversed) runs tiled: the
 outer part of the output-innermost axis outermost, the other axes in source order, one row tile
 and the vector innermost (backends/tvm/schedules/transpose_tiles.py, knob
 ``TILE_STRIDED_TRANSPOSE``). Every build matches ONNX Runtime (rtol 1e-4, atol 1e-5, seeded

@@ -5,7 +5,7 @@ index is one block variable ``v`` or ``c - v``: a transpose, optionally with a r
 strided slice folded in), where the output's innermost axis is *not* the source's innermost one
 and its extent is a multiple of the vector width. The case that matters: a training step's
 per-step weight layout changes, a conv weight OIHW -> HWIO (``(512, 512, 3, 3) -> (3, 3, 512,
-512)``) and its flipped transpose for the data gradient. In inference these are constants folded
+512)``). In inference these are constants folded
 at build time; in training the weights change every step, so each step runs them, and their
 cost does not shrink with the batch (issue 16: a data rank's batch-8 step against half the
 batch-16 step).
@@ -21,7 +21,7 @@ vectorised) makes every vector a gather of ``lanes`` loads ``I*H*W`` floats apar
 whole source once per tap (by analysis, not measured apart). The vector columns' loop is the
 parallel loop when the block is large enough (``threads.parallel_elements``). Measured (1 thread,
 thread CPU, load ~5.7, 15 interleaved calls): ``(512, 512, 3, 3) -> (3, 3, 512, 512)`` 2.78 ms
-against 6.13 ms off; with the two taps reversed (the data gradient's flipped weight) 2.05 against
+against 6.13 ms off; with its taps reversed as well 2.05 against
 5.70 ms. Inference builds are unchanged (conv weights are folded constants there: the rule fires
 on no function of resnet-18). Only from a source stride of :data:`MIN_SOURCE_STRIDE` elements:
 below a cache line the default order's lanes share lines (the data gradient's fused ``(I, O, 3,
