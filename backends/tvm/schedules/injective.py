@@ -28,6 +28,10 @@ runs one loop per input (:data:`SPLIT_CONCAT`, :func:`schedule_concat_block`): i
 input is known and the copy is a plain vector load/store. Before, TOPI's chain of
 ``if_then_else`` on the channel index was vectorised as a select of every input's load per
 vector.
+
+An axis permutation whose output-innermost axis is strided in its source (a training step's conv
+weight OIHW -> HWIO, recomputed every step) walks the source rows in order instead
+(:mod:`.transpose_tiles`, tried before the default order).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .threads import parallel_elements
+from .transpose_tiles import schedule_strided_transpose
 from .vector import const_extent, vector_lanes
 
 PARALLEL_MIN = 16384
@@ -241,7 +246,8 @@ class Injective(CPUScheduleRule):
                         pass
             lanes = vector_lanes(target)
             for b in sch.get_child_blocks(root):
-                schedule_spatial_block(sch, b, lanes)
+                if not schedule_strided_transpose(sch, b, lanes):
+                    schedule_spatial_block(sch, b, lanes)
             return sch
         except Exception:  # a shape this rule does not handle: leave it unscheduled
             return None

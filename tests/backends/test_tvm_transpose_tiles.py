@@ -1,0 +1,73 @@
+"""An axis permutation whose output-innermost axis is strided in its source (a training step's
+conv weight OIHW -> HWIO transpose, also with its taps reversed) runs tiled: the
+outer part of the output-innermost axis outermost, the other axes in source order, one row tile
+and the vector innermost (backends/tvm/schedules/transpose_tiles.py, knob
+``TILE_STRIDED_TRANSPOSE``). Every build matches ONNX Runtime (rtol 1e-4, atol 1e-5, seeded
+input); with the knob off the loops keep the output's order (so the structural check fails)."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper
+
+from backends.tvm.schedules import transpose_tiles as TT
+from backends.tvm.schedules.vector import vector_lanes
+from backends.tvm.target import detect_host_target
+from tvm_build_check import build_and_compare
+
+
+def _transpose(shape: list[int], perm: list[int], flip: bool = False) -> onnx.ModelProto:
+    """Transpose ``perm`` of x, optionally followed by a Slice reversing the first two output axes."""
+    out = [shape[p] for p in perm]
+    nodes = [helper.make_node("Transpose", ["x"], ["t" if flip else "y"], perm=perm)]
+    inits = []
+    if flip:
+        nodes.append(helper.make_node("Slice", ["t", "st", "en", "ax", "sp"], ["y"]))
+        inits = [helper.make_tensor(n, TensorProto.INT64, [2], v)
+                 for n, v in (("st", [-1, -1]), ("en", [-2**62, -2**62]), ("ax", [0, 1]), ("sp", [-1, -1]))]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _loop_extents(mod: tvm.IRModule) -> list[int]:
+    """Extents of the loops around the (only) scheduled copy block, outermost first."""
+    from tvm import s_tir
+
+    funcs = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(funcs) == 1
+    sch = s_tir.Schedule(funcs[0])
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    assert len(blocks) == 1
+    return [int(sch.get(lp).extent) for lp in sch.get_loops(blocks[0])]
+
+
+LANES = vector_lanes(tvm.target.Target(detect_host_target()))
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["oihw-to-hwio", "flipped"])
+def test_weight_transpose_walks_source_rows(flip: bool) -> None:
+    ext = _loop_extents(build_and_compare(_transpose([64, 32, 3, 3], [2, 3, 1, 0], flip)))
+    # output (3, 3, 32, 64): 64 // lanes vector columns outermost, 32 // 16 row tiles, 3, 3, 16 rows, lanes
+    assert ext == [64 // LANES, 32 // TT.ROW_TILE, 3, 3, TT.ROW_TILE, LANES]
+
+
+def test_knob_off_keeps_the_output_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TT, "TILE_STRIDED_TRANSPOSE", False)
+    ext = _loop_extents(build_and_compare(_transpose([64, 32, 3, 3], [2, 3, 1, 0])))
+    assert ext[0] != 64 // LANES and ext[-1] == LANES  # the default: output order, vector innermost
+
+
+def test_contiguous_innermost_is_left_alone() -> None:
+    """The source's innermost axis stays innermost: the default order already reads rows."""
+    ext = _loop_extents(build_and_compare(_transpose([32, 64, 3, 64], [1, 0, 2, 3])))
+    assert ext[-1] == LANES and ext[0] != 64 // LANES
+
+
+def test_short_source_stride_is_left_alone() -> None:
+    """(I, O, 3, 3) -> (3, 3, I, O) with the taps reversed: the output-innermost axis is 9 floats
+    apart in the source, under a cache line (MIN_SOURCE_STRIDE), where the default order was faster."""
+    ext = _loop_extents(build_and_compare(_transpose([32, 64, 3, 3], [2, 3, 0, 1], flip=True)))
+    assert ext[-1] == LANES and ext[0] != 64 // LANES
