@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -100,8 +101,9 @@ COST_MODEL = "cost model"
 MEASURED = "measured (onnxruntime per-node profile)"
 CUT_TAG = 25000
 PROFILE_VERSION = 2  # part of the cache key: bump when the measurement or its aggregation changes
-#: rule 8 on (module constant; off: TVM plans cut on rule 3's ORT prices as they are)
-TVM_STAGE_SCALED = True
+#: rule 8 on (module constant; off: TVM plans cut on rule 3's ORT prices as they are); the
+#: environment's ``PARTITIONER_TRAIN_TVM_STAGE_SCALED=0`` turns it off, in MPI ranks too
+TVM_STAGE_SCALED = os.environ.get("PARTITIONER_TRAIN_TVM_STAGE_SCALED", "1") != "0"
 TVM_ROUNDS = 3
 TVM_MIN_STEP_S = 0.05  # rule 8: the smallest step (ORT seconds) worth timing the TVM stages for
 
