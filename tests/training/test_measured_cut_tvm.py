@@ -43,6 +43,7 @@ def _fake_times(calls: list, slow: float):
 def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
     monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)  # off by default (rule 8's note)
     calls: list = []
     monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
     fwd = _load(_model(), 2)
@@ -62,6 +63,7 @@ def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
 
 def test_small_steps_and_ort_plans_are_not_rescaled(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)
     calls: list = []
     monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
     fwd = _load(_model(), 2)
@@ -80,6 +82,7 @@ def test_tvm_stage_times_run_the_stages(monkeypatch, tmp_path) -> None:
 
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
     monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)
     timed: list = []
     real = measured_cut.tvm_stage_times
     monkeypatch.setattr(measured_cut, "tvm_stage_times", lambda *a: timed.append(real(*a)) or timed[-1])
