@@ -280,7 +280,8 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     if len(nodes) < stages:
         raise UsageError(f"pipeline: the model has {len(nodes)} nodes, fewer than {stages} stages")
     whole = _load(model, batch) if _defers(memory_limit, micro_batches) and backend == "onnxruntime" else None
-    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches)
+    seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches,
+                                  stages if memory_limit is None else 0)  # measured_cut rule 8
     defer = False
     if seconds is not None and seconds.ndim == 2:  # rule 10: measured_cut rule 7's rows
         (ends, defer), recompute = deferred_cut(fwd.graph, stages, micro_batches, seconds), False

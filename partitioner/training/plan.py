@@ -75,7 +75,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         from partitioner.training.pipeline import _defers, deferred_cut
 
         whole = _load(model, batch) if _defers(memory_limit, m) and be == "onnxruntime" else None  # measured_cut rule 7
-        seconds = node_seconds(fwd, loss, be, whole, m)
+        seconds = node_seconds(fwd, loss, be, whole, m, devices if memory_limit is None else 0)
         if seconds is not None and seconds.ndim == 2:  # pipeline rule 10 decides the cut
             (ends, defers), recompute = deferred_cut(graph, devices, m, seconds), False
             if defers:  # cost rule 9: the last stage's weight gradients once, at the whole batch

@@ -1,0 +1,92 @@
+"""Measured-cut rule 8: TVM plans' ORT prices rescaled per stage by the TVM stages' own times.
+
+The rescaling is checked on hand-worked prices; the cut it gives is checked with the TVM stage
+timer replaced by fixed times (no timing in the assertion: a stage reported 3x slower than its
+ORT prices must lose nodes to the other); the real timer runs once on a small mlp (slow), and
+the plan it cuts trains like one rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import models_zoo
+from partitioner.training import SGD
+from partitioner.training import measured_cut
+from partitioner.training.pipeline import build_pipeline, stage_ends
+from partitioner.training.step import _load
+
+
+def test_rescaled_scales_each_stage_by_its_time() -> None:
+    t = np.array([1.0, 1.0, 2.0, 2.0, 4.0])
+    # stage 0 = nodes 0-1 (prices 2 s, measured 6 s: x3), stage 1 = nodes 2-4 (8 s, measured 2 s: x1/4)
+    np.testing.assert_allclose(measured_cut.rescaled(t, [1, 4], [6.0, 2.0]), [3.0, 3.0, 0.5, 0.5, 1.0])
+    assert measured_cut.rescaled(t, [1, 4], [6.0, 0.0]) is None  # no time: nothing to scale by
+
+
+def _model():
+    return models_zoo.build("mlp", batch=8, hidden=32, layers=6, in_features=16)
+
+
+def _fake_times(calls: list, slow: float):
+    """A TVM stage timer that reports stage 0 at ``slow`` x its ORT prices, the rest at 1x."""
+    def times(fwd, loss, stages, micro_batches):
+        t = measured_cut._ort_node_seconds(fwd, loss, "tvm", None, micro_batches)
+        ends = stage_ends(fwd.graph, stages, seconds=t)
+        starts = [0] + [e + 1 for e in ends[:-1]]
+        calls.append(ends)
+        return [float(t[a:b + 1].sum()) * (slow if s == 0 else 1.0) for s, (a, b) in enumerate(zip(starts, ends))]
+    return times
+
+
+def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)  # off by default (rule 8's note)
+    calls: list = []
+    monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
+    fwd = _load(_model(), 2)
+    ort = measured_cut.node_seconds(fwd, "cross_entropy", "onnxruntime", None, 4)
+    scaled = measured_cut.node_seconds(fwd, "cross_entropy", "tvm", None, 4, stages=2)
+    assert calls and calls[0] == stage_ends(fwd.graph, 2, seconds=ort)  # timed on rule 1's cut
+    first, moved = stage_ends(fwd.graph, 2, seconds=ort)[0], stage_ends(fwd.graph, 2, seconds=scaled)[0]
+    assert moved < first  # the slow first stage gives nodes away
+    # the plan takes it: fewer weights in stage 0 than with rule 8 off
+    kw = {"batch": 8, "stages": 2, "micro_batches": 4, "backend": "tvm"}
+    on = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), **kw)
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", False)
+    off = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), **kw)
+    assert len(on.stages[0].weights) < len(off.stages[0].weights)
+    assert len(calls) == 1  # rule 6: measured once, then read from the cache
+
+
+def test_small_steps_and_ort_plans_are_not_rescaled(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)
+    calls: list = []
+    monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
+    fwd = _load(_model(), 2)
+    ort = measured_cut.node_seconds(fwd, "cross_entropy", "onnxruntime", None, 4, stages=2)
+    assert ort.sum() * 4 < measured_cut.TVM_MIN_STEP_S  # this model's step is below the threshold
+    np.testing.assert_array_equal(measured_cut.node_seconds(fwd, "cross_entropy", "tvm", None, 4, stages=2), ort)
+    assert not calls
+
+
+@pytest.mark.slow
+def test_tvm_stage_times_run_the_stages(monkeypatch, tmp_path) -> None:
+    """The real timer on the conv net of test_pipeline_hoist: its 2-stage TVM plan is cut on
+    rule 8's prices (one cache entry, one positive CPU time per stage) and trains like one rank
+    (TVM stages against a 1-rank ONNX Runtime step, 4 SGD steps, rtol 1e-4, atol 1e-5)."""
+    from tests.training.test_pipeline_hoist import conv_pipeline_case, trains_like_one_rank
+
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)
+    timed: list = []
+    real = measured_cut.tvm_stage_times
+    monkeypatch.setattr(measured_cut, "tvm_stage_times", lambda *a: timed.append(real(*a)) or timed[-1])
+    plan, batches, one, runners = conv_pipeline_case(tmp_path)
+    assert len(timed) == 1 and len(timed[0]) == 2 and all(t > 0 for t in timed[0])
+    assert len(list(tmp_path.glob("*-tvm2x4.npy"))) == 1
+    trains_like_one_rank(runners, batches, one)
