@@ -7,30 +7,14 @@ the knob off TOPI's whole padded copy (``pad_temp``) comes back, so the structur
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
 import pytest
 import tvm
-from onnx import TensorProto, helper, numpy_helper
 from tvm import s_tir
 
 from backends.tvm.schedules import contraction as C
 from backends.tvm.schedules import threads
+from test_tvm_pad_per_image import conv3x3_relu
 from tvm_build_check import build_and_compare
-
-
-def _conv(batch: int, ci: int, co: int, hw: int, stride: int) -> onnx.ModelProto:
-    """Conv 3x3 (padded 1) + bias + ReLU on ``[batch, ci, hw, hw]``."""
-    rng = np.random.default_rng(batch * 1000 + ci * 10 + co + stride)
-    w = (rng.standard_normal((co, ci, 3, 3)) * np.sqrt(2.0 / (ci * 9))).astype(np.float32)
-    b = (rng.standard_normal(co) * 0.1).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1] * 4,
-                              strides=[stride, stride]),
-             helper.make_node("Relu", ["c"], ["y"])]
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, ci, hw, hw])
-    g = helper.make_graph(nodes, "conv", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 def _conv_func(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
@@ -56,7 +40,7 @@ SHAPES = [(16, 16, 40, 1), (16, 32, 80, 2)]  # ci, co, map, stride: 5 column til
 @pytest.mark.parametrize("ci,co,hw,stride", SHAPES, ids=["stride1", "stride2"])
 def test_batch1_reads_the_input_directly(ci: int, co: int, hw: int, stride: int) -> None:
     with threads.building_for(1):
-        f = _conv_func(build_and_compare(_conv(1, ci, co, hw, stride)))
+        f = _conv_func(build_and_compare(conv3x3_relu(1, ci, co, hw, stride)))
     assert 'sblock("pad_temp")' not in f.script(), "the whole padded input is still copied"
     checked = _checked_updates(f)
     # 3 row ranges x 3 column ranges (row-major): the top-left tile keeps its checks, the interior
@@ -66,14 +50,14 @@ def test_batch1_reads_the_input_directly(ci: int, co: int, hw: int, stride: int)
 
 @pytest.mark.parametrize("ci,co,hw,stride", SHAPES, ids=["stride1", "stride2"])
 def test_batch8_matches_ort(ci: int, co: int, hw: int, stride: int) -> None:
-    build_and_compare(_conv(8, ci, co, hw, stride))
+    build_and_compare(conv3x3_relu(8, ci, co, hw, stride))
 
 
 def test_parallel_build_splits_columns_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(threads.ENV, raising=False)
     threads.set_parallel_min_flops(0.0)
     try:
-        f = _conv_func(build_and_compare(_conv(1, 16, 16, 40, 1)))
+        f = _conv_func(build_and_compare(conv3x3_relu(1, 16, 16, 40, 1)))
     finally:
         threads.set_parallel_min_flops(None)
     assert 'sblock("pad_temp")' not in f.script()
@@ -83,7 +67,7 @@ def test_parallel_build_splits_columns_only(monkeypatch: pytest.MonkeyPatch) -> 
 def test_knob_off_copies_the_padded_input(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(C, "SPLIT_PAD_BORDER", False)
     with threads.building_for(1):
-        f = _conv_func(build_and_compare(_conv(1, 16, 16, 40, 1)))
+        f = _conv_func(build_and_compare(conv3x3_relu(1, 16, 16, 40, 1)))
     assert 'sblock("pad_temp")' in f.script()
 
 
@@ -91,5 +75,5 @@ def test_narrow_maps_keep_the_copy() -> None:
     """32x32 output: 4 column tiles of 8 (under SPLIT_PAD_MIN_TILES), half of them border tiles."""
     assert 32 // 8 < C.SPLIT_PAD_MIN_TILES
     with threads.building_for(1):
-        f = _conv_func(build_and_compare(_conv(1, 16, 16, 32, 1)))
+        f = _conv_func(build_and_compare(conv3x3_relu(1, 16, 16, 32, 1)))
     assert 'sblock("pad_temp")' in f.script()

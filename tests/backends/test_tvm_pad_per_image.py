@@ -17,8 +17,9 @@ from backends.tvm.schedules import contraction as C
 from tvm_build_check import build_and_compare
 
 
-def _conv(batch: int, ci: int, co: int, hw: int, stride: int = 1) -> onnx.ModelProto:
-    """Conv 3x3 (padded 1) + bias + ReLU on ``[batch, ci, hw, hw]``."""
+def conv3x3_relu(batch: int, ci: int, co: int, hw: int, stride: int = 1) -> onnx.ModelProto:
+    """Conv 3x3 (padded 1) + bias + ReLU on ``[batch, ci, hw, hw]``, seeded random weights (also
+    used by test_tvm_conv_pad_border)."""
     rng = np.random.default_rng(batch * 100 + ci + co)
     w = (rng.standard_normal((co, ci, 3, 3)) * np.sqrt(2.0 / (ci * 9))).astype(np.float32)
     b = (rng.standard_normal(co) * 0.1).astype(np.float32)
@@ -49,16 +50,16 @@ def _pad_inside_image_loop(mod: tvm.IRModule) -> bool:
 @pytest.mark.parametrize("batch,ci,co,hw,stride", [(8, 16, 16, 12, 1), (4, 32, 64, 10, 1), (6, 16, 32, 9, 2)],
                          ids=["unet-like-b8", "b4-64ch", "stride2-odd"])
 def test_pad_is_copied_per_image(batch: int, ci: int, co: int, hw: int, stride: int) -> None:
-    assert _pad_inside_image_loop(build_and_compare(_conv(batch, ci, co, hw, stride)))
+    assert _pad_inside_image_loop(build_and_compare(conv3x3_relu(batch, ci, co, hw, stride)))
 
 
 def test_knob_off_pads_the_whole_batch_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(C, "PAD_PER_IMAGE", False)
-    assert not _pad_inside_image_loop(build_and_compare(_conv(8, 16, 16, 12)))
+    assert not _pad_inside_image_loop(build_and_compare(conv3x3_relu(8, 16, 16, 12)))
 
 
 def test_small_batches_and_large_weights_keep_one_pass() -> None:
     """Below PAD_PER_IMAGE_MIN_BATCH the images are too few to be the parallel loop; weights over
     PAD_PER_IMAGE_MAX_WEIGHT_BYTES (3x3 256 -> 256: 2.25 MiB) would be read again per image."""
-    assert not _pad_inside_image_loop(build_and_compare(_conv(2, 16, 16, 12)))
-    assert not _pad_inside_image_loop(build_and_compare(_conv(4, 256, 256, 4)))
+    assert not _pad_inside_image_loop(build_and_compare(conv3x3_relu(2, 16, 16, 12)))
+    assert not _pad_inside_image_loop(build_and_compare(conv3x3_relu(4, 256, 256, 4)))

@@ -6,20 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("train_step_script", ROOT / "benchmarks" / "train_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from .test_train_step_script import _script
 
 
 def test_repredict_recorded_gives_back_the_runs_prediction_and_writes_records(tmp_path, monkeypatch) -> None:
