@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import onnx_ir as ir
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.cluster import cpu_cluster
 from partitioner.cost import training as ct
 from partitioner.training import SGD, build_training_graph
+from tests.training.test_training_cost import _two_convs
 
 B, C, HW = 4, 32, 16
 CONV_FLOPS = 2 * B * C * C * 9 * HW * HW  # one 3x3 conv of C -> C channels on HW x HW maps, batch B
@@ -24,15 +24,7 @@ W_BYTES = C * C * 9 * 4
 def _two_conv_step() -> ir.Model:
     """x -> Conv(w1) -> Conv(w2) -> y, MSE, SGD: conv1's input is data (no input gradient), conv2's
     input gradient is a stride-1 ConvTranspose of w2 (TVM runs it as a Conv of the flipped w2)."""
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((C, C, 3, 3)) * 0.1).astype(np.float32), n)
-             for n in ("w1", "w2")]
-    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], name="conv1", pads=[1, 1, 1, 1]),
-             helper.make_node("Conv", ["h", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
-    g = helper.make_graph(nodes, "two_convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, C, HW, HW])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, C, HW, HW])], inits)
-    step = build_training_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), loss="mse",
-                                optimizer=SGD(lr=0.1))
+    step = build_training_graph(_two_convs(B, C, HW), loss="mse", optimizer=SGD(lr=0.1))
     return step if isinstance(step, ir.Model) else ir.serde.deserialize_model(step)
 
 
