@@ -59,3 +59,36 @@ def test_serial_share_summed_apart() -> None:
     assert res["serial_t1_s"] == 2.0
     assert res["kernels"]["b"]["serial"] and not res["kernels"]["a"]["serial"]
     assert not ts.summarise(per, {}, 50.0)["serial_t1_s"]  # no serial set: nothing counted
+
+
+def _matmul_model() -> onnx.ModelProto:
+    w = (np.random.default_rng(6).standard_normal((64, 48)) * 0.2).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                          "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          initializer=[numpy_helper.from_array(w, "w")])
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+@pytest.mark.parametrize("model", [_conv_model, _matmul_model], ids=["conv", "matmul"])
+def test_operand_bytes_is_the_weight_tensor(model) -> None:
+    """The weight-side operand of the scheduled conv / MatMul kernel is the ONNX initializer's size
+    (float32), whatever layout the schedule packed it into; kernels without a reduction give 0."""
+    m = model()
+    weight_bytes = 4 * int(np.prod(m.graph.initializer[0].dims))
+    mod = run_pipeline(lower_program(m).mod, "scheduled", tvm.target.Target(detect_host_target()))
+    ts = _thread_scaling()
+    sizes = {gv.name_hint: ts.operand_bytes(f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    kernels = {n: b for n, b in sizes.items() if ("conv2d" in n or "matmul" in n) and not n.endswith("_prepack")}
+    assert kernels and all(b == weight_bytes for b in kernels.values()), (weight_bytes, sizes)
+    assert all(b == 0 for n, b in sizes.items() if "transpose" in n), sizes
+
+
+def test_weight_rates_per_site_and_total() -> None:
+    ts = _thread_scaling()
+    per = {1: [[("a", 4.0), ("a", 4.0), ("b", 2.0)]], 2: [[("a", 2.0), ("a", 2.0), ("b", 2.0)]]}
+    res = ts.summarise(per, {"a": {"class": "conv", "b_bytes": 8}, "b": {"class": "depthwise"}}, 50.0)
+    a = res["kernels"]["a"]
+    assert a["calls"] == 2 and a["b_rate1"] == 16 / 8.0 and a["b_rate2"] == 16 / 4.0
+    assert res["kernels"]["b"]["b_rate1"] == 0
+    assert res["b_bytes"] == 16 and res["b_rate1"] == 16 / 10.0 and res["b_rate2"] == 16 / 6.0
