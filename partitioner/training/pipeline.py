@@ -25,11 +25,15 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
 5. Schedules: ``gpipe`` runs every micro-batch's ``F`` (fill), then every ``B`` in reverse
    (drain): ``M`` stashes in flight. ``1f1b`` runs ``S - s - 1`` warm-up forwards on stage ``s``,
    then alternates one forward and one backward, then drains: at most ``S - s`` stashes in flight.
-   The peak is recorded (``PipelineRunner.peak_stash``). With :data:`EXTRA_WARMUP` ``= e`` the
-   stages before the last run ``e`` more warm-up forwards (``S - s + e`` stashes): on 2 stages
-   stage 0's ``F(m)`` then waits for ``B(m-2-e)`` instead of ``B(m-2)``, so the last stage's
-   ``FB(m)`` no longer waits for a chain through both ranks and two messages when the stages
-   are balanced (for models where that chain, not the slower stage, sets the step).
+   The peak is recorded (``PipelineRunner.peak_stash``). With the plan's extra warm-up ``e``
+   (``PipelinePlan.extra_warmup``: :func:`extra_warmup` of its backend, 1 on ONNX Runtime and 0
+   on TVM by :data:`EXTRA_WARMUP_BY_BACKEND`) the stages before the last run ``e`` more warm-up
+   forwards (``S - s + e`` stashes): on 2 stages stage 0's ``F(m)`` then waits for ``B(m-2-e)``
+   instead of ``B(m-2)``, so the last stage's ``FB(m)`` no longer waits for a chain through both
+   ranks and two messages when the stages are balanced (for models where that chain, not the
+   slower stage, sets the step). The stage DP and the cost model count the same stashes
+   (:func:`in_flight`); under ``memory_limit`` the plan drops ``e`` before recompute
+   (:func:`warmup_cut`).
 6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
    ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
