@@ -51,7 +51,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    next state returned as new arrays while the old is alive, and the backend's own output
    buffers: ONNX Runtime's arena keeps the last call's outputs) + ``G`` + stashed activations
    (every forward value's bytes at the rank's batch, times the micro-batches in flight:
-   ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s, M)`` on stage ``s``). ``data`` adds
+   ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s + e, M)`` on stage ``s``, ``e`` the
+   plan's extra warm-up on the stages before the last, 0 on the last: pipeline rule 5, 1 on ONNX
+   Runtime plans, 0 on TVM's). ``data`` adds
    ``BUCKET_COPIES`` x the weights (each gradient bucket is concatenated, returned, copied into
    the MPI communicator's shared-memory slot, AllReduced into a new array and split: 5 copies
    between the program's segments); ``LIST_BUCKET_COPIES`` = 3 for ranks that AllReduce each
@@ -83,7 +85,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    - ``pipeline``: fill-drain over ``M`` micro-batches of per-stage (forward + backward) times
      with the activation and gradient sends between stages
      (:func:`partitioner.cost.pipeline.pipeline_step_time`), plus the slowest stage's update.
-     The stages are given (the runtime's cut, :func:`partitioner.training.pipeline.stage_ends`);
+     The stages are given (the runtime's cut, :func:`partitioner.training.pipeline.stage_ends`).
+     The extra warm-up (rule 3's ``e``) does not change it: the fill-drain formula already has
+     the slowest stage set the pace after the fill; the warm-up removes a wait through both ranks
+     and two messages that the formula never priced (pipeline rule 5);
    - ``tensor``: the Megatron pairs' nodes run 1/R of their work; every pair adds one AllReduce
      of its output forward and one of its input's gradient backward.
 5. Overlap: the gradients are cut into buckets of at most
@@ -715,10 +720,19 @@ def overlapped_backward(p: _Profile, devices: int, cluster: Any) -> float:
     return max(float(p.backward.sum()), end)
 
 
+def stashed_micro_batches(schedule: str, stages: int, m: int, extra_warmup: int = 0) -> list[int]:
+    """Rule 3's in-flight counts per stage: GPipe ``M``; 1F1B ``min(S - s + e, M)``, ``e`` the
+    extra warm-up on the stages before the last (pipeline rule 5; its runner's order keeps
+    exactly these many stashes at its peak)."""
+    return [m if schedule == "gpipe" else min(stages - s + (extra_warmup if s < stages - 1 else 0), m)
+            for s in range(stages)]
+
+
 def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
-             device: Any, recompute: bool = False) -> TrainingPrediction:
+             device: Any, recompute: bool = False, extra_warmup: int = 0) -> TrainingPrediction:
     """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last
-    node); rule 6 with ``recompute``."""
+    node); rule 6 with ``recompute``; rule 3's 1F1B stash counts with the plan's ``extra_warmup``
+    (pipeline rule 5: :func:`partitioner.training.pipeline.extra_warmup` for the backend)."""
     from partitioner.cost.comm import collective_time
     from partitioner.cost.ops import nbytes
     from partitioner.cost.pipeline import pipeline_step_time
@@ -740,7 +754,7 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     opt = [_optimizer_time(w, copies, device, p) + f for w, f in zip(ws, upd_fixed)]
     per_step = p.overheads.per_step_s if p.overheads is not None else 0.0
     step = pipeline_step_time(stage_t, sends, m) + tail + head + max(opt) + per_step
-    inflight = [m if schedule == "gpipe" else min(stages - s, m) for s in range(stages)]
+    inflight = stashed_micro_batches(schedule, stages, m, extra_warmup)
     inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
             else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]

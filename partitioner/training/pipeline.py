@@ -25,11 +25,15 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
 5. Schedules: ``gpipe`` runs every micro-batch's ``F`` (fill), then every ``B`` in reverse
    (drain): ``M`` stashes in flight. ``1f1b`` runs ``S - s - 1`` warm-up forwards on stage ``s``,
    then alternates one forward and one backward, then drains: at most ``S - s`` stashes in flight.
-   The peak is recorded (``PipelineRunner.peak_stash``). With :data:`EXTRA_WARMUP` ``= e`` the
-   stages before the last run ``e`` more warm-up forwards (``S - s + e`` stashes): on 2 stages
-   stage 0's ``F(m)`` then waits for ``B(m-2-e)`` instead of ``B(m-2)``, so the last stage's
-   ``FB(m)`` no longer waits for a chain through both ranks and two messages when the stages
-   are balanced (for models where that chain, not the slower stage, sets the step).
+   The peak is recorded (``PipelineRunner.peak_stash``). With the plan's extra warm-up ``e``
+   (``PipelinePlan.extra_warmup``: :func:`extra_warmup` of its backend, 1 on ONNX Runtime and 0
+   on TVM by :data:`EXTRA_WARMUP_BY_BACKEND`) the stages before the last run ``e`` more warm-up
+   forwards (``S - s + e`` stashes): on 2 stages stage 0's ``F(m)`` then waits for ``B(m-2-e)``
+   instead of ``B(m-2)``, so the last stage's ``FB(m)`` no longer waits for a chain through both
+   ranks and two messages when the stages are balanced (for models where that chain, not the
+   slower stage, sets the step). The stage DP and the cost model count the same stashes
+   (:func:`in_flight`); under ``memory_limit`` the plan drops ``e`` before recompute
+   (:func:`warmup_cut`).
 6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
    ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
@@ -86,11 +90,26 @@ from partitioner.training.step import STEP_OPSET, _checked_forward, _infer, _loa
 
 SCHEDULES = ("gpipe", "1f1b")
 TAG_BASE = 20000
-#: rule 5: 1F1B's stages before the last run this many more warm-up forwards (and stash as many more
-#: micro-batches). Off (0): the same step with free messages, and its paired MPI run (bert, load 10.6-11.1:
-#: 542.9 ms off against 608.9 on, rounds 509-674 ms) is noise (docs/training.md, session 12);
-#: ``PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP=1`` in MPI ranks too
-EXTRA_WARMUP = int(os.environ.get("PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP", "0"))
+#: rule 5: how many more warm-up forwards 1F1B's stages before the last run (and micro-batches they
+#: stash), per backend (:func:`extra_warmup`). ONNX Runtime 1: paired 2-rank MPI pipelines 1F1B x8
+#: (session 12, quiet, 3 rounds): bert 198.1 -> 182.8 ms and resnet 303.7 -> 278.1 ms, faster in each
+#: round; mlp 189.5 -> 193.7 (mixed rounds: noise). TVM 0: bert 162.7 -> 167.3 ms, slower in each
+#: round (why is not measured). A backend not listed gets 0 (the plain schedule)
+EXTRA_WARMUP_BY_BACKEND: dict[str, int] = {"onnxruntime": 1, "tvm": 0}
+#: ``PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP=N`` (in MPI ranks too) overrides the table for every backend,
+#: both ways (``=0`` turns it off on ONNX Runtime); None: the table decides
+_ENV_WARMUP = os.environ.get("PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP")
+EXTRA_WARMUP: int | None = int(_ENV_WARMUP) if _ENV_WARMUP not in (None, "") else None
+
+
+def extra_warmup(backend: str | None) -> int:
+    """Rule 5: the extra warm-up forwards a 1F1B plan for ``backend`` runs on its stages before
+    the last (``EXTRA_WARMUP`` when set, else ``EXTRA_WARMUP_BY_BACKEND``; ONNX Runtime when None,
+    as :func:`build_pipeline` defaults). The plan records it (``PipelinePlan.extra_warmup``): the
+    runner's order, the stage DP's in-flight counts and the cost model's stash all read it."""
+    if EXTRA_WARMUP is not None:
+        return max(int(EXTRA_WARMUP), 0)
+    return EXTRA_WARMUP_BY_BACKEND.get(backend or "onnxruntime", 0)
 
 
 @dataclass
@@ -146,6 +165,7 @@ class PipelinePlan:
     recompute: bool = False  # rule 8: stages but the last recompute their forward in B
     cut: str = "cost model"  # rule 1: which node costs the stage DP balanced
     parts: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # rule 11: split_cut.parts_of
+    extra_warmup: int = 0  # rule 5: 1F1B's extra warm-up forwards on the stages before the last
 
     @property
     def num_stages(self) -> int:
@@ -204,6 +224,26 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
     except StrategyNotApplicable as exc:
         raise UsageError(f"pipeline training on {stages} stages: {exc}") from None
     return ends, False
+
+
+def warmup_cut(graph: ir.Graph, stages: int, schedule: str, micro_batches: int, extra: int,
+               **cut: Any) -> tuple[list[int], bool, int]:
+    """Rules 1, 5 and 8: :func:`stage_cut` with the stages' in-flight counts, and the extra warm-up
+    the plan keeps. Under ``memory_limit`` the extra warm-up (one more stashed micro-batch on the
+    stages before the last) is kept only when a split fits with it without recompute; else it is
+    dropped before recompute or a refusal: it buys a message's latency, a recomputed forward per
+    micro-batch costs far more (the plan, the runner and the cost model then all use 0)."""
+    if extra and cut.get("memory_limit") is not None:
+        try:
+            ends, recompute = stage_cut(graph, stages, in_flight=in_flight(schedule, stages, micro_batches, extra),
+                                        **cut)
+            if not recompute:
+                return ends, False, extra
+        except UsageError:
+            pass
+        extra = 0
+    ends, recompute = stage_cut(graph, stages, in_flight=in_flight(schedule, stages, micro_batches, extra), **cut)
+    return ends, recompute, extra
 
 
 def _memory_split(graph: ir.Graph, flops: np.ndarray, send: np.ndarray, stages: int, limit: float, copies: int,
@@ -282,12 +322,12 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     whole = _load(model, batch) if _defers(memory_limit, micro_batches) and backend == "onnxruntime" else None
     seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches,
                                   stages if memory_limit is None else 0)  # measured_cut rule 8
-    defer = False
+    defer, extra = False, extra_warmup(backend) if schedule == "1f1b" else 0
     if seconds is not None and seconds.ndim == 2:  # rule 10: measured_cut rule 7's rows
         (ends, defer), recompute = deferred_cut(fwd.graph, stages, micro_batches, seconds), False
     else:
-        ends, recompute = stage_cut(fwd.graph, stages, memory_limit=memory_limit, state_copies=len(optimizer.slots),
-                                    in_flight=in_flight(schedule, stages, micro_batches), seconds=seconds)
+        ends, recompute, extra = warmup_cut(fwd.graph, stages, schedule, micro_batches, extra, seconds=seconds,
+                                            memory_limit=memory_limit, state_copies=len(optimizer.slots))
     split = _balancing_split(fwd.graph, ends, seconds, names, recompute, memory_limit, micro_batches)
     if split is not None:  # rule 11
         fwd, ends = split_cut.apply(fwd, split), split_cut.shifted(ends, split)
@@ -315,7 +355,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
         out_stages.append(stage)
     return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
                         recompute, MEASURED if seconds is not None else COST_MODEL,
-                        split_cut.parts_of(fwd, split) if split is not None else {})
+                        split_cut.parts_of(fwd, split) if split is not None else {}, extra)
 
 
 def _balancing_split(graph: ir.Graph, ends: list[int], seconds: np.ndarray | None, names: list[str],
@@ -594,20 +634,24 @@ def _update_program(name: str, optimizer: Optimizer, weights: list[str], initial
     return ir.serde.serialize_model(_infer(ir.Model(graph, ir_version=8)))
 
 
-def in_flight(schedule: str, stages: int, micro_batches: int) -> list[int]:
-    """Rule 5: the most micro-batches each stage stashes at once."""
-    return [micro_batches if schedule == "gpipe" else min(stages - s + (EXTRA_WARMUP if s < stages - 1 else 0),
-                                                          micro_batches) for s in range(stages)]
+def in_flight(schedule: str, stages: int, micro_batches: int, extra: int = 0) -> list[int]:
+    """Rule 5: the most micro-batches each stage stashes at once (``extra``: the plan's
+    :func:`extra_warmup`, on the stages before the last): the cost model's count, cost rule 3."""
+    from partitioner.cost.training import stashed_micro_batches
+
+    return stashed_micro_batches(schedule, stages, micro_batches, extra)
 
 
-def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """Rule 5: the stage's ``("F", m)`` / ``("B", m)`` order (the last stage: ``("FB", m)``)."""
+def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int,
+                   extra: int = 0) -> list[tuple[str, int]]:
+    """Rule 5: the stage's ``("F", m)`` / ``("B", m)`` order (the last stage: ``("FB", m)``);
+    ``extra``: the plan's :func:`extra_warmup` (1F1B only)."""
     m_all = range(micro_batches)
     if stage == stages - 1:
         return [("FB", m) for m in m_all]
     if schedule == "gpipe":
         return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
-    warm = min(stages - stage - 1 + EXTRA_WARMUP, micro_batches)
+    warm = min(stages - stage - 1 + extra, micro_batches)
     order = [("F", m) for m in range(warm)]
     for i in range(micro_batches - warm):
         order += [("F", warm + i), ("B", i)]

@@ -131,7 +131,8 @@ class PipelineRunner:
                                                                           self.comm).items()}
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
-        for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches):
+        for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches,
+                                      plan.extra_warmup):
             sl = slice(m * plan.micro_batch, (m + 1) * plan.micro_batch)
             if kind == "B":
                 out = self._backward(m, stash.pop(m))

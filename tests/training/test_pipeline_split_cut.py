@@ -98,17 +98,19 @@ def test_no_split_when_the_last_stage_is_not_the_slower(monkeypatch) -> None:
 
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
 def test_extra_warmup_matches_one_rank(optimizer, monkeypatch) -> None:
-    """Pipeline rule 5's ``EXTRA_WARMUP`` (1): stage 0 runs two warm-up forwards (F0 F1 F2 B0 ...)
-    and stashes 3 micro-batches at its peak (the plan's in_flight says so); 10 1F1B steps match 1
-    rank (rtol 1e-4, atol 1e-5). Fails with the knob at 0 (peak 2)."""
+    """Pipeline rule 5's extra warm-up, the ONNX Runtime default (``EXTRA_WARMUP_BY_BACKEND``, no
+    environment setting): stage 0 runs two warm-up forwards (F0 F1 F2 B0 ...) and stashes 3
+    micro-batches at its peak (the plan's in_flight says so); 10 1F1B steps match 1 rank (rtol
+    1e-4, atol 1e-5). Fails with the ONNX Runtime default at 0 (peak 2)."""
     from partitioner.training import pipeline
     from partitioner.training.pipeline import in_flight, schedule_order
 
-    monkeypatch.setattr(pipeline, "EXTRA_WARMUP", 1)
-    assert schedule_order("1f1b", 0, 2, 4)[:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
-    assert in_flight("1f1b", 2, 8) == [3, 1]
+    monkeypatch.setattr(pipeline, "EXTRA_WARMUP", None)
+    assert schedule_order("1f1b", 0, 2, 4, 1)[:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
+    assert in_flight("1f1b", 2, 8, 1) == [3, 1]
     model = models_zoo.build("mlp", batch=8, hidden=32, in_features=16)
     plan = build_pipeline(model, "cross_entropy", optimizer, batch=8, stages=2, micro_batches=4, schedule="1f1b")
+    assert plan.extra_warmup == 1
     rng = np.random.default_rng(13)
     batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
     one = StepRunner(build_training_graph(model, optimizer=optimizer))

@@ -18,7 +18,7 @@ import models_zoo
 from partitioner.cli import main
 from partitioner.runtime.comm_local import LocalWorld
 from partitioner.training import SGD, AdamW, build_training_graph
-from partitioner.training.pipeline import build_pipeline, schedule_order
+from partitioner.training.pipeline import build_pipeline, extra_warmup, in_flight, schedule_order
 from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
 from partitioner.training.runner import StepRunner
 
@@ -85,8 +85,11 @@ def test_two_stages_match_one_rank_after_10_steps(schedule, optimizer) -> None:
         np.testing.assert_allclose(full[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
     start = StepRunner(build_training_graph(model, optimizer=optimizer)).state
     assert any(not np.allclose(one.state[n], start[n]) for n in one.signature.weights), "no weight moved"
-    # rule 5: GPipe keeps every micro-batch's stash, 1F1B at most (stages - stage) of them
-    assert runners[0].peak_stash == (4 if schedule == "gpipe" else 2)
+    # rule 5: GPipe keeps every micro-batch's stash, 1F1B at most (stages - stage + the plan's extra
+    # warm-up) of them: ONNX Runtime's table says 1 (3 of the 4), GPipe has no warm-up to extend
+    assert plan.extra_warmup == extra_warmup("onnxruntime") * (schedule == "1f1b")
+    assert runners[0].peak_stash == (4 if schedule == "gpipe" else 2 + plan.extra_warmup)
+    assert runners[0].peak_stash == in_flight(schedule, 2, 4, plan.extra_warmup)[0]
     assert world.bytes_sent > 0
 
 
@@ -119,8 +122,12 @@ def test_schedule_orders() -> None:
     assert schedule_order("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
                                                ("B", 2), ("B", 3)]
     assert schedule_order("1f1b", 2, 3, 2) == [("FB", 0), ("FB", 1)]
-    for sched in ("gpipe", "1f1b"):  # every micro-batch forward once and backward once, forward first
-        order = schedule_order(sched, 1, 4, 8)
+    # rule 5's extra warm-up: one more forward before the first backward on stages before the last
+    assert schedule_order("1f1b", 0, 3, 4, 1) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1),
+                                                  ("B", 2), ("B", 3)]
+    assert schedule_order("1f1b", 2, 3, 2, 1) == [("FB", 0), ("FB", 1)]
+    for sched, extra in (("gpipe", 0), ("1f1b", 0), ("1f1b", 1)):  # every micro-batch F and B once, F first
+        order = schedule_order(sched, 1, 4, 8, extra)
         assert sorted(order) == sorted([("F", m) for m in range(8)] + [("B", m) for m in range(8)])
         assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(8))
 
