@@ -195,16 +195,13 @@ def _take(prog: onnx.ModelProto, stage_g: onnx.GraphProto, node: onnx.NodeProto,
     if x not in have:
         g.input.append(helper.make_tensor_value_info(x, dtype, [rows, _width_of(stage_g, x)]))
     g.input.append(helper.make_tensor_value_info(m.seed, dtype, [rows, shape[1]]))
-    inputs = list(node.input)
-    other = 1 - dy_in
-    xp = _producer(stage_g, inputs[other])
-    if xp is not None and xp.op_type == "Transpose":
-        xt = f"{m.grad}.xT"
-        g.node.append(helper.make_node("Transpose", [x], [xt], perm=[1, 0], name=xt))
-        inputs[other] = xt
-    inputs[dy_in] = m.seed
-    g.node.append(helper.make_node(node.op_type, inputs, [m.grad], name=m.grad,
-                                   **{a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}))
+    if node.op_type == "MatMul":  # MatMul(Transpose(x), dy): one Gemm, no transposed copy of x
+        g.node.append(helper.make_node("Gemm", [x, m.seed], [m.grad], name=m.grad, transA=1))
+    else:
+        inputs = list(node.input)
+        inputs[dy_in] = m.seed
+        g.node.append(helper.make_node("Gemm", inputs, [m.grad], name=m.grad,
+                                       **{a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}))
     g.output.append(helper.make_tensor_value_info(m.grad, dtype, out_shape))
 
 
