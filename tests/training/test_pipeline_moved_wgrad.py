@@ -22,7 +22,8 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 def _plan(optimizer, schedule: str, monkeypatch, rows: bool = False):
     """The 2|2 cut, whatever the machine (``rows``: as measured_cut rule 7's two rows, which the
-    whole-batch deferral needs)."""
+    whole-batch deferral needs), the knob on (off by default)."""
+    monkeypatch.setattr(moved_wgrad, "MOVE_WEIGHT_GRADIENT", True)
     monkeypatch.setattr(measured_cut, "shared_node_seconds",
                         (lambda fwd, *a, **k: np.stack([_seconds(fwd)] * 2)) if rows else _seconds)
     model = models_zoo.build("mlp", batch=8, layers=4, hidden=64, in_features=16)
@@ -41,7 +42,7 @@ def test_moved_columns_match_one_rank(schedule, optimizer, defer, monkeypatch) -
     """The mlp's fc2 (MatMul, weight [64, 64]) is the last stage's first product: the last stage
     keeps its weight gradient's first 32 columns (rule 2: half), stage 0's ``B`` computes the other
     32 from the ``fc1.relu`` it sent; 10 steps match 1 rank, the weight and its state stay on the
-    last stage under the 1-rank names. Fails with MOVE_WEIGHT_GRADIENT off (nothing moves)."""
+    last stage under the 1-rank names. Fails with MOVE_WEIGHT_GRADIENT off (nothing moves: ``moved`` is None)."""
     if defer == "tail":
         monkeypatch.setattr(deferred_wgrad, "DEFER_MAX_ROWS", 0)
     if defer == "whole-batch":
