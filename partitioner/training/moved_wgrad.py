@@ -134,8 +134,9 @@ def _find(prog: onnx.ModelProto, weights: list[str], received: set[str]):
     return None
 
 
-def _width(prog: onnx.ModelProto, name: str) -> int | None:
-    for vi in list(prog.graph.value_info) + list(prog.graph.input) + list(prog.graph.output):
+def _width(g: onnx.GraphProto, name: str) -> int | None:
+    """``name``'s last dimension in ``g`` (None when unknown)."""
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
         if vi.name == name:
             dims = vi.type.tensor_type.shape.dim
             return dims[-1].dim_value if dims and dims[-1].dim_value > 0 else None
@@ -196,7 +197,7 @@ def _take(prog: onnx.ModelProto, stage_g: onnx.GraphProto, node: onnx.NodeProto,
     have = {i.name for i in g.input}
     rows = shape[0]
     if x not in have:
-        g.input.append(helper.make_tensor_value_info(x, dtype, [rows, _width_of(stage_g, x)]))
+        g.input.append(helper.make_tensor_value_info(x, dtype, [rows, _width(stage_g, x)]))
     g.input.append(helper.make_tensor_value_info(m.seed, dtype, [rows, shape[1]]))
     if node.op_type == "MatMul":  # MatMul(Transpose(x), dy): one Gemm, no transposed copy of x
         g.node.append(helper.make_node("Gemm", [x, m.seed], [m.grad], name=m.grad, transA=1))
@@ -206,13 +207,6 @@ def _take(prog: onnx.ModelProto, stage_g: onnx.GraphProto, node: onnx.NodeProto,
         g.node.append(helper.make_node("Gemm", inputs, [m.grad], name=m.grad,
                                        **{a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}))
     g.output.append(helper.make_tensor_value_info(m.grad, dtype, out_shape))
-
-
-def _width_of(g: onnx.GraphProto, name: str) -> int:
-    for vi in list(g.value_info) + list(g.input) + list(g.output):
-        if vi.name == name:
-            return vi.type.tensor_type.shape.dim[-1].dim_value
-    raise KeyError(name)
 
 
 def apply(plan: Any) -> None:
@@ -230,7 +224,7 @@ def apply(plan: Any) -> None:
     x_in = node.input[1 - dy_in]
     xp = _producer(prog.graph, x_in)
     x = xp.input[0] if xp is not None and xp.op_type == "Transpose" else x_in
-    width = _width(prog, dy)
+    width = _width(prog.graph, dy)
     moved = _moved_count(width) if width else 0
     per_mb = [p for p in (last.fused, last.fused_tail) if p is not None]
     if not moved or x not in {o.name for o in before.forward.graph.output} or not all(
