@@ -63,7 +63,7 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     stage the rest; the stages hold the parts' state (``PipelinePlan.parts``), joined back under
     rule 6's names.
 12. The last stage's first product's weight gradient is split by output columns across the last
-    cut (:mod:`partitioner.training.moved_wgrad`, knob ``MOVE_WEIGHT_GRADIENT``, on): the last stage
+    cut (:mod:`partitioner.training.moved_wgrad`, knob ``MOVE_WEIGHT_GRADIENT``, off): the last stage
     sends the output gradient's moved columns back beside the input gradient, the stage before
     computes their weight-gradient columns from the ``x`` it sent (stashed) and sends their sum
     once per step, before the update. No forward work moves; the weight stays on the last stage.

@@ -22,7 +22,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 def _plan(optimizer, schedule: str, monkeypatch, rows: bool = False):
     """The 2|2 cut, whatever the machine (``rows``: as measured_cut rule 7's two rows, which the
-    whole-batch deferral needs), the knob on (its default)."""
+    whole-batch deferral needs), the knob on (off by default)."""
     monkeypatch.setattr(moved_wgrad, "MOVE_WEIGHT_GRADIENT", True)
     monkeypatch.setattr(measured_cut, "shared_node_seconds",
                         (lambda fwd, *a, **k: np.stack([_seconds(fwd)] * 2)) if rows else _seconds)
