@@ -41,11 +41,13 @@ Rules:
 5. Why it is off: on 2 stages, 1F1B runs stage 0's ``F(m)`` after its ``B(m-2)``, so the last
    stage's ``FB(m)`` waits for the chain ``FB(m-2)``, a message, ``B(m-2)``, ``F(m)``, a message:
    two micro-batches take ``max(2 FB, FB + B + F + messages)``. Moving work from ``FB`` to ``B``
-   leaves ``FB + B + F`` as it was (or longer: the moved columns cost stage 0 more than they save
-   the last stage), so once the stages are balanced the chain sets the step. The replay's free
-   messages leave slack (it gains); the MPI steps' messages and polling do not (measured, paired:
-   no gain). With ``pipeline.EXTRA_WARMUP`` (rule 5 there) the chain has a micro-batch of slack;
-   that pairing is still to measure on a quiet machine.
+   lowers ``2 FB`` but not ``FB + B + F`` (it grows: the moved columns cost stage 0 more than
+   they save the last stage), so the gain is at most the unmoved plan's slack ``2 FB - (FB + B +
+   F)`` less the two messages' latency and the ranks' jitter: about 4 ms per two micro-batches
+   from the replayed ONNX Runtime calls (``FB`` 26.2, ``B + F`` 20.8 ms unmoved; 24.0 and 24.3
+   moved). The replay's free messages keep it (it gains); the loaded machine's MPI jitter ate it
+   (measured, paired: no gain). A quiet pairing, and one with ``pipeline.EXTRA_WARMUP`` (rule 5
+   there: a micro-batch of slack in that chain), are still to measure.
 
 Knob: :data:`MOVE_WEIGHT_GRADIENT` (module constant, **off**: rule 5;
 ``PARTITIONER_TRAIN_MOVE_WGRAD=1`` turns it on in MPI ranks too).
