@@ -119,8 +119,9 @@ def _form(g: onnx.GraphProto, node: onnx.NodeProto, received: set[str]) -> tuple
 
     def is_x(v: str) -> bool:
         p = _producer(g, v)
-        return v in received or (p is not None and p.op_type == "Transpose" and p.input[0] in received
-                                 and list(next((a.ints for a in p.attribute if a.name == "perm"), [1, 0])) == [1, 0])
+        if p is None or p.op_type != "Transpose" or p.input[0] not in received:
+            return v in received
+        return list(next((a.ints for a in p.attribute if a.name == "perm"), [1, 0])) == [1, 0]
 
     ta, tb = _attr(node, "transA"), _attr(node, "transB")
     if node.op_type == "MatMul" and is_x(node.input[0]) and _producer(g, node.input[0]) is not None:
@@ -193,7 +194,8 @@ def _keep_columns(prog: onnx.ModelProto, w: str, dy: str, kept: int, axis: int) 
             o.type.tensor_type.shape.dim[axis].dim_value = kept
 
 
-def _emit_seed(prog: onnx.ModelProto, dy: str, kept: int, width: int, seed: str, dtype: int, rows: int) -> None:
+def _emit_seed(prog: onnx.ModelProto, dy: str, kept: int, width: int, seed: str, dtype: int,
+               rows: int) -> None:
     """Rule 3: the per-micro-batch program also outputs ``dy[:, n:]``."""
     g = prog.graph
     at = next(i for i, n in enumerate(g.node) if dy in n.output) + 1
@@ -215,8 +217,8 @@ def _take(prog: onnx.ModelProto, stage_g: onnx.GraphProto, node: onnx.NodeProto,
     else:
         inputs = list(node.input)
         inputs[dy_in] = m.seed
-        g.node.append(helper.make_node("Gemm", inputs, [m.grad], name=m.grad,
-                                       **{a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}))
+        ints = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        g.node.append(helper.make_node("Gemm", inputs, [m.grad], name=m.grad, **ints))
     g.output.append(helper.make_tensor_value_info(m.grad, dtype, out_shape))
 
 

@@ -258,8 +258,8 @@ class PipelineRunner:
             if v in st.grad_in:
                 self.comm.send(np.ascontiguousarray(out[f"{v}.grad_in"]), self.ranks[src], tag(self.plan, m, v, True))
         if st.moved is not None and st.moved.giver:  # pipeline rule 12: dy's moved columns
-            m_ = st.moved
-            self.comm.send(np.ascontiguousarray(out[m_.seed]), self.ranks[m_.peer], tag(self.plan, m, m_.seed, True))
+            seed = np.ascontiguousarray(out[st.moved.seed])
+            self.comm.send(seed, self.ranks[st.moved.peer], tag(self.plan, m, st.moved.seed, True))
         for w in st.weights + ([st.moved.grad] if st.moved is not None and not st.moved.giver else []):
             g = out.get(w if st.moved is not None and w == st.moved.grad else f"{w}.grad")
             if g is None:  # rule 10: a deferred weight gradient (the whole-batch program gives it)

@@ -32,7 +32,8 @@ def _plan(optimizer, schedule: str, monkeypatch, rows: bool = False):
 
 
 def _widths(program, name: str) -> list[int]:
-    return [[d.dim_value for d in o.type.tensor_type.shape.dim] for o in program.graph.output if o.name == name][0]
+    out = [o for o in program.graph.output if o.name == name][0]
+    return [d.dim_value for d in out.type.tensor_type.shape.dim]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -42,7 +43,8 @@ def test_moved_columns_match_one_rank(schedule, optimizer, defer, monkeypatch) -
     """The mlp's fc2 (MatMul, weight [64, 64]) is the last stage's first product: the last stage
     keeps its weight gradient's first 32 columns (rule 2: half), stage 0's ``B`` computes the other
     32 from the ``fc1.relu`` it sent; 10 steps match 1 rank, the weight and its state stay on the
-    last stage under the 1-rank names. Fails with MOVE_WEIGHT_GRADIENT off (nothing moves: ``moved`` is None)."""
+    last stage under the 1-rank names. Fails with MOVE_WEIGHT_GRADIENT off (nothing moves:
+    ``moved`` is None)."""
     if defer == "tail":
         monkeypatch.setattr(deferred_wgrad, "DEFER_MAX_ROWS", 0)
     if defer == "whole-batch":
@@ -50,7 +52,8 @@ def test_moved_columns_match_one_rank(schedule, optimizer, defer, monkeypatch) -
     model, plan = _plan(optimizer, schedule, monkeypatch, rows=defer == "whole-batch")
     first, last = plan.stages
     assert last.moved is not None and first.moved is not None
-    assert (last.moved.weight, last.moved.kept, last.moved.axis, last.moved.x) == ("fc2.weight", 32, 1, "fc1.relu")
+    moved = last.moved
+    assert (moved.weight, moved.kept, moved.axis, moved.x) == ("fc2.weight", 32, 1, "fc1.relu")
     assert "fc2.weight" in last.weights and "fc2.weight" not in first.weights
     assert _widths(first.backward, "fc2.weight.grad.moved") == [64, 32]
     assert "fc1.relu" in first.stash
