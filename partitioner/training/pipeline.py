@@ -66,6 +66,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     zoo mlp's replayed step, split_cut rule 6): the stage before runs the first part, the last
     stage the rest; the stages hold the parts' state (``PipelinePlan.parts``), joined back under
     rule 6's names.
+12. The last stage's first product's weight gradient is split by output columns across the last
+    cut (:mod:`partitioner.training.moved_wgrad`, knob ``MOVE_WEIGHT_GRADIENT``, off): the last stage
+    sends the output gradient's moved columns back beside the input gradient, the stage before
+    computes their weight-gradient columns from the ``x`` it sent (stashed) and sends their sum
+    once per step, before the update. No forward work moves; the weight stays on the last stage.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ import onnx_ir as ir
 from onnx import helper
 
 from partitioner.core.errors import UsageError
-from partitioner.training import split_cut
+from partitioner.training import moved_wgrad, split_cut
 from partitioner.training.autodiff import Emitter, backward, is_float
 from partitioner.training.losses import emit_loss, label_spec
 from partitioner.training.optimizers import STEP_NAME, Optimizer
@@ -136,6 +141,7 @@ class Stage:
     stash: list[str] = field(default_factory=list)
     initial: dict[str, np.ndarray] = field(default_factory=dict)
     update_pairs: list[tuple[str, str]] = field(default_factory=list)
+    moved: Any = None  # rule 12: moved_wgrad.Moved, this stage's side of the moved weight-gradient columns
 
 
 @dataclass
@@ -353,9 +359,11 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
         for _, v in stage.recv:
             value_ids.setdefault(v, len(value_ids))
         out_stages.append(stage)
-    return PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
+    plan = PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
                         recompute, MEASURED if seconds is not None else COST_MODEL,
                         split_cut.parts_of(fwd, split) if split is not None else {}, extra)
+    moved_wgrad.apply(plan)  # rule 12
+    return plan
 
 
 def _balancing_split(graph: ir.Graph, ends: list[int], seconds: np.ndarray | None, names: list[str],

@@ -27,6 +27,7 @@ import onnx
 
 from partitioner.core.errors import UsageError
 from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, stage_state_names, tag
+from partitioner.training.moved_wgrad import SUM_TAG
 from partitioner.training.split_cut import join_state, split_state
 
 #: a stage's ``B`` reads its stashed activations as ``F``'s own TVM output tensors, not copied into
@@ -159,6 +160,7 @@ class PipelineRunner:
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
         self._weight_grad(acc)
+        self._join_moved(acc)
         self._hoisted = {}
         self._update(acc)
         self.steps += 1
@@ -190,6 +192,10 @@ class PipelineRunner:
             shape, dtype = self._spec[v]
             g = self.comm.recv(self.ranks[c], tag(plan, m, v, True), shape, dtype)
             feeds[key] = feeds[key] + g if key in feeds else g
+        if st.moved is not None and not st.moved.giver:  # pipeline rule 12: the moved dy columns
+            shape, dtype = self._spec[st.moved.seed]
+            feeds[st.moved.seed] = self.comm.recv(self.ranks[st.moved.peer], tag(plan, m, st.moved.seed, True),
+                                                  shape, dtype)
         out = self._exe["B"].run({**feeds, **self._stash_tensors.pop(m, {})}, self.comm)
         self._keep_for_weight_grad(m, feeds, out)
         return out
@@ -230,6 +236,20 @@ class PipelineRunner:
             elif g is not None:
                 acc[w] = g
 
+    def _join_moved(self, acc: dict[str, np.ndarray]) -> None:
+        """Pipeline rule 12, once per step: the stage before sends its weight-gradient columns' sum,
+        the last stage joins them to its own columns."""
+        m = self.stage.moved
+        if m is None:
+            return
+        if not m.giver:
+            self.comm.send(np.ascontiguousarray(acc.pop(m.grad)), self.ranks[m.peer], SUM_TAG)
+            return
+        full = list(self.state[m.weight].shape)
+        shape = full[:m.axis] + [full[m.axis] - m.kept] + full[m.axis + 1:]
+        theirs = self.comm.recv(self.ranks[m.peer], SUM_TAG, tuple(shape), acc[m.weight].dtype)
+        acc[m.weight] = np.concatenate([acc[m.weight], theirs], axis=m.axis)
+
     def _is_float(self, v: str) -> bool:
         return np.issubdtype(self._spec[v][1], np.floating)
 
@@ -238,8 +258,11 @@ class PipelineRunner:
         for src, v in st.recv:
             if v in st.grad_in:
                 self.comm.send(np.ascontiguousarray(out[f"{v}.grad_in"]), self.ranks[src], tag(self.plan, m, v, True))
-        for w in st.weights:
-            g = out.get(f"{w}.grad")
+        if st.moved is not None and st.moved.giver:  # pipeline rule 12: dy's moved columns
+            seed = np.ascontiguousarray(out[st.moved.seed])
+            self.comm.send(seed, self.ranks[st.moved.peer], tag(self.plan, m, st.moved.seed, True))
+        for w in st.weights + ([st.moved.grad] if st.moved is not None and not st.moved.giver else []):
+            g = out.get(w if st.moved is not None and w == st.moved.grad else f"{w}.grad")
             if g is None:  # rule 10: a deferred weight gradient (the whole-batch program gives it)
                 continue
             if w not in acc:
