@@ -135,6 +135,28 @@ def _tensor_type(info: onnx.ValueInfoProto, where: str):
     return relax.TensorType(dims, dtype)
 
 
+#: segments with control flow get dataflow blocks around it (:func:`_dataflow_around_control_flow`); off: none
+DATAFLOW_AROUND_CONTROL_FLOW = True
+
+
+def _dataflow_around_control_flow(mod):
+    """``mod`` with the runs of pure bindings of a segment that holds an ``If`` wrapped in
+    dataflow blocks (TVM's ``ConvertToDataflow``). Shapes it is for: any segment with a
+    data-dependent ``If`` kept as control flow (openwakeword's verifier heads, e.g. hey_jarvis:
+    Gemm + LayerNorm + ReLU before an ``If``). Why: ``from_onnx`` then emits the whole function as
+    one plain binding block, and ``FuseOps`` fuses only inside dataflow blocks, so every op
+    became its own kernel (hey_jarvis: 59 kernel calls, each with its output allocation).
+    The If and the bindings after it keep their order; only purity-checked bindings move into
+    blocks, which changes nothing but what may fuse."""
+    from tvm import relax
+
+    main = mod["main"]
+    if not DATAFLOW_AROUND_CONTROL_FLOW or not isinstance(main.body, relax.SeqExpr) or any(
+            isinstance(b, relax.DataflowBlock) for b in main.body.blocks):
+        return mod
+    return relax.transform.ConvertToDataflow()(mod)
+
+
 def _import_segment(seg: Segment, opset: int, where: str):
     from tvm.relax.frontend.onnx import from_onnx
 
@@ -143,7 +165,7 @@ def _import_segment(seg: Segment, opset: int, where: str):
     except Exception as e:  # the importer raises many kinds; turn them into one actionable line
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise BackendError(f"{where}: TVM's ONNX importer failed on segment {seg.index} ({type(e).__name__}: {first})") from None
-    return mod
+    return _dataflow_around_control_flow(mod)
 
 
 def _add_segment(bb, seg_mod, k: int):
