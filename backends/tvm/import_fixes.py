@@ -25,7 +25,8 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import p
 5. ``InferenceDropout``: a ``Dropout`` without ``training_mode`` input whose mask nobody reads
    becomes ``Identity``: the importer's ``R.nn.dropout`` returns a tuple ``ConvertLayout`` rejects.
 6. ``Conv1dAsMatMul`` (knob :data:`CONV1D_AS_MATMUL`): a 1-D ``Conv`` (``group`` 1, constant
-   weights, static shapes, explicit or no padding) becomes im2col + GEMM in standard ONNX:
+   weights, static shapes, explicit or no padding, a frame matrix of at most
+   :data:`CONV1D_MAX_COLUMNS` elements) becomes im2col + GEMM in standard ONNX:
    ``Pad`` (when padded), ``Gather`` of the frames with constant indices ``l*stride + k*dilation``
    (``[N, C, L_out, K]``), ``Transpose``/``Reshape`` to ``[N, L_out, C*K]``, ``MatMul`` with the
    weights reshaped at build time to ``[C*K, CO]``, the bias ``Add``, ``Transpose`` to
@@ -312,6 +313,10 @@ class InferenceDropout(_Rewrite):
 
 #: rule 6: 1-D convolutions as im2col + MatMul (:class:`Conv1dAsMatMul`); off: TVM's conv1d
 CONV1D_AS_MATMUL = True
+#: rule 6 leaves a conv whose frame matrix (N x L_out x C*K) would exceed this many elements
+#: (64 MiB of float32) to conv1d: a stride-1 long-kernel conv over a long signal would copy each
+#: input value K times
+CONV1D_MAX_COLUMNS = 1 << 24
 
 
 def _conv1d_form(graph: ir.Graph, node: ir.Node) -> tuple[np.ndarray, list[int], tuple[int, int, int, int, int]] | None:
@@ -325,7 +330,8 @@ def _conv1d_form(graph: ir.Graph, node: ir.Node) -> tuple[np.ndarray, list[int],
         return None
     pads = list(a.get_ints("pads", [0, 0])) if a.get_string("auto_pad", "NOTSET") == "NOTSET" else [0, 0]
     k, s, d = int(w.shape[2]), int(a.get_ints("strides", [1])[0]), int(a.get_ints("dilations", [1])[0])
-    if (x[1][2] + pads[0] + pads[1] - d * (k - 1) - 1) < 0:
+    out_len = (x[1][2] + pads[0] + pads[1] - d * (k - 1) - 1) // s + 1
+    if out_len < 1 or x[1][0] * out_len * x[1][1] * k > CONV1D_MAX_COLUMNS:
         return None
     return w, x[1], (k, s, d, int(pads[0]), int(pads[1]))
 

@@ -56,3 +56,11 @@ def test_conv1d_is_a_gemm(ci: int, co: int, length: int, k: int, kwargs: dict, m
 
 def test_grouped_conv1d_is_left_alone() -> None:
     assert _has_conv1d(_model(4, 8, 16, 3, pad=1, group=2))
+
+
+def test_conv1d_with_a_frame_matrix_over_the_limit_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _model(1, 33, 320, 64, stride=16)  # frames: 1 x 17 x 64 = 1088 elements
+    monkeypatch.setattr(import_fixes, "CONV1D_MAX_COLUMNS", 1000)
+    assert _has_conv1d(m)
+    monkeypatch.setattr(import_fixes, "CONV1D_MAX_COLUMNS", 1088)
+    assert not _has_conv1d(m)
