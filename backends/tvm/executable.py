@@ -259,6 +259,7 @@ class TvmRankExecutable:
         self._spans: tuple[list[int], list[int]] | None = None  # rule 5: the input buffers' byte ranges
         self._aliased: list[bool] | None = None  # rule 5: per output, whether it aliased an input buffer
         self._passed: tuple[int, ...] = ()  # rule 9: the inputs given as tensors on this call
+        self.cache_aliasing = CACHE_OUTPUT_ALIASING  # rule 5 (read when loaded, as pipeline_stages --baseline sets it)
         self.keep_output_tensors = False  # rule 9
         self.output_tensors: dict[str, Any] = {}
 
@@ -359,16 +360,26 @@ class TvmRankExecutable:
             fallback.bind(None)
         if guard is not None:
             guard.after(watch)
-        values = [res] if isinstance(res, tvm.runtime.Tensor) else list(res)
+        values = [res] if isinstance(res, tvm.runtime.Tensor) else res[0:len(res)]  # a slice: one list, no iterator
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}
+        return self._host_outputs(values)
+
+    def _host_outputs(self, values: list[Any]) -> dict[str, np.ndarray]:
+        """Rules 5 and 9 on the CPU: each output a zero-copy view, copied when it aliases an input
+        buffer (checked on the first call only with ``CACHE_OUTPUT_ALIASING``)."""
+        import tvm
+
         out = {}
         self.output_tensors = {}
-        known = self._aliased if CACHE_OUTPUT_ALIASING else None
+        known = self._aliased if self.cache_aliasing else None
         aliased = known if known is not None else []
         for k, (name, v) in enumerate(zip(self.outputs, values)):
-            arr = _output_array(v)
             is_tensor = isinstance(v, tvm.runtime.Tensor)
+            try:
+                arr = np.from_dlpack(v) if is_tensor else _output_array(v)
+            except (RuntimeError, BufferError, TypeError, ValueError):
+                arr = _output_array(v)  # a dtype numpy's DLPack import lacks: a copy
             # an output that is an input buffer, or a view of one (Flatten/Reshape of an input
             # lower to views sharing its storage), is overwritten by the next call: rule 5
             if known is None:
