@@ -43,10 +43,13 @@ Rules:
    step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
    holds is not); ``main`` gets those results in place of the step constants.
 9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
-   into another program, the pipeline runner's stash) ``output_tensors`` holds this call's output
-   tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
+   into another program, the pipeline runner's stash and its weights) ``output_tensors`` holds this
+   call's output tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
    ``tvm.runtime.Tensor`` to the VM as it is (no copy into an input buffer). The VM never writes
-   its inputs, and the tensor is a fresh result of an earlier call, held by the caller.
+   its inputs, and the tensor is a fresh result of an earlier call, held by the caller. A step
+   constant (rule 8) given as the same tensor object as on the last call does not rerun the lifted
+   transforms (the caller never writes a tensor it feeds: the pipeline runner's weights are
+   replaced each step, not written).
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
@@ -272,8 +275,10 @@ class TvmRankExecutable:
             x = feeds[name]
             if isinstance(x, tvm.runtime.Tensor):  # rule 9: an earlier call's output, as it is
                 passed.append(i)
-                self._in_src[i] = None
-                self._refilled = self._refilled or i >= len(self.inputs) - self._constants
+                constant = i >= len(self.inputs) - self._constants
+                # rule 8: a step constant's lifted transforms rerun only for another tensor
+                self._refilled = self._refilled or (constant and x is not self._in_src[i])
+                self._in_src[i] = x if constant else None
                 args.append(x)
                 continue
             buf = self._in_bufs[i]

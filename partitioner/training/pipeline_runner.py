@@ -39,6 +39,13 @@ from partitioner.training.split_cut import join_state, split_state
 #: it, 305.1 without, load 8) was within the step's noise, which is larger than this 7 ms.
 #: The environment's ``PARTITIONER_TRAIN_STASH_TENSORS=0`` turns it off, in MPI ranks too
 STASH_TENSORS = os.environ.get("PARTITIONER_TRAIN_STASH_TENSORS", "1") == "1"
+#: a TVM stage's programs read its weights and prepared values as the TVM tensors that produced
+#: them (the update program's and the prepare program's outputs), not copied into each program's
+#: input buffers once a step (``backends.tvm.executable`` rule 9; module constant, off: copied).
+#: For TVM stages whose weights change every step (every training step): the resnet's stage 0
+#: copied its 13 MB of weights into F, B, P and U each step. The environment's
+#: ``PARTITIONER_TRAIN_WEIGHT_TENSORS=0`` turns it off, in MPI ranks too
+WEIGHT_TENSORS = os.environ.get("PARTITIONER_TRAIN_WEIGHT_TENSORS", "1") == "1"
 GATHER_TAG = 30000
 LOSS_TAG = 29999
 REPLICA_TAG = 26000
@@ -112,6 +119,10 @@ class PipelineRunner:
                 exe.reuse_readonly_inputs = True
         if STASH_TENSORS and hasattr(self._exe.get("F"), "keep_output_tensors"):
             self._exe["F"].keep_output_tensors = True
+        for kind in ("U", "P") if WEIGHT_TENSORS else ():
+            if hasattr(self._exe.get(kind), "keep_output_tensors"):
+                self._exe[kind].keep_output_tensors = True
+        self._tensors: dict[str, Any] = {}  # WEIGHT_TENSORS: state / prepared value -> its TVM tensor
         self._stash_tensors: dict[int, dict[str, Any]] = {}  # STASH_TENSORS: micro-batch -> F's tensors
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
         self._w_stash: dict[int, dict[str, np.ndarray]] = {}  # rule 10: what W reads, per micro-batch
@@ -131,8 +142,9 @@ class PipelineRunner:
             data, labels = {k: v[rows] for k, v in data.items()}, labels[rows]
         acc: dict[str, np.ndarray] = {}  # the first micro-batch's gradients, then summed in place
         if "P" in self._exe:  # rule 9: weight-only values, once per step
-            self._hoisted = {k: _frozen(v) for k, v in self._exe["P"].run({w: self.state[w] for w in st.weights},
+            self._hoisted = {k: _frozen(v) for k, v in self._exe["P"].run(self._state_feeds(st.weights),
                                                                           self.comm).items()}
+            self._keep_tensors("P", {k: k for k in self._hoisted})
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
         for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches):
@@ -162,6 +174,8 @@ class PipelineRunner:
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
         self._weight_grad(acc)
+        for k in self._hoisted:  # the prepared values are not alive during the update
+            self._tensors.pop(k, None)
         self._hoisted = {}
         self._update(acc)
         self.steps += 1
@@ -173,9 +187,9 @@ class PipelineRunner:
         for src, v in st.recv:
             shape, dtype = self._spec[v]
             feeds[v] = self.comm.recv(self.ranks[src], tag(plan, m, v, False), shape, dtype)
-        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update(self._state_feeds(st.weights))
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
-        feeds.update(self._hoisted)
+        feeds.update(self._hoisted_feeds())
         return feeds
 
     def _backward(self, m: int, stashed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -183,9 +197,9 @@ class PipelineRunner:
         over the stages that read it)."""
         st, plan = self.stage, self.plan
         feeds = dict(stashed)
-        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update(self._state_feeds(st.weights))
         feeds.update({a: self.state[a] for a in self._b_bn})
-        feeds.update(self._hoisted)
+        feeds.update(self._hoisted_feeds())
         for c, v in st.send:
             key = f"{v}.grad_out"
             if not self._is_float(v):
@@ -221,9 +235,9 @@ class PipelineRunner:
         st, ms = self.stage, sorted(self._w_stash)
         feeds = {v: np.concatenate([self._w_stash[m][v] for m in ms], axis=st.w_axes[v]) for v in st.w_stash}
         self._w_stash.clear()
-        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update(self._state_feeds(st.weights))
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
-        feeds.update(self._hoisted)
+        feeds.update(self._hoisted_feeds())
         out = self._exe["W"].run(feeds, self.comm)
         del feeds
         for w in st.weights:
@@ -232,6 +246,22 @@ class PipelineRunner:
                 np.add(acc[w], g, out=acc[w])
             elif g is not None:
                 acc[w] = g
+
+    def _keep_tensors(self, kind: str, names: Mapping[str, str]) -> None:
+        """``WEIGHT_TENSORS``: remember program ``kind``'s output tensors behind the state or
+        prepared values ``names`` (value -> output); a value without one is fed as its array."""
+        kept = getattr(self._exe[kind], "output_tensors", {})
+        for a, b in names.items():
+            if b in kept:
+                self._tensors[a] = kept[b]
+            else:
+                self._tensors.pop(a, None)
+
+    def _state_feeds(self, names: Any) -> dict[str, Any]:
+        return {n: self._tensors.get(n, self.state[n]) for n in names}
+
+    def _hoisted_feeds(self) -> dict[str, Any]:
+        return {k: self._tensors.get(k, v) for k, v in self._hoisted.items()}
 
     def _is_float(self, v: str) -> bool:
         return np.issubdtype(self._spec[v][1], np.floating)
@@ -257,13 +287,14 @@ class PipelineRunner:
         for i, w in enumerate(st.weights if replicas > 1 else ()):  # hybrid: sum over the replicas
             acc[w] = self.comm.allreduce(acc[w], self.replica_group, "sum", REPLICA_TAG + i)
         scale = np.array(1.0 / (self.plan.micro_batches * replicas), dtype=self._spec["grad.scale"][1])
-        feeds = {"grad.scale": scale, **{a: self.state[a] for a, _ in st.update_pairs},
+        feeds = {"grad.scale": scale, **self._state_feeds(a for a, _ in st.update_pairs),
                  **{f"{w}.grad": acc[w] for w in st.weights}}
         acc.clear()
         out = self._exe["U"].run(feeds, self.comm)
         del feeds
         for a, b in st.update_pairs:
             self.state[a] = _frozen(out[b])  # the backend's fresh output array: no copy per step
+        self._keep_tensors("U", dict(st.update_pairs))
         if hasattr(self.comm, "flush"):
             self.comm.flush()  # every activation / gradient send of this step has completed
 
