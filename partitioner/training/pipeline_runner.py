@@ -179,6 +179,8 @@ class PipelineRunner:
         self._weight_grad(acc)
         for k in self._hoisted:  # the prepared values are not alive during the update
             self._tensors.pop(k, None)
+        if hasattr(self._exe.get("P"), "output_tensors"):
+            self._exe["P"].output_tensors = {}
         self._hoisted = {}
         self._update(acc)
         self.steps += 1
