@@ -21,6 +21,11 @@ Rules:
    (``tvm.runtime.tensor`` costs ~100x more), and outputs are returned as ``np.from_dlpack`` views
    of the VM's fresh result tensors (no copy); an output that is an input buffer or a view of one is copied.
    ``vm_s`` accumulates the seconds spent inside the VM call (for the worker's ``--profile``).
+   Whether an output aliases an input buffer is a property of the program (an output is the VM's
+   fresh storage, or a view of an argument), so with ``CACHE_OUTPUT_ALIASING`` it is checked on
+   the first call and remembered until an input buffer is reallocated or a different set of
+   inputs comes as rule 9's tensors (the checks cost the resnet's first pipeline stage, 124 outputs
+   a forward call, about 5 ms a step).
    With ``reuse_readonly_inputs`` (set by a caller that never changes an array it made
    read-only: the pipeline runner's weights, constant through a step's micro-batches) a feed
    that is the very read-only array a buffer was last filled from is not copied again.
@@ -38,10 +43,13 @@ Rules:
    step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
    holds is not); ``main`` gets those results in place of the step constants.
 9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
-   into another program, the pipeline runner's stash) ``output_tensors`` holds this call's output
-   tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
+   into another program, the pipeline runner's stash and its weights) ``output_tensors`` holds this
+   call's output tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
    ``tvm.runtime.Tensor`` to the VM as it is (no copy into an input buffer). The VM never writes
-   its inputs, and the tensor is a fresh result of an earlier call, held by the caller.
+   its inputs, and the tensor is a fresh result of an earlier call, held by the caller. A step
+   constant (rule 8) given as the same tensor object as on the last call does not rerun the lifted
+   transforms (the caller never writes a tensor it feeds: the pipeline runner's weights are
+   replaced each step, not written).
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
@@ -80,6 +88,10 @@ from . import contention, device_comm, fallback
 from .lift_step_constants import TRANSFORM, step_constant_inputs
 from .lower import KEEP_FUNC, PACKED_PREFIX, comm_table
 from .weight_params import bind_weights, main_weight_params
+
+#: rule 5: remember which outputs alias an input buffer after the first call (module constant;
+#: off: every output checked on every call)
+CACHE_OUTPUT_ALIASING = True
 
 _local = threading.local()
 _register_lock = threading.Lock()
@@ -248,6 +260,9 @@ class TvmRankExecutable:
         self._constants = len(step_constant_inputs(program)) if self._transform is not None else 0
         self._lifted: list[Any] | None = None
         self._spans: tuple[list[int], list[int]] | None = None  # rule 5: the input buffers' byte ranges
+        self._aliased: list[bool] | None = None  # rule 5: per output, whether it aliased an input buffer
+        self._passed: tuple[int, ...] = ()  # rule 9: the inputs given as tensors on this call
+        self.cache_aliasing = CACHE_OUTPUT_ALIASING  # rule 5 (read when loaded, as pipeline_stages --baseline sets it)
         self.keep_output_tensors = False  # rule 9
         self.output_tensors: dict[str, Any] = {}
 
@@ -255,12 +270,15 @@ class TvmRankExecutable:
         """Fill (creating on first use) one persistent TVM tensor per input; see rule 5."""
         import tvm
 
-        args = []
+        args, passed = [], []
         for i, name in enumerate(self.inputs):
             x = feeds[name]
             if isinstance(x, tvm.runtime.Tensor):  # rule 9: an earlier call's output, as it is
-                self._in_src[i] = None
-                self._refilled = self._refilled or i >= len(self.inputs) - self._constants
+                passed.append(i)
+                constant = i >= len(self.inputs) - self._constants
+                # rule 8: a step constant's lifted transforms rerun only for another tensor
+                self._refilled = self._refilled or (constant and x is not self._in_src[i])
+                self._in_src[i] = x if constant else None
                 args.append(x)
                 continue
             buf = self._in_bufs[i]
@@ -272,7 +290,7 @@ class TvmRankExecutable:
                     view = None  # bfloat16/float8/int4: numpy's DLPack import lacks the dtype
                 buf = (t, view)
                 self._in_bufs[i], self._in_src[i] = buf, None
-                self._spans = None
+                self._spans = self._aliased = None
                 if view is None:
                     self._in_bufs[i] = None  # no view to reuse: a fresh tensor per call
                     t.copyfrom(np.asarray(x, order="C"))
@@ -285,6 +303,8 @@ class TvmRankExecutable:
                 keep = self.reuse_readonly_inputs and isinstance(x, np.ndarray) and not x.flags.writeable
                 self._in_src[i] = x if keep else None
             args.append(buf[0])
+        if tuple(passed) != self._passed:  # rule 5: which buffers an output can alias changed
+            self._passed, self._aliased = tuple(passed), None
         return args
 
     def _in_input_buffer(self, arr: np.ndarray) -> bool:
@@ -345,20 +365,36 @@ class TvmRankExecutable:
             fallback.bind(None)
         if guard is not None:
             guard.after(watch)
-        values = [res] if isinstance(res, tvm.runtime.Tensor) else list(res)
+        values = [res] if isinstance(res, tvm.runtime.Tensor) else res[0:len(res)]  # a slice: one list, no iterator
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}
+        return self._host_outputs(values)
+
+    def _host_outputs(self, values: list[Any]) -> dict[str, np.ndarray]:
+        """Rules 5 and 9 on the CPU: each output a zero-copy view, copied when it aliases an input
+        buffer (checked on the first call only with ``CACHE_OUTPUT_ALIASING``)."""
+        import tvm
+
         out = {}
         self.output_tensors = {}
-        for name, v in zip(self.outputs, values):
-            arr = _output_array(v)
+        known = self._aliased if self.cache_aliasing else None
+        aliased = known if known is not None else []
+        for k, (name, v) in enumerate(zip(self.outputs, values)):
+            is_tensor = isinstance(v, tvm.runtime.Tensor)
+            try:
+                arr = np.from_dlpack(v) if is_tensor else _output_array(v)
+            except (RuntimeError, BufferError, TypeError, ValueError):
+                arr = _output_array(v)  # a dtype numpy's DLPack import lacks: a copy
             # an output that is an input buffer, or a view of one (Flatten/Reshape of an input
             # lower to views sharing its storage), is overwritten by the next call: rule 5
-            if isinstance(v, tvm.runtime.Tensor) and self._in_input_buffer(arr):
+            if known is None:
+                aliased.append(is_tensor and self._in_input_buffer(arr))
+            if aliased[k]:
                 arr = arr.copy()
-            elif self.keep_output_tensors and isinstance(v, tvm.runtime.Tensor):  # rule 9
+            elif self.keep_output_tensors and is_tensor:  # rule 9
                 self.output_tensors[name] = v
             out[name] = arr
+        self._aliased = aliased
         return out
 
 

@@ -11,7 +11,9 @@ it once, after the last micro-batch, on those values concatenated.
 
 Its state arrays (and rule 9's prepared values) are read-only and replaced, never written, so a
 TVM stage program copies each weight into its input buffer once per step, not once per
-micro-batch (``reuse_readonly_inputs``, :mod:`backends.tvm.executable` rule 5).
+micro-batch (``reuse_readonly_inputs``, :mod:`backends.tvm.executable` rule 5); with
+``WEIGHT_TENSORS`` it copies none after the first step (it reads the update program's output
+tensors), and with ``STASH_TENSORS`` ``B`` reads ``F``'s stashed outputs as they are.
 """
 
 from __future__ import annotations
@@ -32,10 +34,22 @@ from partitioner.training.split_cut import join_state, split_state
 
 #: a stage's ``B`` reads its stashed activations as ``F``'s own TVM output tensors, not copied into
 #: its input buffers (``backends.tvm.executable`` rule 9; module constant, off: copied per call).
-#: Off by default: on the zoo resnet's TVM stage 0 (each stage alone, 5 rounds, load 8) it ran
-#: 335.6 ms per step against 305.1 with the copies, within this machine's noise or worse; the
-#: environment's ``PARTITIONER_TRAIN_STASH_TENSORS=1`` turns it on, in MPI ranks too
-STASH_TENSORS = os.environ.get("PARTITIONER_TRAIN_STASH_TENSORS", "0") == "1"
+#: On by default (session 13): the zoo resnet's TVM stage 0 (batch 16, 8 micro-batches of 2
+#: images, 96 stashed values, 6.1 MB a micro-batch) filled ``B``'s input buffers in 9.6 ms a step
+#: with the copies and 2.7 without, its ``B`` calls 176.7 -> 168.7 ms a step, the VM's own time
+#: unchanged (161.5 / 160.3 ms: reading ``F``'s tensors is no slower than reading the copies); 10
+#: rounds, toggled on one runner, thread CPU, load 10. Session 12's step-level pair (335.6 ms with
+#: it, 305.1 without, load 8) was within the step's noise, which is larger than this 7 ms.
+#: The environment's ``PARTITIONER_TRAIN_STASH_TENSORS=0`` turns it off, in MPI ranks too
+STASH_TENSORS = os.environ.get("PARTITIONER_TRAIN_STASH_TENSORS", "1") == "1"
+#: a TVM stage's programs read its weights and prepared values as the TVM tensors that produced
+#: them (the update program's and the prepare program's outputs), not copied into each program's
+#: input buffers once a step (``backends.tvm.executable`` rule 9; module constant, off: copied).
+#: For TVM stages, whose weights change every step: the zoo resnet's TVM stage 0 alone (8 paired
+#: rounds toggled on one runner, thread CPU, load 10.7) filled its programs' input buffers in 9.4
+#: ms a step with the copies and 3.5 without, its step 257.1 -> 244.8 ms. The environment's
+#: ``PARTITIONER_TRAIN_WEIGHT_TENSORS=0`` turns it off, in MPI ranks too
+WEIGHT_TENSORS = os.environ.get("PARTITIONER_TRAIN_WEIGHT_TENSORS", "1") == "1"
 GATHER_TAG = 30000
 LOSS_TAG = 29999
 REPLICA_TAG = 26000
@@ -109,6 +123,10 @@ class PipelineRunner:
                 exe.reuse_readonly_inputs = True
         if STASH_TENSORS and hasattr(self._exe.get("F"), "keep_output_tensors"):
             self._exe["F"].keep_output_tensors = True
+        for kind in ("U", "P") if WEIGHT_TENSORS else ():
+            if hasattr(self._exe.get(kind), "keep_output_tensors"):
+                self._exe[kind].keep_output_tensors = True
+        self._tensors: dict[str, Any] = {}  # WEIGHT_TENSORS: state / prepared value -> its TVM tensor
         self._stash_tensors: dict[int, dict[str, Any]] = {}  # STASH_TENSORS: micro-batch -> F's tensors
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
         self._w_stash: dict[int, dict[str, np.ndarray]] = {}  # rule 10: what W reads, per micro-batch
@@ -128,8 +146,9 @@ class PipelineRunner:
             data, labels = {k: v[rows] for k, v in data.items()}, labels[rows]
         acc: dict[str, np.ndarray] = {}  # the first micro-batch's gradients, then summed in place
         if "P" in self._exe:  # rule 9: weight-only values, once per step
-            self._hoisted = {k: _frozen(v) for k, v in self._exe["P"].run({w: self.state[w] for w in st.weights},
+            self._hoisted = {k: _frozen(v) for k, v in self._exe["P"].run(self._state_feeds(st.weights),
                                                                           self.comm).items()}
+            self._keep_tensors("P", {k: k for k in self._hoisted})
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
         for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches,
@@ -161,6 +180,10 @@ class PipelineRunner:
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
         self._weight_grad(acc)
         self._join_moved(acc)
+        for k in self._hoisted:  # the prepared values are not alive during the update
+            self._tensors.pop(k, None)
+        if hasattr(self._exe.get("P"), "output_tensors"):
+            self._exe["P"].output_tensors = {}
         self._hoisted = {}
         self._update(acc)
         self.steps += 1
@@ -172,9 +195,9 @@ class PipelineRunner:
         for src, v in st.recv:
             shape, dtype = self._spec[v]
             feeds[v] = self.comm.recv(self.ranks[src], tag(plan, m, v, False), shape, dtype)
-        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update(self._state_feeds(st.weights))
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
-        feeds.update(self._hoisted)
+        feeds.update(self._hoisted_feeds())
         return feeds
 
     def _backward(self, m: int, stashed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -182,9 +205,9 @@ class PipelineRunner:
         over the stages that read it)."""
         st, plan = self.stage, self.plan
         feeds = dict(stashed)
-        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update(self._state_feeds(st.weights))
         feeds.update({a: self.state[a] for a in self._b_bn})
-        feeds.update(self._hoisted)
+        feeds.update(self._hoisted_feeds())
         for c, v in st.send:
             key = f"{v}.grad_out"
             if not self._is_float(v):
@@ -224,9 +247,9 @@ class PipelineRunner:
         st, ms = self.stage, sorted(self._w_stash)
         feeds = {v: np.concatenate([self._w_stash[m][v] for m in ms], axis=st.w_axes[v]) for v in st.w_stash}
         self._w_stash.clear()
-        feeds.update({w: self.state[w] for w in st.weights})
+        feeds.update(self._state_feeds(st.weights))
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
-        feeds.update(self._hoisted)
+        feeds.update(self._hoisted_feeds())
         out = self._exe["W"].run(feeds, self.comm)
         del feeds
         for w in st.weights:
@@ -249,6 +272,22 @@ class PipelineRunner:
         shape = full[:m.axis] + [full[m.axis] - m.kept] + full[m.axis + 1:]
         theirs = self.comm.recv(self.ranks[m.peer], SUM_TAG, tuple(shape), acc[m.weight].dtype)
         acc[m.weight] = np.concatenate([acc[m.weight], theirs], axis=m.axis)
+
+    def _keep_tensors(self, kind: str, names: Mapping[str, str]) -> None:
+        """``WEIGHT_TENSORS``: remember program ``kind``'s output tensors behind the state or
+        prepared values ``names`` (value -> output); a value without one is fed as its array."""
+        kept = getattr(self._exe[kind], "output_tensors", {})
+        for a, b in names.items():
+            if b in kept:
+                self._tensors[a] = kept[b]
+            else:
+                self._tensors.pop(a, None)
+
+    def _state_feeds(self, names: Any) -> dict[str, Any]:
+        return {n: self._tensors.get(n, self.state[n]) for n in names}
+
+    def _hoisted_feeds(self) -> dict[str, Any]:
+        return {k: self._tensors.get(k, v) for k, v in self._hoisted.items()}
 
     def _is_float(self, v: str) -> bool:
         return np.issubdtype(self._spec[v][1], np.floating)
@@ -277,13 +316,14 @@ class PipelineRunner:
         for i, w in enumerate(st.weights if replicas > 1 else ()):  # hybrid: sum over the replicas
             acc[w] = self.comm.allreduce(acc[w], self.replica_group, "sum", REPLICA_TAG + i)
         scale = np.array(1.0 / (self.plan.micro_batches * replicas), dtype=self._spec["grad.scale"][1])
-        feeds = {"grad.scale": scale, **{a: self.state[a] for a, _ in st.update_pairs},
+        feeds = {"grad.scale": scale, **self._state_feeds(a for a, _ in st.update_pairs),
                  **{f"{w}.grad": acc[w] for w in st.weights}}
         acc.clear()
         out = self._exe["U"].run(feeds, self.comm)
         del feeds
         for a, b in st.update_pairs:
             self.state[a] = _frozen(out[b])  # the backend's fresh output array: no copy per step
+        self._keep_tensors("U", dict(st.update_pairs))
         if hasattr(self.comm, "flush"):
             self.comm.flush()  # every activation / gradient send of this step has completed
 
