@@ -262,3 +262,18 @@ def apply(plan: Any) -> None:
     before.moved = Moved(w, seed, grad, x, axis, kept, last.index, False)
     for p in [before.backward, *progs, *per_mb]:
         onnx.checker.check_model(p)
+
+
+def join(m: Any, acc: dict[str, np.ndarray], state: dict[str, np.ndarray], comm: Any, ranks: Any) -> None:
+    """Rule 12, once per step (``m`` is the stage's ``Stage.moved``, None when it takes no part):
+    the stage before sends its weight-gradient columns' sum, the last stage joins them to its own
+    columns in ``acc``."""
+    if m is None:
+        return
+    if not m.giver:
+        comm.send(np.ascontiguousarray(acc.pop(m.grad)), ranks[m.peer], SUM_TAG)
+        return
+    full = list(state[m.weight].shape)
+    shape = full[:m.axis] + [full[m.axis] - m.kept] + full[m.axis + 1:]
+    theirs = comm.recv(ranks[m.peer], SUM_TAG, tuple(shape), acc[m.weight].dtype)
+    acc[m.weight] = np.concatenate([acc[m.weight], theirs], axis=m.axis)

@@ -29,7 +29,7 @@ import onnx
 
 from partitioner.core.errors import UsageError
 from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, stage_state_names, tag
-from partitioner.training.moved_wgrad import SUM_TAG
+from partitioner.training import moved_wgrad
 from partitioner.training.split_cut import join_state, split_state
 
 #: a stage's ``B`` reads its stashed activations as ``F``'s own TVM output tensors, not copied into
@@ -179,7 +179,7 @@ class PipelineRunner:
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
         self._weight_grad(acc)
-        self._join_moved(acc)
+        moved_wgrad.join(self.stage.moved, acc, self.state, self.comm, self.ranks)
         for k in self._hoisted:  # the prepared values are not alive during the update
             self._tensors.pop(k, None)
         if hasattr(self._exe.get("P"), "output_tensors"):
@@ -258,20 +258,6 @@ class PipelineRunner:
                 np.add(acc[w], g, out=acc[w])
             elif g is not None:
                 acc[w] = g
-
-    def _join_moved(self, acc: dict[str, np.ndarray]) -> None:
-        """Pipeline rule 12, once per step: the stage before sends its weight-gradient columns' sum,
-        the last stage joins them to its own columns."""
-        m = self.stage.moved
-        if m is None:
-            return
-        if not m.giver:
-            self.comm.send(np.ascontiguousarray(acc.pop(m.grad)), self.ranks[m.peer], SUM_TAG)
-            return
-        full = list(self.state[m.weight].shape)
-        shape = full[:m.axis] + [full[m.axis] - m.kept] + full[m.axis + 1:]
-        theirs = self.comm.recv(self.ranks[m.peer], SUM_TAG, tuple(shape), acc[m.weight].dtype)
-        acc[m.weight] = np.concatenate([acc[m.weight], theirs], axis=m.axis)
 
     def _keep_tensors(self, kind: str, names: Mapping[str, str]) -> None:
         """``WEIGHT_TENSORS``: remember program ``kind``'s output tensors behind the state or
