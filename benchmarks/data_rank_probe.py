@@ -27,6 +27,10 @@ by autogroup): the nearest to a quiet machine a loaded one gives.
     .venv/bin/python benchmarks/data_rank_probe.py paired --backend onnxruntime [--steps 8]
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/data_rank_probe.py mpi --backend tvm [--nice -20]
     .venv/bin/python benchmarks/data_rank_probe.py colocate --steps 3 --rounds 6 --give-up 0 --nice -20
+    .venv/bin/python benchmarks/data_rank_probe.py paired --backend tvm --baseline MODULE.ATTR=VALUE
+
+``--baseline`` (paired): the 1-rank global-batch step and the data rank's step, each also built
+with the setting changed (the "before" of a change), all four stepped in the same rounds.
 """
 
 from __future__ import annotations
@@ -93,12 +97,20 @@ def summary(rows: list) -> dict:
             "wall_ms": med([r[2] for r in rows]), "timeline_wall_ms": tl}
 
 
-def paired(backend: str, steps: int) -> None:
+def paired(backend: str, steps: int, baseline: list[str]) -> None:
     os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[-1]])
     local = GLOBAL_BATCH // 2
     cases = {f"1 rank, batch {GLOBAL_BATCH}": (runner(backend, GLOBAL_BATCH, 1), GLOBAL_BATCH),
-             f"1 rank, batch {local}": (runner(backend, local, 1), local),
              f"data rank, batch {local}, no-op AllReduce": (runner(backend, local, 2, NoopComm()), local)}
+    if not baseline:
+        cases[f"1 rank, batch {local}"] = (runner(backend, local, 1), local)
+    else:  # the same two cases built with the settings changed, stepped in the same rounds
+        from kernel_profile import with_settings
+
+        with with_settings(baseline):
+            cases.update({f"{name} [{' '.join(baseline)}]": (runner(backend, batch, 2 if "data" in name else 1,
+                                                                    NoopComm() if "data" in name else None), batch)
+                          for name, (_, batch) in list(cases.items())})
     rows: dict[str, list] = {k: [] for k in cases}
     rng = np.random.default_rng(0)
     for k in range(steps + 1):  # step 0 warms up
@@ -271,14 +283,18 @@ def main() -> int:
                    help="colocate: drop a measurement while others use more than this share of the cores")
     p.add_argument("--nice", type=int, default=0, help="colocate, mpi: the processes' niceness and their autogroup's (root: -20)")
     p.add_argument("--give-up", type=float, default=60.0, help="colocate: seconds to wait for a quiet moment")
+    p.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="paired: also build the 1-rank and data-rank cases with this setting (the before)")
     args = p.parse_args()
     if args.steps < 1:
         print("data_rank_probe: --steps must be at least 1", file=sys.stderr)
         return 2
     if args.mode == "colocate":
         colocate(args.backend, args.steps, args.rounds, args.max_foreign, args.give_up, args.nice)
+    elif args.mode == "paired":
+        paired(args.backend, args.steps, args.baseline)
     else:
-        paired(args.backend, args.steps) if args.mode == "paired" else mpi(args.backend, args.steps, args.nice)
+        mpi(args.backend, args.steps, args.nice)
     return 0
 
 

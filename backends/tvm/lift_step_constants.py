@@ -11,6 +11,9 @@ resnet-18 pipeline at 64x64, batch 16, 1F1B x8, micro-batches of 2 images, last 
 
 Rules:
 
+0. Before anything else, on every program: a conv weight's per-call layout transpose and its
+   panel pack become one pass (:mod:`backends.tvm.fold_weight_packs`); a step constant's folded
+   pack is then lifted by rule 2 like the pack it replaces.
 1. Which programs: those whose ONNX program names its *step constants* in ``metadata_props``
    under :data:`STEP_CONSTANTS_KEY` (comma-separated input names), where they are exactly the
    trailing graph inputs, the program has no comm op, and ``main`` takes exactly the graph
@@ -70,10 +73,13 @@ def mark_step_constants(program: onnx.ModelProto, names: list[str]) -> None:
 
 
 def lift(mod: Any, program: onnx.ModelProto, comm_ops: int) -> Any:
-    """Rule 2: ``mod`` (after the pipeline) with the step constants' transforms lifted into
-    :data:`TRANSFORM`; ``mod`` unchanged where rule 1 does not apply."""
+    """Rules 0 and 2: ``mod`` (after the pipeline) with its weights' transposed packs folded and the
+    step constants' transforms lifted into :data:`TRANSFORM` (rule 2 only where rule 1 applies)."""
     from tvm import relax
 
+    from .fold_weight_packs import fold_transposed_packs
+
+    mod = fold_transposed_packs(mod)  # rule 0: a weight's transpose and pack as one pass
     names = step_constant_inputs(program)
     inits = {t.name for t in program.graph.initializer}
     inputs = [v.name for v in program.graph.input if v.name not in inits]

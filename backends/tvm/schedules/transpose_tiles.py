@@ -50,13 +50,13 @@ MIN_SOURCE_STRIDE = 16
 ROW_TILE = 16
 
 
-def _source_axes(sch: Any, block: Any) -> list[int] | None:
-    """Per block variable, the source axis it indexes, when the block is a one-buffer permutation
-    copy (each load index ``v`` or ``c - v`` of a distinct variable); else None."""
+def permutation_indices(stmt: Any) -> list[tuple[int, int | None]] | None:
+    """Per source axis of the block ``stmt``, (the block variable it reads, the constant ``c`` of a
+    ``c - v`` index, or None for ``v``), when the block is a one-buffer permutation copy (stores
+    at its own variables, each load index ``v`` or ``c - v`` of a distinct variable); else None."""
     from tvm import tirx
     from tvm.tirx.analysis import undefined_vars
 
-    stmt = sch.get(block)
     body = stmt.body
     # the stored value a load (TVM 0.27 names its class TensorLoad)
     if not isinstance(body, tirx.stmt.BufferStore) or not hasattr(body.value, "indices"):
@@ -64,18 +64,25 @@ def _source_axes(sch: Any, block: Any) -> list[int] | None:
     ivars = [iv.var for iv in stmt.iter_vars]
     if len(body.indices) != len(ivars) or not all(i.same_as(v) for i, v in zip(body.indices, ivars)):
         return None
-    axis_of: dict[int, int] = {}
-    for axis, idx in enumerate(body.value.indices):
+    out: list[tuple[int, int | None]] = []
+    for idx in body.value.indices:
         used = [k for k, v in enumerate(ivars) if any(u.same_as(v) for u in undefined_vars(idx))]
         E = tirx.expr
         plain = isinstance(idx, E.Var) or (isinstance(idx, E.Sub) and isinstance(idx.a, E.IntImm)
                                            and isinstance(idx.b, E.Var))
-        if len(used) != 1 or not plain or used[0] in axis_of:
+        if len(used) != 1 or not plain or any(used[0] == k for k, _ in out):
             return None
-        axis_of[used[0]] = axis
-    if len(axis_of) != len(ivars):
+        out.append((used[0], None if isinstance(idx, E.Var) else int(idx.a.value)))
+    return out if len(out) == len(ivars) else None
+
+
+def _source_axes(sch: Any, block: Any) -> list[int] | None:
+    """Per block variable, the source axis it indexes (:func:`permutation_indices`); else None."""
+    perm = permutation_indices(sch.get(block))
+    if perm is None:
         return None
-    return [axis_of[k] for k in range(len(ivars))]
+    axis_of = {k: axis for axis, (k, _) in enumerate(perm)}
+    return [axis_of[k] for k in range(len(perm))]
 
 
 def _source_stride(sch: Any, block: Any, axis: int) -> int:
