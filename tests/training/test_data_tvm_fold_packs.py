@@ -1,5 +1,5 @@
 """Training with the conv weights' transposes folded into their packs (backends/tvm/
-fold_weight_packs.py, ``FOLD_TRANSPOSED_PACKS``): a small CNN whose 32-channel 3x3 conv takes
+fold_weight_packs.py, ``FOLD_TRANSPOSED_PACKS``): a small CNN whose 64-channel 3x3 conv takes
 the folded forward pack and the folded flipped pack of its input gradient. 2 in-process TVM data
 ranks match a 1-rank TVM run of the same global batch after 10 SGD steps, and that run matches
 ONNX Runtime's 1-rank step (weights within rtol 1e-4, atol 1e-5, seeded data). The builds fold
@@ -23,10 +23,10 @@ STEPS = 10
 
 
 def _cnn() -> onnx.ModelProto:
-    """Conv 4->32 3x3 -> Relu -> Conv 32->32 3x3 -> Relu -> Flatten -> Gemm (no BatchNormalization)."""
+    """Conv 4->64 3x3 -> Relu -> Conv 64->64 3x3 -> Relu -> Flatten -> Gemm (no BatchNormalization)."""
     rng = np.random.default_rng(13)
     inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in
-             (("c1.weight", (32, 4, 3, 3)), ("c2.weight", (32, 32, 3, 3)), ("fc.weight", (10, 32 * 6 * 6)))]
+             (("c1.weight", (64, 4, 3, 3)), ("c2.weight", (64, 64, 3, 3)), ("fc.weight", (10, 64 * 6 * 6)))]
     nodes = [helper.make_node("Conv", ["input", "c1.weight"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
              helper.make_node("Conv", ["r1", "c2.weight"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
