@@ -163,9 +163,9 @@ class PipelineRunner:
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
         order = list(schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches, plan.extra_warmup))
-        last = self._last_calls(order)
+        last = {(self._fused_kind(m) if kind == "FB" else kind): call for call, (kind, m) in enumerate(order)}
         for call, (kind, m) in enumerate(order):
-            self._release_done(last, call)
+            _release_done(self._exe, last, call)
             sl = slice(m * plan.micro_batch, (m + 1) * plan.micro_batch)
             if kind == "B":
                 out = self._backward(m, stash.pop(m))
@@ -191,7 +191,7 @@ class PipelineRunner:
                     continue
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
-        self._release_done(last, len(order))
+        _release_done(self._exe, last, len(order))
         self._weight_grad(acc)
         moved_wgrad.join(self.stage.moved, acc, self.state, self.comm, self.ranks)
         for k in self._hoisted:  # the prepared values are not alive during the update
@@ -202,22 +202,6 @@ class PipelineRunner:
         self._update(acc)
         self.steps += 1
         return self._global_loss(losses)
-
-    def _last_calls(self, order: Sequence[tuple[str, int]]) -> dict[str, int]:
-        """``RELEASE_STEP_CONSTANTS``: each program's last call in this step's ``order``."""
-        last = {}
-        for call, (kind, m) in enumerate(order):
-            last[self._fused_kind(m) if kind == "FB" else kind] = call
-        return last
-
-    def _release_done(self, last: dict[str, int], call: int) -> None:
-        """``RELEASE_STEP_CONSTANTS``: before call ``call``, drop the lifted step constants of the
-        programs whose last call of the step has run (``last`` loses them)."""
-        for kind in [k for k, i in last.items() if i < call] if RELEASE_STEP_CONSTANTS else ():
-            del last[kind]
-            release = getattr(self._exe[kind], "release_step_constants", None)
-            if release is not None:
-                release()
 
     def _forward_feeds(self, m: int, data: Mapping[str, np.ndarray], sl: slice) -> dict[str, np.ndarray]:
         st, plan = self.stage, self.plan
@@ -281,7 +265,7 @@ class PipelineRunner:
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
         feeds.update(self._hoisted_feeds())
         out = self._exe["W"].run(feeds, self.comm)
-        self._release_done({"W": 0}, 1)
+        _release_done(self._exe, {"W": 0}, 1)
         del feeds
         for w in st.weights:
             g = out.get(f"{w}.grad")
@@ -363,6 +347,17 @@ class PipelineRunner:
         """This stage's weights and BN statistics."""
         names = set(self.stage.weights) | {a for a, _ in self.stage.bn_state}
         return {n: self.state[n] for n in names}
+
+
+def _release_done(exes: Mapping[str, Any], last: dict[str, int], call: int) -> None:
+    """``RELEASE_STEP_CONSTANTS``: before call ``call`` of the step, drop the lifted step constants
+    of the programs whose last call (``last``: program -> its last call's index) has run; ``last``
+    loses them."""
+    for kind in [k for k, i in last.items() if i < call] if RELEASE_STEP_CONSTANTS else ():
+        del last[kind]
+        release = getattr(exes[kind], "release_step_constants", None)
+        if release is not None:
+            release()
 
 
 def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
