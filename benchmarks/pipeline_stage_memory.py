@@ -74,7 +74,7 @@ def _cached_builds(folder: Path) -> None:
     build.build_one = build_one
 
 
-def measure(name: str, stage: int, steps: int) -> dict:
+def measure(name: str, stage: int, steps: int, trace: int = 0) -> dict:
     from partitioner.training import memory_window as mw
     from partitioner.training.optimizers import SGD
     from partitioner.training.overheads import _Instant
@@ -99,15 +99,17 @@ def measure(name: str, stage: int, steps: int) -> dict:
             rows.append({"after": what, "rss": (mw.rss_bytes() - start) / MiB, "peak": (mw.peak_bytes() - start) / MiB})
 
         seen: set[str] = set()
+        cpu: list[float] = []
         for kind, exe in runner._exe.items():
             def wrapped(feeds, comm, _run=exe.run, _kind=kind):
                 res = _run(feeds, comm)
-                if _kind not in seen:
+                if trace and len(cpu) == trace - 1:  # --trace K: every call of step K
+                    row(f"{_kind} (step {trace})")
+                elif _kind not in seen:
                     seen.add(_kind)
                     row(f"first {_kind}")
                 return res
             exe.run = wrapped
-        cpu = []
         for s in range(steps):
             t = time.thread_time()
             runner.step(feed, y)
@@ -123,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="mlp", choices=["mlp", "resnet", "bert"])
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trace", type=int, default=0, metavar="K", help="a row after every call of step K")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE")
     args = p.parse_args(argv)
     CACHE.mkdir(exist_ok=True)
     from partitioner.training.bench import _with_settings
     from train_step import _settings
 
-    doc = _with_settings(_settings(args.set) or {}, lambda: measure(args.model, args.stage, args.steps))
+    doc = _with_settings(_settings(args.set) or {}, lambda: measure(args.model, args.stage, args.steps, args.trace))
     doc["settings"] = args.set
     for r in doc["rows"]:
         print(f"{r['after']:<12} rss {r['rss']:8.1f}  peak {r['peak']:8.1f} MiB")
