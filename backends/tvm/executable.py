@@ -101,8 +101,9 @@ CACHE_OUTPUT_ALIASING = True
 #: (module constant; off: kept). For callers that give an input as a tensor from some call on (the
 #: pipeline runner's weights after the first update): the buffer is dead from then on. Measured,
 #: the zoo mlp 4x1024's TVM last stage (``benchmarks/pipeline_stage_memory.py``): 32 MiB of such
-#: buffers (its ``FB``, ``FBt`` and ``P`` programs' weights, ``U``'s state), freed after step 1
-RELEASE_PASSED_BUFFERS = True
+#: buffers (its ``FB``, ``FBt`` and ``P`` programs' weights, ``U``'s state), freed after step 1.
+#: The environment's ``PARTITIONER_TVM_RELEASE_PASSED_BUFFERS=0`` turns it off, in MPI ranks too
+RELEASE_PASSED_BUFFERS = os.environ.get("PARTITIONER_TVM_RELEASE_PASSED_BUFFERS", "1") == "1"
 
 _local = threading.local()
 _register_lock = threading.Lock()

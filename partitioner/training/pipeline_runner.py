@@ -59,8 +59,12 @@ WEIGHT_TENSORS = os.environ.get("PARTITIONER_TRAIN_WEIGHT_TENSORS", "1") == "1"
 #: executable.RELEASE_PASSED_BUFFERS (``benchmarks/pipeline_stage_memory.py --model mlp --stage 1
 #: --steps 8``, 3 alternating runs each, load 1.8-2.1): peak after 8 steps 142.0 / 146.1 / 141.9 MiB
 #: with both, 160.2 / 165.9 / 162.3 without; thread CPU per step (median of steps 2-8) 137.2 /
-#: 140.7 / 143.1 ms with, 139.7 / 143.6 / 145.8 without
-RELEASE_STEP_CONSTANTS = True
+#: 140.7 / 143.1 ms with, 139.7 / 143.6 / 145.8 without. Under MPI, alone (``benchmarks/train_step.py
+#: --models mlp --backend tvm --paired-env PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS=0 --configs "2
+#: ranks pipeline 1f1b x8 (MPI)" --rounds 2 --steps 6``, load 1.9-2.3): the last rank 148.5 / 149.2
+#: MiB with it, 160.9 / 160.6 without; steps 243.9 / 245.2 ms with, 250.8 / 249.3 without. The environment's
+#: ``PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS=0`` turns it off, in MPI ranks too
+RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS", "1") == "1"
 GATHER_TAG = 30000
 LOSS_TAG = 29999
 REPLICA_TAG = 26000
