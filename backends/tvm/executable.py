@@ -101,7 +101,13 @@ CACHE_OUTPUT_ALIASING = True
 #: (module constant; off: kept). For callers that give an input as a tensor from some call on (the
 #: pipeline runner's weights after the first update): the buffer is dead from then on. Measured,
 #: the zoo mlp 4x1024's TVM last stage (``benchmarks/pipeline_stage_memory.py``): 32 MiB of such
-#: buffers (its ``FB``, ``FBt`` and ``P`` programs' weights, ``U``'s state), freed after step 1.
+#: buffers (its ``FB``, ``FBt`` and ``P`` programs' weights, ``U``'s state), freed after step 1;
+#: no buffer is made again after step 1 (mlp and resnet stages, 4 steps). Under MPI, alone
+#: (``benchmarks/train_step.py --models mlp --backend tvm --paired-env
+#: PARTITIONER_TVM_RELEASE_PASSED_BUFFERS=0 --configs "2 ranks pipeline 1f1b x8 (MPI)" --rounds 2
+#: --steps 6``, load 1.7-2.3): ranks 103.5 / 144.5 and 103.4 / 141.0 MiB with it, 111.5 / 158.7 and
+#: 111.6 / 160.7 without; rank CPU per step 162.2 / 152.3 ms with, 154.4 / 154.4 without (the first
+#: pair ran first in the run; nothing per call changes after step 1).
 #: The environment's ``PARTITIONER_TVM_RELEASE_PASSED_BUFFERS=0`` turns it off, in MPI ranks too
 RELEASE_PASSED_BUFFERS = os.environ.get("PARTITIONER_TVM_RELEASE_PASSED_BUFFERS", "1") == "1"
 
