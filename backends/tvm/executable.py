@@ -41,7 +41,11 @@ Rules:
 8. A library with step-constant transforms lifted out of ``main`` (:mod:`backends.tvm.lift_step_constants`)
    keeps the results of ``main_transform_params`` and calls it again only when one of its
    step-constant input buffers was refilled on this call (rule 5: a read-only weight it already
-   holds is not); ``main`` gets those results in place of the step constants.
+   holds is not); ``main`` gets those results in place of the step constants. The old results
+   are dropped before the new ones are computed (not alive together), and
+   :meth:`TvmRankExecutable.release_step_constants` drops them for a caller that will change the
+   step constants before the next call (the pipeline runner, after a program's last call of a
+   step).
 9. With ``keep_output_tensors`` (set by a caller that feeds some outputs of this call straight
    into another program, the pipeline runner's stash and its weights) ``output_tensors`` holds this
    call's output tensors that were returned without a copy, and ``run`` passes a feed that is a CPU
@@ -49,7 +53,8 @@ Rules:
    its inputs, and the tensor is a fresh result of an earlier call, held by the caller. A step
    constant (rule 8) given as the same tensor object as on the last call does not rerun the lifted
    transforms (the caller never writes a tensor it feeds: the pipeline runner's weights are
-   replaced each step, not written).
+   replaced each step, not written). An input given as a tensor frees the persistent buffer an
+   earlier array of it filled (``RELEASE_PASSED_BUFFERS``; a later array makes a new one).
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
 
@@ -92,6 +97,19 @@ from .weight_params import bind_weights, main_weight_params
 #: rule 5: remember which outputs alias an input buffer after the first call (module constant;
 #: off: every output checked on every call)
 CACHE_OUTPUT_ALIASING = True
+#: rule 9: an input given as a tensor frees the persistent input buffer an earlier array filled
+#: (module constant; off: kept). For callers that give an input as a tensor from some call on (the
+#: pipeline runner's weights after the first update): the buffer is dead from then on. Measured,
+#: the zoo mlp 4x1024's TVM last stage (``benchmarks/pipeline_stage_memory.py``): 32 MiB of such
+#: buffers (its ``FB``, ``FBt`` and ``P`` programs' weights, ``U``'s state), freed after step 1;
+#: no buffer is made again after step 1 (mlp and resnet stages, 4 steps). Under MPI, alone
+#: (``benchmarks/train_step.py --models mlp --backend tvm --paired-env
+#: PARTITIONER_TVM_RELEASE_PASSED_BUFFERS=0 --configs "2 ranks pipeline 1f1b x8 (MPI)" --rounds 2
+#: --steps 6``, load 1.7-2.3): ranks 103.5 / 144.5 and 103.4 / 141.0 MiB with it, 111.5 / 158.7 and
+#: 111.6 / 160.7 without; rank CPU per step 162.2 / 152.3 ms with, 154.4 / 154.4 without (the first
+#: pair ran first in the run; nothing per call changes after step 1).
+#: The environment's ``PARTITIONER_TVM_RELEASE_PASSED_BUFFERS=0`` turns it off, in MPI ranks too
+RELEASE_PASSED_BUFFERS = os.environ.get("PARTITIONER_TVM_RELEASE_PASSED_BUFFERS", "1") == "1"
 
 _local = threading.local()
 _register_lock = threading.Lock()
@@ -275,6 +293,9 @@ class TvmRankExecutable:
             x = feeds[name]
             if isinstance(x, tvm.runtime.Tensor):  # rule 9: an earlier call's output, as it is
                 passed.append(i)
+                if RELEASE_PASSED_BUFFERS and self._in_bufs[i] is not None:  # rule 9: not read again
+                    self._in_bufs[i] = None
+                    self._spans = self._aliased = None
                 constant = i >= len(self.inputs) - self._constants
                 # rule 8: a step constant's lifted transforms rerun only for another tensor
                 self._refilled = self._refilled or (constant and x is not self._in_src[i])
@@ -328,8 +349,13 @@ class TvmRankExecutable:
             return args
         k = len(args) - self._constants
         if self._lifted is None or self._refilled:
+            self._lifted = None  # the old values are not alive beside the new ones
             self._lifted = list(self._transform(list(args[k:])))
         return [*args[:k], *self._lifted]
+
+    def release_step_constants(self) -> None:
+        """Rule 8: drop the lifted transforms' results (the next call computes them again)."""
+        self._lifted = None
 
     def run(self, feeds: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
         import tvm

@@ -50,6 +50,21 @@ STASH_TENSORS = os.environ.get("PARTITIONER_TRAIN_STASH_TENSORS", "1") == "1"
 #: ms a step with the copies and 3.5 without, its step 257.1 -> 244.8 ms. The environment's
 #: ``PARTITIONER_TRAIN_WEIGHT_TENSORS=0`` turns it off, in MPI ranks too
 WEIGHT_TENSORS = os.environ.get("PARTITIONER_TRAIN_WEIGHT_TENSORS", "1") == "1"
+#: a TVM stage program's lifted step constants (``backends.tvm.executable`` rule 8: its weights'
+#: transposed and packed copies) are dropped after the program's last call of the step, not kept
+#: until its first call of the next (module constant; off: kept). They are computed again on that
+#: call anyway (the update replaces the weights), so this costs no time; it saves the memory
+#: while the stage's other programs run (the zoo mlp 4x1024's last stage: its ``FB`` and ``FBt``
+#: programs lift 16 MiB each, alive together and through ``W`` and ``U`` without it). Measured with
+#: executable.RELEASE_PASSED_BUFFERS (``benchmarks/pipeline_stage_memory.py --model mlp --stage 1
+#: --steps 8``, 3 alternating runs each, load 1.8-2.1): peak after 8 steps 142.0 / 146.1 / 141.9 MiB
+#: with both, 160.2 / 165.9 / 162.3 without; thread CPU per step (median of steps 2-8) 137.2 /
+#: 140.7 / 143.1 ms with, 139.7 / 143.6 / 145.8 without. Under MPI, alone (``benchmarks/train_step.py
+#: --models mlp --backend tvm --paired-env PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS=0 --configs "2
+#: ranks pipeline 1f1b x8 (MPI)" --rounds 2 --steps 6``, load 1.9-2.3): the last rank 148.5 / 149.2
+#: MiB with it, 160.9 / 160.6 without; steps 243.9 / 245.2 ms with, 250.8 / 249.3 without. The environment's
+#: ``PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS=0`` turns it off, in MPI ranks too
+RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS", "1") == "1"
 GATHER_TAG = 30000
 LOSS_TAG = 29999
 REPLICA_TAG = 26000
@@ -151,8 +166,10 @@ class PipelineRunner:
             self._keep_tensors("P", {k: k for k in self._hoisted})
         stash: dict[int, dict[str, np.ndarray]] = {}
         losses: list[float] = []
-        for kind, m in schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches,
-                                      plan.extra_warmup):
+        order = list(schedule_order(plan.schedule, st.index, plan.num_stages, plan.micro_batches, plan.extra_warmup))
+        last = {(self._fused_kind(m) if kind == "FB" else kind): call for call, (kind, m) in enumerate(order)}
+        for call, (kind, m) in enumerate(order):
+            _release_done(self._exe, last, call)
             sl = slice(m * plan.micro_batch, (m + 1) * plan.micro_batch)
             if kind == "B":
                 out = self._backward(m, stash.pop(m))
@@ -178,6 +195,7 @@ class PipelineRunner:
                     continue
             self._send_back(m, out, acc)
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
+        _release_done(self._exe, last, len(order))
         self._weight_grad(acc)
         moved_wgrad.join(self.stage.moved, acc, self.state, self.comm, self.ranks)
         for k in self._hoisted:  # the prepared values are not alive during the update
@@ -251,6 +269,7 @@ class PipelineRunner:
         feeds.update({a: self.state[a] for a, _ in st.bn_state})
         feeds.update(self._hoisted_feeds())
         out = self._exe["W"].run(feeds, self.comm)
+        _release_done(self._exe, {"W": 0}, 1)
         del feeds
         for w in st.weights:
             g = out.get(f"{w}.grad")
@@ -332,6 +351,17 @@ class PipelineRunner:
         """This stage's weights and BN statistics."""
         names = set(self.stage.weights) | {a for a, _ in self.stage.bn_state}
         return {n: self.state[n] for n in names}
+
+
+def _release_done(exes: Mapping[str, Any], last: dict[str, int], call: int) -> None:
+    """``RELEASE_STEP_CONSTANTS``: before call ``call`` of the step, drop the lifted step constants
+    of the programs whose last call (``last``: program -> its last call's index) has run; ``last``
+    loses them."""
+    for kind in [k for k, i in last.items() if i < call] if RELEASE_STEP_CONSTANTS else ():
+        del last[kind]
+        release = getattr(exes[kind], "release_step_constants", None)
+        if release is not None:
+            release()
 
 
 def gathered_state(runners: Sequence[PipelineRunner]) -> dict[str, np.ndarray]:
