@@ -11,31 +11,20 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from backends.tvm import fold_weight_packs as F
 from partitioner.training import SGD, build_training_graph
 from partitioner.training.runner import StepRunner
 
 from .test_data_tvm_buckets import step_data_ranks
+from .test_pipeline_hoist import _conv_net
 
 STEPS = 10
 
 
 def _cnn() -> onnx.ModelProto:
     """Conv 4->64 3x3 -> Relu -> Conv 64->64 3x3 -> Relu -> Flatten -> Gemm (no BatchNormalization)."""
-    rng = np.random.default_rng(13)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in
-             (("c1.weight", (64, 4, 3, 3)), ("c2.weight", (64, 64, 3, 3)), ("fc.weight", (10, 64 * 6 * 6)))]
-    nodes = [helper.make_node("Conv", ["input", "c1.weight"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
-             helper.make_node("Conv", ["r1", "c2.weight"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c2"], ["r2"], name="r2"),
-             helper.make_node("Flatten", ["r2"], ["flat"], name="flat"),
-             helper.make_node("Gemm", ["flat", "fc.weight"], ["logits"], name="fc", transB=1)]
-    g = helper.make_graph(nodes, "cnn32", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [8, 4, 6, 6])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [8, 10])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return _conv_net(cin=4, c1=64, c2=64, size=6, scale=0.1, seed=13, name="cnn32")
 
 
 @pytest.mark.slow

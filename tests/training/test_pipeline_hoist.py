@@ -102,21 +102,22 @@ def test_knob_off_keeps_the_programs(monkeypatch) -> None:
     assert _weight_only_nodes(last.fused, set(last.weights)) or _transposing_gemms(last.fused, set(last.weights))
 
 
-def _conv_net() -> onnx.ModelProto:
-    """Conv 3x3 (pad 1) -> Relu -> Conv 3x3 (pad 1) -> Relu -> Flatten -> Gemm: no BatchNormalization,
-    so a pipeline must match 1 rank."""
+def _conv_net(cin: int = 2, c1: int = 4, c2: int = 6, size: int = 5, scale: float = 0.2, seed: int = 5,
+              name: str = "convnet") -> onnx.ModelProto:
+    """Conv 3x3 (pad 1) -> Relu -> Conv 3x3 (pad 1) -> Relu -> Flatten -> Gemm at batch 8: no
+    BatchNormalization, so a pipeline must match 1 rank."""
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(5)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n) for n, s in
-             (("c1.weight", (4, 2, 3, 3)), ("c2.weight", (6, 4, 3, 3)), ("fc.weight", (10, 6 * 5 * 5)))]
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * scale).astype(np.float32), n) for n, s in
+             (("c1.weight", (c1, cin, 3, 3)), ("c2.weight", (c2, c1, 3, 3)), ("fc.weight", (10, c2 * size * size)))]
     nodes = [helper.make_node("Conv", ["input", "c1.weight"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
              helper.make_node("Conv", ["r1", "c2.weight"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c2"], ["r2"], name="r2"),
              helper.make_node("Flatten", ["r2"], ["flat"], name="flat"),
              helper.make_node("Gemm", ["flat", "fc.weight"], ["logits"], name="fc", transB=1)]
-    g = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [8, 2, 5, 5])],
+    g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("input", TensorProto.FLOAT, [8, cin, size, size])],
                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [8, 10])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 

@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 
 import models_zoo
-from partitioner.runtime.comm_local import LocalWorld
-from partitioner.training import SGD, AdamW, build_training_graph, deferred_wgrad, measured_cut, moved_wgrad
-from partitioner.training.pipeline import build_pipeline, plan_state
-from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
-from partitioner.training.runner import StepRunner
-from tests.training.test_pipeline_split_cut import _seconds
-from tests.training.test_pipeline_training import _run_pipeline
-
-TOL = {"rtol": 1e-4, "atol": 1e-5}
+from partitioner.training import SGD, AdamW, deferred_wgrad, measured_cut, moved_wgrad
+from partitioner.training.pipeline import build_pipeline
+from tests.training.test_pipeline_split_cut import _seconds, assert_ten_steps_match_one_rank
 
 
 def _plan(optimizer, schedule: str, monkeypatch, rows: bool = False):
@@ -58,18 +52,7 @@ def test_moved_columns_match_one_rank(schedule, optimizer, defer, monkeypatch) -
     assert _widths(first.backward, "fc2.weight.grad.moved") == [64, 32]
     assert "fc1.relu" in first.stash
     assert (last.w_tail == 2) == (defer == "tail") and (last.w_tail == 4) == (defer == "whole-batch")
-    rng = np.random.default_rng(11)
-    batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
-    one = StepRunner(build_training_graph(model, optimizer=optimizer))
-    assert set(plan_state(plan)) == set(one.state)
-    one_losses = [one.step({"input": x}, y) for x, y in batches]
-    world = LocalWorld(2, timeout_s=60)
-    runners = [PipelineRunner(plan, s, comm=world.communicator(s)) for s in range(2)]
-    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, **TOL)
-    full = gathered_state(runners)
-    assert set(full) == set(one.state)
-    for name, w in one.state.items():
-        np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
+    assert_ten_steps_match_one_rank(model, plan, optimizer)
 
 
 def test_column_count(monkeypatch) -> None:

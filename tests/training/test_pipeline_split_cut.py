@@ -37,6 +37,23 @@ def _plan(optimizer, schedule: str, monkeypatch):
                                  schedule=schedule)
 
 
+def assert_ten_steps_match_one_rank(model, plan, optimizer) -> None:
+    """10 SGD/AdamW steps of the 2-stage ``plan`` (in-process ranks) against 1 rank of the same
+    global batches: the losses and every gathered weight and optimizer state within ``TOL``."""
+    rng = np.random.default_rng(11)
+    batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
+    one = StepRunner(build_training_graph(model, optimizer=optimizer))
+    assert set(plan_state(plan)) == set(one.state)
+    one_losses = [one.step({"input": x}, y) for x, y in batches]
+    world = LocalWorld(2, timeout_s=60)
+    runners = [PipelineRunner(plan, s, comm=world.communicator(s)) for s in range(2)]
+    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, **TOL)
+    full = gathered_state(runners)
+    assert set(full) == set(one.state)
+    for name, w in one.state.items():
+        np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1), AdamW(lr=1e-2, weight_decay=0.01)], ids=["sgd", "adamw"])
 @pytest.mark.parametrize("tail", [False, True], ids=["per-micro-batch", "tail"])
@@ -51,18 +68,7 @@ def test_split_product_matches_one_rank(schedule, optimizer, tail, monkeypatch) 
     assert plan.parts == {"fc2.weight.part0": ("fc2.weight", 1, 16), "fc2.weight.part1": ("fc2.weight", 1, 16)}
     assert "fc2.weight.part0" in first.weights and "fc2.weight.part1" in last.weights
     assert (last.w_tail == 2) == tail
-    rng = np.random.default_rng(11)
-    batches = [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(10)]
-    one = StepRunner(build_training_graph(model, optimizer=optimizer))
-    assert set(plan_state(plan)) == set(one.state)
-    one_losses = [one.step({"input": x}, y) for x, y in batches]
-    world = LocalWorld(2, timeout_s=60)
-    runners = [PipelineRunner(plan, s, comm=world.communicator(s)) for s in range(2)]
-    np.testing.assert_allclose(_run_pipeline(runners, batches), one_losses, **TOL)
-    full = gathered_state(runners)
-    assert set(full) == set(one.state)
-    for name, w in one.state.items():
-        np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
+    assert_ten_steps_match_one_rank(model, plan, optimizer)
 
 
 def test_split_stages_start_from_a_one_rank_state(monkeypatch) -> None:
