@@ -27,6 +27,7 @@ from partitioner.load import INLINE_EXTERNAL_BYTES, load
 from partitioner.lowering.lazy_weights import SLICE_KEY, read_in_external, with_shards_read
 from partitioner.partition import partition
 from passes import run_pipeline
+from tests.bench_scripts import load as load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -401,12 +402,7 @@ def test_the_check_reference_runs_in_its_own_process_or_is_skipped(tensor_artifa
 # TVM accuracy at depth: the sums are right, only their order differs ------------------------------
 
 def _large_model_script():  # noqa: ANN202 - a module loaded from its file
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("large_model", ROOT / "benchmarks" / "large_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("large_model")
 
 
 def _in_order(a: np.ndarray, w: np.ndarray, fused: bool) -> np.ndarray:

@@ -4,20 +4,17 @@ hand-edited figure."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from tests.bench_scripts import load as load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "benchmarks" / "readme_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("readme_tables")
 
 
 def test_readme_tables_are_current() -> None:

@@ -11,22 +11,17 @@ reaches one of its blocks and the median of block medians gives the true ratio, 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
+from tests.bench_scripts import load as load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 COST_S = 1e-3
 EPISODE_S = 0.06
 SLOWDOWN = 3.0
 
 
 def _per_device():
-    spec = importlib.util.spec_from_file_location("per_device", ROOT / "benchmarks" / "per_device.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("per_device")
 
 
 class FakeMachine:

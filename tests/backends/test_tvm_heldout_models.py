@@ -11,7 +11,6 @@ conv DAGs are marked slow (compile time); the depthwise kernel has its own fast 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -22,16 +21,13 @@ import models_zoo
 from backends.tvm.build import build
 from backends.tvm.executable import load
 from partitioner.runtime.comm_local import LocalWorld
+from tests.bench_scripts import load as load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 RTOL, ATOL = 1e-4, 1e-5
 
 
 def _heldout():
-    spec = importlib.util.spec_from_file_location("heldout_models", ROOT / "benchmarks" / "heldout_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("heldout_models")
 
 
 H = _heldout()
@@ -53,7 +49,5 @@ def test_heldout_model_matches_ort(key: str, tmp_path: Path) -> None:
 
 
 def test_per_device_lists_every_heldout_model() -> None:
-    spec = importlib.util.spec_from_file_location("per_device", ROOT / "benchmarks" / "per_device.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("per_device")
     assert mod.HELDOUT_KEYS == list(H.HELDOUT)

@@ -4,23 +4,17 @@ benchmarks/robustness.py, old and new summary formats)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 from onnx import TensorProto, helper
 
 from .campaign import Campaign
 from .differential import Outcome, check_reference
 from .graph_strategy import FuzzGraph, FuzzPlan
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load as load_script
 
 
 def _robustness():
-    spec = importlib.util.spec_from_file_location("robustness", ROOT / "benchmarks" / "robustness.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("robustness")
 
 
 def _tiny(batch: int) -> FuzzGraph:

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load as load_script
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("data_rank_probe", ROOT / "benchmarks" / "data_rank_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("data_rank_probe")
 
 
 class _Worker:

@@ -5,18 +5,13 @@ replaced by a recorder (no training runs here)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.bench_scripts import load as load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 KNOB = "PARTITIONER_TEST_PAIRED_KNOB"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_step_paired", ROOT / "benchmarks" / "train_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train_step", "train_step_paired")
 
 
 def test_paired_runs_alternate_and_restore_the_environment(monkeypatch) -> None:

@@ -5,19 +5,13 @@ cache that predates them, and leaves one that has them alone."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load as load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_step_script", ROOT / "benchmarks" / "train_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train_step", "train_step_script")
 
 
 def test_a_cache_without_the_training_probes_is_recalibrated(tmp_path, monkeypatch) -> None:
