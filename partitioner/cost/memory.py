@@ -203,3 +203,173 @@ def rank_peak(rule: RuntimeMemory, *, embedded_weight_bytes: float, mapped_weigh
         receives=receive_bytes,
         load_peak=runtime + rule.load_weight_copies * embedded_weight_bytes,
     )
+
+
+# ---- a TVM pipeline stage's peak, from its programs (issue 16) -----------------------------------
+
+#: price a TVM pipeline stage's peak from the stage's own programs (:func:`tvm_stage_memory`);
+#: off: training rule 3's ``3 S + 4 G`` + stash + rule 10's filters, as for ONNX Runtime stages.
+#: Before it (session 14, current code, 2 MPI ranks, 1F1B x8): the zoo mlp 4x1024's stages
+#: measured 99.6 / 149.0 MiB against 61.1 / 58.8 predicted, bert's 63.6 / 87.0 against 56.4 / 34.9
+TVM_STAGE_MEMORY = True
+
+#: a stage's programs as the pipeline runner names them (``pipeline_runner.PipelineRunner._exe``)
+PROGRAM_KINDS = (("F", "forward"), ("B", "backward"), ("FB", "fused"), ("U", "update"), ("P", "prepare"),
+                 ("W", "weight_grad"), ("FBt", "fused_tail"))
+
+
+@dataclass(frozen=True)
+class TvmStageMemory:
+    """The terms of a TVM pipeline stage's predicted peak (bytes), :func:`tvm_stage_memory`."""
+
+    state: float
+    input_buffers: float
+    step_constants: float
+    pool: float
+    stash: float
+    gradients: float
+    weight_grad_stash: float
+    sends: float
+
+    @property
+    def total(self) -> float:
+        return (self.state + self.input_buffers + self.step_constants + self.pool + self.stash + self.gradients
+                + self.weight_grad_stash + self.sends)
+
+    def to_json(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.__dict__.items()}, "total": self.total}
+
+
+def value_bytes(info: Any) -> float:
+    """Bytes of an ONNX ``ValueInfoProto`` with static dims (0 for a dim without a value)."""
+    import onnx
+
+    t = info.type.tensor_type
+    n = 1
+    for d in t.shape.dim:
+        n *= d.dim_value
+    return float(n * onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize)
+
+
+def stage_programs(stage: Any) -> dict[str, Any]:
+    """The stage's programs that exist, by the runner's kind names (:data:`PROGRAM_KINDS`)."""
+    return {kind: getattr(stage, attr) for kind, attr in PROGRAM_KINDS if getattr(stage, attr, None) is not None}
+
+
+def tensor_fed(stage: Any) -> set[str]:
+    """Inputs a TVM stage program reads as the TVM tensors that made them, from step 2 on: the
+    weights and the rest of the state (the update program's outputs, ``pipeline_runner.WEIGHT_TENSORS``)
+    and the prepared values (the prepare program's outputs). With
+    ``executable.RELEASE_PASSED_BUFFERS`` their persistent input buffers are freed after step 1."""
+    prepared = {o.name for o in stage.prepare.graph.output} if getattr(stage, "prepare", None) is not None else set()
+    return set(stage.weights) | {a for a, _ in stage.update_pairs} | prepared
+
+
+def array_input_bytes(stage: Any, programs: dict[str, Any]) -> float:
+    """Persistent input buffers that stay (``executable`` rule 5: one TVM tensor per input, filled
+    from the array each call): every program input not read as a tensor (:func:`tensor_fed`; ``B``'s
+    stash is ``F``'s tensors, ``pipeline_runner.STASH_TENSORS``): the micro-batch's data and labels,
+    the received activations and output gradients, the BN statistics, ``U``'s gradient inputs (the
+    accumulated numpy arrays: a stage's weights' bytes again) and ``W``'s concatenated stash."""
+    tensors = tensor_fed(stage)
+    stash = set(stage.stash)
+    return sum(value_bytes(v) for kind, p in programs.items() for v in p.graph.input
+               if v.name not in tensors and not (kind == "B" and v.name in stash))
+
+
+def step_constant_bytes(programs: dict[str, Any], constant_inputs: Any) -> float:
+    """What the lifted step constants and the prepared values hold: the prepare program's outputs
+    (the weights' transposes, alive through the micro-batches) plus the largest program's lifted
+    transforms (``executable`` rule 8: one packed copy per step-constant input, named by
+    ``constant_inputs(program)``; ``pipeline_runner.RELEASE_STEP_CONSTANTS`` drops a program's after
+    its last call of the step, so one program's are alive at a time)."""
+    prepared = sum(value_bytes(o) for o in programs["P"].graph.output) if "P" in programs else 0.0
+    lifted = [sum(value_bytes(v) for v in p.graph.input if v.name in set(constant_inputs(p)))
+              for p in programs.values()]
+    return prepared + max(lifted, default=0.0)
+
+
+def pool_bytes(stage: Any, programs: dict[str, Any]) -> float:
+    """TVM's storage across the stage's programs: the sum over programs of each one's peak live
+    bytes over its graph (:func:`~partitioner.cost.workdepth.peak_activation_bytes`: its
+    intermediates and outputs, and the inputs it takes as arrays while it reads them). The VM
+    allocates storage from TVM's pooled allocator, which keeps every freed block, by exact size,
+    for a later allocation of that size and gives none back; one program's blocks serve another
+    only at equal sizes, so the rule shares none between programs. An input read as a tensor
+    (:func:`tensor_fed`, and ``B``'s stash) is another program's output, counted where it is held
+    (the state, :func:`step_constant_bytes`, :func:`stash_bytes`); an input given as an array is
+    the runner's array (a received message, the accumulated gradients, the concatenated stash),
+    alive while the call copies it into its buffer (:func:`array_input_bytes`: the copy)."""
+    import onnx_ir as ir
+
+    from partitioner.cost.workdepth import constant_values, peak_activation_bytes
+
+    tensors, stash = tensor_fed(stage), set(stage.stash)
+    total = 0.0
+    for kind, p in programs.items():
+        g = ir.serde.deserialize_model(p).graph
+        held = {v for v in g.inputs if v.name in tensors or (kind == "B" and v.name in stash)}
+        total += peak_activation_bytes(g, constant_values(g) | held)
+    return total
+
+
+def stash_bytes(stage: Any, programs: dict[str, Any], in_flight: int) -> float:
+    """The forward's stashed values of the micro-batches in flight (training rule 3's counts), held
+    by the runner from ``F`` to ``B`` (``F``'s output tensors, or its inputs for a recomputing stage)."""
+    if "F" not in programs:
+        return 0.0
+    specs = {v.name: value_bytes(v) for v in list(programs["F"].graph.input) + list(programs["F"].graph.output)}
+    return in_flight * sum(specs.get(v, 0.0) for v in stage.stash)
+
+
+def held_gradient_bytes(stage: Any, programs: dict[str, Any]) -> float:
+    """The weight gradients the runner holds beside a backward call: the accumulator (the first
+    micro-batch's gradient arrays, a stage's weights' bytes) and the previous backward call's
+    outputs (alive until the next call returns: ``out`` in the runner's loop)."""
+    grad = programs.get("B") or programs.get("FB")
+    weights = {w: 0.0 for w in stage.weights}
+    for p in programs.values():
+        for v in p.graph.input:
+            if v.name in weights:
+                weights[v.name] = value_bytes(v)
+    outputs = sum(value_bytes(o) for o in grad.graph.output) if grad is not None else 0.0
+    return sum(weights.values()) + outputs
+
+
+def weight_grad_stash_bytes(stage: Any, programs: dict[str, Any]) -> float:
+    """Training pipeline rule 10: the arrays the runner keeps from each covered micro-batch for the
+    deferred weight-gradient program (``W``'s non-tensor inputs, before they are concatenated)."""
+    if "W" not in programs:
+        return 0.0
+    tensors = tensor_fed(stage)
+    return sum(value_bytes(v) for v in programs["W"].graph.input if v.name not in tensors)
+
+
+def send_bytes(stage: Any, programs: dict[str, Any], micro_batches: int) -> float:
+    """:func:`rank_peak`'s sends: a Send copies its tensor and the copy lives until the step's
+    flush, so every micro-batch's sent activations and input gradients."""
+    specs = {v.name: value_bytes(v) for p in programs.values() for v in list(p.graph.input) + list(p.graph.output)}
+    per = sum(specs.get(v, 0.0) for _, v in stage.send)
+    per += sum(specs.get(f"{v}.grad_in", 0.0) for _, v in stage.recv if v in stage.grad_in)
+    return micro_batches * per
+
+
+def tvm_stage_memory(stage: Any, *, micro_batches: int, in_flight: int, constant_inputs: Any) -> TvmStageMemory:
+    """A TVM pipeline stage's peak above its baseline (what ``train --bench`` measures), from the
+    stage's programs (``pipeline.Stage``): its state (weights, optimizer slots, BN statistics) and
+    the terms of the functions above. ``constant_inputs(program)``: the program's lifted
+    step-constant inputs (``backends.tvm.lift_step_constants.step_constant_inputs``). Prices the
+    runner's defaults (``WEIGHT_TENSORS``, ``STASH_TENSORS``, ``RELEASE_PASSED_BUFFERS``,
+    ``RELEASE_STEP_CONSTANTS`` on)."""
+    programs = stage_programs(stage)
+    return TvmStageMemory(
+        state=float(sum(stage.initial[n].nbytes for n in dict.fromkeys(
+            [a for a, _ in stage.update_pairs] + [a for a, _ in stage.bn_state]) if n in stage.initial)),
+        input_buffers=array_input_bytes(stage, programs),
+        step_constants=step_constant_bytes(programs, constant_inputs),
+        pool=pool_bytes(stage, programs),
+        stash=stash_bytes(stage, programs, in_flight),
+        gradients=held_gradient_bytes(stage, programs),
+        weight_grad_stash=weight_grad_stash_bytes(stage, programs),
+        sends=send_bytes(stage, programs, micro_batches),
+    )

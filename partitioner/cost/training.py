@@ -729,10 +729,13 @@ def stashed_micro_batches(schedule: str, stages: int, m: int, extra_warmup: int 
 
 
 def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
-             device: Any, recompute: bool = False, extra_warmup: int = 0) -> TrainingPrediction:
+             device: Any, recompute: bool = False, extra_warmup: int = 0,
+             stage_memory: list[float] | None = None) -> TrainingPrediction:
     """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last
     node); rule 6 with ``recompute``; rule 3's 1F1B stash counts with the plan's ``extra_warmup``
-    (pipeline rule 5: :func:`partitioner.training.pipeline.extra_warmup` for the backend)."""
+    (pipeline rule 5: :func:`partitioner.training.pipeline.extra_warmup` for the backend).
+    ``stage_memory``: each stage's peak priced from its own programs (rule 3's TVM stages,
+    :func:`partitioner.cost.memory.tvm_stage_memory`), in place of rule 3's sum."""
     from partitioner.cost.comm import collective_time
     from partitioner.cost.ops import nbytes
     from partitioner.cost.pipeline import pipeline_step_time
@@ -759,7 +762,7 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
             else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
     mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], PIPELINE_GRADIENT_COPIES) + lifted[i]
-           for i, s in enumerate(spans)]
+           for i, s in enumerate(spans)] if stage_memory is None else list(stage_memory)
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,
              "optimizer_s": max(opt), "comm_s": sum(sends) * m, "bottleneck_stage_s": max(stage_t),
              "fixed_s": per_step + max(f * m for f in mb_fixed) + max(upd_fixed), "deferred_tail_s": tail,
