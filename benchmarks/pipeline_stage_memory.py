@@ -9,7 +9,9 @@ compares with the cost model. Then, after each program's first call and after ea
 and the peak above the window's start, and what the runner visibly holds (each program's
 persistent input buffers, its lifted step constants, the output tensors it keeps). ``tracemalloc``
 does not see TVM's allocations: the rest (``rest``) is TVM's pooled storage, the arrays the step
-leaves alive and the heap's fragmentation.
+leaves alive and the heap's fragmentation. Beside them, ``predicted_mib``: the cost model's terms
+for the stage (:func:`partitioner.cost.memory.tvm_stage_memory`, what ``predict_training`` charges
+a TVM pipeline rank), priced from the same plan's programs.
 
     .venv/bin/python benchmarks/pipeline_stage_memory.py --model mlp --stage 1 [--steps 3] [--set M.ATTR=V]
 """
@@ -50,6 +52,18 @@ def _nbytes(t) -> int:
             else int(np.from_dlpack(t).nbytes)
     except Exception:  # noqa: BLE001 - a tuple or a shape: not storage
         return 0
+
+
+def _predicted(plan, stage: int) -> dict[str, float]:
+    """The cost model's terms for ``stage`` of ``plan`` (MiB), with rule 3's in-flight counts."""
+    from backends.tvm.lift_step_constants import step_constant_inputs
+    from partitioner.cost.memory import tvm_stage_memory
+    from partitioner.cost.training import stashed_micro_batches
+
+    counts = stashed_micro_batches(plan.schedule, plan.num_stages, plan.micro_batches, plan.extra_warmup)
+    terms = tvm_stage_memory(plan.stages[stage], micro_batches=plan.micro_batches, in_flight=counts[stage],
+                             constant_inputs=step_constant_inputs)
+    return {k: v / MiB for k, v in terms.to_json().items()}
 
 
 def _cached_builds(folder: Path) -> None:
@@ -117,7 +131,7 @@ def measure(name: str, stage: int, steps: int, trace: int = 0) -> dict:
             row(f"step {s + 1}")
         held = _held(runner)
     return {"model": name, "stage": stage, "programs": programs, "state_mib": state / MiB, "rows": rows,
-            "held_mib": held, "cpu_s": cpu, "stage_weights_mib": sum(runner.state[w].nbytes for w in runner.stage.weights) / MiB}
+            "held_mib": held, "predicted_mib": _predicted(plan, stage), "cpu_s": cpu, "stage_weights_mib": sum(runner.state[w].nbytes for w in runner.stage.weights) / MiB}
 
 
 def main(argv: list[str] | None = None) -> int:

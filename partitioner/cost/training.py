@@ -69,7 +69,12 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    ranks sharing one arena across their sessions, 2 MPI ranks; the zoo mlp 2048 wide at batch 32
    and 4x1024 at batch 1024): single, data and pipeline 1F1B (SGD, Adam) within 0.80-1.03 of the
    prediction on every rank; tensor 0.62-0.67 at batch 1024 (docs/training.md, "What the
-   measured peak holds").
+   measured peak holds"). A TVM pipeline stage (``memory.TVM_STAGE_MEMORY``) is priced from the
+   programs its runner builds instead (:func:`partitioner.cost.memory.tvm_stage_memory`: the
+   state, the persistent input buffers of what the programs take as arrays, the prepared and
+   lifted step constants, TVM's pooled storage as each program's peak live bytes, the stash in
+   flight, the held gradients, the deferred program's stash and the sends): rule 3's sum, made for
+   ONNX Runtime's one arena, priced the zoo mlp's TVM stages at 0.41-0.61 of their measured peaks.
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
