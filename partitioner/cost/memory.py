@@ -278,15 +278,17 @@ def array_input_bytes(stage: Any, programs: dict[str, Any]) -> float:
 
 
 def step_constant_bytes(programs: dict[str, Any], constant_inputs: Any) -> float:
-    """What the lifted step constants and the prepared values hold: the prepare program's outputs
-    (the weights' transposes, alive through the micro-batches) plus the largest program's lifted
-    transforms (``executable`` rule 8: one packed copy per step-constant input, named by
-    ``constant_inputs(program)``; ``pipeline_runner.RELEASE_STEP_CONSTANTS`` drops a program's after
-    its last call of the step, so one program's are alive at a time)."""
+    """What the prepared values and the lifted step constants hold: the prepare program's outputs
+    (the weights' transposes, alive through the micro-batches) plus every program's lifted
+    transforms (``executable`` rule 8: one transformed copy per step-constant input, named by
+    ``constant_inputs(program)``). Summed over the programs, not the largest one's though
+    ``pipeline_runner.RELEASE_STEP_CONSTANTS`` drops a program's after its last call of the step:
+    the released blocks are not what the next program's transform gets (the zoo mlp 4x1024's last
+    stage, ``benchmarks/pipeline_stage_memory.py``: the RSS grows by ``FBt``'s 16 MiB at its first
+    call of step 2, after ``FB``'s 16 MiB were released)."""
     prepared = sum(value_bytes(o) for o in programs["P"].graph.output) if "P" in programs else 0.0
-    lifted = [sum(value_bytes(v) for v in p.graph.input if v.name in set(constant_inputs(p)))
-              for p in programs.values()]
-    return prepared + max(lifted, default=0.0)
+    return prepared + sum(value_bytes(v) for p in programs.values() for v in p.graph.input
+                          if v.name in set(constant_inputs(p)))
 
 
 def pool_bytes(stage: Any, programs: dict[str, Any]) -> float:
