@@ -8,6 +8,9 @@
   (:func:`partitioner.cost.workdepth.peak_activation_bytes`), times the micro-batches in flight
   (:func:`activation_copies`: min(m, stages) for a pipeline, the one rule of the cost model).
 - Comm buffers: receive/staging buffers of the communication ops.
+
+:func:`rank_peak` is one rank's measured peak per runtime (inference ranks); :func:`tvm_stage_memory`
+a TVM training pipeline stage's, from the stage's own programs (training rule 3 for TVM stages).
 """
 
 from __future__ import annotations
@@ -209,8 +212,9 @@ def rank_peak(rule: RuntimeMemory, *, embedded_weight_bytes: float, mapped_weigh
 
 #: price a TVM pipeline stage's peak from the stage's own programs (:func:`tvm_stage_memory`);
 #: off: training rule 3's ``3 S + 4 G`` + stash + rule 10's filters, as for ONNX Runtime stages.
-#: Before it (session 14, current code, 2 MPI ranks, 1F1B x8): the zoo mlp 4x1024's stages
-#: measured 99.6 / 149.0 MiB against 61.1 / 58.8 predicted, bert's 63.6 / 87.0 against 56.4 / 34.9
+#: Measured (session 14, 2 MPI ranks, 1F1B x8, ``benchmarks/train_step.py`` sizes, load 1.3-5.8): the
+#: zoo mlp 4x1024's stages 99.6 / 149.0 MiB, predicted 61.1 / 58.8 off and 84.0 / 130.1 on; bert's
+#: 63.6 / 87.0, predicted 56.4 / 34.9 off and 58.5 / 84.3 on (docs/training.md, "TVM pipeline stages")
 TVM_STAGE_MEMORY = True
 
 #: a stage's programs as the pipeline runner names them (``pipeline_runner.PipelineRunner._exe``)

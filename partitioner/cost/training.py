@@ -74,7 +74,7 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    state, the persistent input buffers of what the programs take as arrays, the prepared and
    lifted step constants, TVM's pooled storage as each program's peak live bytes, the stash in
    flight, the held gradients, the deferred program's stash and the sends): rule 3's sum, made for
-   ONNX Runtime's one arena, priced the zoo mlp's TVM stages at 0.41-0.61 of their measured peaks.
+   ONNX Runtime's one arena, priced the zoo mlp's TVM stages at 0.61 and 0.39 of their measured peaks.
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
