@@ -291,8 +291,11 @@ def step_constant_bytes(programs: dict[str, Any], constant_inputs: Any) -> float
     stage, ``benchmarks/pipeline_stage_memory.py``: the RSS grows by ``FBt``'s 16 MiB at its first
     call of step 2, after ``FB``'s 16 MiB were released)."""
     prepared = sum(value_bytes(o) for o in programs["P"].graph.output) if "P" in programs else 0.0
-    return prepared + sum(value_bytes(v) for p in programs.values() for v in p.graph.input
-                          if v.name in set(constant_inputs(p)))
+    lifted = 0.0
+    for p in programs.values():
+        names = set(constant_inputs(p))
+        lifted += sum(value_bytes(v) for v in p.graph.input if v.name in names)
+    return prepared + lifted
 
 
 def pool_bytes(stage: Any, programs: dict[str, Any]) -> float:

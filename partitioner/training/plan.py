@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from partitioner.core.errors import UsageError
 from partitioner.cost import training as cost
-from partitioner.cost.memory import TVM_STAGE_MEMORY
+from partitioner.cost import memory as cost_memory
 from partitioner.cost.training import TrainingPrediction
 
 STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
@@ -88,7 +88,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         if be == "tvm" and step is not None:  # cost rule 10: hoist rules 5 and 7 on TVM stages
             prof.constants = _step_constants(graph, step, m, device)
         stage_memory = _tvm_stage_memory(model, loss, optimizer, batch, devices, m, schedule, memory_limit) \
-            if be == "tvm" and TVM_STAGE_MEMORY and step is not None else None
+            if be == "tvm" and cost_memory.TVM_STAGE_MEMORY and step is not None else None
         pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute, extra, stage_memory)
         return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
                                   cut=MEASURED if seconds is not None else COST_MODEL)
@@ -101,20 +101,19 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
 
 
 def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int, schedule: str,
-                      memory_limit: float | None) -> list[float] | None:
+                      memory_limit: float | None) -> list[float]:
     """Cost rule 3 on TVM stages (:data:`partitioner.cost.memory.TVM_STAGE_MEMORY`): each stage's
     peak priced from the programs the runner builds (the plan as ``train`` makes it, graphs only,
     nothing compiled), with rule 3's in-flight counts of the plan's schedule."""
     from backends.tvm.lift_step_constants import step_constant_inputs
-    from partitioner.cost.memory import tvm_stage_memory
     from partitioner.training.optimizers import make_optimizer
     from partitioner.training.pipeline import build_pipeline
 
     plan = build_pipeline(model, loss, make_optimizer(optimizer, 1e-3), batch=batch, stages=stages, micro_batches=m,
                           schedule=schedule, memory_limit=memory_limit, backend="tvm")
     counts = cost.stashed_micro_batches(schedule, plan.num_stages, m, plan.extra_warmup)
-    return [tvm_stage_memory(st, micro_batches=m, in_flight=counts[st.index],
-                             constant_inputs=step_constant_inputs).total for st in plan.stages]
+    return [cost_memory.tvm_stage_memory(st, micro_batches=m, in_flight=counts[st.index],
+                                         constant_inputs=step_constant_inputs).total for st in plan.stages]
 
 
 def _step_graph(model: Any, batch: int, loss: str, optimizer: str) -> ir.Model | None:

@@ -76,9 +76,7 @@ def test_predict_training_charges_the_rule_on_tvm_only(monkeypatch) -> None:
     tvm = predict_training(model, "pipeline", 2, backend="tvm", **kw).memory_per_rank
     assert tvm == pytest.approx([_terms(plan, s).total for s in range(2)])
     ort = predict_training(model, "pipeline", 2, backend="onnxruntime", **kw).memory_per_rank
-    import partitioner.training.plan as plan_mod
-
-    monkeypatch.setattr(plan_mod, "TVM_STAGE_MEMORY", False)
+    monkeypatch.setattr(memory, "TVM_STAGE_MEMORY", False)
     off = predict_training(model, "pipeline", 2, backend="tvm", **kw).memory_per_rank
     assert off != pytest.approx(tvm)
     assert ort != pytest.approx(tvm)
@@ -100,9 +98,7 @@ def test_measured_peak_of_a_tvm_stage_within_25_percent(monkeypatch) -> None:
     measured = max(r["peak"] for r in bench.measure("bert", 1, 3)["rows"]) * 2**20
     assert abs(terms.total - measured) <= 0.25 * measured, (terms, measured)
     assert abs(terms.total - terms.pool - measured) > 0.25 * measured
-    import partitioner.training.plan as plan_mod
-
-    monkeypatch.setattr(plan_mod, "TVM_STAGE_MEMORY", False)
+    monkeypatch.setattr(memory, "TVM_STAGE_MEMORY", False)
     old = predict_training(model, "pipeline", 2, batch=batch, micro_batches=stages.MICRO_BATCHES, loss=loss,
                            backend="tvm").memory_per_rank[1]
     assert abs(old - measured) > 0.25 * measured
