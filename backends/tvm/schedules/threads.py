@@ -52,7 +52,8 @@ Used by ``gemm_packed`` (where such heads land, N padded); the direct-convolutio
 FLOPs alone. Zoo and held-out kernels it moves to the pool (2-thread builds, scheduling audit
 with the knob on and off): heldout_unet b1's head, and heldout_mbv2 b1's two 1x1 expansions 16 ->
 96 on 24x24 with a folded BN + ReLU6 (1.77 MFLOP + 3 ops x 55K elements); none in heldout_unet
-b8, heldout_mbv2 b8, heldout_vit b1/b8, bert b1/b8, gpt b1, mobilenet b1, resnet18 b1. Measured
+b8, heldout_mbv2 b8, heldout_vit b1/b8, heldout_inception b1, bert b1/b8, gpt b1, mobilenet b1,
+resnet18 b1, resnet50 b1 (other rows not audited). Measured
 (``kernel_profile.py --scaling --baseline ...threads.COUNT_EPILOGUE_OPS=False``, 30 interleaved
 rounds, each call's minimum, run under ``nice -20`` in its own autogroup at load ~15,
 docs/per_device_speed.md, "heldout_unet at batch 1 on 2 threads (session 14)"): the U-Net head
