@@ -40,7 +40,9 @@ turns into a free reshape.
 
 Threads: the outer loop is parallel only when the product has at least
 :func:`~backends.tvm.schedules.threads.parallel_min_flops` (below that the fork/join of TVM's
-pool costs more than it saves; :mod:`backends.tvm.schedules.threads`).
+pool costs more than it saves; :mod:`backends.tvm.schedules.threads`), counting the fused
+epilogue's operations per output element as work too (``threads.with_epilogue``: a small-K head
+with a sigmoid).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .contraction import Contraction, _uses
 from .injective import schedule_spatial_block
-from .threads import worth_parallel
+from .threads import epilogue_ops, with_epilogue, worth_parallel
 from .vector import const_extent, vector_lanes
 
 LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
@@ -179,7 +181,8 @@ class GemmPacked(CPUScheduleRule):
         pack = _pack_b(sch, red, b_idx, nr, b_transposed, padding)
         if b_is_param:
             sch.annotate(pack, LAYOUT_REWRITE, True)
-        # 2. accumulators + tiling
+        # 2. accumulators + tiling (the epilogue counted before cache_write adds its copy block)
+        ops = epilogue_ops(sch, red)
         wb = sch.cache_write(red, 0, "local")
         if fuse_rows is not None:  # a 1x1 conv on a narrow map: rows = h x w (see _fuse_rows)
             sch.fuse(*sch.get_loops(red)[ns - 3:ns - 1])
@@ -192,7 +195,7 @@ class GemmPacked(CPUScheduleRule):
         tiles = (io, jo) if rows_outer else (jo, io)
         sch.reorder(*b_loops, *tiles, *unit_r, lk, ii, jj, jv)
         outer = sch.fuse(*b_loops, *tiles)
-        if worth_parallel(flops):
+        if worth_parallel(with_epilogue(flops, ops, flops / (2.0 * k))):  # work incl. the epilogue
             sch.parallel(outer)
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
         names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}

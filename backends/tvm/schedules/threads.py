@@ -12,7 +12,21 @@ range's low end (measured earlier on GEMMs: below ~2 MFLOP the 2-thread run was 
 
 Kernels that run well below the FMA peak on one thread pass ``peak_fraction`` to
 :func:`worth_parallel` (the threshold is about time, so their FLOP threshold shrinks by that
-share): the depthwise rule does (``depthwise.PARALLEL_PEAK_FRACTION``, 0.4).
+share): the depthwise rule does (``depthwise.PARALLEL_PEAK_FRACTION``, 0.4), and so does a
+contraction whose vectors are narrower than the machine's (:func:`lane_share`).
+
+Narrow-vector contractions (:data:`NARROW_VECTOR_SHARE`, :func:`lane_share`). A contraction
+(``schedules/contraction.py``) whose vector axis (a conv's output channels, a GEMM's columns) is
+vectorised ``V`` lanes wide on a machine of ``L`` lanes (AVX-512 float32: 16) issues FMAs that
+each do ``V`` of ``L`` lanes' work, so it runs at most ``V/L`` of the FMA peak the threshold is
+sized for: its time is at least ``flops / (R x V/L)``, and the threshold on its FLOPs shrinks by
+``V/L`` (a bound, not an estimate: such a kernel can only be slower). Shapes it is for: 1x1
+convolution heads with fewer output channels than lanes over a full-resolution map (the U-Net
+of ``benchmarks/heldout_models.py`` at batch 1: 16 -> 3 channels on 64x64, padded to 8 lanes, a
+fused sigmoid, 1.05 MFLOP counted on the padded channels, 33-40 us on one thread at ~0.25 of the
+peak, and ONNX Runtime runs that node on both threads), and convs or GEMMs of 4-12 (or 20-28,
+...) channels generally. Kernels with full-width vectors (``V = L``), scalar ones (``V = 1``:
+not vectorised on that axis, left as they were) and builds for one thread do not change.
 
 Where the number comes from, first match wins:
 
@@ -20,6 +34,31 @@ Where the number comes from, first match wins:
 2. :func:`set_parallel_min_flops` (``backends.tvm.peak.measure_fork_join`` +
    :func:`threshold_from` give the machine's own value);
 3. :data:`DEFAULT_PARALLEL_MIN_FLOPS`.
+
+Epilogue work (:data:`COUNT_EPILOGUE_OPS`, :func:`epilogue_ops`, :func:`with_epilogue`). The
+FLOP count of a contraction is its multiply-adds; what is fused after them (bias, ReLU, a fast
+``sigmoid``/``tanh``/``erf`` polynomial of ~20-30 distinct operations) runs once per output
+element and takes time too. The kernel's work as the threshold sees it is its FLOPs plus
+:data:`EPILOGUE_FLOPS_PER_OP` (2: one vector operation per lane takes about one FMA slot, 2
+FLOPs) x the distinct arithmetic operations of its epilogue x its output elements (with N
+padded: the vector computes the padding lanes too). Shapes it is for: small-K GEMMs and 1x1
+convolutions with a transcendental epilogue, where the epilogue is as large as the product: the
+U-Net head of ``benchmarks/heldout_models.py`` at batch 1 (1x1 conv 16 -> 3 channels, padded to
+8, on 64x64, fused bias + sigmoid: 1.05 MFLOP of FMAs, 33-40 us on one thread, 0.26 of the FMA
+peak, serial under the 2 MFLOP threshold; ONNX Runtime runs that node on both threads) counts
+~3 MFLOP and goes to the pool. A bias + ReLU (3 operations: 6 FLOPs per element) moves only
+products whose K is below ~10; kernels with K in the hundreds (every zoo GEMM) do not change.
+Used by ``gemm_packed`` (where such heads land, N padded); the direct-convolution rule keeps
+FLOPs alone. Zoo and held-out kernels it moves to the pool (2-thread builds, scheduling audit
+with the knob on and off): heldout_unet b1's head, and heldout_mbv2 b1's two 1x1 expansions 16 ->
+96 on 24x24 with a folded BN + ReLU6 (1.77 MFLOP + 3 ops x 55K elements); none in heldout_unet
+b8, heldout_mbv2 b8, heldout_vit b1/b8, heldout_inception b1, bert b1/b8, gpt b1, mobilenet b1,
+resnet18 b1, resnet50 b1 (other rows not audited). Measured
+(``kernel_profile.py --scaling --baseline ...threads.COUNT_EPILOGUE_OPS=False``, 30 interleaved
+rounds, each call's minimum, run under ``nice -20`` in its own autogroup at load ~15,
+docs/per_device_speed.md, "heldout_unet at batch 1 on 2 threads (session 14)"): the U-Net head
+30.5 -> 17.8 us on 2 threads (1 thread 29.6 / 30.2 us), the mbv2 expansions 19.1 / 19.0 -> 14.7 /
+13.7 us.
 
 Builds for one thread (:data:`SERIAL_WHEN_ONE_THREAD`). A build that knows it will run on one
 thread (:func:`building_for`, set around the TVM build from the artifact's threads per rank:
@@ -78,7 +117,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 DEFAULT_PARALLEL_MIN_FLOPS = 2e6
 FORK_JOIN_MARGIN = 2.0
@@ -89,6 +128,13 @@ SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 #: a build for one thread emits no parallel loop (module docstring, "Builds for one thread");
 #: False: the FLOP/element thresholds alone decide, whatever the build's thread count
 SERIAL_WHEN_ONE_THREAD = True
+#: count a contraction's fused epilogue in its work (module docstring, "Epilogue work"); False:
+#: multiply-adds alone, as before
+COUNT_EPILOGUE_OPS = True
+EPILOGUE_FLOPS_PER_OP = 2.0
+#: a contraction vectorised narrower than the machine's vectors scales its FLOP threshold by its
+#: lane share (module docstring, "Narrow-vector contractions"); False: share 1.0, as before
+NARROW_VECTOR_SHARE = True
 
 _configured: float | None = None
 _build_threads: int | None = None
@@ -150,6 +196,75 @@ def worth_parallel(flops: float, peak_fraction: float = 1.0) -> bool:
     per FLOP as 2.5 GEMM FLOPs (``depthwise.PARALLEL_PEAK_FRACTION``). Always False in a build
     for one thread (:data:`SERIAL_WHEN_ONE_THREAD`)."""
     return not _serial_build() and flops >= parallel_min_flops() * peak_fraction
+
+
+def lane_share(vec: int, lanes: int) -> float:
+    """The share of the FMA peak a contraction vectorised ``vec`` lanes wide can reach on a
+    machine of ``lanes`` lanes: ``vec / lanes`` when ``4 <= vec < lanes`` and
+    :data:`NARROW_VECTOR_SHARE` holds, else 1.0 (module docstring, "Narrow-vector
+    contractions"); :func:`worth_parallel`'s ``peak_fraction``."""
+    if not NARROW_VECTOR_SHARE or not 4 <= vec < lanes:
+        return 1.0
+    return vec / lanes
+
+
+def epilogue_ops(sch: Any, red: Any) -> int:
+    """Distinct arithmetic operations (structurally different subexpressions: what LLVM computes
+    once after common-subexpression elimination) in the values the consumers of the reduction
+    block ``red`` store, followed consumer to consumer: the epilogue a contraction fuses.
+    Addressing (buffer indices) is not counted."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    seen: set[int] = set()
+    binary = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Min, tirx.Max, tirx.FloorDiv, tirx.FloorMod)
+
+    def walk(e: Any) -> None:
+        if isinstance(e, binary):
+            kids = [e.a, e.b]
+        elif isinstance(e, tvm.ir.Call):
+            kids = list(e.args)
+        elif isinstance(e, tirx.Cast):
+            kids = [e.value]
+        elif isinstance(e, tirx.Select):
+            kids = [e.condition, e.true_value, e.false_value]
+        else:
+            return
+        key = tvm_ffi.structural_hash(e)
+        if key not in seen:  # a repeated subtree is computed once
+            seen.add(key)
+            for k in kids:
+                walk(k)
+
+    try:
+        _walk_consumers(sch, red, walk)
+    except (AttributeError, TypeError, ValueError):  # an epilogue shape not foreseen: no extra work
+        return 0  # (raising would make the GEMM rule's caller fall back to another schedule)
+    return len(seen)
+
+
+def _walk_consumers(sch: Any, red: Any, walk: Any) -> None:
+    """``walk`` the stored value of every block downstream of ``red``, each block once."""
+    from tvm import tirx
+
+    todo, done = list(sch.get_consumers(red)), set()
+    while todo:
+        blk = todo.pop()
+        body = sch.get(blk).body
+        if str(sch.get(blk).name_hint) in done:
+            continue
+        done.add(str(sch.get(blk).name_hint))
+        if isinstance(body, tirx.BufferStore):
+            walk(body.value)
+        todo.extend(sch.get_consumers(blk))
+
+
+def with_epilogue(flops: float, ops: int, elements: float) -> float:
+    """``flops`` plus the epilogue's work (module docstring, "Epilogue work"): ``ops`` distinct
+    operations per output element on ``elements`` elements; ``flops`` unchanged when
+    :data:`COUNT_EPILOGUE_OPS` is off."""
+    return flops + (EPILOGUE_FLOPS_PER_OP * ops * elements if COUNT_EPILOGUE_OPS else 0.0)
 
 
 def parallel_elements(elements: float, minimum: float = PARALLEL_MIN_ELEMENTS) -> bool:
