@@ -77,4 +77,6 @@ def test_threshold_sources(restore_threshold, monkeypatch) -> None:
 @pytest.mark.skipif(_usable_cores() < 2, reason="one usable core: no fork/join to measure")
 def test_fork_join_probe_measures_a_real_cost() -> None:
     fj = measure_fork_join(threads=2, batches=5, calls=100)
-    assert 0.0 < fj < 1e-3
+    # seconds per fork/join: a few microseconds on a quiet machine, 1.76 ms measured at load 15
+    # (a worker waiting for a core); 10 ms still catches a unit slip (per batch of 100 calls, or us)
+    assert 0.0 < fj < 1e-2
