@@ -33,7 +33,8 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
    ranks and two messages when the stages are balanced (for models where that chain, not the
    slower stage, sets the step). The stage DP and the cost model count the same stashes
    (:func:`in_flight`); under ``memory_limit`` the plan drops ``e`` before recompute
-   (:func:`warmup_cut`).
+   (:func:`warmup_cut`). With ``PLANNED_WARMUP`` (off) the plan chooses ``e`` itself by
+   simulating its step both ways (:func:`chosen_warmup`).
 6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
    ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
