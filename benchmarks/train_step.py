@@ -159,7 +159,8 @@ def run_case(name: str, backend: str, steps: int, quick: bool, baseline: dict | 
     return results
 
 
-def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str], rounds: int) -> list[dict]:
+def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str], rounds: int,
+               batch: int | None = None) -> list[dict]:
     """A knob's before/after measured in one run (``--paired-env NAME=VALUE``): every configuration
     of ``labels`` runs with the environment as it is (``setting`` "default") and with ``NAME=VALUE``
     ("env"), each in a fresh process (the environment reaches its MPI ranks), the order alternating
@@ -172,7 +173,7 @@ def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str],
     key, _, value = env.partition("=")
     if not key or not value:
         raise SystemExit(f"--paired-env {env!r}: expected NAME=VALUE")
-    kwargs, loss = CASES[name]
+    kwargs, loss = case(name, False, batch)  # ``batch``: --batch, else the model's default
     batch, old = kwargs["batch"], os.environ.get(key)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -438,13 +439,15 @@ def paired_main(args) -> int:
     """``--paired-env``: :func:`run_paired` per model; prints each row, writes the JSON."""
     args.results_dir.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
-        rows = run_paired(name, args.backend, args.steps, args.paired_env, args.configs.split(";"), args.rounds)
+        rows = run_paired(name, args.backend, args.steps, args.paired_env, args.configs.split(";"), args.rounds,
+                          args.batch)
         for r in rows:
             cpu = r.get("median_step_cpu_s")
             print(f"{name} {r['label']:<32} {r['setting']:<8} round {r['round']}  wall "
                   f"{r.get('median_step_s', float('nan')) * 1e3:8.2f} ms  CPU "
                   f"{(cpu or float('nan')) * 1e3:8.2f} ms  load {r['load'][:1]}")
-        doc = {"model": name, "backend": args.backend, "env": args.paired_env, "steps": args.steps, "rows": rows}
+        doc = {"model": name, "backend": args.backend, "env": args.paired_env, "steps": args.steps, "rows": rows,
+               "batch": case(name, False, args.batch)[0]["batch"]}
         (args.results_dir / f"train_step_{name}_{args.backend}_paired.json").write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
@@ -482,8 +485,8 @@ def main() -> int:
                    help="with --paired-env: the configuration labels to run, separated by ';'")
     p.add_argument("--rounds", type=int, default=2, help="with --paired-env: rounds (order alternates)")
     args = p.parse_args()
-    if args.batch is not None and (args.batch < 1 or args.paired_env is not None or args.quick):
-        p.error("--batch takes a positive batch, and not with --paired-env or --quick")
+    if args.batch is not None and (args.batch < 1 or args.quick):
+        p.error("--batch takes a positive batch, and not with --quick")
     if args.paired_env is not None:
         return paired_main(args)
     if args.repredict is not None:

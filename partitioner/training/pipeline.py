@@ -33,7 +33,8 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
    ranks and two messages when the stages are balanced (for models where that chain, not the
    slower stage, sets the step). The stage DP and the cost model count the same stashes
    (:func:`in_flight`); under ``memory_limit`` the plan drops ``e`` before recompute
-   (:func:`warmup_cut`).
+   (:func:`warmup_cut`). With ``PLANNED_WARMUP`` (off) the plan chooses ``e`` itself by
+   simulating its step both ways (:func:`chosen_warmup`).
 6. State names are the 1-rank step's (``W``, ``W.m``, ``W.v``, ``W.velocity``,
    ``optimizer.step``, BN statistics); each stage holds its own weights' state (``optimizer.step``
    in every stage), so a checkpoint gathered from the stages is a 1-rank checkpoint.
@@ -105,6 +106,21 @@ EXTRA_WARMUP_BY_BACKEND: dict[str, int] = {"onnxruntime": 1, "tvm": 0}
 #: both ways (``=0`` turns it off on ONNX Runtime); None: the table decides
 _ENV_WARMUP = os.environ.get("PARTITIONER_TRAIN_PIPE_EXTRA_WARMUP")
 EXTRA_WARMUP: int | None = int(_ENV_WARMUP) if _ENV_WARMUP not in (None, "") else None
+
+
+#: rule 5: the plan chooses its extra warm-up (0 or 1) by simulating its 1F1B step both ways
+#: (:func:`chosen_warmup`) wherever rule 1's cut has measured node prices; off (or a cost-model
+#: cut): :data:`EXTRA_WARMUP_BY_BACKEND` decides. Off by default: the simulation prices a message
+#: at the calibrated link's time (a few microseconds for the zoo's cuts), and with it it does not
+#: reproduce the measured gain of the ONNX Runtime resnet at batch 16 (paired, quiet, session 12:
+#: 303.7 -> 278.1 ms with the extra warm-up; the simulation, from the measured stage prices 36.3 /
+#: 39.4 ms: no gain, so it would drop it). What the extra forward hides there is the ranks'
+#: wake-up and jitter around a message, which nothing calibrates yet (docs/training.md, rule 5)
+PLANNED_WARMUP = False
+#: rule 5: the share of the simulated step the extra warm-up must save to be kept. The simulation
+#: prices neither its cost in memory traffic (one more micro-batch of stashed activations alive)
+#: nor the ranks' jitter it absorbs; a gain below this is left to the smaller stash
+WARMUP_MIN_GAIN = 0.01
 
 
 def extra_warmup(backend: str | None) -> int:
@@ -232,6 +248,61 @@ def stage_cut(graph: ir.Graph, stages: int, *, memory_limit: float | None = None
     return ends, False
 
 
+def warmup_bound(backend: str | None, seconds: np.ndarray | None) -> int:
+    """Rule 5: the most extra warm-up a 1F1B plan may keep, before the cut (the stage DP's stash
+    counts under ``memory_limit`` read it: :func:`warmup_cut`): ``EXTRA_WARMUP`` when set; 1 where
+    :func:`chosen_warmup` will simulate (``PLANNED_WARMUP`` and measured node ``seconds``); else the
+    backend's table entry (:func:`extra_warmup`)."""
+    if EXTRA_WARMUP is None and PLANNED_WARMUP and seconds is not None:
+        return 1
+    return extra_warmup(backend)
+
+
+def warmup_step_times(graph: ir.Graph, ends: list[int], micro_batches: int, seconds: np.ndarray,
+                      defer: bool = False, cluster: Any = None) -> list[float]:
+    """Rule 5: the 1F1B step simulated (:func:`partitioner.cost.pipeline.simulated_step_time`)
+    with no extra warm-up and with one, from what the planner already has: each stage's measured
+    seconds per micro-batch (rule 1's node prices at the micro-batch, ``seconds``; a deferring
+    last stage at its deferring prices, measured_cut rule 7's second row), split a third forward
+    and two thirds backward (the backward about twice the forward, rule 1), and each cut's
+    message both ways priced by the cost model's link (``collective_time("send")`` of the bytes
+    crossing it, on ``cluster``, default ``cpu:S``)."""
+    from partitioner.cluster import resolve_cluster
+    from partitioner.cost.comm import collective_time
+    from partitioner.cost.pipeline import simulated_step_time
+    from partitioner.cost.training import cut_bytes
+
+    rows = np.atleast_2d(np.asarray(seconds, dtype=float))
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    last = len(ends) - 1
+    total = [float(rows[1 if defer and s == last else 0][a:b + 1].sum()) for s, (a, b) in enumerate(zip(starts, ends))]
+    cl = resolve_cluster(cluster if cluster is not None else f"cpu:{len(ends)}")
+    sends = [collective_time("send", cut_bytes(graph, e), [k, k + 1], cl).seconds for k, e in enumerate(ends[:-1])]
+    return [simulated_step_time([t / 3 for t in total], [2 * t / 3 for t in total], sends, micro_batches, "1f1b", e)
+            for e in (0, 1)]
+
+
+def chosen_warmup(graph: ir.Graph, ends: list[int], micro_batches: int, seconds: np.ndarray | None, bound: int,
+                  defer: bool = False) -> int:
+    """Rule 5's choice for a 1F1B plan, after the cut (``bound``: :func:`warmup_bound`, 0 once the
+    memory limit dropped it): the extra warm-up is kept when :func:`warmup_step_times` says it
+    shortens the step by at least ``WARMUP_MIN_GAIN``. On 2 stages (``t0``, ``t1`` a micro-batch,
+    ``c`` one message) it pays (a) when the stages are balanced within the round trip (``|t1 -
+    t0| < 2 c``: without it every micro-batch waits ``c - |t1 - t0| / 2`` for a chain through both
+    ranks and both messages, the chain the extra forward spreads over one more micro-batch), or
+    (b) once per step when stage 0 is the slower (``t0 > t1``): after its warm-up forwards its
+    first ``B`` waits for the last stage's first ``FB``, about ``t1 + 2 c - f0`` with ``f0`` its
+    forward; the extra forward fills ``f0`` of it. Where the last stage is the slower by more than
+    the round trip the extra forward only stashes one more micro-batch (no gain; with 3 or more
+    stages a later first backward can even lengthen the step).
+    ``EXTRA_WARMUP``, ``PLANNED_WARMUP`` off or no measured ``seconds`` (a cost-model cut):
+    ``bound`` as the table gave it."""
+    if not bound or EXTRA_WARMUP is not None or not PLANNED_WARMUP or seconds is None:
+        return bound
+    without, with_one = warmup_step_times(graph, ends, micro_batches, seconds, defer)
+    return int(with_one < (1.0 - WARMUP_MIN_GAIN) * without)
+
+
 def warmup_cut(graph: ir.Graph, stages: int, schedule: str, micro_batches: int, extra: int,
                **cut: Any) -> tuple[list[int], bool, int]:
     """Rules 1, 5 and 8: :func:`stage_cut` with the stages' in-flight counts, and the extra warm-up
@@ -328,12 +399,13 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     whole = _load(model, batch) if _defers(memory_limit, micro_batches) and backend == "onnxruntime" else None
     seconds = shared_node_seconds(fwd, loss, backend, comm, list(ranks), whole, micro_batches,
                                   stages if memory_limit is None else 0)  # measured_cut rule 8
-    defer, extra = False, extra_warmup(backend) if schedule == "1f1b" else 0
+    defer, extra = False, warmup_bound(backend, seconds) if schedule == "1f1b" else 0
     if seconds is not None and seconds.ndim == 2:  # rule 10: measured_cut rule 7's rows
         (ends, defer), recompute = deferred_cut(fwd.graph, stages, micro_batches, seconds), False
     else:
         ends, recompute, extra = warmup_cut(fwd.graph, stages, schedule, micro_batches, extra, seconds=seconds,
                                             memory_limit=memory_limit, state_copies=len(optimizer.slots))
+    extra = chosen_warmup(fwd.graph, ends, micro_batches, seconds, extra, defer)  # rule 5
     split = _balancing_split(fwd.graph, ends, seconds, names, recompute, memory_limit, micro_batches)
     if split is not None:  # rule 11
         fwd, ends = split_cut.apply(fwd, split), split_cut.shifted(ends, split)
@@ -653,18 +725,11 @@ def in_flight(schedule: str, stages: int, micro_batches: int, extra: int = 0) ->
 def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int,
                    extra: int = 0) -> list[tuple[str, int]]:
     """Rule 5: the stage's ``("F", m)`` / ``("B", m)`` order (the last stage: ``("FB", m)``);
-    ``extra``: the plan's :func:`extra_warmup` (1F1B only)."""
-    m_all = range(micro_batches)
-    if stage == stages - 1:
-        return [("FB", m) for m in m_all]
-    if schedule == "gpipe":
-        return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
-    warm = min(stages - stage - 1 + extra, micro_batches)
-    order = [("F", m) for m in range(warm)]
-    for i in range(micro_batches - warm):
-        order += [("F", warm + i), ("B", i)]
-    order += [("B", m) for m in range(micro_batches - warm, micro_batches)]
-    return order
+    ``extra``: the plan's extra warm-up (1F1B only). The cost model's simulation runs the same
+    order (:func:`partitioner.cost.pipeline.schedule_order`)."""
+    from partitioner.cost.pipeline import schedule_order as order
+
+    return order(schedule, stage, stages, micro_batches, extra)
 
 
 def tag(plan: PipelinePlan, m: int, value: str, backward_dir: bool) -> int:

@@ -70,14 +70,15 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         _count_step_nodes(prof, model, local, loss, optimizer, overheads, step)
     if strategy == "pipeline" and devices > 1:
         from partitioner.training.measured_cut import COST_MODEL, MEASURED, node_seconds
-        from partitioner.training.pipeline import extra_warmup, warmup_cut
+        from partitioner.training.pipeline import chosen_warmup, warmup_bound, warmup_cut
 
         be = backend or (overheads.backend if overheads is not None and overheads.backend else "onnxruntime")
         from partitioner.training.pipeline import _defers, deferred_cut
 
         whole = _load(model, batch) if _defers(memory_limit, m) and be == "onnxruntime" else None  # measured_cut rule 7
         seconds = node_seconds(fwd, loss, be, whole, m, devices if memory_limit is None else 0)
-        extra = extra_warmup(be) if schedule == "1f1b" else 0  # pipeline rule 5, as build_pipeline keeps it
+        extra = warmup_bound(be, seconds) if schedule == "1f1b" else 0  # pipeline rule 5, as build_pipeline keeps it
+        defers = False
         if seconds is not None and seconds.ndim == 2:  # pipeline rule 10 decides the cut
             (ends, defers), recompute = deferred_cut(graph, devices, m, seconds), False
             if defers:  # cost rule 9: the last stage's weight gradients once, at the whole batch
@@ -85,6 +86,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         else:
             ends, recompute, extra = warmup_cut(graph, devices, schedule, m, extra, memory_limit=memory_limit,
                                                 state_copies=copies, seconds=seconds)
+        extra = chosen_warmup(graph, ends, m, seconds, extra, defers)  # pipeline rule 5's simulated choice
         if be == "tvm" and step is not None:  # cost rule 10: hoist rules 5 and 7 on TVM stages
             prof.constants = _step_constants(graph, step, m, device)
         stage_memory = _tvm_stage_memory(model, loss, optimizer, batch, devices, m, schedule, memory_limit) \
