@@ -50,6 +50,16 @@ Rules:
    TVM with two buckets), and two threads pinned to one core show the yielder using 0.7 ms of
    CPU over 32 ms of waits against 1.6-2.9 ms for the 100 us sleep-poll (a wake-up per nap).
    The knob stays, off, to measure it again on a quiet machine (docs/training.md).
+10. Rule 7's own part: rank ``r`` alone reduces elements ``[lo, hi)`` (its ``1/R``), so it reads
+    them from its input arrays instead of copying them into its slot first; only the other
+    ``(R-1)/R`` of its input is copied in (for the members that reduce those parts), and the
+    reduction writes ``[lo, hi)`` of its slot, from which every member copies it out as before.
+    The additions and their order are unchanged (bit-identical); a rank's traffic per call goes
+    from ``(5 + 1/R) n`` to ``(5 - 1/R) n`` bytes (copy in ``(R-1)/R n``: read and write;
+    reduce ``n/R``: ``R`` reads and a write; copy out ``n``: read and write), i.e. a 45 MiB
+    gradient bucket on 2 ranks copies 22.5 MiB in instead of 45 (the zoo resnet's TVM data
+    rank, issue 16). For inputs of mixed dtypes (a cast on the way in) the whole input is
+    copied in. :data:`SHM_OWN_PART_FROM_INPUT` (default on; ``$PARTITIONER_SHM_OWN_PART=0`` off).
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ _MPI_OPS = ("sum", "max", "min", "prod")
 SHM_ENV = "PARTITIONER_SHM_ALLREDUCE"
 #: rule 7: arrays from this size reduce through shared memory (below it the gather is faster)
 SHM_MIN_BYTES = 1 << 20
+#: rule 10: a rank reduces its own part of the shared-memory AllReduce from its input instead of
+#: copying it into its slot first (``$PARTITIONER_SHM_OWN_PART=0``: the whole input copied in)
+SHM_OWN_PART_FROM_INPUT = os.environ.get("PARTITIONER_SHM_OWN_PART", "1") != "0"
 BACKGROUND_SLEEP_ENV = "PARTITIONER_COMM_BACKGROUND_SLEEP"
 #: rule 9: a background thread's waits sleep-poll instead of yielding (off: measured no better;
 #: 1 in the env: on)
@@ -431,17 +444,25 @@ class _ShmReducer:
         slots = [np.frombuffer(m, dtype=dtype, count=n) for m in self.slots]
         fn = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[reduction]
         mine = slots[self.rank]
-        # the last barrier of the previous call guarantees no member still reads this slot
-        for x, a, b in zip(xs, offsets[:-1], offsets[1:]):
-            np.copyto(mine[a:b], np.reshape(x, -1))
-        self._barrier(what)
         lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
-        # reduce_arrays' order (slot 0, then + slot 1, ...): bit-identical to the gather path;
-        # only this rank reads part [lo, hi) of its own slot, so it is written in place
-        part = mine[lo:hi]
-        fn(slots[0][lo:hi], slots[1][lo:hi], out=part)
-        for k in range(2, self.size):
-            fn(part, slots[k][lo:hi], out=part)
+        flats = [np.reshape(x, -1) for x in xs]
+        # rule 10: the part [lo, hi) only this rank reduces is read from the inputs, not copied in
+        direct = SHM_OWN_PART_FROM_INPUT and hi > lo and all(f.dtype == dtype for f in flats)
+        # the last barrier of the previous call guarantees no member still reads this slot
+        for flat, a, b in zip(flats, offsets[:-1], offsets[1:]):
+            for ka, kb in ((a, min(b, lo)), (max(a, hi), b)) if direct else ((a, b),):
+                if ka < kb:
+                    np.copyto(mine[ka:kb], flat[ka - a:kb - a])
+        self._barrier(what)
+        for flat, a, b in zip(flats, offsets[:-1], offsets[1:]):
+            ka, kb = max(a, lo), min(b, hi)
+            if ka < kb:  # reduce_arrays' order (slot 0, then + slot 1, ...): bit-identical to the gather
+                src = [flat[ka - a:kb - a] if k == self.rank and direct else slots[k][ka:kb]
+                       for k in range(self.size)]
+                part = mine[ka:kb]  # only this rank reads [lo, hi) of its own slot: written in place
+                fn(src[0], src[1], out=part)
+                for k in range(2, self.size):
+                    fn(part, src[k], out=part)
         self._barrier(what)
         outs = [np.empty(np.shape(x), dtype=dtype) for x in xs] if out is None else list(out)
         if any(not (o.flags.c_contiguous and o.flags.writeable) or o.size != x.size for o, x in zip(outs, xs)):

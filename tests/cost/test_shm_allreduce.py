@@ -21,12 +21,16 @@ def cluster(kind: str = "cpu", nodes: tuple[tuple[int, ...], ...] = ((0, 1),)) -
     return Cluster("c", devs, nodes, levels[:1] if len(nodes) == 1 else levels)
 
 
-def test_large_allreduce_on_one_node_is_priced_as_memory_passes():
+def test_large_allreduce_on_one_node_is_priced_as_memory_passes(monkeypatch):
     n = 16 * 2**20
     c = collective_time("allreduce", n, [0, 1], cluster())
-    # copy in (2n) + reduce (n read + n/2 written) + copy out (2n) at the memory bandwidth, 3 barriers
+    # copy in of the other rank's half (n: read and write n/2; runtime rule 10) + reduce (n read + n/2
+    # written) + copy out (2n) at the memory bandwidth, 3 barriers
     assert c.algorithm == "shm"
-    assert c.seconds == pytest.approx(3 * ALPHA + (2 * n + 1.5 * n + 2 * n) / BW)
+    assert c.seconds == pytest.approx(3 * ALPHA + (n + 1.5 * n + 2 * n) / BW)
+    monkeypatch.setattr(comm, "SHM_OWN_PART", False)  # the whole input copied in (2n)
+    assert collective_time("allreduce", n, [0, 1], cluster()).seconds == pytest.approx(
+        3 * ALPHA + (2 * n + 1.5 * n + 2 * n) / BW)
     assert c.seconds > comm.allreduce_time(n, 2, cluster().levels[0])[0]  # the alpha-beta price was lower
 
 
