@@ -44,3 +44,14 @@ def test_where_the_runtime_keeps_the_gather_the_link_prices_it(monkeypatch):
     off = collective_time("allreduce", n, [0, 1], cluster())
     assert off.seconds == pytest.approx(comm.allreduce_time(n, 2, cluster().levels[0],
                                                             comm.reduction_gamma(cluster(), [0, 1]))[0])
+
+
+def test_the_lent_last_bucket_is_priced_without_its_copy_out(monkeypatch):
+    n = 16 * 2**20
+    # the runtime's rule 11: the last bucket's reduced gradients are read in the window, so its
+    # copy out (read n, write n) is not paid; nothing is saved where the shm path is not taken
+    assert comm.shm_lent_saving(n, [0, 1], cluster()) == pytest.approx(2 * n / BW)
+    assert comm.shm_lent_saving(comm.SHM_MIN_BYTES - 4, [0, 1], cluster()) == 0.0
+    assert comm.shm_lent_saving(n, [0, 1], cluster("gpu")) == 0.0
+    monkeypatch.setattr(comm, "SHM_LEND_LAST_BUCKET", False)
+    assert comm.shm_lent_saving(n, [0, 1], cluster()) == 0.0
