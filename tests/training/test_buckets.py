@@ -4,7 +4,8 @@ partitioner/runtime/comm_mpi.py rule 8).
 The list AllReduce must give bit-identical results to the AllReduce of the concatenation: on 2
 real MPI ranks, arrays whose boundaries do not fall on the ranks' halves of the slot (so a
 reduced array is copied out of both ranks' slots), and a data-parallel step of an mlp whose
-bucket (1.05 MiB) takes the shared-memory path, 3 SGD steps with and without the rewrite.
+bucket (1.05 MiB) takes the shared-memory path, 3 SGD steps with and without the rewrite, and
+with the bucket lent (overlap rule 10: the update reads the window) and not.
 """
 
 from __future__ import annotations
@@ -92,15 +93,21 @@ def _rank_main(out: str) -> None:
     data = np.random.default_rng(0)
     x, y = data.standard_normal((3, 8, 16)).astype(np.float32), data.integers(0, 10, (3, 8))
     step = _step(hidden=512)
-    for on in (True, False):
-        buckets_mod.LIST_ALLREDUCE = on
+    from partitioner.training import overlap
+
+    lent = {}
+    for on, lend in ((True, True), (True, False), (False, True)):  # the list with and without lending
+        buckets_mod.LIST_ALLREDUCE, overlap.LEND_LAST_BUCKET = on, lend
         runner = StepRunner(step, comm=comm)
         calls = comm._shm[(0, 1)].calls
         for k in range(3):
             runner.step({"input": x[k, 4 * rank:4 * rank + 4]}, y[k, 4 * rank:4 * rank + 4])
+            lent[(on, lend)] = comm._shm[(0, 1)].lent  # overlap rule 10: the update read the window
         report[f"shm_steps_{on}"] = comm._shm[(0, 1)].calls - calls
-        states[on] = runner.state
-    report["steps_equal"] = all(np.array_equal(states[True][n], states[False][n]) for n in states[True])
+        states[(on, lend)] = runner.state
+    report["lent"] = [lent[(True, True)], lent[(True, False)]]
+    report["steps_equal"] = all(np.array_equal(states[(True, True)][n], s[n]) for s in states.values()
+                                for n in states[(True, True)])
     comm.barrier()
     Path(out, f"rank{MPI.COMM_WORLD.Get_rank()}.json").write_text(json.dumps(report))
 
@@ -115,6 +122,7 @@ def test_list_allreduce_is_bit_identical_to_the_concatenation_on_mpi(tmp_path: P
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["shapes"] and r["equal"] and r["in_place"] and r["steps_equal"], (rank, r)
+        assert r["lent"] == [True, False], (rank, r)  # ONNX Runtime ranks lend the last bucket too
         # the list (twice) and the concatenation went through the shared window, as did each step's bucket
         assert r["shm_calls"] == 3 and r["shm_steps_True"] == 3 and r["shm_steps_False"] == 3, (rank, r)
 
