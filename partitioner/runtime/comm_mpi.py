@@ -158,9 +158,7 @@ def _wait_policy() -> tuple[float, float, float]:
 
 class MPICommunicator:
     """One rank's communicator over ``comm`` (default ``MPI.COMM_WORLD``)."""
-
-    #: rule 11: ``allreduce_list`` takes ``lend=True``
-    lends_results = True
+    lends_results = True  # rule 11: ``allreduce_list`` takes ``lend=True``
 
     def __init__(self, groups: Sequence[Sequence[int]] = (), *, comm: Any = None, timeout_s: float | None = None,
                  deterministic: bool = True, fault: FaultHook | None = None) -> None:
@@ -311,15 +309,13 @@ class MPICommunicator:
         xs = [np.asarray(x) for x in xs]
         shm = self._shm_reducer(group, sub, sum(x.nbytes for x in xs)) if self.deterministic else None
         if shm is not None and len({x.dtype for x in xs}) == 1:
-            return shm.allreduce_list(xs, reduction, what, None if lend and SHM_LEND_RESULTS else out,
-                                      lend=lend and SHM_LEND_RESULTS)
+            return shm.allreduce_list(xs, reduction, what, out, lend=lend and SHM_LEND_RESULTS)
         flat = self._allreduce(np.concatenate([np.reshape(x, -1) for x in xs]), group, sub, reduction, what)
         return _split_like(flat, xs, out)
 
     def _shm_reducer(self, group: Sequence[int], sub: Any, x: Any) -> _ShmReducer | None:
-        """Rule 7's reducer of ``group`` when ``x`` (an array or a byte count)
-        qualifies (every member decides alike: the same size on every rank, the same
-        environment), else None."""
+        """Rule 7's reducer of ``group`` when ``x`` (an array or a byte count) qualifies (every
+        member decides alike: the same size on every rank, the same environment), else None."""
         nbytes = int(x) if isinstance(x, int) else int(getattr(x, "nbytes", 0))
         if not self.use_shm or nbytes < SHM_MIN_BYTES or sub.Get_size() < 2:
             return None
