@@ -29,6 +29,10 @@ by autogroup): the nearest to a quiet machine a loaded one gives.
     .venv/bin/python benchmarks/data_rank_probe.py colocate --steps 3 --rounds 6 --give-up 0 --nice -20
     .venv/bin/python benchmarks/data_rank_probe.py paired --backend tvm --baseline MODULE.ATTR=VALUE
 
+``--baseline`` (mpi): a setting read at run time (``comm_mpi.SHM_OWN_PART_FROM_INPUT``) applied on
+every other step of the same two ranks, printed as a second row: a before/after paired step by
+step under MPI.
+
 ``--baseline`` (paired): the 1-rank global-batch step and the data rank's step, each also built
 with the setting changed (the "before" of a change), all four stepped in the same rounds.
 """
@@ -78,15 +82,19 @@ def runner(backend: str, batch: int, world: int, comm=None):  # noqa: ANN001, AN
     return StepRunner(step, backend=backend, comm=comm, workdir=tempfile.mkdtemp(prefix="data-rank-probe-"))
 
 
-def timed_step(r, batch: int, rng) -> tuple[float, float, float, list]:  # noqa: ANN001
-    """One step: (process CPU, calling thread's CPU, wall, timeline as (kind, index, wall ms))."""
+def timed_step(r, batch: int, rng) -> tuple[float, float, float, list, int]:  # noqa: ANN001
+    """One step: (process CPU, calling thread's CPU, wall, timeline as (kind, index, wall ms),
+    the process's minor page faults)."""
+    import resource
+
     x = rng.standard_normal((batch, 3, 64, 64)).astype(np.float32)
     y = rng.integers(0, 10, batch)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
     r.step({r.signature.data[0]: x}, y)
     c1, t1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
     tl = [(k, i, (e - s) * 1e3) for k, i, s, e in getattr(r._exe, "timeline", [])]
-    return c1 - c0, t1 - t0, w1 - w0, tl
+    return c1 - c0, t1 - t0, w1 - w0, tl, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def summary(rows: list) -> dict:
@@ -94,7 +102,8 @@ def summary(rows: list) -> dict:
     med = lambda vals: round(1e3 * statistics.median(vals), 1)  # noqa: E731
     tl = [(k, i, round(statistics.median(r[3][j][2] for r in rows), 1)) for j, (k, i, _) in enumerate(rows[0][3])]
     return {"cpu_ms": med([r[0] for r in rows]), "thread_cpu_ms": med([r[1] for r in rows]),
-            "wall_ms": med([r[2] for r in rows]), "timeline_wall_ms": tl}
+            "wall_ms": med([r[2] for r in rows]), "timeline_wall_ms": tl,
+            "minor_faults": int(statistics.median(r[4] for r in rows))}
 
 
 def paired(backend: str, steps: int, baseline: list[str]) -> None:
@@ -122,7 +131,7 @@ def paired(backend: str, steps: int, baseline: list[str]) -> None:
         print(json.dumps({"backend": backend, "case": name, **summary(r), "load": os.getloadavg()[0]}))
 
 
-def mpi(backend: str, steps: int, nice: int = 0) -> None:
+def mpi(backend: str, steps: int, nice: int = 0, baseline: list[str] | None = None) -> None:
     from mpi4py import MPI
 
     from partitioner.runtime.comm_mpi import MPICommunicator
@@ -134,12 +143,23 @@ def mpi(backend: str, steps: int, nice: int = 0) -> None:
     comm = MPICommunicator([list(range(world.Get_size()))])
     r = runner(backend, GLOBAL_BATCH // world.Get_size(), world.Get_size(), comm)
     rng = np.random.default_rng(world.Get_rank())
-    rows = [timed_step(r, GLOBAL_BATCH // world.Get_size(), rng) for _ in range(steps + 2)][2:]
-    s = summary(rows)
-    s["comm_thread_cpu_ms"] = round(s["cpu_ms"] - s["thread_cpu_ms"], 1)
+    if baseline:  # a setting read at run time, flipped every other step on every rank alike
+        from kernel_profile import with_settings
+
+        rows: dict[str, list] = {"": [], f" [{' '.join(baseline)}]": []}
+        for k in range(2 * steps + 2):
+            with with_settings(baseline if k % 2 else []):
+                row = timed_step(r, GLOBAL_BATCH // world.Get_size(), rng)
+            if k >= 2:
+                rows[list(rows)[k % 2]].append(row)
+    else:
+        rows = {"": [timed_step(r, GLOBAL_BATCH // world.Get_size(), rng) for _ in range(steps + 2)][2:]}
     comm.flush()
-    print(json.dumps({"backend": backend, "case": f"data rank {world.Get_rank()} (MPI)", **s,
-                      "load": os.getloadavg()[0]}), flush=True)
+    for label, case_rows in rows.items():
+        s = summary(case_rows)
+        s["comm_thread_cpu_ms"] = round(s["cpu_ms"] - s["thread_cpu_ms"], 1)
+        print(json.dumps({"backend": backend, "case": f"data rank {world.Get_rank()} (MPI){label}", **s,
+                          "load": os.getloadavg()[0]}), flush=True)
     world.Barrier()
 
 
@@ -284,7 +304,8 @@ def main() -> int:
     p.add_argument("--nice", type=int, default=0, help="colocate, mpi: the processes' niceness and their autogroup's (root: -20)")
     p.add_argument("--give-up", type=float, default=60.0, help="colocate: seconds to wait for a quiet moment")
     p.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
-                   help="paired: also build the 1-rank and data-rank cases with this setting (the before)")
+                   help="paired: also build the 1-rank and data-rank cases with this setting (the before); "
+                        "mpi: flip this setting (one read at run time) every other step, both rows printed")
     args = p.parse_args()
     if args.steps < 1:
         print("data_rank_probe: --steps must be at least 1", file=sys.stderr)
@@ -294,7 +315,7 @@ def main() -> int:
     elif args.mode == "paired":
         paired(args.backend, args.steps, args.baseline)
     else:
-        mpi(args.backend, args.steps, args.nice)
+        mpi(args.backend, args.steps, args.nice, args.baseline)
     return 0
 
 

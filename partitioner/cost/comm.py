@@ -31,7 +31,11 @@ array, three barriers), so it is priced as those memory passes at the rank's cal
 bandwidth plus three α, not as an α-β link: per rank, copy in (read n, write n), reduce (read n,
 write n/p), copy out (read n, write n into a fresh array) = (5 + 1/p)·n bytes. Measured before
 this rule: 16 MiB on 2 ranks of the 2-core EPYC took ~7.5 ms where the α-β link (~5 GB/s)
-priced 2.5 ms.
+priced 2.5 ms. With ``SHM_OWN_PART`` (the runtime's rule 10: a rank reduces its own 1/p straight
+from its input, so only the other (p-1)/p is copied in) the copy in is 2(p-1)/p·n bytes and the
+whole (5 - 1/p)·n. A data-parallel step's last gradient bucket is lent (the runtime's rule 11: the
+update reads the reduced gradients in the window, no copy out): :func:`shm_lent_saving` is the
+2n bytes that saves, which the training model takes off that bucket (``SHM_LEND_LAST_BUCKET``).
 
 ``bytes_per_level`` counts the bytes put on the wire by all ranks of the group together, per link
 level (a flat collective spanning nodes charges all its bytes to the inter-node level).
@@ -40,6 +44,7 @@ level (a flat collective spanning nodes charges all its bytes to the inter-node 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -49,6 +54,12 @@ from partitioner.core.errors import PlanError
 
 #: the shared-memory AllReduce rule on (module docstring; off: every AllReduce on the α-β link)
 SHM_ALLREDUCE = True
+#: the runtime's rule 10 (``comm_mpi.SHM_OWN_PART_FROM_INPUT``): only (p-1)/p of the input copied in
+SHM_OWN_PART = os.environ.get("PARTITIONER_SHM_OWN_PART", "1") != "0"
+#: the runtime's lent last bucket (``overlap.LEND_LAST_BUCKET`` with ``comm_mpi.SHM_LEND_RESULTS``): a
+#: data step's last gradient bucket is not copied out of the window (:func:`shm_lent_saving`)
+SHM_LEND_LAST_BUCKET = (os.environ.get("PARTITIONER_TRAIN_LEND_LAST_BUCKET", "1") != "0"
+                        and os.environ.get("PARTITIONER_SHM_LEND", "1") != "0")
 #: the runtime's threshold for it (partitioner.runtime.comm_mpi.SHM_MIN_BYTES: no import, layering)
 SHM_MIN_BYTES = 1 << 20
 COLLECTIVES = ("send", "allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
@@ -319,7 +330,17 @@ def shm_allreduce_time(nbytes: float, group: Sequence[int], cluster: Cluster) ->
         return None
     p = len(group)
     bandwidth = min(cluster.devices[r].memory_bandwidth * cluster.devices[r].efficiency for r in group)
-    return 3 * cluster.levels[0].alpha_s + (5 + 1 / p) * nbytes / bandwidth
+    passes = 5 - 1 / p if SHM_OWN_PART else 5 + 1 / p
+    return 3 * cluster.levels[0].alpha_s + passes * nbytes / bandwidth
+
+
+def shm_lent_saving(nbytes: float, group: Sequence[int], cluster: Cluster) -> float:
+    """Seconds the runtime's lent AllReduce (``SHM_LEND_LAST_BUCKET``: the copy out, read n and
+    write n) saves on the shared-memory AllReduce of ``nbytes``; 0 where that path is not taken."""
+    if not SHM_LEND_LAST_BUCKET or shm_allreduce_time(nbytes, group, cluster) is None:
+        return 0.0
+    bandwidth = min(cluster.devices[r].memory_bandwidth * cluster.devices[r].efficiency for r in group)
+    return 2 * nbytes / bandwidth
 
 
 def collective_time(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster,

@@ -668,7 +668,7 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
                    device: Any, overlap: bool = True, list_buckets: bool = False) -> TrainingPrediction:
     """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch); ``list_buckets``:
     the buckets are AllReduced as lists (rules 3 and 4)."""
-    from partitioner.cost.comm import collective_time
+    from partitioner.cost.comm import collective_time, shm_lent_saving
 
     w = float(p.weight.sum())
     comm = 0.0
@@ -676,7 +676,9 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
     buckets = 0
     passes = 0.0
     if strategy == "data" and devices > 1:
-        comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds
+        comm = collective_time("allreduce", w + 4, list(range(devices)), cluster).seconds \
+            - shm_lent_saving(([0.0] + [b for _, b in gradient_buckets(p)])[-1], list(range(devices)), cluster)
+        # (the runtime lends the last bucket: no copy out)
         overlapped = overlapped_backward(p, devices, cluster)
         buckets = len(gradient_buckets(p))
         passes = 0.0 if list_buckets else BUCKET_PASSES * 2 * w / device.memory_bandwidth
@@ -714,13 +716,17 @@ def gradient_buckets(p: _Profile) -> list[tuple[int, float]]:
 
 def overlapped_backward(p: _Profile, devices: int, cluster: Any) -> float:
     """Rule 5: the time from the backward's start to the end of both the backward and the last
-    bucket's AllReduce, each AllReduce started once its bucket exists."""
-    from partitioner.cost.comm import collective_time
+    bucket's AllReduce, each AllReduce started once its bucket exists (the last one without its
+    copy out where the runtime lends it, :func:`partitioner.cost.comm.shm_lent_saving`)."""
+    from partitioner.cost.comm import collective_time, shm_lent_saving
 
     done = np.cumsum(p.backward[::-1])[::-1]  # done[i]: backward time once node i's backward ran
     end = 0.0
-    for node, size in gradient_buckets(p):
+    buckets = gradient_buckets(p)
+    for k, (node, size) in enumerate(buckets):
         t = collective_time("allreduce", size, list(range(devices)), cluster).seconds
+        if k == len(buckets) - 1:  # the runtime lends the last bucket: no copy out
+            t -= shm_lent_saving(size, list(range(devices)), cluster)
         end = max(float(done[node]), end) + t
     return max(float(p.backward.sum()), end)
 

@@ -50,6 +50,29 @@ Rules:
    TVM with two buckets), and two threads pinned to one core show the yielder using 0.7 ms of
    CPU over 32 ms of waits against 1.6-2.9 ms for the 100 us sleep-poll (a wake-up per nap).
    The knob stays, off, to measure it again on a quiet machine (docs/training.md).
+10. Rule 7's own part: rank ``r`` alone reduces elements ``[lo, hi)`` (its ``1/R``), so it reads
+    them from its input arrays instead of copying them into its slot first; only the other
+    ``(R-1)/R`` of its input is copied in (for the members that reduce those parts), and the
+    reduction writes ``[lo, hi)`` of its slot, from which every member copies it out as before.
+    The additions and their order are unchanged (bit-identical); a rank's traffic per call goes
+    from ``(5 + 1/R) n`` to ``(5 - 1/R) n`` bytes (copy in ``(R-1)/R n``: read and write;
+    reduce ``n/R``: ``R`` reads and a write; copy out ``n``: read and write), i.e. a 45 MiB
+    gradient bucket on 2 ranks copies 22.5 MiB in instead of 45 (the zoo resnet's TVM data
+    rank, issue 16). For inputs of mixed dtypes (a cast on the way in) the whole input is
+    copied in. :data:`SHM_OWN_PART_FROM_INPUT` (default on; ``$PARTITIONER_SHM_OWN_PART=0`` off).
+11. Lent results (``allreduce_list(..., lend=True)``, :data:`SHM_LEND_RESULTS`): the reduced
+    arrays are returned as views of the window's slots, not copied out, and the call's closing
+    barrier moves to the start of the reducer's next call (every member has then finished
+    reading the views). It is for the last gradient bucket of a data-parallel step, whose
+    results the optimizer update reads once and drops before the next step
+    (:mod:`partitioner.training.overlap` rule 10): the copy out (read ``n``, write ``n``) is
+    gone, a rank's traffic per call becomes ``(3 - 1/R) n`` bytes with rule 10. For that the
+    arrays start on :data:`SHM_ALIGN_BYTES` boundaries in the slot (TVM's kernels take aligned
+    arguments as they lie, overlap rule 8) and the members' parts end on array boundaries (the
+    nearest to ``k n / R``: a member may reduce up to one array more than its ``1/R``), so each
+    result lies whole in one slot. A caller must not write a lent view nor keep it past its
+    next call on the same group (ranks must all lend alike: every member barriers at that
+    call's start). Default on; ``$PARTITIONER_SHM_LEND=0`` copies out as before.
 """
 
 from __future__ import annotations
@@ -73,6 +96,14 @@ _MPI_OPS = ("sum", "max", "min", "prod")
 SHM_ENV = "PARTITIONER_SHM_ALLREDUCE"
 #: rule 7: arrays from this size reduce through shared memory (below it the gather is faster)
 SHM_MIN_BYTES = 1 << 20
+#: rule 10: a rank reduces its own part of the shared-memory AllReduce from its input instead of
+#: copying it into its slot first (``$PARTITIONER_SHM_OWN_PART=0``: the whole input copied in)
+SHM_OWN_PART_FROM_INPUT = os.environ.get("PARTITIONER_SHM_OWN_PART", "1") != "0"
+#: rule 11: ``allreduce_list(..., lend=True)`` returns views of the window instead of copies
+#: (``$PARTITIONER_SHM_LEND=0``: copied out as before)
+SHM_LEND_RESULTS = os.environ.get("PARTITIONER_SHM_LEND", "1") != "0"
+#: rule 11: where a lent result starts in its slot (TVM takes its arguments on 64-byte boundaries)
+SHM_ALIGN_BYTES = 64
 BACKGROUND_SLEEP_ENV = "PARTITIONER_COMM_BACKGROUND_SLEEP"
 #: rule 9: a background thread's waits sleep-poll instead of yielding (off: measured no better;
 #: 1 in the env: on)
@@ -127,6 +158,7 @@ def _wait_policy() -> tuple[float, float, float]:
 
 class MPICommunicator:
     """One rank's communicator over ``comm`` (default ``MPI.COMM_WORLD``)."""
+    lends_results = True  # rule 11: ``allreduce_list`` takes ``lend=True``
 
     def __init__(self, groups: Sequence[Sequence[int]] = (), *, comm: Any = None, timeout_s: float | None = None,
                  deterministic: bool = True, fault: FaultHook | None = None) -> None:
@@ -269,22 +301,21 @@ class MPICommunicator:
 
     @_timed
     def allreduce_list(self, xs: Sequence[np.ndarray], group: Sequence[int], reduction: str,
-                       tag: int, out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+                       tag: int, out: Sequence[np.ndarray] | None = None, lend: bool = False) -> list[np.ndarray]:
         """Rule 8: several arrays of one dtype AllReduced as one collective, each result shaped
-        like its input (in ``out[k]`` when given; ``out=xs`` reduces in place)."""
+        like its input (in ``out[k]`` when given; ``out=xs`` reduces in place; ``lend``: rule 11)."""
         what = self._enter("allreduce", f"of {len(xs)} arrays on group {list(group)} tag {tag}")
         sub = self.group_comm(group, tag)
         xs = [np.asarray(x) for x in xs]
         shm = self._shm_reducer(group, sub, sum(x.nbytes for x in xs)) if self.deterministic else None
         if shm is not None and len({x.dtype for x in xs}) == 1:
-            return shm.allreduce_list(xs, reduction, what, out)
+            return shm.allreduce_list(xs, reduction, what, out, lend=lend and SHM_LEND_RESULTS)
         flat = self._allreduce(np.concatenate([np.reshape(x, -1) for x in xs]), group, sub, reduction, what)
         return _split_like(flat, xs, out)
 
     def _shm_reducer(self, group: Sequence[int], sub: Any, x: Any) -> _ShmReducer | None:
-        """Rule 7's reducer of ``group`` when ``x`` (an array or a byte count)
-        qualifies (every member decides alike: the same size on every rank, the same
-        environment), else None."""
+        """Rule 7's reducer of ``group`` when ``x`` (an array or a byte count) qualifies (every
+        member decides alike: the same size on every rank, the same environment), else None."""
         nbytes = int(x) if isinstance(x, int) else int(getattr(x, "nbytes", 0))
         if not self.use_shm or nbytes < SHM_MIN_BYTES or sub.Get_size() < 2:
             return None
@@ -398,14 +429,16 @@ class _ShmReducer:
         self.capacity = 0
         self.slots: list[memoryview] = []
         self.calls = 0  # AllReduces run through the window (the tests read it)
+        self.lent = False  # rule 11: the last call's results are views of the slots, still read
 
     def _reserve(self, nbytes: int) -> None:
         """Grow the window to ``nbytes`` per slot (collective: every member reduces the same
-        sizes in the same order)."""
+        sizes in the same order); each slot starts on a :data:`SHM_ALIGN_BYTES` boundary."""
         if nbytes <= self.capacity:
             return
         if self.win is not None:
             self.win.Free()
+        nbytes = -(-nbytes // 4096) * 4096
         self.win = self.owner.MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
         self.capacity = nbytes
         self.slots = [self.win.Shared_query(k)[0] for k in range(self.size)]
@@ -416,41 +449,74 @@ class _ShmReducer:
     def allreduce(self, x: np.ndarray, reduction: str, what: str) -> np.ndarray:
         return self.allreduce_list([x], reduction, what)[0]
 
+    def _layout(self, xs: Sequence[np.ndarray], itemsize: int, lend: bool) -> tuple[list[int], list[int], int, list[int]]:
+        """Each array's start and end in the slot, the slot's element count and the members'
+        part bounds. Rule 11 (``lend``): every array starts on a :data:`SHM_ALIGN_BYTES` boundary
+        and the parts end on array boundaries (the one nearest ``k n / R``), so each reduced
+        array lies whole in one member's slot."""
+        sizes = [int(np.size(x)) for x in xs]
+        step = max(1, SHM_ALIGN_BYTES // itemsize) if lend else 1
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + -(-size // step) * step)
+        ends = [a + size for a, size in zip(starts, sizes)]
+        n = ends[-1] if ends else 0
+        if not lend:
+            return starts, ends, n, [k * n // self.size for k in range(self.size + 1)]
+        cuts = sorted(set(starts) | {n})
+        bounds = [0] + [min(cuts, key=lambda c: abs(c - k * n / self.size)) for k in range(1, self.size)] + [n]
+        return starts, ends, n, [max(bounds[:k + 1]) for k in range(self.size + 1)]
+
     def allreduce_list(self, xs: Sequence[np.ndarray], reduction: str, what: str,
-                       out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+                       out: Sequence[np.ndarray] | None = None, lend: bool = False) -> list[np.ndarray]:
         """Rule 7 over the arrays ``xs`` (one dtype) laid end to end in the slot (rule 8): each is
         copied in from where it lies and its reduced elements out into an array of its shape
         (``out[k]`` when given: every input is in the slot before anything is copied out, so
-        ``out`` may be ``xs``)."""
+        ``out`` may be ``xs``). ``lend`` (rule 11): no copy out; the results are views of the
+        slots, to be read (not written, not kept) until this reducer's next call."""
+        if self.lent:  # rule 11: every member is done reading the views the previous call lent
+            self._barrier(what)
+            self.lent = False
         self.calls += 1
         dtype = np.result_type(*xs)
-        sizes = [int(np.size(x)) for x in xs]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        n = int(offsets[-1])
+        starts, ends, n, bounds = self._layout(xs, dtype.itemsize, lend)
         self._reserve(n * dtype.itemsize)
         slots = [np.frombuffer(m, dtype=dtype, count=n) for m in self.slots]
         fn = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[reduction]
         mine = slots[self.rank]
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        flats = [np.reshape(x, -1) for x in xs]
+        # rule 10: the part [lo, hi) only this rank reduces is read from the inputs, not copied in
+        direct = SHM_OWN_PART_FROM_INPUT and hi > lo and all(f.dtype == dtype for f in flats)
         # the last barrier of the previous call guarantees no member still reads this slot
-        for x, a, b in zip(xs, offsets[:-1], offsets[1:]):
-            np.copyto(mine[a:b], np.reshape(x, -1))
+        for flat, a, b in zip(flats, starts, ends):
+            for ka, kb in ((a, min(b, lo)), (max(a, hi), b)) if direct else ((a, b),):
+                if ka < kb:
+                    np.copyto(mine[ka:kb], flat[ka - a:kb - a])
         self._barrier(what)
-        lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
-        # reduce_arrays' order (slot 0, then + slot 1, ...): bit-identical to the gather path;
-        # only this rank reads part [lo, hi) of its own slot, so it is written in place
-        part = mine[lo:hi]
-        fn(slots[0][lo:hi], slots[1][lo:hi], out=part)
-        for k in range(2, self.size):
-            fn(part, slots[k][lo:hi], out=part)
+        for flat, a, b in zip(flats, starts, ends):
+            ka, kb = max(a, lo), min(b, hi)
+            if ka < kb:  # reduce_arrays' order (slot 0, then + slot 1, ...): bit-identical to the gather
+                src = [flat[ka - a:kb - a] if k == self.rank and direct else slots[k][ka:kb]
+                       for k in range(self.size)]
+                part = mine[ka:kb]  # only this rank reads [lo, hi) of its own slot: written in place
+                fn(src[0], src[1], out=part)
+                for k in range(2, self.size):
+                    fn(part, src[k], out=part)
         self._barrier(what)
+        if lend:
+            self.lent = True
+            owner = [next((k for k in range(self.size) if bounds[k] <= a < bounds[k + 1]), 0) for a in starts]
+            return [slots[k][a:b].reshape(np.shape(x)) for x, k, a, b in zip(xs, owner, starts, ends)]
         outs = [np.empty(np.shape(x), dtype=dtype) for x in xs] if out is None else list(out)
         if any(not (o.flags.c_contiguous and o.flags.writeable) or o.size != x.size for o, x in zip(outs, xs)):
             raise RunFailed(f"{what}: every output array must be writable, C-contiguous and the size of its input")
-        for o, a, b in zip(outs, offsets[:-1], offsets[1:]):
+        for o, a, b in zip(outs, starts, ends):
             flat = o.reshape(-1)  # a view: ``o`` is C-contiguous (fresh, or the caller's)
             for k in range(self.size):  # the reduced elements of [a, b) lie in the slots of their owners
-                ka, kb = max(a, k * n // self.size), min(b, (k + 1) * n // self.size)
+                ka, kb = max(a, bounds[k]), min(b, bounds[k + 1])
                 if ka < kb:
                     flat[ka - a:kb - a] = slots[k][ka:kb]
         self._barrier(what)  # every member has its copy: the slots may be written again
         return outs
+

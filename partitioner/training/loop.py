@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -344,16 +345,19 @@ def _loop(runners: list[StepRunner], ranks: list[int], sig: Any, original: onnx.
             for k in range(steps_per_epoch):
                 idx = order[k * batch:(k + 1) * batch]
                 xb, yb = x[idx].astype(x_dtype, copy=False), y[idx].astype(y_dtype, copy=False)
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0, c0 = time.perf_counter(), time.process_time()
                 value = _run_step(runners, ranks, sig.data[0], xb, yb, local)
                 dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 step_no = (epoch - 1) * steps_per_epoch + k + 1
                 if not np.isfinite(value):
                     last = checkpoints[-1] if checkpoints else "none written yet"
                     raise RunFailed(f"the loss is {value} at step {step_no} (epoch {epoch}); training stopped; "
                                     f"last good checkpoint: {last}")
                 history.append({"step": step_no, "epoch": epoch, "loss": value, "samples_per_s": batch / dt,
-                                "cpu_s": cpu})  # this process's CPU seconds (all its threads)
+                                "cpu_s": cpu,  # this process's CPU seconds (all its threads)
+                                "minor_faults": faults})  # the process's page faults during the step
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{batch / dt:.0f}")
                 bar.update(1)
             window.end_steps()

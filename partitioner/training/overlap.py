@@ -65,6 +65,16 @@ Rules:
    (:func:`update_kind`, the ``training.forward_node`` tag ``optimizer``) into the forward and
    backward's library and the update's, so both sides of the data-parallel comparison run the
    same update kernels.
+10. The step's last AllReduce run (a TVM data rank's one bucket: the zoo resnet's 45 MiB) asks
+    the communicator to lend its results (:mod:`partitioner.runtime.comm_mpi` rule 11, for a
+    communicator with ``lends_results``): the update segment reads the reduced gradients where
+    the shared-memory AllReduce left them instead of from a copy (one read and one write of
+    every gradient byte fewer per step). Those views are valid until the communicator's next
+    AllReduce on the group, i.e. the next step's first bucket; the update has read them by
+    then, and a step output among the run's results (the loss, when a bucket carries it) is
+    copied. Earlier runs are not lent: a later run's call would reuse the window while the
+    update has yet to read them. :data:`LEND_LAST_BUCKET` (default on;
+    ``$PARTITIONER_TRAIN_LEND_LAST_BUCKET=0`` off).
 """
 
 from __future__ import annotations
@@ -90,6 +100,8 @@ from partitioner.training.buckets import bucket_runs
 VM_ALIGNMENT = 64
 #: rule 9: build an all-elementwise segment (a data rank's optimizer update) over 1-D tensors
 FLAT_ELEMENTWISE = os.environ.get("PARTITIONER_TRAIN_FLAT_UPDATE", "1") != "0"
+#: rule 10: the step's last bucket AllReduced into views of the communicator's window (no copy out)
+LEND_LAST_BUCKET = os.environ.get("PARTITIONER_TRAIN_LEND_LAST_BUCKET", "1") != "0"
 #: rule 9: the ops such a segment may hold (what :mod:`partitioner.training.optimizers` emits)
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Neg", "Identity"})
 
@@ -107,6 +119,8 @@ class _BucketedSteps:
         self.timeline: list[tuple[str, int, float, float]] = []
         tags = [s.op.tag if isinstance(s, CommStep) and s.op.op_type == "AllReduce" else None for s, _ in self.steps]
         self.runs = bucket_runs(tags)
+        # rule 10: the last AllReduce run of the step (the bucket the update reads last)
+        self._last_run = max((a for a, _ in self.runs if tags[a] is not None), default=-1)
 
     def _writable(self, run: int, env: Mapping[str, np.ndarray], names: list[str]) -> bool:
         """Whether AllReduce run ``run`` may write its results into its inputs (rule 7: TVM ranks;
@@ -114,14 +128,19 @@ class _BucketedSteps:
         return False
 
     def _comm(self, steps: list[CommStep], inputs: list[np.ndarray], comm: Any,
-              in_place: bool = False) -> list[np.ndarray]:
+              in_place: bool = False, lend: bool = False) -> list[np.ndarray]:
         t0 = time.perf_counter()
         op = steps[0].op
-        if len(steps) == 1 and not in_place:
+        lend = lend and LEND_LAST_BUCKET and getattr(comm, "lends_results", False)
+        if len(steps) == 1 and not in_place and not lend:
             out = comm_ops.execute(op, inputs, comm)
         elif hasattr(comm, "allreduce_list"):
             out = comm.allreduce_list(inputs, op.group, op.attrs["reduction"], op.tag,
-                                      out=inputs if in_place else None)
+                                      out=inputs if in_place else None, **({"lend": True} if lend else {}))
+            if lend:  # rule 10: a step output must outlive the window's next use
+                kept = set(self.outputs)
+                names = [n for s in steps for n in s.outputs]
+                out = [np.array(o) if n in kept and o is not x else o for o, n, x in zip(out, names, inputs)]
         else:  # rule 6 without a list collective: one AllReduce of the concatenation
             flat = comm.allreduce(np.concatenate([np.reshape(x, -1) for x in inputs]), op.group,
                                   op.attrs["reduction"], op.tag)
@@ -155,7 +174,7 @@ class _BucketedSteps:
                 need(names)
                 outputs = [o for s in steps for o in s.outputs]
                 if step.op.op_type == "AllReduce":
-                    args = (steps, [env[i] for i in names], comm, self._writable(a, env, names))
+                    args = (steps, [env[i] for i in names], comm, self._writable(a, env, names), a == self._last_run)
                 if step.op.op_type == "AllReduce" and self._pool is not None:
                     now = time.perf_counter()
                     self.timeline.append(("submit", step.index, now, now))

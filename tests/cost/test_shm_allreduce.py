@@ -21,12 +21,16 @@ def cluster(kind: str = "cpu", nodes: tuple[tuple[int, ...], ...] = ((0, 1),)) -
     return Cluster("c", devs, nodes, levels[:1] if len(nodes) == 1 else levels)
 
 
-def test_large_allreduce_on_one_node_is_priced_as_memory_passes():
+def test_large_allreduce_on_one_node_is_priced_as_memory_passes(monkeypatch):
     n = 16 * 2**20
     c = collective_time("allreduce", n, [0, 1], cluster())
-    # copy in (2n) + reduce (n read + n/2 written) + copy out (2n) at the memory bandwidth, 3 barriers
+    # copy in of the other rank's half (n: read and write n/2; runtime rule 10) + reduce (n read + n/2
+    # written) + copy out (2n) at the memory bandwidth, 3 barriers
     assert c.algorithm == "shm"
-    assert c.seconds == pytest.approx(3 * ALPHA + (2 * n + 1.5 * n + 2 * n) / BW)
+    assert c.seconds == pytest.approx(3 * ALPHA + (n + 1.5 * n + 2 * n) / BW)
+    monkeypatch.setattr(comm, "SHM_OWN_PART", False)  # the whole input copied in (2n)
+    assert collective_time("allreduce", n, [0, 1], cluster()).seconds == pytest.approx(
+        3 * ALPHA + (2 * n + 1.5 * n + 2 * n) / BW)
     assert c.seconds > comm.allreduce_time(n, 2, cluster().levels[0])[0]  # the alpha-beta price was lower
 
 
@@ -40,3 +44,14 @@ def test_where_the_runtime_keeps_the_gather_the_link_prices_it(monkeypatch):
     off = collective_time("allreduce", n, [0, 1], cluster())
     assert off.seconds == pytest.approx(comm.allreduce_time(n, 2, cluster().levels[0],
                                                             comm.reduction_gamma(cluster(), [0, 1]))[0])
+
+
+def test_the_lent_last_bucket_is_priced_without_its_copy_out(monkeypatch):
+    n = 16 * 2**20
+    # the runtime's rule 11: the last bucket's reduced gradients are read in the window, so its
+    # copy out (read n, write n) is not paid; nothing is saved where the shm path is not taken
+    assert comm.shm_lent_saving(n, [0, 1], cluster()) == pytest.approx(2 * n / BW)
+    assert comm.shm_lent_saving(comm.SHM_MIN_BYTES - 4, [0, 1], cluster()) == 0.0
+    assert comm.shm_lent_saving(n, [0, 1], cluster("gpu")) == 0.0
+    monkeypatch.setattr(comm, "SHM_LEND_LAST_BUCKET", False)
+    assert comm.shm_lent_saving(n, [0, 1], cluster()) == 0.0
