@@ -50,7 +50,7 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the 
    keep NHWC and fuse into the conv's epilogue, as ONNX Runtime fuses them into its conv.
 8. ``DecomposedLayerNorm`` (knob :data:`DECOMPOSED_LAYERNORM_AS_ONE`): a layer normalisation
    spelled out as ``ReduceMean, Sub, Pow, ReduceMean, Add(eps), Sqrt, Div[, Mul(gamma)][, Add(beta)]``
-   over trailing axes in the main graph becomes one ``LayerNormalization`` (the match and the rewrite are
+   over trailing axes, in the main graph or an ``If`` branch, becomes one ``LayerNormalization`` (the match and the rewrite are
    :func:`passes.recognize_layernorm.rewrite_layernorms`', rules 1-3 there), at any opset: TVM's
    importer converts ``LayerNormalization`` with its opset-17 converter whatever the model's opset
    (it falls back to the smallest implemented version), and ``R.nn.layer_norm`` computes exactly
@@ -63,9 +63,9 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the 
    (:mod:`backends.tvm.schedules.rowwise`) with the following ``Relu`` fused. The pass manager's
    ``recognize_layernorm`` (in ``OPTIMIZE_PIPELINE`` only, opset >= 17 only, since ONNX Runtime
    needs opset 17 for the op) does not reach these models. Same formula; the variance is summed
-   in another order (float rounding). Not inside an ``If`` branch: TVM 0.27's importer does not
-   unpack the converter's 3-tuple there (``relax.nn.relu`` then fails on a tuple; tried on
-   hey_jarvis's verifier branch).
+   in another order (float rounding). In an ``If`` branch the node declares its (unread) ``Mean``
+   and ``InvStdDev`` outputs too: TVM 0.27's branch importer keeps a one-output node's whole
+   converter tuple (``relax.nn.relu`` then fails on it), and unpacks it for three outputs.
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
@@ -446,7 +446,30 @@ class DecomposedLayerNorm(_Rewrite):
 
         if not DECOMPOSED_LAYERNORM_AS_ONE:
             return ir.passes.PassResult(model, False)
-        return ir.passes.PassResult(model, bool(rewrite_layernorms(model.graph)))
+        n = rewrite_layernorms(model.graph)
+        for node in model.graph:  # If branches (openwakeword's verifier head): rule 8's 3 outputs
+            if node.op_type == "If" and node.domain in _ONNX:
+                for attr in node.attributes.values():
+                    if attr.type == ir.AttributeType.GRAPH and rewrite_layernorms(attr.as_graph()):
+                        n += _three_outputs(attr.as_graph())
+        return ir.passes.PassResult(model, bool(n))
+
+
+def _three_outputs(branch: ir.Graph) -> int:
+    """Rule 8 in a branch: each one-output ``LayerNormalization`` rebuilt with ``Mean`` and
+    ``InvStdDev`` declared (unread), so that TVM 0.27's branch importer, which keeps a converter's
+    whole tuple for a one-output node, unpacks ``Y`` from it. Returns how many."""
+    lns = [nd for nd in branch if nd.op_type == "LayerNormalization" and len(nd.outputs) == 1]
+    for old in lns:
+        y = old.outputs[0].name
+        new = ir.Node("", "LayerNormalization", list(old.inputs), list(old.attributes.values()), num_outputs=3,
+                      name=old.name, outputs=[ir.Value(name=y), ir.Value(name=f"{y}__ln_mean"), ir.Value(name=f"{y}__ln_invstd")])
+        new.outputs[0].type, new.outputs[0].shape = old.outputs[0].type, old.outputs[0].shape
+        branch.insert_after(old, new)
+        ir.convenience.replace_all_uses_with(old.outputs[0], new.outputs[0], replace_graph_outputs=True)
+        branch.remove(old, safe=True)
+        new.outputs[0].name = y
+    return len(lns)
 
 
 #: The backend-owned pipeline, in order (module docstring).

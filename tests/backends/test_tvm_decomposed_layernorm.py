@@ -3,7 +3,8 @@
 
 The models have the structure of openwakeword's hey_jarvis head (PyTorch 1.12, opset 13):
 ``Gemm -> ReduceMean, Sub, Pow, ReduceMean, Add(eps), Sqrt, Div, Mul(gamma), Add(beta) -> Relu``,
-and the same without the affine ``Mul``/``Add`` over the two trailing axes. Every build matches
+the same without the affine ``Mul``/``Add`` over the two trailing axes, and the first inside an
+``If`` branch on a computed condition (hey_jarvis's verifier head). Every build matches
 ONNX Runtime on the model as given (rtol 1e-4, atol 1e-5, seeded random weights and input). With
 the rule the build has one ``layer_norm`` kernel (the ``Relu`` fused into it) and no separate
 ``power`` or ``mean`` kernel; with the knob off the decomposition stays several kernels.
@@ -72,3 +73,28 @@ def test_spelled_out_layernorm_is_one_kernel(affine: bool, axes: list[int], shap
     monkeypatch.setattr(import_fixes, "DECOMPOSED_LAYERNORM_AS_ONE", False)
     off = _kernels(m)
     assert not any("layer_norm" in k for k in off) and any("mean" in k for k in off), off
+
+
+def _if_model() -> onnx.ModelProto:
+    """hey_jarvis's verifier form: the LayerNorm inside an ``If`` branch on a computed condition
+    (true for the seeded input: the branch with the LayerNorm is the one compared)."""
+    flat = _model(True, [-1], [1, 34, 3], 13)
+    body = helper.make_graph(list(flat.graph.node), "then", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24])],
+                             list(flat.graph.initializer))
+    other = helper.make_graph([helper.make_node("Constant", [], ["z"], value=numpy_helper.from_array(np.zeros((1, 24), np.float32)))],
+                              "else", [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 24])])
+    nodes = [helper.make_node("ReduceMax", ["x"], ["mx"], keepdims=0),
+             helper.make_node("Greater", ["mx", "lo"], ["cond"]),
+             helper.make_node("If", ["cond"], ["out"], then_branch=body, else_branch=other)]
+    g = helper.make_graph(nodes, "ln_if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 34, 3])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 24])],
+                          [numpy_helper.from_array(np.array(-100.0, np.float32), "lo")])
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]))
+
+
+def test_spelled_out_layernorm_in_an_if_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _if_model()
+    kernels = _kernels(m)
+    assert any("layer_norm" in k for k in kernels) and not any("power" in k for k in kernels), kernels
+    monkeypatch.setattr(import_fixes, "DECOMPOSED_LAYERNORM_AS_ONE", False)
+    assert not any("layer_norm" in k for k in _kernels(m))
