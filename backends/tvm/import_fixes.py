@@ -53,23 +53,23 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the 
    over trailing axes, in the main graph or an ``If`` branch, becomes one ``LayerNormalization`` (the match and the rewrite are
    :func:`passes.recognize_layernorm.rewrite_layernorms`', rules 1-3 there), at any opset: TVM's
    importer converts ``LayerNormalization`` with its opset-17 converter whatever the model's opset
-   (it falls back to the smallest implemented version), and ``R.nn.layer_norm`` computes exactly
-   ONNX's formula. Shapes it is for: ``[..., D]`` activations normalised over their last axes by
+   (it falls back to the smallest implemented version), and ``R.nn.layer_norm`` computes ONNX's
+   formula. Shapes it is for: ``[..., D]`` activations normalised over their last axes by
    exporters older than opset 17 (PyTorch <= 1.12 writes ``nn.LayerNorm`` this way; openwakeword's
    hey_jarvis head: two LayerNorms over ``[1, 128]`` between its GEMMs). Why: spelled out, each
    LayerNorm became four kernels (``mean``+``subtract``, ``power``, ``mean``+``sqrt``+``divide``..., with
    the deviations written to memory and read twice) plus their output allocations: in a model
    of 0.03 ms a call the per-kernel calls are the cost; as one op it is one row-wise kernel
    (:mod:`backends.tvm.schedules.rowwise`) with the following ``Relu`` fused. The pass manager's
-   ``recognize_layernorm`` (in ``OPTIMIZE_PIPELINE`` only, opset >= 17 only, since ONNX Runtime
-   needs opset 17 for the op) does not reach these models. Same formula; the variance is summed
+   ``recognize_layernorm`` (in ``OPTIMIZE_PIPELINE`` only, and only at opset >= 17, where the op
+   is in ONNX) does not reach these models. Same formula; the variance is summed
    in another order (float rounding). In an ``If`` branch the node declares its (unread) ``Mean``
    and ``InvStdDev`` outputs too: TVM 0.27's branch importer keeps a one-output node's whole
    converter tuple (``relax.nn.relu`` then fails on it), and unpacks it for three outputs.
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
-touched; a program nothing applies to comes back as the same object.
+touched (rule 8 also inside a top-level ``If``'s branches); a program nothing applies to comes back as the same object.
 """
 
 from __future__ import annotations
