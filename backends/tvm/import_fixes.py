@@ -50,8 +50,9 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the 
    keep NHWC and fuse into the conv's epilogue, as ONNX Runtime fuses them into its conv.
 8. ``DecomposedLayerNorm`` (knob :data:`DECOMPOSED_LAYERNORM_AS_ONE`): a layer normalisation
    spelled out as ``ReduceMean, Sub, Pow, ReduceMean, Add(eps), Sqrt, Div[, Mul(gamma)][, Add(beta)]``
-   over trailing axes, in the main graph or an ``If`` branch, becomes one ``LayerNormalization`` (the match and the rewrite are
-   :func:`passes.recognize_layernorm.rewrite_layernorms`', rules 1-3 there), at any opset: TVM's
+   over trailing axes, in the main graph or an ``If`` branch, becomes one ``LayerNormalization``
+   (the match and the rewrite are :func:`passes.recognize_layernorm.rewrite_layernorms`', rules
+   1-3 there), at any opset: TVM's
    importer converts ``LayerNormalization`` with its opset-17 converter whatever the model's opset
    (it falls back to the smallest implemented version), and ``R.nn.layer_norm`` computes ONNX's
    formula. Shapes it is for: ``[..., D]`` activations normalised over their last axes by
@@ -69,7 +70,8 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the 
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
-touched (rule 8 also inside a top-level ``If``'s branches); a program nothing applies to comes back as the same object.
+touched (rule 8 also inside a top-level ``If``'s branches); a program nothing applies to comes back
+as the same object.
 """
 
 from __future__ import annotations
@@ -433,7 +435,8 @@ class HardActivationsAsClip(_Rewrite):
 DECOMPOSED_LAYERNORM_AS_ONE = True
 # rule 8 below opset 17: TVM's importer runs ONNX's checker first and only warns that the op is not in
 # the model's opset; the converter handles it (rule 8), so that one warning is noise to the user
-warnings.filterwarnings("ignore", message="No Op registered for LayerNormalization with domain_version", category=UserWarning)
+warnings.filterwarnings("ignore", message="No Op registered for LayerNormalization with domain_version",
+                        category=UserWarning)
 
 
 class DecomposedLayerNorm(_Rewrite):
@@ -462,8 +465,9 @@ def _three_outputs(branch: ir.Graph) -> int:
     lns = [nd for nd in branch if nd.op_type == "LayerNormalization" and len(nd.outputs) == 1]
     for old in lns:
         y = old.outputs[0].name
+        outs = [ir.Value(name=y), ir.Value(name=f"{y}__ln_mean"), ir.Value(name=f"{y}__ln_invstd")]
         new = ir.Node("", "LayerNormalization", list(old.inputs), list(old.attributes.values()), num_outputs=3,
-                      name=old.name, outputs=[ir.Value(name=y), ir.Value(name=f"{y}__ln_mean"), ir.Value(name=f"{y}__ln_invstd")])
+                      name=old.name, outputs=outs)
         new.outputs[0].type, new.outputs[0].shape = old.outputs[0].type, old.outputs[0].shape
         branch.insert_after(old, new)
         ir.convenience.replace_all_uses_with(old.outputs[0], new.outputs[0], replace_graph_outputs=True)
@@ -473,8 +477,9 @@ def _three_outputs(branch: ir.Graph) -> int:
 
 
 #: The backend-owned pipeline, in order (module docstring).
-IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, DecomposedLayerNorm, HardActivationsAsClip,
-                                               ClipAsSelects, VariadicChains, InferenceDropout, Conv1dAsMatMul)
+IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, DecomposedLayerNorm,
+                                               HardActivationsAsClip, ClipAsSelects, VariadicChains,
+                                               InferenceDropout, Conv1dAsMatMul)
 
 
 def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -> onnx.ModelProto:

@@ -79,10 +79,11 @@ def _if_model() -> onnx.ModelProto:
     """hey_jarvis's verifier form: the LayerNorm inside an ``If`` branch on a computed condition
     (true for the seeded input: the branch with the LayerNorm is the one compared)."""
     flat = _model(True, [-1], [1, 34, 3], 13)
-    body = helper.make_graph(list(flat.graph.node), "then", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24])],
-                             list(flat.graph.initializer))
-    other = helper.make_graph([helper.make_node("Constant", [], ["z"], value=numpy_helper.from_array(np.zeros((1, 24), np.float32)))],
-                              "else", [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 24])])
+    out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24])]
+    body = helper.make_graph(list(flat.graph.node), "then", [], out, list(flat.graph.initializer))
+    zeros = numpy_helper.from_array(np.zeros((1, 24), np.float32))
+    other = helper.make_graph([helper.make_node("Constant", [], ["z"], value=zeros)], "else", [],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 24])])
     nodes = [helper.make_node("ReduceMax", ["x"], ["mx"], keepdims=0),
              helper.make_node("Greater", ["mx", "lo"], ["cond"]),
              helper.make_node("If", ["cond"], ["out"], then_branch=body, else_branch=other)]
