@@ -209,14 +209,20 @@ class RecognizeLayerNorm(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
         if opset < LAYERNORM_MIN_OPSET:
             return ir.passes.PassResult(model, modified=False)
-        taken = {v.name for v in graph.inputs if v.name} | set(graph.initializers)
-        for node in graph:
-            taken.update(o.name for o in node.outputs if o.name)
-        changed = 0
-        for node in list(graph):
-            if node.graph is not graph:
-                continue
-            found = match_layernorm(node)
-            if found is not None and _rewrite(graph, found, taken):
-                changed += 1
-        return ir.passes.PassResult(model, modified=bool(changed))
+        return ir.passes.PassResult(model, modified=bool(rewrite_layernorms(graph)))
+
+
+def rewrite_layernorms(graph: ir.Graph) -> int:
+    """Rules 1-2 on every top-level node of ``graph``, each match rewritten as rule 3 says
+    (without rule 3's opset check: the caller's); returns how many were rewritten."""
+    taken = {v.name for v in graph.inputs if v.name} | set(graph.initializers)
+    for node in graph:
+        taken.update(o.name for o in node.outputs if o.name)
+    changed = 0
+    for node in list(graph):
+        if node.graph is not graph:
+            continue
+        found = match_layernorm(node)
+        if found is not None and _rewrite(graph, found, taken):
+            changed += 1
+    return changed

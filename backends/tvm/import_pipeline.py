@@ -12,7 +12,7 @@ Rules:
    unrolled, function bodies of ops TVM lacks inlined, then folded), a lenient
    ``passes.shape_inference.ShapeInference`` (segments need typed boundaries; existing types,
    e.g. the comm outputs', stay), :class:`backends.tvm.resize_inputs.DropEmptyResizeInputs`, then
-   every rewrite of :data:`backends.tvm.import_fixes.IMPORT_REWRITES` (rules 1-7 there).
+   every rewrite of :data:`backends.tvm.import_fixes.IMPORT_REWRITES` (rules 1-8 there).
 3. After the serialisation, the op-form rewrites of :mod:`backends.tvm.form_rewrites` (Sinh/Cosh,
    IsInf, negative Squeeze axes, ConvTranspose ``output_shape``) run on the protobuf, then
    :mod:`backends.tvm.scatter_slices` (block-writing ``ScatterElements`` as Slice/Concat): the
