@@ -12,8 +12,9 @@ calling thread's CPU (a VM instrument hook, median over ``--runs`` runs; the hoo
 call lands in the VM builtins, class ``other``). Kernels are grouped by
 ``kernel_profile.tir_kernel_info``'s class and layer key (a conv's channels and output map: a
 weight gradient computed as a conv over the batch has the batch in its key, so it matches by
-class only). Prints per class and per key the micro-batch programs x8 beside the whole-batch
-programs once (the same images) and their ratio, and whether both plans cut at the same weights.
+class only). The whole-batch plan is cut by the micro-batch plan's measured node times (the same
+stage). Prints per class and per key the micro-batch programs x8 beside the whole-batch programs
+once (the same images) and their ratio, and whether both stages hold the same weights.
 On a loaded machine the ratios, not the values, are the finding.
 
     .venv/bin/python benchmarks/pipeline_kernels.py --model resnet --stage 0 [--runs 3] [--top 20]
@@ -81,6 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     m = pipeline_stages.MICRO_BATCHES
     target = resolve_target(None)
     sides = {}
+    from partitioner.training import measured_cut
+
+    measure, kept = measured_cut.shared_node_seconds, []
+
+    def same_cut(*a, **k):  # the whole-batch plan cuts by the micro-batch plan's measured node times
+        if not kept:
+            kept.append(measure(*a, **k))
+        return kept[0]
+
+    measured_cut.shared_node_seconds = same_cut
     for label, global_batch in (("micro", batch), ("whole", batch * m)):  # micro-batch batch/m, then batch
         big = model if global_batch == batch else models_zoo.build(args.model, **{**CASES[args.model][0],
                                                                                   "batch": global_batch})
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         sides[label] = (calls, classes, sorted(st.weights))
     (mc, mcl, mw), (wc, wcl, ww) = sides["micro"], sides["whole"]
     print(f"\n{args.model} stage {args.stage}: F + B at {batch // m} a call x{m} against the same stage's programs at "
-          f"{batch} a call once (ms per step of {batch}; same cut: {mw == ww}; load {os.getloadavg()[0]:.1f})")
+          f"{batch} a call once (ms per step of {batch}; same weights: {mw == ww}; load {os.getloadavg()[0]:.1f})")
     print(f"{'class':12s} {'micro':>8s} {'whole':>8s} {'ratio':>6s}")
     for c in sorted(mcl, key=lambda c: -(mcl[c] - wcl.get(c, 0.0))):
         print(f"{c:12s} {mcl[c] * 1e3:8.2f} {wcl.get(c, 0.0) * 1e3:8.2f} {mcl[c] / wcl[c] if wcl.get(c) else float('nan'):6.2f}")
