@@ -46,11 +46,26 @@ Rules:
    F)`` less the two messages' latency and the ranks' jitter: about 4 ms per two micro-batches
    from the replayed ONNX Runtime calls (``FB`` 26.2, ``B + F`` 20.8 ms unmoved; 24.0 and 24.3
    moved). The replay's free messages keep it (it gains); the loaded machine's MPI jitter ate it
-   (measured, paired: no gain). A quiet pairing, and one with ``pipeline.EXTRA_WARMUP`` (rule 5
-   there: a micro-batch of slack in that chain), are still to measure.
+   (measured, paired: no gain). Rule 6 gives it that slack.
+6. With the slack (session 14): when columns move on a 1F1B plan without a memory limit, the
+   stages before the last run at least :data:`WARMUP_WHEN_MOVED` extra warm-up forwards
+   (``PipelinePlan.extra_warmup``, pipeline rule 5: one more stash on stage 0, which the cost
+   model and the memory DP read from the plan). Then the last stage's ``FB(m)`` waits for the
+   chain through ``F(m)`` after ``B(m-3)``: three micro-batches take ``max(3 FB, FB + B + F +
+   messages)``, the last stage's own work, which the moved columns shorten. Measured on TVM (the
+   zoo mlp 4x1024, batch 1024, 1F1B x8, 2 MPI ranks; ``benchmarks/pipeline_mpi_timers.py``, the
+   step replayed from each rank's median calls in thread CPU, 4 paired rounds, load 8-15):
+   median 148.1 ms with neither, 143.3 moved alone, 145.1 the warm-up alone, 139.1 both (each
+   round both shorter than neither by 2-9%; with the CPU between the calls, rounds 2-4: 7.8%
+   and 5.0% shorter, 0.3% longer; docs/training.md, session 14). Per call (thread
+   CPU): the last stage's ``FB`` 16.1 -> 15.0
+   ms, its ``W`` 11.6 -> 9.0, stage 0's ``B`` 8.3 -> 10.1; both ranks then do about 128 ms of
+   calls a step (115 and 138 before).
 
-Knob: :data:`MOVE_WEIGHT_GRADIENT` (module constant, **off**: rule 5;
-``PARTITIONER_TRAIN_MOVE_WGRAD=1`` turns it on in MPI ranks too).
+Knobs: :data:`MOVE_BY_BACKEND` (TVM on; ONNX Runtime off: with its extra warm-up, session 13's
+3 wall-clock pairs under MPI at load 5 showed no gain, and it was not replayed this way), :data:`MOVE_WEIGHT_GRADIENT` (the
+environment's ``PARTITIONER_TRAIN_MOVE_WGRAD=1`` / ``=0`` forces it on / off for every backend,
+in MPI ranks too; unset: the table) and :data:`WARMUP_WHEN_MOVED` (rule 6; 0 turns it off).
 """
 
 from __future__ import annotations
@@ -63,11 +78,18 @@ import numpy as np
 import onnx
 from onnx import helper
 
-#: rules 1-4 (off: the last stage computes its first product's whole weight gradient). **Off**: the
-#: replayed zoo mlp step (pipeline_schedule.py, paired) got 1.5-6% shorter in each of 2 runs per
-#: backend, but the paired MPI steps did not (rule 5 below; docs/training.md, session 13);
-#: ``PARTITIONER_TRAIN_MOVE_WGRAD=1`` turns it on, in MPI ranks too
-MOVE_WEIGHT_GRADIENT = os.environ.get("PARTITIONER_TRAIN_MOVE_WGRAD", "0") == "1"
+#: rules 1-4 per backend (off: the last stage computes its first product's whole weight
+#: gradient). TVM on (session 14, with rule 6: the zoo mlp's
+#: 1F1B x8 step replayed in thread CPU from the MPI ranks' calls, 148.1 -> 139.1 ms, rule 6). ONNX Runtime off: the replayed zoo mlp
+#: step (pipeline_schedule.py, paired) got 1.5-6% shorter in each of 2 runs, the paired MPI steps
+#: did not (rule 5; session 13, before its extra warm-up). A backend not listed: off
+MOVE_BY_BACKEND: dict[str, bool] = {"onnxruntime": False, "tvm": True}
+_ENV_MOVE = os.environ.get("PARTITIONER_TRAIN_MOVE_WGRAD")
+#: True / False: rules 1-4 on / off for every backend (``PARTITIONER_TRAIN_MOVE_WGRAD=1`` / ``=0``,
+#: in MPI ranks too); None: :data:`MOVE_BY_BACKEND` decides
+MOVE_WEIGHT_GRADIENT: bool | None = None if _ENV_MOVE in (None, "") else _ENV_MOVE == "1"
+#: rule 6: the extra warm-up forwards a 1F1B plan with moved columns runs at least (0: off)
+WARMUP_WHEN_MOVED = 1
 #: rule 2: the share of the output columns the stage before computes
 MOVED_FRACTION = 0.5
 #: rule 2: a fixed column count instead (None: the fraction)
@@ -222,10 +244,25 @@ def _take(prog: onnx.ModelProto, stage_g: onnx.GraphProto, node: onnx.NodeProto,
     g.output.append(helper.make_tensor_value_info(m.grad, dtype, out_shape))
 
 
-def apply(plan: Any) -> None:
-    """Rules 1-4 on a built plan's last cut (in place): the stages' programs and ``Stage.moved``."""
-    if not MOVE_WEIGHT_GRADIENT or plan.num_stages < 2 or plan.recompute or plan.parts:
+def enabled(backend: str | None) -> bool:
+    """Rules 1-4 for a plan of ``backend`` (:data:`MOVE_WEIGHT_GRADIENT`, else the table)."""
+    if MOVE_WEIGHT_GRADIENT is not None:
+        return MOVE_WEIGHT_GRADIENT
+    return MOVE_BY_BACKEND.get(backend or "onnxruntime", False)
+
+
+def apply(plan: Any, backend: str | None = None, memory_limit: float | None = None) -> None:
+    """Rules 1-4 on a built plan's last cut (in place): the stages' programs and ``Stage.moved``;
+    rule 6's extra warm-up when columns moved."""
+    if not enabled(backend) or plan.num_stages < 2 or plan.recompute or plan.parts:
         return
+    _move(plan)
+    if plan.stages[-1].moved is not None and plan.schedule == "1f1b" and memory_limit is None:
+        plan.extra_warmup = max(plan.extra_warmup, WARMUP_WHEN_MOVED)
+
+
+def _move(plan: Any) -> None:
+    """Rules 1-4 (see :func:`apply`)."""
     last, before = plan.stages[-1], plan.stages[-2]
     received = {v for s, v in last.recv if s == before.index}
     progs = [p for p in (last.fused, last.weight_grad) if p is not None]

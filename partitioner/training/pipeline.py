@@ -68,10 +68,12 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     stage the rest; the stages hold the parts' state (``PipelinePlan.parts``), joined back under
     rule 6's names.
 12. The last stage's first product's weight gradient is split by output columns across the last
-    cut (:mod:`partitioner.training.moved_wgrad`, knob ``MOVE_WEIGHT_GRADIENT``, off): the last stage
-    sends the output gradient's moved columns back beside the input gradient, the stage before
-    computes their weight-gradient columns from the ``x`` it sent (stashed) and sends their sum
-    once per step, before the update. No forward work moves; the weight stays on the last stage.
+    cut (:mod:`partitioner.training.moved_wgrad`, knob ``MOVE_BY_BACKEND``: TVM on, ONNX Runtime
+    off): the last stage sends the output gradient's moved columns back beside the input gradient,
+    the stage before computes their weight-gradient columns from the ``x`` it sent (stashed) and
+    sends their sum once per step, before the update. No forward work moves; the weight stays on
+    the last stage. A 1F1B plan with moved columns (no memory limit) runs at least one extra
+    warm-up forward (rule 5; moved_wgrad rule 6).
 """
 
 from __future__ import annotations
@@ -434,7 +436,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     plan = PipelinePlan(out_stages, micro_batches, micro, batch, schedule, loss, label_name, optimizer, value_ids,
                         recompute, MEASURED if seconds is not None else COST_MODEL,
                         split_cut.parts_of(fwd, split) if split is not None else {}, extra)
-    moved_wgrad.apply(plan)  # rule 12
+    moved_wgrad.apply(plan, backend, memory_limit)  # rule 12
     return plan
 
 
