@@ -452,10 +452,12 @@ def rewrite_convolutions(mod: Any, algorithm: str, target: Any, cache_file: Path
     When no conv is rewritten the module comes back as it was given (rule 2)."""
     from tvm import relax
 
+    from .fold_small_constants import fold_small_constants_pass
+
     if algorithm == "direct" or not _has_conv(mod):
         return mod, {}
-    with target:
-        folded = relax.transform.FoldConstant()(mod)
+    with target:  # weights' layout transposes in numpy first: FoldConstant compiles one kernel each
+        folded = relax.transform.FoldConstant()(fold_small_constants_pass()(mod))
     choices = choose_algorithms(folded, algorithm, target, cache_file, record)
     if not choices:  # every conv stays direct: counted, module unchanged
         counts: dict[str, int] = {}
