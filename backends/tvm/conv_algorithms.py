@@ -26,12 +26,12 @@ Rules:
    (where eligible; otherwise direct). ``"auto"`` chooses by measurement, like cuDNN's ``Find``:
    every distinct eligible conv (shape, stride, dilation, padding, and the thread count the build
    is for) is built alone with each eligible algorithm and the default schedules, and timed on
-   this machine (:func:`_time_candidates`). Why measure: which algorithm wins depends on the
+   this machine (:func:`_time_candidates`; thread CPU time for 1-thread builds). Why measure: which algorithm wins depends on the
    shape, the threads and the machine (session 13, quiet run: resnet18 batch 8 took 1.02x of ONNX
    Runtime's time with direct convs and 0.85x with ``auto`` on 1 thread, 1.03x and 0.94x on 2;
    some 3x3 convs are faster direct). Robust on a loaded machine: the candidates are timed
-   interleaved (A B C A B C ..., :data:`AUTO_ROUNDS` rounds, each round long enough to dwarf the
-   clock), so a burst of load from another process hits every candidate alike, and the medians
+   interleaved (A B C, B C A, C A B, ..., :data:`AUTO_ROUNDS` rounds, each round long enough to
+   dwarf the clock), so a burst of load from another process hits every candidate alike, and the medians
    are compared; a non-direct algorithm is kept only when its median beats direct's by
    :data:`AUTO_MARGIN` (5%): below that the difference is within what the interleaved medians
    still vary by under load, and direct is the algorithm the rest of the backend (tuning, fusion,
@@ -267,24 +267,37 @@ def _build_alone(p: dict[str, Any], algorithm: str, target: Any) -> Any:
     return lambda: vm["main"](xt)
 
 
+def _clock() -> Any:
+    """The timing clock: the calling thread's CPU time for a 1-thread build (its kernels have no
+    parallel loops, so that is all their work, and a time slice lost to another process is not
+    counted: on the loaded 2-core machine single 2-6 ms calls were preempted often enough to flip
+    a choice), wall time otherwise (the pool's workers' time is not the calling thread's)."""
+    from .schedules.threads import build_threads
+
+    return time.thread_time if build_threads() == 1 else time.perf_counter
+
+
 def _time_candidates(p: dict[str, Any], target: Any) -> dict[str, float]:
     """Median seconds per call of every eligible algorithm for conv ``p``, timed interleaved
     (rule 2): each candidate is built and warmed up, then :data:`AUTO_ROUNDS` rounds time each
     candidate in turn for ``reps`` calls (``reps`` makes direct's round last
-    :data:`AUTO_ROUND_S`). The module hook tests count calls of."""
+    :data:`AUTO_ROUND_S`); the order rotates every round, so no candidate always runs first after
+    another's data left the caches. Clock: :func:`_clock`. The module hook tests count calls of."""
     runs = {a: _build_alone(p, a, target) for a in _candidates(p)}
     for run in runs.values():
         run()
-    t0 = time.perf_counter()
+    clock = _clock()
+    t0 = clock()
     runs["direct"]()
-    reps = max(1, min(1000, int(AUTO_ROUND_S / max(time.perf_counter() - t0, 1e-7))))
+    reps = max(1, min(1000, int(AUTO_ROUND_S / max(clock() - t0, 1e-7))))
+    names = list(runs)
     per: dict[str, list[float]] = {a: [] for a in runs}
-    for _ in range(AUTO_ROUNDS):
-        for a, run in runs.items():
-            t0 = time.perf_counter()
+    for r in range(AUTO_ROUNDS):
+        for a in names[r % len(names):] + names[:r % len(names)]:
+            t0 = clock()
             for _ in range(reps):
-                run()
-            per[a].append((time.perf_counter() - t0) / reps)
+                runs[a]()
+            per[a].append((clock() - t0) / reps)
     return {a: statistics.median(ts) for a, ts in per.items()}
 
 

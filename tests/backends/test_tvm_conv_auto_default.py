@@ -143,7 +143,22 @@ def test_candidates_are_timed_interleaved(monkeypatch: pytest.MonkeyPatch) -> No
     times = ca._time_candidates(p, None)
     assert set(times) == {"direct", "im2col", "winograd"}
     runs = [a for i, a in enumerate(order) if i == 0 or order[i - 1] != a]  # consecutive repeats collapsed
-    assert runs == ["direct", "im2col", "winograd"] * (1 + ca.AUTO_ROUNDS)  # warm-up, then the rounds
+    names = ["direct", "im2col", "winograd"]
+    rotated = [a for r in range(ca.AUTO_ROUNDS) for a in names[r % 3:] + names[:r % 3]]
+    assert runs == names + rotated  # warm-up (+ direct's calibration call, merged), then rotating rounds
+
+
+def test_one_thread_builds_time_thread_cpu() -> None:
+    """A 1-thread build's candidates are timed by the calling thread's CPU time (preemption by
+    other processes not counted); a parallel build's by wall time."""
+    import time
+
+    from backends.tvm.schedules.threads import building_for
+
+    with building_for(1):
+        assert ca._clock() is time.thread_time
+    with building_for(None):
+        assert ca._clock() is time.perf_counter
 
 
 def test_pick_needs_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
