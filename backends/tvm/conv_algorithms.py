@@ -31,7 +31,10 @@ Rules:
    Runtime's time with direct convs and 0.85x with ``auto`` on 1 thread, 1.03x and 0.94x on 2;
    some 3x3 convs are faster direct). Robust on a loaded machine: the candidates are timed
    interleaved (A B C, B C A, C A B, ..., :data:`AUTO_ROUNDS` rounds, each round long enough to
-   dwarf the clock), so a burst of load from another process hits every candidate alike, and the medians
+   dwarf the clock; with :data:`AUTO_FLUSH_BYTES`, 3x the rounds of one call each, after writing
+   that many bytes so the conv's weights and input are out of the caches, as inside a model:
+   timed hot, back to back, Winograd won alone on resnet50's batch-1 3x3 convs and the model lost
+   13-18%, session 14), so a burst of load from another process hits every candidate alike, and the medians
    are compared; a non-direct algorithm is kept only when its median beats direct's by
    :data:`AUTO_MARGIN` (5%): below that the difference is within what the interleaved medians
    still vary by under load, and direct is the algorithm the rest of the backend (tuning, fusion,
@@ -76,6 +79,8 @@ AUTO_MARGIN = 0.05
 #: interleaved timing rounds per candidate, and the least time one round of one candidate takes
 AUTO_ROUNDS = 7
 AUTO_ROUND_S = 0.004
+#: bytes written between timed calls so each candidate runs with cold caches (0: hot, back to back)
+AUTO_FLUSH_BYTES = 64 << 20
 WINOGRAD_TILE = 4
 CACHE_FILE = "conv_algorithms.json"
 _MEASURED: dict[str, str] = {}  # conv key -> fastest algorithm, for this process
@@ -290,10 +295,18 @@ def _time_candidates(p: dict[str, Any], target: Any) -> dict[str, float]:
     t0 = clock()
     runs["direct"]()
     reps = max(1, min(1000, int(AUTO_ROUND_S / max(clock() - t0, 1e-7))))
+    flush = np.zeros(AUTO_FLUSH_BYTES // 8) if AUTO_FLUSH_BYTES else None
+    rounds = AUTO_ROUNDS if flush is None else 3 * AUTO_ROUNDS
     names = list(runs)
     per: dict[str, list[float]] = {a: [] for a in runs}
-    for r in range(AUTO_ROUNDS):
+    for r in range(rounds):
         for a in names[r % len(names):] + names[:r % len(names)]:
+            if flush is not None:  # one cold call: weights and input out of the caches, as in a model
+                flush += 1.0
+                t0 = clock()
+                runs[a]()
+                per[a].append(clock() - t0)
+                continue
             t0 = clock()
             for _ in range(reps):
                 runs[a]()

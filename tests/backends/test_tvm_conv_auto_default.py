@@ -136,16 +136,28 @@ def test_weights_as_inputs_build_exactly_as_direct(auto_default: Path, tmp_path:
     _check_against_ort(m, tmp_path / "auto.so")
 
 
-def test_candidates_are_timed_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("flush", [0, 1 << 20])
+def test_candidates_are_timed_interleaved(monkeypatch: pytest.MonkeyPatch, flush: int) -> None:
     order: list[str] = []
     monkeypatch.setattr(ca, "_build_alone", lambda p, a, target: (lambda: order.append(a)))
+    monkeypatch.setattr(ca, "AUTO_FLUSH_BYTES", flush)
     p = {"im2col": True, "winograd": True}
     times = ca._time_candidates(p, None)
     assert set(times) == {"direct", "im2col", "winograd"}
     runs = [a for i, a in enumerate(order) if i == 0 or order[i - 1] != a]  # consecutive repeats collapsed
     names = ["direct", "im2col", "winograd"]
-    rotated = [a for r in range(ca.AUTO_ROUNDS) for a in names[r % 3:] + names[:r % 3]]
+    rounds = 3 * ca.AUTO_ROUNDS if flush else ca.AUTO_ROUNDS
+    rotated = [a for r in range(rounds) for a in names[r % 3:] + names[:r % 3]]
     assert runs == names + rotated  # warm-up (+ direct's calibration call, merged), then rotating rounds
+
+
+def test_cold_cache_timing_calls_each_candidate_once_per_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AUTO_FLUSH_BYTES: one call per candidate per round, after the caches were flushed (off: a
+    round repeats the call until it lasts AUTO_ROUND_S, hot)."""
+    order: list[str] = []
+    monkeypatch.setattr(ca, "_build_alone", lambda p, a, target: (lambda: order.append(a)))
+    ca._time_candidates({"im2col": True, "winograd": False}, None)
+    assert order.count("im2col") == 1 + 3 * ca.AUTO_ROUNDS  # warm-up + one cold call a round
 
 
 def test_one_thread_builds_time_thread_cpu() -> None:
