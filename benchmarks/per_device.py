@@ -16,10 +16,13 @@ threads). ``flops_by_class`` gives the share of each kernel class (gemm, conv, d
 ...), so a memory-bound model's low figure is visibly its depthwise/elementwise share.
 
 Columns (one row per model x batch x threads): TVM untuned (``"zero"`` pipeline: TVM's
-legalize+fuse, no schedules), TVM default schedules (``"scheduled"`` pipeline), TVM tuned
+legalize+fuse, no schedules), TVM default schedules (``"scheduled"`` pipeline, with the build's
+default conv algorithm, ``auto`` since session 14: the fastest per conv by measurement, cached per
+machine; ``settings.default_conv_algorithm`` says which), TVM tuned
 (MetaSchedule, ``--tune-trials`` per kernel, database in ``--tuning-db``; skipped when 0), for
-the conv models TVM default schedules with ``--conv-algorithm`` (im2col / Winograd / ``auto``:
-the fastest per conv by measurement; skipped when ``direct``) and ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). ORT and the TVM
+the conv models TVM default schedules with ``--conv-algorithm`` (direct / im2col / Winograd /
+``auto``, its own column; ``--conv-algorithm direct`` is the pre-session-14 default, a
+before/after in one run; skipped when not given) and ONNX Runtime (CPUExecutionProvider, ``intra_op_num_threads`` = threads). ORT and the TVM
 builds are timed together, the same way (:func:`paired_times`): ``--blocks`` rounds (5), one
 block of ``--runs`` runs (5) per engine in each, the order reversed every other round, each block
 after a settle pause and a warm-up; a time is the median of the engine's block medians, and the
@@ -303,7 +306,7 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     variants: dict[str, dict[str, Any]] = {"scheduled": {"pipeline": "scheduled"}}
     if info["run_zero"] and not args.no_zero:
         variants["zero"] = {"pipeline": "zero"}
-    if args.conv_algorithm != "direct" and info["conv"]:
+    if args.conv_algorithm and info["conv"]:
         variants["conv"] = {"pipeline": "scheduled", "conv_algorithm": args.conv_algorithm}
     if args.tune_trials > 0:
         variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db,
@@ -393,7 +396,7 @@ def machine() -> dict[str, Any]:
 
 def render_markdown(data: dict[str, Any]) -> str:
     """The results as a markdown table (what the README shows), from the saved JSON."""
-    conv = data.get("settings", {}).get("conv_algorithm", "direct")
+    conv = data.get("settings", {}).get("conv_algorithm") or "direct"
     cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"),
             (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms"),
             ("default, runtime baseline", "tvm_scheduled_base_ms")]
@@ -422,6 +425,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                  f"ONNX Runtime {m.get('versions', {}).get('onnxruntime', '?')}; " + _timing_note(data['settings']) +
                  (f"; tuned: MetaSchedule, {data['settings']['tune_trials']} trials per contraction kernel"
                   + (f", conv models built with conv {conv}" if conv != "direct" else "") + "." if tuned else ".") +
+                 f" Default column: conv {data.get('settings', {}).get('default_conv_algorithm', 'direct')}." +
                  (f" % of peak: model FLOPs / time / ({data['peak']['fma_flops'] / 1e9:.0f} GFLOP/s measured one-core FMA "
                   "peak x threads)." if peak and data.get("peak") else ""))
     return "\n".join(lines)
@@ -449,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero-runs", type=int, default=1)
     ap.add_argument("--no-zero", action="store_true", help="skip the untuned column")
     ap.add_argument("--tune-trials", type=int, default=0)
-    ap.add_argument("--conv-algorithm", default="direct", choices=("direct", "im2col", "winograd", "auto"),
-                    help="also build the conv models with this convolution algorithm (its own column)")
+    ap.add_argument("--conv-algorithm", default=None, choices=("direct", "im2col", "winograd", "auto"),
+                    help="also build the conv models with this convolution algorithm (its own column; "
+                         "the default column uses the build's default, auto)")
     ap.add_argument("--runtime-baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                     help="also time the default build with this run-time setting changed (repeatable; e.g. "
                          "backends.tvm.contention.CONTENTION_SWITCHES=0), in the same interleaved blocks: "
@@ -467,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(render_markdown(json.loads(Path(args.json).read_text())))
         return 0
+    from backends.tvm.conv_algorithms import default_algorithm
     from partitioner.commands._options import parse_shape_option
 
     args.shapes = parse_shape_option(args.shape)
@@ -489,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "zero_runs": args.zero_runs,
                                                    "tune_trials": args.tune_trials,
                                                    "conv_algorithm": args.conv_algorithm,
+                                                   "default_conv_algorithm": default_algorithm(),
                                                    "rtol": args.rtol, "atol": args.atol,
                                                    "model_args": {k: MODELS[k][1] for k in models if k in MODELS}},
                 "peak": peak,

@@ -20,6 +20,11 @@ Rules:
    quick calibration that ``plan`` and ``compile`` run on first use (:func:`ensure_calibrated`).
    A first-use calibration that fails leaves ``<key>.failed`` beside the cache file and is not
    tried again on first use (``partitioner calibrate`` tries again and removes it).
+5. Other per-machine caches live beside it, one folder per (CPU model, core count, compiler
+   target): :func:`target_cache_dir` (``$PARTITIONER_CACHE_DIR/tvm/<cpu>-<cores>c-<target key>/``;
+   ``conv_algorithms.json`` there holds the TVM build's measured convolution algorithms,
+   :mod:`backends.tvm.conv_algorithms` rule 2). Deleting a file there makes the next build
+   measure again.
 
 This module imports only the ground floor; :mod:`partitioner.cluster` builds the cluster from
 the JSON it returns, and :mod:`partitioner.calibrate` fills it.
@@ -48,10 +53,20 @@ def cache_dir() -> Path:
     return Path(env) if env else Path(os.path.expanduser("~")) / ".cache" / "partitioner"
 
 
+def _cpu_slug() -> str:
+    """``<cpu model slug>-<cores>c``: the machine part of every key here."""
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")[:60] or "cpu"
+    return f"{slug}-{os.cpu_count() or 1}c"
+
+
 def machine_key(backend: str = DEFAULT_BACKEND, threads: int = 1) -> str:
     """``<cpu model slug>-<cores>c-<threads>t-<backend>`` (rule 1)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")[:60] or "cpu"
-    return f"{slug}-{os.cpu_count() or 1}c-{threads}t-{backend}"
+    return f"{_cpu_slug()}-{threads}t-{backend}"
+
+
+def target_cache_dir(target_key: str, backend: str = DEFAULT_BACKEND) -> Path:
+    """This machine's cache folder for one compiler target of ``backend`` (rule 5)."""
+    return cache_dir() / backend / f"{_cpu_slug()}-{target_key}"
 
 
 def cache_path(backend: str = DEFAULT_BACKEND, threads: int = 1) -> Path:

@@ -12,3 +12,7 @@ import tempfile
 
 os.environ["PARTITIONER_CACHE_DIR"] = tempfile.mkdtemp(prefix="partitioner-test-cache-")
 os.environ["PARTITIONER_AUTO_CALIBRATE"] = "0"
+# TVM builds compute convs directly unless a test asks for another algorithm: the build default,
+# "auto", would time every distinct conv of every test model (backends/tvm/conv_algorithms.py);
+# setdefault, so `PARTITIONER_CONV_ALGORITHM=auto pytest ...` runs the suite with the real default
+os.environ.setdefault("PARTITIONER_CONV_ALGORITHM", "direct")

@@ -23,6 +23,12 @@ Rules:
 5. After scheduling, a program that names its step constants (training pipeline stages) has its
    weight-only kernels lifted into ``main_transform_params``
    (:mod:`backends.tvm.lift_step_constants`); any other program builds unchanged.
+6. ``options["conv_algorithm"]`` (:mod:`backends.tvm.conv_algorithms`, CPU ``scheduled`` pipeline):
+   absent means :func:`~backends.tvm.conv_algorithms.default_algorithm`, ``"auto"`` unless
+   ``$PARTITIONER_CONV_ALGORITHM`` says otherwise: each distinct eligible conv measured once per
+   machine (cached in the tuning database when one is given, else in this machine's cache,
+   ``partitioner.calibrate_cache`` rule 5). The facts name the algorithm per conv
+   (``conv_algorithms``: counts; ``conv_choices``: per distinct conv, measured or from the cache).
 """
 
 from __future__ import annotations
@@ -87,9 +93,9 @@ def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -
 
     trials = int(options.get("tune_trials") or 0)
     db_dir = options.get("tuning_db")
-    conv = str(options.get("conv_algorithm") or "direct")
-    from .conv_algorithms import ALGORITHMS
+    from .conv_algorithms import ALGORITHMS, default_algorithm, machine_cache_file
 
+    conv = str(options.get("conv_algorithm") or default_algorithm())  # rule 6
     if conv not in ALGORITHMS:
         raise BackendError(f"unknown conv_algorithm {conv!r}; use one of {', '.join(ALGORITHMS)}")
     if trials > 0 and str(target.kind.name) == "cuda":
@@ -98,7 +104,8 @@ def _cpu_module(mod: Any, target: Any, pipeline: str, options: dict[str, Any]) -
         require_gpu_for_tuning(target)
     if trials <= 0 and not db_dir:
         facts: dict[str, Any] = {}
-        return run_pipeline(mod, pipeline, target, conv_algorithm=conv, facts=facts), facts
+        cache = machine_cache_file(target) if conv == "auto" else None
+        return run_pipeline(mod, pipeline, target, conv_algorithm=conv, conv_cache=cache, facts=facts), facts
     from . import tuning
 
     if not db_dir:
@@ -134,7 +141,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
     out_path = Path(out_path)
     times: dict[str, float] = {}
     tuning: dict[str, Any] = {}
-    conv_used = None
+    conv_used = conv_choices = None
 
     report("import")
     t0 = time.perf_counter()
@@ -150,6 +157,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
             mod, tuning = _cpu_module(lowered.mod, target, pipeline, options)
         mod = lift_step_constants.lift(mod, program, len(lowered.comm_ops))  # weight-only kernels once per change
         conv_used = tuning.pop("conv_algorithms", None)
+        conv_choices = tuning.pop("conv_choices", None)
         prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
         ex = parallel_scope.compile(mod, target)  # parallel loop bodies with no-alias pointers
     except PartitionerError:
@@ -187,6 +195,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         "tuned": bool(tuning.get("tuned", False)),
         **({"tuning": tuning} if tuning else {}),
         **({"conv_algorithms": conv_used} if conv_used else {}),
+        **({"conv_choices": conv_choices} if conv_choices else {}),
         "segments": lowered.segments,
         "comm_ops": len(lowered.comm_ops),
         "program_sha256": program_key(program),

@@ -182,7 +182,11 @@ def pre_legalize(mod: Any, target: Any, conv_algorithm: str = "direct", conv_cac
         return mod
     from .conv_algorithms import rewrite_convolutions
 
-    mod, counts = rewrite_convolutions(mod, conv_algorithm, target, conv_cache)
+    record: list[dict[str, Any]] = []
+    mod, counts = rewrite_convolutions(mod, conv_algorithm, target, conv_cache, record)
     if facts is not None:
-        facts["conv_algorithms"] = counts
+        if counts:
+            facts["conv_algorithms"] = counts
+        if record:  # conv_algorithm "auto": each distinct conv's choice and where it came from
+            facts["conv_choices"] = record
     return mod

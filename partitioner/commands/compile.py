@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tvm-pipeline", choices=("scheduled", "zero"), default=None,
                    help="TVM: 'scheduled' (default CPU schedules, the default) or 'zero' (untuned)")
     p.add_argument("--conv-algorithm", choices=("direct", "im2col", "winograd", "auto"), default=None,
-                   help="TVM on the CPU: how convolutions are computed; 'auto' times each distinct conv "
-                        "with every eligible algorithm and keeps the fastest (default direct)")
+                   help="TVM on the CPU: how convolutions are computed; 'auto' (the default, or "
+                        "$PARTITIONER_CONV_ALGORITHM) times each distinct conv with every eligible algorithm "
+                        "once per machine and keeps the fastest (cached under ~/.cache/partitioner/tvm/)")
     p.add_argument("--sign-key", default=None, metavar="KEY.pem",
                    help="sign the artifact with this EC private key (writes DIR/model.sig; see `partitioner sign`)")
     add_json_argument(p)
@@ -55,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--tune-trials, --tuning-db, --tvm-pipeline and --conv-algorithm apply to --backend tvm only")
     if args.conv_algorithm not in (None, "direct") and args.tvm_pipeline == "zero":
         raise UsageError("--conv-algorithm needs the 'scheduled' TVM pipeline, not --tvm-pipeline zero")
+    if args.backend == "tvm" and not args.conv_algorithm:
+        from backends.tvm.conv_algorithms import default_algorithm
+
+        default_algorithm()  # a bad $PARTITIONER_CONV_ALGORITHM fails now, in one line
     if args.sign_key:  # a bad key fails now, not after the build
         signing.load_private_key(args.sign_key)
     build_options = {k: v for k, v in (("tune_trials", args.tune_trials), ("tuning_db", args.tuning_db),

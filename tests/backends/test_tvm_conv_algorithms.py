@@ -85,7 +85,8 @@ def test_auto_measures_once_and_caches(tmp_path: Path) -> None:
     saved = json.loads(cache.read_text())
     (entry,) = saved.values()
     assert entry["fastest"] == chosen and set(entry["seconds"]) == {"direct", "im2col", "winograd"}
-    assert entry["seconds"][chosen] == min(entry["seconds"].values())
+    fastest = min(entry["seconds"], key=entry["seconds"].get)  # kept only with a 5% lead over direct
+    assert chosen == (fastest if entry["seconds"][fastest] < 0.95 * entry["seconds"]["direct"] else "direct")
     # a fresh process (empty memory cache) reads the file instead of measuring again
     ca._MEASURED.clear()
     entry["fastest"] = "im2col"  # what the file says wins, whatever this machine measured
