@@ -76,19 +76,25 @@ def cache_path(backend: str = DEFAULT_BACKEND, threads: int = 1) -> Path:
 
 def load_cached(backend: str = DEFAULT_BACKEND, threads: int = 1) -> dict[str, Any] | None:
     """The cached document (``{"key", "cluster", "calibration"}``) or None (rule 3)."""
-    path = cache_path(backend, threads)
+    return read_json_object(cache_path(backend, threads), "calibration cache",
+                            "run `partitioner calibrate` to refresh it", require="cluster")
+
+
+def read_json_object(path: Path, what: str, hint: str, require: str | None = None) -> dict[str, Any] | None:
+    """A per-machine cache file's JSON object: None when the file is missing, and when it is
+    unreadable, not an object or lacks the object ``require`` (one warning line per file and
+    process, naming ``what`` and ``hint``: a corrupt cache is measured again, never a crash)."""
     if not path.is_file():
         return None
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(doc, dict) or not isinstance(doc.get("cluster"), dict):
-            raise ValueError("no 'cluster' object")
+        if not isinstance(doc, dict) or (require is not None and not isinstance(doc.get(require), dict)):
+            raise ValueError(f"no '{require}' object" if require else "not a JSON object")
         return doc
     except (OSError, ValueError) as exc:
         if str(path) not in _warned:
             _warned.add(str(path))
-            sys.stderr.write(f"partitioner: ignoring the unreadable calibration cache {path} ({exc}); "
-                             "run `partitioner calibrate` to refresh it\n")
+            sys.stderr.write(f"partitioner: ignoring the unreadable {what} {path} ({exc}); {hint}\n")
         return None
 
 

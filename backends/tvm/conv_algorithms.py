@@ -84,7 +84,6 @@ AUTO_FLUSH_BYTES = 64 << 20
 WINOGRAD_TILE = 4
 CACHE_FILE = "conv_algorithms.json"
 _MEASURED: dict[str, str] = {}  # conv key -> fastest algorithm, for this process
-_warned: set[str] = set()
 
 
 def default_algorithm() -> str:
@@ -322,21 +321,9 @@ def pick(times: dict[str, float]) -> str:
 
 def _read_cache(cache_file: Path) -> dict[str, Any]:
     """The cache file's entries; {} when missing, and when unreadable (warned once, rule 2)."""
-    if not cache_file.is_file():
-        return {}
-    try:
-        disk = json.loads(cache_file.read_text())
-        if not isinstance(disk, dict):
-            raise ValueError("not a JSON object")
-        return disk
-    except (OSError, ValueError) as exc:
-        if str(cache_file) not in _warned:
-            _warned.add(str(cache_file))
-            import sys
+    from partitioner.calibrate_cache import read_json_object
 
-            sys.stderr.write(f"partitioner: ignoring the unreadable conv algorithm cache {cache_file} ({exc}); "
-                             "convs are measured again\n")
-        return {}
+    return read_json_object(cache_file, "conv algorithm cache", "convs are measured again") or {}
 
 
 def _save_entry(cache_file: Path, key: str, entry: dict[str, Any]) -> None:

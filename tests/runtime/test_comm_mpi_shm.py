@@ -10,12 +10,11 @@ arrays on the gather path.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from tests.mpi_script import rank_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [("float32", (512, 1024), "sum"), ("float32", (300_001,), "sum"), ("float64", (1 << 17, 3), "max"),
@@ -56,14 +55,7 @@ def _rank_main(out: str) -> None:
 
 
 def test_shared_memory_allreduce_is_bit_identical_to_the_gather(tmp_path: Path) -> None:
-    from partitioner.runtime.launch import find_mpiexec
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, __file__, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in (0, 1):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, report in enumerate(rank_reports(__file__, tmp_path, timeout=120)):
         for case, r in zip(CASES, report):
             big = np.dtype(case[0]).itemsize * int(np.prod(case[1])) >= (1 << 20)
             assert r["shm_calls"] == (1 if big else 0), (rank, case, r)  # rule 7: >= 1 MiB only

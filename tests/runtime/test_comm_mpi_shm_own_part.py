@@ -12,12 +12,11 @@ input is copied in).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from tests.mpi_script import rank_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = (300_001, 77, 500_000)  # float32, 3.2 MB in all: over SHM_MIN_BYTES; the part boundary splits array 2
@@ -61,14 +60,7 @@ def _rank_main(out: str) -> None:
 
 
 def test_own_part_is_reduced_from_the_input_and_not_copied_in(tmp_path: Path) -> None:
-    from partitioner.runtime.launch import find_mpiexec
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, __file__, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, r in enumerate(rank_reports(__file__, tmp_path, timeout=120)):
         assert r["equal"] and r["in_place"], (rank, r)
         assert r["copied_in"] == r["others_part"] < r["whole"], (rank, r)
 

@@ -12,8 +12,6 @@ within rtol 1e-4, atol 1e-5 of a 1-rank run of the same global batches (ONNX Run
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import models_zoo
 from partitioner.training import SGD, build_training_graph
 from partitioner.training import buckets as buckets_mod
 from partitioner.training.runner import StepRunner
+from tests.mpi_script import rank_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(3, 1001), (700_001,), (5,), (64, 129), ()]  # 2.8 MiB of float32, odd boundaries, a scalar
@@ -121,14 +120,7 @@ def _rank_main(out: str) -> None:
 
 
 def test_list_allreduce_is_bit_identical_to_the_concatenation_on_mpi(tmp_path: Path) -> None:
-    from partitioner.runtime.launch import find_mpiexec
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, __file__, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, r in enumerate(rank_reports(__file__, tmp_path, timeout=300)):
         assert r["shapes"] and r["equal"] and r["in_place"] and r["steps_equal"], (rank, r)
         assert r["lent"] == [True, False], (rank, r)  # ONNX Runtime ranks lend the last bucket too
         # the list (twice) and the concatenation went through the shared window, as did each step's bucket

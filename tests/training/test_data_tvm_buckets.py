@@ -17,8 +17,6 @@ gradient can flip the direction of its weight's step).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +30,7 @@ from partitioner.training import SGD, AdamW, build_training_graph
 from partitioner.training import buckets as buckets_mod
 from partitioner.training.overlap import TvmBucketedExecutable
 from partitioner.training.runner import StepRunner
+from tests.mpi_script import rank_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIMIZERS = {"sgd": SGD(lr=0.1), "adamw": AdamW(lr=1e-2, weight_decay=0.01)}
@@ -177,14 +176,7 @@ def _rank_main(out: str) -> None:
 
 @pytest.mark.slow
 def test_tvm_data_ranks_on_mpi_reduce_in_place_and_match_one_rank(tmp_path: Path) -> None:
-    from partitioner.runtime.launch import find_mpiexec
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, __file__, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, r in enumerate(rank_reports(__file__, tmp_path, timeout=600, tail=3000)):
         for name in OPTIMIZERS:
             got = r[name]
             assert got["tvm_buckets"] and not got["concat"], (rank, name, got)
