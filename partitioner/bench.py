@@ -24,6 +24,10 @@ Rules:
 8. ``memory``: per rank, the predicted peak memory (the manifest's simulated per-rank peak) beside
    the measured one: the rank's RSS high-water mark (``VmHWM``) minus its baseline, the RSS once the
    backend's runtime is imported and just before its program loads (the worker resets the mark there).
+   A rank whose build facts give the library's constants (``constant_bytes``, TVM) is priced with
+   them (:func:`built_memory_terms`): the plan is made before the build chooses each conv's
+   algorithm, and a Winograd conv holds 4x its weights. ``plan_predicted_bytes`` keeps the plan's
+   figure beside it.
 """
 
 from __future__ import annotations
@@ -88,18 +92,42 @@ def predicted_memory_terms(prediction: Mapping[str, Any] | None) -> dict[int, di
             if d.get("memory_terms")}
 
 
-def memory_rows(timings: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def built_memory_terms(manifest: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+    """Rule 8: per rank whose build facts give ``constant_bytes`` (the library's constants,
+    ``backends/tvm/build.py`` rule 7), the plan's terms re-priced with them by the backend's rule
+    (``cost/memory.py``, :func:`~partitioner.cost.memory.with_library_constants`); other ranks, and
+    every rank with ``PRICE_LIBRARY_CONSTANTS`` off, are absent (the plan's figure stands)."""
+    from partitioner.cost.memory import runtime_memory, with_library_constants
+
+    terms = predicted_memory_terms(manifest.get("prediction"))
+    rule = runtime_memory(manifest.get("backend"))
+    out = {}
+    for i, r in enumerate(manifest.get("ranks") or []):
+        built = (r.get("build") or {}).get("constant_bytes")
+        rank = int(r.get("rank", i))
+        priced = with_library_constants(terms[rank], rule, built) if built is not None and rank in terms else None
+        if priced is not None:
+            out[rank] = {**priced.to_json(), "library_constant_bytes": float(built)}
+    return out
+
+
+def memory_rows(timings: Mapping[str, Any], prediction: Mapping[str, Any] | None,
+                manifest: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Rule 8: per rank, predicted peak bytes beside the measured one (VmHWM minus the process
     baseline the worker took just before loading its program, ``runtime/worker.py``), with the
-    predicted terms."""
-    predicted = predicted_memory(prediction)
-    terms = predicted_memory_terms(prediction)
+    predicted terms; priced with the library's constants where ``manifest`` gives them."""
+    plan = predicted_memory(prediction)
+    built = built_memory_terms(manifest) if manifest else {}
+    terms = {**predicted_memory_terms(prediction), **built}
     rows = []
     for rep in timings.get("ranks") or []:
         mem = rep.get("memory") or {}
         measured = mem.get("peak_over_baseline_bytes")
-        pred = predicted.get(int(rep["rank"]))
+        rank = int(rep["rank"])
+        pred = built[rank]["peak_bytes"] if rank in built else plan.get(rank)
         rows.append({"rank": rep["rank"], "predicted_bytes": pred, "measured_bytes": measured,
+                     "plan_predicted_bytes": plan.get(rank),
+                     "library_constant_bytes": built[rank]["library_constant_bytes"] if rank in built else None,
                      "baseline_rss_bytes": mem.get("baseline_rss_bytes"), "peak_rss_bytes": mem.get("peak_rss_bytes"),
                      "peak_reset": mem.get("peak_reset"),
                      "predicted_over_measured": pred / measured if pred and measured else None,
@@ -202,7 +230,7 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
     predicted = _predicted_step(art.manifest.get("prediction"))
     m = art.manifest
     ranks = breakdown(timings, m.get("prediction"))
-    memory = memory_rows(timings, m.get("prediction"))
+    memory = memory_rows(timings, m.get("prediction"), m)
     stages = int(m["plan_summary"].get("num_stages") or m["plan_summary"].get("stages") or 1) \
         if not isinstance(m["plan_summary"].get("stages"), list) else len(m["plan_summary"]["stages"])
     return {

@@ -29,6 +29,11 @@ Rules:
    machine (cached in the tuning database when one is given, else in this machine's cache,
    ``partitioner.calibrate_cache`` rule 5). The facts name the algorithm per conv
    (``conv_algorithms``: counts; ``conv_choices``: per distinct conv, measured or from the cache).
+7. The facts give ``constant_bytes``, the weights and other constants the library holds as built
+   (:func:`~backends.tvm.weight_params.library_constant_bytes`: after Winograd, packing and folding),
+   which ``bench`` prices the rank's peak memory with (``cost/memory.py``,
+   ``with_library_constants``). Absent for a rank with ONNX Runtime fallback segments: their
+   sessions hold weights the library does not.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from .progress import BuildProgress
 from .schedules.gpu import cuda_kernel_count
 from .schedules.threads import building_for
 from .target import gpu_facts, target_dict
+from .weight_params import library_constant_bytes
 
 NAME = "tvm"
 FILE_SUFFIX = ".so"
@@ -159,6 +165,8 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         conv_used = tuning.pop("conv_algorithms", None)
         conv_choices = tuning.pop("conv_choices", None)
         prim_funcs = sum(1 for _, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
+        # rule 7: the constants the library will hold (none priced for ranks with ORT segments)
+        constant_bytes = None if lowered.fallback_segments else library_constant_bytes(mod)
         ex = parallel_scope.compile(mod, target)  # parallel loop bodies with no-alias pointers
     except PartitionerError:
         raise
@@ -196,6 +204,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
         **({"tuning": tuning} if tuning else {}),
         **({"conv_algorithms": conv_used} if conv_used else {}),
         **({"conv_choices": conv_choices} if conv_choices else {}),
+        **({"constant_bytes": constant_bytes} if constant_bytes is not None else {}),
         "segments": lowered.segments,
         "comm_ops": len(lowered.comm_ops),
         "program_sha256": program_key(program),

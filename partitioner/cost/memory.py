@@ -149,6 +149,8 @@ class RankMemory:
     sends: float
     receives: float
     load_peak: float
+    embedded: float = 0.0  # the weight bytes priced as the library's constants (before the copies)
+    mapped: float = 0.0  # the weight bytes priced as mapped pages (held once)
 
     @property
     def steady(self) -> float:
@@ -164,7 +166,8 @@ class RankMemory:
     def to_json(self) -> dict[str, float]:
         return {"runtime_bytes": self.runtime, "weight_bytes": self.weights, "activation_bytes": self.activations,
                 "input_bytes": self.inputs, "output_bytes": self.outputs, "send_bytes": self.sends,
-                "receive_bytes": self.receives, "load_peak_bytes": self.load_peak, "peak_bytes": self.total}
+                "receive_bytes": self.receives, "load_peak_bytes": self.load_peak, "peak_bytes": self.total,
+                "embedded_weight_bytes": self.embedded, "mapped_weight_bytes": self.mapped}
 
 
 def rank_peak(rule: RuntimeMemory, *, embedded_weight_bytes: float, mapped_weight_bytes: float = 0.0,
@@ -205,7 +208,42 @@ def rank_peak(rule: RuntimeMemory, *, embedded_weight_bytes: float, mapped_weigh
         sends=m * send_bytes if wb else 0.0,
         receives=receive_bytes,
         load_peak=runtime + rule.load_weight_copies * embedded_weight_bytes,
+        embedded=float(embedded_weight_bytes),
+        mapped=float(mapped_weight_bytes),
     )
+
+
+#: price a built rank with its library's constants (:func:`with_library_constants`); off: the
+#: plan's figure, the program's initializers as the embedded weights, whatever the build made of them
+PRICE_LIBRARY_CONSTANTS = True
+
+
+def with_library_constants(terms: dict[str, float], rule: RuntimeMemory, constant_bytes: float) -> RankMemory | None:
+    """A built rank's peak (:func:`rank_peak`) with the library's constants as its embedded weights.
+
+    For: a rank whose build turned its weights into constants of another size than the program's
+    initializers. The plan prices the initializers (``embedded_weight_bytes``), but the plan is made
+    before the build chooses. Cases: Winograd F(4x4, 3x3) (``backends/tvm/conv_algorithms.py``,
+    chosen by the default ``--conv-algorithm auto``) holds each 3x3 conv's weights transformed,
+    ``(4+2)^2 / 3^2`` = 4x their bytes, and the original is not kept beside them; packing pads a
+    GEMM's or conv's weight panels; batch-norm folding and constant folding add or remove a few
+    constants. Measured (zoo ResNet-18 batch 8, data x2, one TVM rank loaded alone, session 15):
+    the library held 44.6 MiB of constants with ``direct`` convs and 150.9 with ``auto`` (9 of 20
+    convs Winograd), 152.6 with ``winograd``; the rank's high-water mark was 177.2, 602.6 and
+    609.1 MiB above its baseline, the load's 4 copies of exactly those constants (plan: 182.0 for
+    all three). Every other term (runtime, mapped weights, activations, worker buffers) is the
+    plan's: ``terms`` is a rank's ``to_json()``, and one without ``embedded_weight_bytes`` (written
+    before that term existed) gives None, as does :data:`PRICE_LIBRARY_CONSTANTS` off."""
+    if not PRICE_LIBRARY_CONSTANTS or "embedded_weight_bytes" not in terms:
+        return None
+    c = float(constant_bytes)
+    mapped = float(terms.get("mapped_weight_bytes", 0.0))
+    return RankMemory(
+        runtime=float(terms["runtime_bytes"]), weights=rule.run_weight_copies * c + mapped,
+        activations=float(terms["activation_bytes"]), inputs=float(terms["input_bytes"]),
+        outputs=float(terms["output_bytes"]), sends=float(terms["send_bytes"]),
+        receives=float(terms["receive_bytes"]),
+        load_peak=float(terms["runtime_bytes"]) + rule.load_weight_copies * c, embedded=c, mapped=mapped)
 
 
 # ---- a TVM pipeline stage's peak, from its programs (issue 16) -----------------------------------
