@@ -23,6 +23,11 @@ Each timed variant repeats at least ``--repeat`` steps and at least ``--min-seco
 the planner's predicted step): a sub-millisecond step timed 10 times gives a median that one
 burst of other load moves by 30% (the BERT rows of 2026-12-01: round medians 0.46–0.83 ms).
 
+The predicted peak memory of a row is the runtime's memory rule priced with the constants each
+rank's library holds as built (``partitioner/bench.py`` rule 8: a Winograd conv holds 4x its
+weights, which the plan, made before the build chooses, does not know); the plan's own figure is
+in the JSON beside it (``memory[*].plan_predicted_bytes``).
+
 ``--markdown`` prints the README table from the JSON files already in the results folder.
 
 The final table needs a quiet machine (nothing else running; the load average is recorded in
