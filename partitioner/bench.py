@@ -286,6 +286,9 @@ def format_table(doc: Mapping[str, Any]) -> str:
         pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / 2**20:.1f} MiB"
         meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / 2**20:.1f} MiB"
         ratio = f" (predicted/measured {r['predicted_over_measured']:.2f})" if r["predicted_over_measured"] else ""
+        plan = r.get("plan_predicted_bytes")
+        if plan and r.get("library_constant_bytes") is not None and plan != r["predicted_bytes"]:
+            pred += f" with the library's {r['library_constant_bytes'] / 2**20:.1f} MiB of constants (plan: {plan / 2**20:.1f} MiB)"
         lines.append(f"rank {r['rank']} peak memory: predicted {pred}, measured {meas} above the process "
                      f"baseline{ratio}{_terms_text(r.get('predicted_terms'))}")
     return "\n".join(lines)
