@@ -88,11 +88,16 @@ class RuntimeMemory:
       4.0 MiB per rank from run to run (TVM, ``runtime_overhead.json`` and four reruns): the
       rule takes the middle, 3.5 MiB (within 20% of either end).
     - ``load_weight_copies``: the weights embedded in the library (constants) are held this many
-      times at the load's high-water mark. TVM: the library's mapped blob, the bytes read out of
-      it, the deserialised executable's constants and the VM's device copy of them: 4
+      times at the load's high-water mark. TVM: 4, all inside ``tvm.runtime.load_module`` (the
+      library's mapped blob, two transient copies while it is read and deserialised, and the
+      executable's constants; creating the VM adds nothing: session 15, ResNet-18 with 150.9 MiB
+      of constants, 603.3 MiB high-water mark after ``load_module``, the same after the VM)
       (ResNet-18: 179.2 MiB above the baseline for 44.5 MiB of constants, 171.6 for 42.5).
+      "Embedded" means the library's constants as built (:func:`with_library_constants`): a
+      Winograd conv's are 4x its weights.
     - ``run_weight_copies``: the copies that stay while the steps run. TVM: 2 (the library's
-      mapped pages and the VM's constants; 90.4 MiB after loading 44.5 MiB).
+      mapped file pages and the executable's constants: 151.3 MiB file-backed and 150.5 MiB
+      anonymous for 150.9 MiB of constants; 90.4 MiB after loading 44.5 MiB).
     - ``activation_factor``: the runtime's activation storage over the peak live activation
       bytes of the program (:func:`~partitioner.cost.workdepth.peak_activation_bytes`). TVM's
       static memory plan reuses a storage block only for tensors of similar size and keeps the
