@@ -55,6 +55,16 @@ Rules:
    always rewritten as one GEMM + pixel shuffle (:func:`conv_transpose_as_matmul`, knob
    :data:`CONV_TRANSPOSE_AS_MATMUL`), in every build: the pipeline runs it after ``FoldConstant``
    and before batch-norm folding and ``LegalizeOps`` (:func:`backends.tvm.pipeline.legalize_passes`).
+5. Winograd's input transform gathers its tiles from the padded input inside the transform's
+   reduction (:data:`WINOGRAD_DATA_GATHER`, :func:`winograd_data_te`) instead of copying them
+   into a ``[m+2, m+2, tiles, C]`` buffer first. Shapes it is for: every Winograd conv; measured
+   on the ones ``auto`` picks here at batch 1 (ResNet-18's 3x3 256 -> 256 on 7x7: 10x10x256
+   padded input, 36 x 4 tiles x 256 channels). The copy was a parallel loop of its own between
+   the pad and the transform: one more fork/join, 147 KiB written and read back, and on 2
+   threads each stage split differently, so the transform read tiles the other core had
+   written; the kernel took 57 us on 1 thread and 65-68 on 2 (``kernel_profile.py --scaling
+   --conv-algorithm auto``, resnet18 b1, session 15). The gathered read is still contiguous
+   along the channels (the vector axis), so the Contraction rule schedules it as before.
 """
 
 from __future__ import annotations
@@ -82,6 +92,9 @@ AUTO_ROUND_S = 0.004
 #: bytes written between timed calls so each candidate runs with cold caches (0: hot, back to back)
 AUTO_FLUSH_BYTES = 64 << 20
 WINOGRAD_TILE = 4
+#: the input transform reads its (m+2)^2 tiles straight from the padded input (:func:`winograd_data_te`,
+#: rule 5); off: the tiles are first copied into a ``winograd_tile`` buffer, as before
+WINOGRAD_DATA_GATHER = True
 CACHE_FILE = "conv_algorithms.json"
 _MEASURED: dict[str, str] = {}  # conv key -> fastest algorithm, for this process
 
@@ -153,10 +166,15 @@ def winograd_data_te(data: Any, padding, m: int = WINOGRAD_TILE) -> Any:
     # pad so that every tile of (m+2)^2 input pixels is in range
     pad = topi.nn.pad(data, [0, pt, pl, 0], [0, nh * m + 2 - h - pt, nw * m + 2 - w - pl, 0], name="pad")
     _, b, _ = winograd_transform_matrices(m, 3, "float32")
+    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
+    if WINOGRAD_DATA_GATHER:  # rule 5: no tile buffer
+        return te.compute((alpha, alpha, tiles, c),
+                          lambda e, v, p, ci: te.sum(pad[p // (nh * nw), (p // nw) % nh * m + ra, p % nw * m + rb, ci]
+                                                     * b[ra, e] * b[rb, v], axis=[ra, rb]),
+                          name="winograd_data")
     tile = te.compute((alpha, alpha, tiles, c),
                       lambda e, v, p, ci: pad[p // (nh * nw), (p // nw) % nh * m + e, p % nw * m + v, ci],
                       name="winograd_tile")
-    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
     return te.compute((alpha, alpha, tiles, c),
                       lambda e, v, p, ci: te.sum(tile[ra, rb, p, ci] * b[ra, e] * b[rb, v], axis=[ra, rb]),
                       name="winograd_data")
