@@ -2,11 +2,13 @@
 
     python benchmarks/kernel_profile.py [--models mobilenet,resnet50] [--batches 1,8] [--runs 15]
                                         [--layers 12] [--baseline MODULE.ATTR=VALUE] [--scaling] [--json FILE]
+                                        [--conv-algorithm direct|im2col|winograd|auto]
     python benchmarks/kernel_profile.py --models heldout_unet --batches 1 --outside 1,2 --runs 200
 
 For each model (the ``benchmarks/per_device.py`` sizes) and batch:
 
-- ours: the ``scheduled`` pipeline built once, for one thread (no parallel loops:
+- ours: the ``scheduled`` pipeline (convolutions ``--conv-algorithm``, default ``direct``; ``auto``
+  takes this machine's cached per-conv choices, as the per_device default column) built once, for one thread (no parallel loops:
   ``backends/tvm/schedules/threads.py``, "Builds for one thread"; ``--scaling`` and ``--outside``,
   which also run 2 threads, build the parallel kernels); every kernel call of a run is timed with the
   calling thread's CPU time (``time.thread_time``) from a VM instrument hook (before/after each

@@ -65,6 +65,14 @@ Rules:
    written; the kernel took 57 us on 1 thread and 65-68 on 2 (``kernel_profile.py --scaling
    --conv-algorithm auto``, resnet18 b1, session 15). The gathered read is still contiguous
    along the channels (the vector axis), so the Contraction rule schedules it as before.
+   Measured (session 15, load ~10, paired with the knob off; docs/per_device_speed.md,
+   "resnet18 at batch 1 on 2 threads (session 15)"): resnet18 b1's ``winograd_data`` 0.77-0.80x
+   on 2 threads and 0.80-0.83x on 1 (each call's minimum over 30 interleaved rounds); whole
+   Winograd convs alone, batch 1, cold caches, 41-61 interleaved calls, new / old median (10th
+   percentile): 256 ch on 7x7 0.99 (0.96) on 1 thread, 0.91 (0.94) on 2; 512 on 7x7 0.97
+   (0.98), 1.005 (0.96); 256 on 14x14 0.94 (0.93), 1.02 (0.96); 128 on 28x28 0.99 (0.95),
+   0.86 (0.85). Reading the unpadded input with bounds checks as well (no pad stage) was mixed
+   in the same setting (512 on 7x7 1.32x slower on 1 thread) and is not done.
 """
 
 from __future__ import annotations
