@@ -2,11 +2,13 @@
 
     python benchmarks/kernel_profile.py [--models mobilenet,resnet50] [--batches 1,8] [--runs 15]
                                         [--layers 12] [--baseline MODULE.ATTR=VALUE] [--scaling] [--json FILE]
+                                        [--conv-algorithm direct|im2col|winograd|auto]
     python benchmarks/kernel_profile.py --models heldout_unet --batches 1 --outside 1,2 --runs 200
 
 For each model (the ``benchmarks/per_device.py`` sizes) and batch:
 
-- ours: the ``scheduled`` pipeline built once, for one thread (no parallel loops:
+- ours: the ``scheduled`` pipeline (convolutions ``--conv-algorithm``, default ``direct``; ``auto``
+  takes this machine's cached per-conv choices, as the per_device default column) built once, for one thread (no parallel loops:
   ``backends/tvm/schedules/threads.py``, "Builds for one thread"; ``--scaling`` and ``--outside``,
   which also run 2 threads, build the parallel kernels); every kernel call of a run is timed with the
   calling thread's CPU time (``time.thread_time``) from a VM instrument hook (before/after each
@@ -118,9 +120,11 @@ def tir_kernel_info(func: Any, name: str) -> dict[str, Any]:
     return info
 
 
-def build_ours(m: onnx.ModelProto, target: Any, threads: int | None = None) -> tuple[Any, dict[str, dict[str, Any]]]:
+def build_ours(m: onnx.ModelProto, target: Any, threads: int | None = None,
+               conv_algorithm: str = "direct") -> tuple[Any, dict[str, dict[str, Any]]]:
     """The compiled VM executable and the info of every PrimFunc by symbol, built for ``threads``
-    threads (``threads.building_for``: 1 = no parallel loops; None = the parallel build)."""
+    threads (``threads.building_for``: 1 = no parallel loops; None = the parallel build) with
+    ``conv_algorithm`` (``"auto"``: this machine's cached choices, as ``backends.tvm.build``)."""
     import tvm
     from tvm import tirx
 
@@ -129,8 +133,11 @@ def build_ours(m: onnx.ModelProto, target: Any, threads: int | None = None) -> t
     from backends.tvm import parallel_scope
     from backends.tvm.schedules.threads import building_for
 
+    from backends.tvm.conv_algorithms import machine_cache_file
+
+    cache = machine_cache_file(target) if conv_algorithm == "auto" else None
     with building_for(threads):
-        mod = run_pipeline(lower_program(m).mod, "scheduled", target)
+        mod = run_pipeline(lower_program(m).mod, "scheduled", target, conv_algorithm=conv_algorithm, conv_cache=cache)
     infos = {gv.name_hint: tir_kernel_info(f, gv.name_hint) for gv, f in mod.functions_items()
              if isinstance(f, tirx.PrimFunc)}
     return parallel_scope.compile(mod, target), infos
@@ -467,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outside", default="", metavar="THREADS",
                     help="instead: the time outside the kernels on these thread counts (e.g. 1,2): wall, "
                          "kernel sum, page faults, switches and worker sleeps per run (no ORT)")
+    ap.add_argument("--conv-algorithm", default="direct", choices=("direct", "im2col", "winograd", "auto"),
+                    help="convolution algorithm of our builds (default direct; auto: this machine's "
+                         "cached per-conv choices, the per_device default column)")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
 
@@ -490,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                     node.name = node.name or f"node{i}_{node.op_type}"
                 feeds = pd._feeds(m)
                 print(f"build {key} b{batch}", file=sys.stderr, flush=True)
-                ex, infos = build_ours(m, target, bt)
+                ex, infos = build_ours(m, target, bt, args.conv_algorithm)
                 if args.outside:
                     rows = [outside_kernels(ex, feeds, args.runs, int(n)) for n in args.outside.split(",")]
                     for r in rows:
@@ -499,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if args.scaling and args.baseline:
                     with with_settings(args.baseline):
-                        base = build_ours(m, target, bt)
+                        base = build_ours(m, target, bt, args.conv_algorithm)
                     rows, base_rows = paired_scaling([(ex, infos), base], feeds, args.runs)
                     print_scaling(key, batch, rows, args.layers)
                     print_scaling(f"{key} baseline ({' '.join(args.baseline)}), same rounds", batch, base_rows, 0)
@@ -514,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 exes = [ex]
                 if args.baseline:
                     with with_settings(args.baseline):
-                        base_ex, base_infos = build_ours(m, target, bt)
+                        base_ex, base_infos = build_ours(m, target, bt, args.conv_algorithm)
                     exes.append(base_ex)
                 timed = profile_ours(exes, feeds, args.runs)
                 ort = profile_ort(m, feeds, args.runs, Path(tmp))

@@ -55,6 +55,24 @@ Rules:
    always rewritten as one GEMM + pixel shuffle (:func:`conv_transpose_as_matmul`, knob
    :data:`CONV_TRANSPOSE_AS_MATMUL`), in every build: the pipeline runs it after ``FoldConstant``
    and before batch-norm folding and ``LegalizeOps`` (:func:`backends.tvm.pipeline.legalize_passes`).
+5. Winograd's input transform gathers its tiles from the padded input inside the transform's
+   reduction (:data:`WINOGRAD_DATA_GATHER`, :func:`winograd_data_te`) instead of copying them
+   into a ``[m+2, m+2, tiles, C]`` buffer first. Shapes it is for: every Winograd conv; measured
+   on the ones ``auto`` picks here at batch 1 (ResNet-18's 3x3 256 -> 256 on 7x7: 10x10x256
+   padded input, 36 x 4 tiles x 256 channels). The copy was a parallel loop of its own between
+   the pad and the transform: one more fork/join, 147 KiB written and read back, and on 2
+   threads each stage split differently, so the transform read tiles the other core had
+   written; the kernel took 57 us on 1 thread and 65-68 on 2 (``kernel_profile.py --scaling
+   --conv-algorithm auto``, resnet18 b1, session 15). The gathered read is still contiguous
+   along the channels (the vector axis), so the Contraction rule schedules it as before.
+   Measured (session 15, load ~10, paired with the knob off; docs/per_device_speed.md,
+   "resnet18 at batch 1 on 2 threads (session 15)"): resnet18 b1's ``winograd_data`` 0.77-0.80x
+   on 2 threads and 0.80-0.83x on 1 (each call's minimum over 30 interleaved rounds); whole
+   Winograd convs alone, batch 1, cold caches, 41-61 interleaved calls, new / old median (10th
+   percentile): 256 ch on 7x7 0.99 (0.96) on 1 thread, 0.91 (0.94) on 2; 512 on 7x7 0.97
+   (0.98), 1.005 (0.96); 256 on 14x14 0.94 (0.93), 1.02 (0.96); 128 on 28x28 0.99 (0.95),
+   0.86 (0.85). Reading the unpadded input with bounds checks as well (no pad stage) was mixed
+   in the same setting (512 on 7x7 1.32x slower on 1 thread) and is not done.
 """
 
 from __future__ import annotations
@@ -82,6 +100,9 @@ AUTO_ROUND_S = 0.004
 #: bytes written between timed calls so each candidate runs with cold caches (0: hot, back to back)
 AUTO_FLUSH_BYTES = 64 << 20
 WINOGRAD_TILE = 4
+#: the input transform reads its (m+2)^2 tiles straight from the padded input (:func:`winograd_data_te`,
+#: rule 5); off: the tiles are first copied into a ``winograd_tile`` buffer, as before
+WINOGRAD_DATA_GATHER = True
 CACHE_FILE = "conv_algorithms.json"
 _MEASURED: dict[str, str] = {}  # conv key -> fastest algorithm, for this process
 
@@ -153,10 +174,15 @@ def winograd_data_te(data: Any, padding, m: int = WINOGRAD_TILE) -> Any:
     # pad so that every tile of (m+2)^2 input pixels is in range
     pad = topi.nn.pad(data, [0, pt, pl, 0], [0, nh * m + 2 - h - pt, nw * m + 2 - w - pl, 0], name="pad")
     _, b, _ = winograd_transform_matrices(m, 3, "float32")
+    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
+    if WINOGRAD_DATA_GATHER:  # rule 5: no tile buffer
+        return te.compute((alpha, alpha, tiles, c),
+                          lambda e, v, p, ci: te.sum(pad[p // (nh * nw), (p // nw) % nh * m + ra, p % nw * m + rb, ci]
+                                                     * b[ra, e] * b[rb, v], axis=[ra, rb]),
+                          name="winograd_data")
     tile = te.compute((alpha, alpha, tiles, c),
                       lambda e, v, p, ci: pad[p // (nh * nw), (p // nw) % nh * m + e, p % nw * m + v, ci],
                       name="winograd_tile")
-    ra, rb = te.reduce_axis((0, alpha), "ra"), te.reduce_axis((0, alpha), "rb")
     return te.compute((alpha, alpha, tiles, c),
                       lambda e, v, p, ci: te.sum(tile[ra, rb, p, ci] * b[ra, e] * b[rb, v], axis=[ra, rb]),
                       name="winograd_data")
