@@ -55,6 +55,8 @@ Rules:
    transforms (the caller never writes a tensor it feeds: the pipeline runner's weights are
    replaced each step, not written). An input given as a tensor frees the persistent buffer an
    earlier array of it filled (``RELEASE_PASSED_BUFFERS``; a later array makes a new one).
+4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
+   the communicator stays a RunFailed), not as TVM's wrapped error.
 10. The fast call path (``FAST_CALL_PATH``): a CPU program without comm ops, ONNX Runtime
    fallback segments or lifted step constants (decided once, at load) needs none of rule 2's and
    rule 6's thread-local bindings, so once its input buffers exist and its outputs' aliasing is
@@ -65,9 +67,8 @@ Rules:
    ~1.2 us for one output, measured), the remembered aliasing. Any other call takes the general
    path, which the fast one returns to for a new shape, dtype, a tensor feed or a missing input.
    Same results bit for bit (tests/backends/test_tvm_fast_call_path.py). It is for tiny models
-   (openwakeword timer / hey_jarvis: ~20 us in the VM, ~9 us of Python around it before).
-4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
-   the communicator stays a RunFailed), not as TVM's wrapped error.
+   (openwakeword timer / hey_jarvis: ~20 us in the VM; around it, 1 thread, hey_jarvis: ~8 us on
+   the general path, ~4 us on this one; docs/per_device_speed.md, session 15).
 
 Threads: TVM sizes its CPU thread pool from ``TVM_NUM_THREADS`` when the pool first starts.
 TVM also pins its threads to cores by itself (starting from core 0), which overrides the core
