@@ -16,6 +16,14 @@ need it are skipped with that reason. Results go to ``benchmarks/results/real_mo
 
     .venv/bin/python benchmarks/real_models.py [--only ID,ID] [--fast] [--repeat N]
     .venv/bin/python benchmarks/real_models.py --markdown
+    .venv/bin/python benchmarks/real_models.py --only openwakeword_timer --paired-env \
+        PARTITIONER_TVM_FAST_CALL_PATH=0 --rounds 4 --repeat 500  # a knob's before/after, paired
+
+``--paired-env NAME=VALUE`` measures a knob read at import: each model's 1-device build is
+compiled and checked once, then ``bench --baseline onnxruntime`` runs ``--rounds`` times with the
+environment as it is ("default") and with ``NAME=VALUE`` ("env"), the order alternating per round
+(the setting reaches the MPI rank through the environment), each row with the load average.
+Results go to ``benchmarks/results/real_models_paired.json`` (not the README table's file).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,6 +132,50 @@ def run_model(model: dict[str, Any], work: Path, *, repeat: int, timeout: int) -
     return rec
 
 
+def _bench(art: Path, repeat: int, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One ``bench --baseline onnxruntime`` of a built artifact: the two medians and their ratio."""
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        ok, data, reason, _ = _step([*_cli(), "bench", str(art), "--baseline", "onnxruntime", "--repeat",
+                                     str(repeat), "--json"], timeout)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    if not ok or not data:
+        return {"reason": reason}
+    res = data.get("results", {})
+    return {"tvm_median_s": (res.get("partitioned") or {}).get("median_s"),
+            "ort_median_s": (res.get("onnxruntime") or {}).get("median_s"),
+            "tvm_over_ort_speed": (data.get("ratios") or {}).get("onnxruntime_over_partitioned")}
+
+
+def paired_bench(model: dict[str, Any], work: Path, setting: str, *, rounds: int, repeat: int,
+                 timeout: int) -> list[dict[str, Any]]:
+    """``--paired-env``: the 1-device build, checked once, benched with and without ``setting``
+    (``NAME=VALUE``), the order alternating per round; one row per bench with the load average."""
+    key, sep, value = setting.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--paired-env {setting!r}: expected NAME=VALUE")
+    path, bind, tol = str(fetch(model["id"])), binding_args(model), model["tolerance"]
+    out = work / f"{model['id']}_1dev_auto"
+    for cmd in ([*_cli(), "compile", path, *bind, "-o", str(out), "--devices", "1", "--strategy", "auto"],
+                [*_cli(), "run", str(out), "--check", "--rtol", str(tol["rtol"]), "--atol", str(tol["atol"])]):
+        ok, _, reason, _ = _step(cmd, timeout)
+        if not ok:
+            return [{"id": model["id"], "error": reason}]
+    rows = []
+    for r in range(rounds):
+        for name in (("default", "env") if r % 2 == 0 else ("env", "default")):
+            row = _bench(out, repeat, timeout, {key: value} if name == "env" else None)
+            rows.append({"id": model["id"], "round": r, "setting": name, **row,
+                         "load_average_1min": round(os.getloadavg()[0], 2)})
+            print(f"{model['id']} round {r} {name:<7} TVM {(row.get('tvm_median_s') or float('nan')) * 1e6:8.1f} us  "
+                  f"ORT {(row.get('ort_median_s') or float('nan')) * 1e6:8.1f} us  load {rows[-1]['load_average_1min']}",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="comma-separated model ids")
@@ -132,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds per CLI step (default 3600: SLANet's unrolled decoder builds for long)")
     ap.add_argument("--markdown", action="store_true", help="print the README table from the results JSON")
     ap.add_argument("-o", "--output", default=str(RESULTS), help="results JSON")
+    ap.add_argument("--paired-env", default=None, metavar="NAME=VALUE",
+                    help="bench each model's 1-device build with and without this environment setting, "
+                         "interleaved over --rounds (writes real_models_paired.json)")
+    ap.add_argument("--rounds", type=int, default=3, help="--paired-env rounds (default 3)")
     args = ap.parse_args(argv)
     if args.markdown:
         print(markdown(Path(args.output)))
@@ -140,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         by_id = {m["id"]: m for m in models}
         models = [by_id[i] for i in args.only.split(",") if i in by_id]  # in the order given
+    if args.paired_env:
+        return _paired_main(models, args)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -156,6 +215,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}", file=sys.stderr)
     ok = all(all(b.get("check") for b in r.get("builds", {}).values()) and r.get("builds") for r in records)
     return 0 if ok else 1
+
+
+def _paired_main(models: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    """``--paired-env``: :func:`paired_bench` per model; the rows and the per-setting medians."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="real_models_paired_") as tmp:
+        for m in models:
+            rows += paired_bench(m, Path(tmp), args.paired_env, rounds=max(1, args.rounds),
+                                 repeat=max(1, args.repeat), timeout=args.timeout)
+    summary = {}
+    for mid in dict.fromkeys(r["id"] for r in rows):
+        per = {s: [r["tvm_median_s"] for r in rows if r["id"] == mid and r.get("setting") == s and r.get("tvm_median_s")]
+               for s in ("default", "env")}
+        ort = [r["ort_median_s"] for r in rows if r["id"] == mid and r.get("ort_median_s")]
+        med = {s: float(statistics.median(v)) if v else None for s, v in per.items()}
+        summary[mid] = {"tvm_default_s": med["default"], "tvm_env_s": med["env"],
+                        "ort_s": float(statistics.median(ort)) if ort else None}
+        print(f"{mid}: TVM default {_us(med['default'])}, with {args.paired_env} {_us(med['env'])}, "
+              f"ORT {_us(summary[mid]['ort_s'])} (medians over {args.rounds} rounds)", file=sys.stderr)
+    out = RESULTS.with_name("real_models_paired.json")
+    doc = {"env": args.paired_env, "rounds": args.rounds, "repeat": args.repeat, "rows": rows, "summary": summary,
+           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}}
+    out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def _us(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e6:.1f} us"
 
 
 def _write(out: Path, records: list[dict[str, Any]]) -> None:

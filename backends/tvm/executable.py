@@ -57,6 +57,18 @@ Rules:
    earlier array of it filled (``RELEASE_PASSED_BUFFERS``; a later array makes a new one).
 4. An exception inside a comm op or a fallback segment is kept and re-raised from ``run`` as itself (a RunFailed from
    the communicator stays a RunFailed), not as TVM's wrapped error.
+10. The fast call path (``FAST_CALL_PATH``): a CPU program without comm ops, ONNX Runtime
+   fallback segments or lifted step constants (decided once, at load) needs none of rule 2's and
+   rule 6's thread-local bindings, so once its input buffers exist and its outputs' aliasing is
+   known (rule 5, after the first call), a call whose feeds are numpy arrays of the buffers'
+   shapes and dtypes, without ``keep_output_tensors`` / ``reuse_readonly_inputs``, runs a lean
+   path: one copy per input, the VM call (the contention guard and ``vm_s`` as in the general
+   path), one ``ffi.ArrayGetItem`` per output (``Array`` slicing costs a ``len`` and a generator:
+   ~1.2 us for one output, measured), the remembered aliasing. Any other call takes the general
+   path, which the fast one returns to for a new shape, dtype, a tensor feed or a missing input.
+   Same results bit for bit (tests/backends/test_tvm_fast_call_path.py). It is for tiny models
+   (openwakeword timer / hey_jarvis: ~20 us in the VM; around it, 1 thread, hey_jarvis: ~8 us on
+   the general path, ~4 us on this one; docs/per_device_speed.md, session 15).
 
 Threads: TVM sizes its CPU thread pool from ``TVM_NUM_THREADS`` when the pool first starts.
 TVM also pins its threads to cores by itself (starting from core 0), which overrides the core
@@ -110,6 +122,10 @@ CACHE_OUTPUT_ALIASING = True
 #: pair ran first in the run; nothing per call changes after step 1).
 #: The environment's ``PARTITIONER_TVM_RELEASE_PASSED_BUFFERS=0`` turns it off, in MPI ranks too
 RELEASE_PASSED_BUFFERS = os.environ.get("PARTITIONER_TVM_RELEASE_PASSED_BUFFERS", "1") == "1"
+#: rule 10: the lean per-call path for programs without comm ops, fallback segments or lifted step
+#: constants (module constant, read at load; off: every call takes the general path). The
+#: environment's ``PARTITIONER_TVM_FAST_CALL_PATH=0`` turns it off, in MPI ranks too
+FAST_CALL_PATH = os.environ.get("PARTITIONER_TVM_FAST_CALL_PATH", "1") == "1"
 
 _local = threading.local()
 _register_lock = threading.Lock()
@@ -283,6 +299,11 @@ class TvmRankExecutable:
         self.cache_aliasing = CACHE_OUTPUT_ALIASING  # rule 5 (read when loaded, as pipeline_stages --baseline sets it)
         self.keep_output_tensors = False  # rule 9
         self.output_tensors: dict[str, Any] = {}
+        # rule 10: decided once; the per-call conditions are checked in run
+        self.fast_path = FAST_CALL_PATH and self._on_cpu and not self.comm_ops and not self._ort_sessions \
+            and not self._constants
+        self._tensor_type = tvm.runtime.Tensor
+        self._array_item = tvm.get_global_func("ffi.ArrayGetItem")
 
     def _input_buffers(self, feeds: dict[str, np.ndarray]) -> list[Any]:
         """Fill (creating on first use) one persistent TVM tensor per input; see rule 5."""
@@ -358,6 +379,11 @@ class TvmRankExecutable:
         self._lifted = None
 
     def run(self, feeds: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
+        if self.fast_path and self._aliased is not None and self.cache_aliasing and not self._passed \
+                and not self.keep_output_tensors and not self.reuse_readonly_inputs:  # rule 10
+            out = self._run_fast(feeds, comm)
+            if out is not None:
+                return out
         import tvm
 
         try:
@@ -383,7 +409,7 @@ class TvmRankExecutable:
                 raise err from None
             if err is not None:
                 raise RunFailed(f"rank {getattr(comm, 'rank', '?')}: comm op failed in {self.path.name}: {type(err).__name__}: {err}") from err
-            raise RunFailed(f"rank {getattr(comm, 'rank', '?')}: {self.path.name} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from e
+            raise self._failed(e, comm) from e
         finally:
             self.vm_s += time.perf_counter() - t0
             _local.ctx = None
@@ -395,6 +421,51 @@ class TvmRankExecutable:
         if not self._on_cpu:
             return {name: _output_array(v, copy=True) for name, v in zip(self.outputs, values)}
         return self._host_outputs(values)
+
+    def _failed(self, e: Exception, comm: Communicator) -> RunFailed:
+        return RunFailed(f"rank {getattr(comm, 'rank', '?')}: {self.path.name} failed: "
+                         f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
+
+    def _run_fast(self, feeds: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray] | None:
+        """Rule 10: the call on the lean path, or None (nothing run) when it needs the general one."""
+        bufs, src, args = self._in_bufs, self._in_src, []
+        for i, name in enumerate(self.inputs):
+            x, buf = feeds.get(name), bufs[i]
+            if buf is None or x.__class__ is not np.ndarray:
+                return None  # a new buffer, a tensor feed, a missing input: the general path
+            view = buf[1]
+            if x.shape != view.shape or x.dtype != view.dtype:
+                return None  # a new shape or dtype: the general path makes a new buffer
+            if x is not src[i]:  # as rule 5 (a leftover read-only source is not copied again)
+                view[...] = x  # np.copyto for one dtype, ~0.1 us less
+                src[i] = None
+            args.append(buf[0])
+        guard = _contention_guard() if self._guarded else None  # rule 7
+        watch = guard.before(_threads or 1) if guard is not None else None
+        t0 = time.perf_counter()
+        try:
+            res = self._main(*args, *self._weights)
+        except Exception as e:  # no comm op or fallback segment: the VM's own error
+            raise self._failed(e, comm) from e
+        finally:
+            self.vm_s += time.perf_counter() - t0
+        if guard is not None:
+            guard.after(watch)
+        tensor, item = self._tensor_type, self._array_item
+        if isinstance(res, tensor):
+            values: Sequence[Any] = (res,)
+        else:  # one FFI call per output; no list comprehension frame for the one-output case
+            values = (item(res, 0),) if len(self.outputs) == 1 else [item(res, k) for k in range(len(self.outputs))]
+        out = {}
+        for name, v, aliased in zip(self.outputs, values, self._aliased):
+            try:
+                arr = np.from_dlpack(v) if isinstance(v, tensor) else _output_array(v)
+            except (RuntimeError, BufferError, TypeError, ValueError):
+                arr = _output_array(v)  # a dtype numpy's DLPack import lacks: a copy
+            out[name] = arr.copy() if aliased else arr  # rule 5
+        if self.output_tensors:
+            self.output_tensors = {}
+        return out
 
     def _host_outputs(self, values: list[Any]) -> dict[str, np.ndarray]:
         """Rules 5 and 9 on the CPU: each output a zero-copy view, copied when it aliases an input
