@@ -47,6 +47,9 @@ from partitioner.training.autodiff import GradContext, register_gradient
 GEMM_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_GEMM_WGRAD", "1") != "0"
 #: the most kernel offsets (kh x kw) whose im2col copies the GEMM form pays (module docstring)
 GEMM_MAX_OFFSETS = 9
+#: the GEMM weight gradient's columns built channels first (module docstring, rule "im2col
+#: layout"); ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=0`` turns it off (the [N*Ho*Wo, C*K] columns)
+IM2COL_CHANNELS_FIRST = os.environ.get("PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST", "1") != "0"
 #: the flat MatMul weight gradient rule (module docstring); ``PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD=0``
 #: turns it off (a batched MatMul + ReduceSum; the environment reaches MPI ranks, for paired runs)
 MATMUL_FLAT_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD", "1") != "0"
@@ -158,13 +161,22 @@ def weight_grad_gemm(g: GradContext, x, sx, dy, sdy, kernel, strides, dilations,
     o, ho, wo = sdy[1], sdy[2], sdy[3]
     if any(pads):
         x = g.op("Pad", x, g.ints([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]))
+    first = IM2COL_CHANNELS_FIRST and n * ho * wo >= o  # the columns at least as large as dW (docstring)
+    if first:
+        x = g.op("Transpose", x, perm=[1, 0, 2, 3])  # [C, N, Hp, Wp]: whole planes moved
     parts = []
     for kh in range(kernel[0]):
         for kw in range(kernel[1]):
             start = [kh * dilations[0], kw * dilations[1]]
             end = [start[0] + (ho - 1) * strides[0] + 1, start[1] + (wo - 1) * strides[1] + 1]
             piece = g.op("Slice", x, g.ints(start), g.ints(end), g.ints([2, 3]), g.ints(strides))
-            parts.append(g.op("Unsqueeze", piece, g.ints([2])))
+            parts.append(g.op("Unsqueeze", piece, g.ints([1 if first else 2])))
+    if first:  # cols^T [C, K, N, Ho, Wo] = [C*K, N*Ho*Wo]: no transpose of the columns
+        cols_t = g.op("Concat", *parts, axis=1) if len(parts) > 1 else parts[0]
+        cols_t = g.op("Reshape", cols_t, g.ints([c * len(parts), n * ho * wo]))
+        d2t = g.op("Reshape", g.op("Transpose", dy, perm=[0, 2, 3, 1]), g.ints([n * ho * wo, o]))
+        dw_t = g.op("MatMul", cols_t, d2t)  # [C*K, O]
+        return g.op("Reshape", g.op("Transpose", dw_t, perm=[1, 0]), g.ints([o, c, *kernel]))
     cols = g.op("Concat", *parts, axis=2) if len(parts) > 1 else parts[0]  # [N, C, K, Ho, Wo]
     cols = g.op("Transpose", cols, perm=[0, 3, 4, 1, 2])
     cols = g.op("Reshape", cols, g.ints([n * ho * wo, c * len(parts)]))
