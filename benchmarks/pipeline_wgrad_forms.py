@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             c, hw = SHAPES[layer]
             model = _model(c, hw, args.batch)
             runners = {}
+            linear.IM2COL_MIN_ROWS_PER_CHANNEL = 0  # both forms on every shape
             for on in (True, False):
                 linear.IM2COL_CHANNELS_FIRST = on
                 step = build_training_graph(model, loss="mse", optimizer=SGD(lr=1e-3))
