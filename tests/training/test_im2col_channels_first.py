@@ -2,7 +2,8 @@
 N*Ho*Wo] (the input's planes sliced at each kernel offset, concatenated on a channel-major axis)
 and multiplied by ``dY`` as [N*Ho*Wo, O], so no transpose of the K-times-larger columns.
 
-Checked: which form each knob setting builds; both forms against central finite differences
+The knob is off by default (no step-level win in paired runs: linear.py's docstring), so every
+test here turns it on. Checked: which form each knob setting builds; both forms against central finite differences
 (float64, ONNX Runtime; the tolerances of test_rules.py); and a TVM pipeline built with the
 default against a 1-rank ONNX Runtime step after 10 SGD steps (rtol 1e-4, atol 1e-5).
 """
@@ -39,12 +40,8 @@ def test_columns_form_and_finite_differences(case: str, on: bool, monkeypatch) -
     assert not bad, f"{case} (channels first {on}): " + "; ".join(bad[:5])
 
 
-def test_the_default_is_on() -> None:
-    assert linear.IM2COL_CHANNELS_FIRST
-
-
 @pytest.mark.parametrize("out_channels", [4, 16])
-def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int) -> None:
+def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int, monkeypatch) -> None:
     """A 3x3 conv on 2x2 maps of one image (N*Ho*Wo = 4 columns rows): with 4 output channels the
     columns are channels first, with 16 (dW 4x the columns' rows) they keep the other form."""
     import numpy as np
@@ -53,6 +50,7 @@ def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int
     from partitioner.training import SGD
     from partitioner.training.step import build_training_graph
 
+    monkeypatch.setattr(linear, "IM2COL_CHANNELS_FIRST", True)
     w = numpy_helper.from_array(np.zeros((out_channels, 3, 3, 3), np.float32), "w")
     g = helper.make_graph([helper.make_node("Conv", ["input", "w"], ["out"], pads=[1, 1, 1, 1])], "c",
                           [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 2, 2])],
@@ -65,15 +63,16 @@ def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int
 
 
 @pytest.mark.slow
-def test_tvm_pipeline_with_the_columns_trains_like_one_rank(tmp_path) -> None:
+def test_tvm_pipeline_with_the_columns_trains_like_one_rank(tmp_path, monkeypatch) -> None:
     """Two TVM stages (1F1B x4, 3x3 convs with padding, one stride 2: both take the GEMM weight
-    gradient) against a 1-rank ONNX Runtime step, 10 SGD steps, every state entry."""
+    gradient channels first) against a 1-rank ONNX Runtime step, 10 SGD steps, every state entry."""
     from partitioner.training import SGD
     from partitioner.training.pipeline import build_pipeline
 
     from .test_pipeline_training import _tvm_pipeline_trains_like_one_rank
     from .test_strided_conv_transpose import _strided_net
 
+    monkeypatch.setattr(linear, "IM2COL_CHANNELS_FIRST", True)
     model = _strided_net()
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
     assert not any(COLUMNS_TRANSPOSE in _perms(p) for st in plan.stages for p in (st.forward, st.backward, st.fused)

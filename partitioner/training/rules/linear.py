@@ -37,7 +37,12 @@ conv_algorithm auto, load 9.9-11.0; channels first against the other form): TVM 
 (512, 2x2, not taken) 13.75 / 5.03; TVM at batch 16 layer1 11.66 / 13.46, layer3 9.10 / 8.67
 (``N*Ho*Wo = O``: taken, 5% slower); ONNX Runtime at batch 2 layer1 1.76 / 2.04, layer2 1.87 /
 1.93, at batch 16 layer1 12.70 / 15.49, layer2 10.18 / 11.07, layer3 11.43 / 10.29 (taken, 10%
-slower). ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=0`` turns the rule off.
+slower). Default off: the conv-level gain did not show at the step level. Paired
+``benchmarks/pipeline_stages.py --model resnet --backend tvm --baseline
+partitioner.training.rules.linear.IM2COL_CHANNELS_FIRST=False`` (stage runners alone, thread CPU,
+medians; on / off): 7 rounds, load 8.3-10.5, stage 0 243.7 / 248.1 ms, stage 1 174.6 / 175.8; 11
+rounds, load 3.7-7.3, stage 0 219.0 / 217.0, stage 1 152.3 / 156.1.
+``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=1`` turns the rule on.
 
 Rule (flat MatMul weight gradient, :data:`MATMUL_FLAT_WEIGHT_GRAD`): ``y = a @ W`` with ``a``
 batched ``[*B, M, K]`` and ``W`` 2-D ``[K, N]`` (every transformer projection: bert's q/k/v/o and
@@ -68,8 +73,9 @@ GEMM_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_GEMM_WGRAD", "1") != "0"
 #: the most kernel offsets (kh x kw) whose im2col copies the GEMM form pays (module docstring)
 GEMM_MAX_OFFSETS = 9
 #: the GEMM weight gradient's columns built channels first (module docstring, rule "im2col
-#: layout"); ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=0`` turns it off (the [N*Ho*Wo, C*K] columns)
-IM2COL_CHANNELS_FIRST = os.environ.get("PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST", "1") != "0"
+#: layout"); default OFF: no step-level win in paired runs; ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=1``
+#: turns it on (in MPI ranks too)
+IM2COL_CHANNELS_FIRST = os.environ.get("PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST", "0") == "1"
 #: that form only where ``N*Ho*Wo >= this x O`` (the columns at least as large as dW; 0: everywhere,
 #: as ``benchmarks/pipeline_wgrad_forms.py`` sets it to time both forms on every shape)
 IM2COL_MIN_ROWS_PER_CHANNEL = 1
