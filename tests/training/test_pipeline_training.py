@@ -32,12 +32,12 @@ def _batches(n: int = 10) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(n)]
 
 
-def _tvm_pipeline_trains_like_one_rank(model, plan, image: tuple[int, ...], workdir) -> None:
-    """``plan``'s 2 TVM stages (threads, a local world) against a 1-rank ONNX Runtime step: 4 SGD
-    steps (lr 0.1) on seeded batches of 8 ``image``-shaped inputs, losses and every weight within
+def _tvm_pipeline_trains_like_one_rank(model, plan, image: tuple[int, ...], workdir, steps: int = 4) -> None:
+    """``plan``'s 2 TVM stages (threads, a local world) against a 1-rank ONNX Runtime step: ``steps``
+    SGD steps (lr 0.1) on seeded batches of 8 ``image``-shaped inputs, losses and every weight within
     rtol 1e-4, atol 1e-5."""
     rng = np.random.default_rng(2)
-    batches = [(rng.standard_normal((8, *image)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    batches = [(rng.standard_normal((8, *image)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(steps)]
     one = StepRunner(build_training_graph(model, optimizer=SGD(lr=0.1)))
     one_losses = [one.step({"input": x}, y) for x, y in batches]
     world = LocalWorld(2, timeout_s=120)

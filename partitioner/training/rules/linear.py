@@ -19,6 +19,31 @@ layer4 6.13 -> 1.70, layer4's stride-2 conv 4.47 -> 0.69; at batch 8 layer1 4.74
 is 49 input copies for a small GEMM), hence the offset limit; grouped and 1-D/3-D convs keep the
 Conv form. ``PARTITIONER_TRAIN_GEMM_WGRAD=0`` turns the rule off.
 
+Rule (im2col layout, :data:`IM2COL_CHANNELS_FIRST`): when the columns have at least as many rows
+as the weight gradient has output channels (``N*Ho*Wo >= O``: the columns at least as large as
+``dW``; a pipeline micro-batch's early layers, resnet-18's layer1-2 at 2 images), they are built
+as ``cols^T [C*K, N*Ho*Wo]``: the padded input's planes moved to ``[C, N, Hp, Wp]``, each kernel
+offset's slice stacked on axis 1 (``[C, K, N, Ho, Wo]``, whose reshape is free), then ``dW^T =
+cols^T @ dY^T`` and ``dW`` transposed back (weight-sized). The other form stacks the offsets on
+axis 2 of ``[N, C, K, Ho, Wo]`` and transposes those K-times-larger columns to ``[N*Ho*Wo, C*K]``;
+TVM fuses that into one kernel whose innermost axis is the offset (a select over K inputs per
+element): resnet's stage-0 ``B`` at 2 images spent 32 of 146 ms of kernels a step in such
+kernels (``benchmarks/pipeline_runner_profile.py --top``). When ``dW`` is larger than the
+columns (layer3-4 at 2 images) the transposes of ``dW`` and ``dY`` cost more than the columns'
+one, so those keep the other form. Measured (``benchmarks/pipeline_wgrad_forms.py``, a one-conv
+training step per shape, 3x3 pad 1, both forms interleaved, thread CPU medians, one thread, TVM
+conv_algorithm auto, load 9.9-11.0; channels first against the other form): TVM at batch 2 layer1 (64 ch, 16x16)
+1.58 / 1.86 ms, layer2 (128, 8x8) 1.11 / 1.31, layer3 (256, 4x4, not taken) 3.51 / 1.75, layer4
+(512, 2x2, not taken) 13.75 / 5.03; TVM at batch 16 layer1 11.66 / 13.46, layer3 9.10 / 8.67
+(``N*Ho*Wo = O``: taken, 5% slower); ONNX Runtime at batch 2 layer1 1.76 / 2.04, layer2 1.87 /
+1.93, at batch 16 layer1 12.70 / 15.49, layer2 10.18 / 11.07, layer3 11.43 / 10.29 (taken, 10%
+slower). Default off: the conv-level gain did not show at the step level. Paired
+``benchmarks/pipeline_stages.py --model resnet --backend tvm --baseline
+partitioner.training.rules.linear.IM2COL_CHANNELS_FIRST=False`` (stage runners alone, thread CPU,
+medians; on / off): 7 rounds, load 8.3-10.5, stage 0 243.7 / 248.1 ms, stage 1 174.6 / 175.8; 11
+rounds, load 3.7-7.3, stage 0 219.0 / 217.0, stage 1 152.3 / 156.1.
+``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=1`` turns the rule on.
+
 Rule (flat MatMul weight gradient, :data:`MATMUL_FLAT_WEIGHT_GRAD`): ``y = a @ W`` with ``a``
 batched ``[*B, M, K]`` and ``W`` 2-D ``[K, N]`` (every transformer projection: bert's q/k/v/o and
 MLP weights on ``[batch, tokens, hidden]``) takes ``dW = a^T @ dy`` summed over ``*B`` as one 2-D
@@ -47,6 +72,13 @@ from partitioner.training.autodiff import GradContext, register_gradient
 GEMM_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_GEMM_WGRAD", "1") != "0"
 #: the most kernel offsets (kh x kw) whose im2col copies the GEMM form pays (module docstring)
 GEMM_MAX_OFFSETS = 9
+#: the GEMM weight gradient's columns built channels first (module docstring, rule "im2col
+#: layout"); default OFF: no step-level win in paired runs; ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=1``
+#: turns it on (in MPI ranks too)
+IM2COL_CHANNELS_FIRST = os.environ.get("PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST", "0") == "1"
+#: that form only where ``N*Ho*Wo >= this x O`` (the columns at least as large as dW; 0: everywhere,
+#: as ``benchmarks/pipeline_wgrad_forms.py`` sets it to time both forms on every shape)
+IM2COL_MIN_ROWS_PER_CHANNEL = 1
 #: the flat MatMul weight gradient rule (module docstring); ``PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD=0``
 #: turns it off (a batched MatMul + ReduceSum; the environment reaches MPI ranks, for paired runs)
 MATMUL_FLAT_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_FLAT_MATMUL_WGRAD", "1") != "0"
@@ -158,13 +190,22 @@ def weight_grad_gemm(g: GradContext, x, sx, dy, sdy, kernel, strides, dilations,
     o, ho, wo = sdy[1], sdy[2], sdy[3]
     if any(pads):
         x = g.op("Pad", x, g.ints([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]))
+    first = IM2COL_CHANNELS_FIRST and n * ho * wo >= IM2COL_MIN_ROWS_PER_CHANNEL * o  # module docstring
+    if first:
+        x = g.op("Transpose", x, perm=[1, 0, 2, 3])  # [C, N, Hp, Wp]: whole planes moved
     parts = []
     for kh in range(kernel[0]):
         for kw in range(kernel[1]):
             start = [kh * dilations[0], kw * dilations[1]]
             end = [start[0] + (ho - 1) * strides[0] + 1, start[1] + (wo - 1) * strides[1] + 1]
             piece = g.op("Slice", x, g.ints(start), g.ints(end), g.ints([2, 3]), g.ints(strides))
-            parts.append(g.op("Unsqueeze", piece, g.ints([2])))
+            parts.append(g.op("Unsqueeze", piece, g.ints([1 if first else 2])))
+    if first:  # cols^T [C, K, N, Ho, Wo] = [C*K, N*Ho*Wo]: no transpose of the columns
+        cols_t = g.op("Concat", *parts, axis=1) if len(parts) > 1 else parts[0]
+        cols_t = g.op("Reshape", cols_t, g.ints([c * len(parts), n * ho * wo]))
+        d2t = g.op("Reshape", g.op("Transpose", dy, perm=[0, 2, 3, 1]), g.ints([n * ho * wo, o]))
+        dw_t = g.op("MatMul", cols_t, d2t)  # [C*K, O]
+        return g.op("Reshape", g.op("Transpose", dw_t, perm=[1, 0]), g.ints([o, c, *kernel]))
     cols = g.op("Concat", *parts, axis=2) if len(parts) > 1 else parts[0]  # [N, C, K, Ho, Wo]
     cols = g.op("Transpose", cols, perm=[0, 3, 4, 1, 2])
     cols = g.op("Reshape", cols, g.ints([n * ho * wo, c * len(parts)]))
