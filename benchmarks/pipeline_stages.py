@@ -19,6 +19,11 @@ step and the 1F1B bound ``1-rank / ((M + S - 1) / M x slower stage)`` (2 stages,
 average; ``--results-dir`` for a trial run).
 
     .venv/bin/python benchmarks/pipeline_stages.py --model mlp --backend tvm [--rounds 7] [--baseline M.ATTR=V]
+
+``--cuts NODE[,NODE...]`` instead times today's plan (``planned``) against one plan per named cut
+(stage 0 ends after that forward node: ``pipeline.CUT_AFTER``; everything else today's), each
+stage alone and the 1-rank step in the same interleaved rounds, with each cut's 1F1B bound
+(``benchmarks/results/pipeline_cuts_<model>_<backend>.json``).
 """
 
 from __future__ import annotations
