@@ -77,7 +77,8 @@ Rules:
    session 14's code the ORT cut (after layer3.1.conv2) left TVM's stage 0 1.64x stage 1
    (221.4 / 134.9 ms, thread CPU, load 6-9): ORT prices layer4's 4x4 and 2x2 convs (micro-batch
    2) at about 1.6x TVM's relative to the larger maps, so the ORT-balanced cut puts too much of
-   the network on stage 0. Rule 8 then cuts after layer3.0.downsample (docs/training.md,
+   the network on stage 0. Rule 8 then cut after layer3.0.conv2 or layer3.0.downsample (two
+   timings), within the half block where the stages alone are most even (docs/training.md,
    "Session 15 (TVM resnet cut)": each cut's stages alone and the MPI step, paired). Conv nets
    only (:data:`TVM_SCALED_OPS`: the zoo mlp and bert, GEMM-only, keep rule 1's cut, whose TVM
    stages ORT's GEMM prices rank as TVM does), and only when the rescaled cut's slower stage is
