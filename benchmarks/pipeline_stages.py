@@ -19,6 +19,11 @@ step and the 1F1B bound ``1-rank / ((M + S - 1) / M x slower stage)`` (2 stages,
 average; ``--results-dir`` for a trial run).
 
     .venv/bin/python benchmarks/pipeline_stages.py --model mlp --backend tvm [--rounds 7] [--baseline M.ATTR=V]
+
+``--cuts NODE[,NODE...]`` instead times today's plan (``planned``) against one plan per named cut
+(stage 0 ends after that forward node: ``pipeline.CUT_AFTER``; everything else today's), each
+stage alone and the 1-rank step in the same interleaved rounds, with each cut's 1F1B bound
+(``benchmarks/results/pipeline_cuts_<model>_<backend>.json``).
 """
 
 from __future__ import annotations
@@ -129,6 +134,53 @@ def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> d
     return doc
 
 
+def cut_plans(model, loss: str, batch: int, backend: str, cuts: list[str]) -> dict:
+    """``--cuts``: today's plan (``planned``) and one plan per named cut (the stages end after that
+    node: ``pipeline.CUT_AFTER``), every other setting today's."""
+    from partitioner.training.bench import _with_settings
+    from partitioner.training.optimizers import SGD
+    from partitioner.training.pipeline import build_pipeline
+
+    def plan():
+        return build_pipeline(model, loss, SGD(lr=1e-3), batch=batch, stages=2, micro_batches=MICRO_BATCHES,
+                              backend=backend)
+
+    out = {"planned": plan()}
+    for c in cuts:
+        out[c] = _with_settings({"partitioner.training.pipeline.CUT_AFTER": (c,)}, plan)
+    return out
+
+
+def run_cuts(name: str, backend: str, rounds: int, cuts: list[str]) -> dict:
+    """``--cuts``: each stage of each cut's plan alone and the 1-rank step, interleaved rounds,
+    thread CPU medians, the 1F1B bound per cut."""
+    model, loss, batch, feed, y = case(name)
+    load_before = os.getloadavg()
+    plans = cut_plans(model, loss, batch, backend, cuts)
+    with tempfile.TemporaryDirectory() as tmp:
+        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, reuse_old=True)
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        for _ in range(rounds):
+            for k, r in runners.items():
+                t = time.thread_time()
+                r.step(feed, y)
+                times[k].append(time.thread_time() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    bubble = (MICRO_BATCHES + 1) / MICRO_BATCHES
+    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med, "cuts": cuts,
+           "cut": {k: p.cut for k, p in plans.items()},
+           "bound_1f1b": {k: med["1 rank"] / (bubble * max(med[f"{k} stage 0"], med[f"{k} stage 1"]))
+                          for k in plans},
+           "load_before": list(load_before), "load_after": list(os.getloadavg()),
+           "machine": platform.machine(), "python": platform.python_version()}
+    for k, p in plans.items():
+        print(f"{name} {backend} cut {k}: stages {med[f'{k} stage 0'] * 1e3:.1f} / {med[f'{k} stage 1'] * 1e3:.1f} ms "
+              f"CPU per step (stage 0's last weight {p.stages[0].weights[-1]}), 1 rank {med['1 rank'] * 1e3:.1f} ms: 1F1B bound "
+              f"{doc['bound_1f1b'][k]:.2f}x", flush=True)
+    print(f"load average before {load_before[0]:.2f}, after {doc['load_after'][0]:.2f}")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mlp", choices=["mlp", "resnet", "bert"])
@@ -137,9 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="'old' is today's plan with these settings (default: the session-8 plan)")
+    p.add_argument("--cuts", default="", metavar="NODE[,NODE...]",
+                   help="time today's plan against one plan per cut after each named forward node "
+                        "(results: pipeline_cuts_<model>_<backend>.json)")
     args = p.parse_args(argv)
     from train_step import _settings
 
+    if args.cuts:
+        doc = run_cuts(args.model, args.backend, args.rounds, args.cuts.split(","))
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        path = args.results_dir / f"pipeline_cuts_{args.model}_{args.backend}.json"
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
     doc = run(args.model, args.backend, args.rounds, _settings(args.baseline))
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"pipeline_stages_{args.model}_{args.backend}.json"

@@ -72,8 +72,20 @@ Rules:
    after layer3.1.conv2 to after layer3.1.conv1, stages 277.7 / 220.7 -> 256.5 / 232.7 ms per step
    against a 326.7 ms 1-rank step (the 1F1B bound 1.05x -> 1.13x); a second paired run (same
    command, same cached prices, load 4.9 -> 6.1): 258.4 / 183.6 -> 263.4 / 207.3 ms against 327.6
-   (bound 1.13x -> 1.11x), and the MPI step was within noise (docs/training.md, session 12), so
-   the rule is off by default until a quiet paired run decides. One rescaling, not a
+   (bound 1.13x -> 1.11x), and the MPI step was within noise (docs/training.md, session 12).
+   Session 15 (on by default since; env ``PARTITIONER_TRAIN_TVM_STAGE_SCALED=0`` off): with
+   session 14's code the ORT cut (after layer3.1.conv2) left TVM's stage 0 1.64x stage 1
+   (221.4 / 134.9 ms, thread CPU, load 6-9): ORT prices layer4's 4x4 and 2x2 convs (micro-batch
+   2) at about 1.6x TVM's relative to the larger maps, so the ORT-balanced cut puts too much of
+   the network on stage 0. Rule 8 then cut after layer3.0.conv2 or layer3.0.downsample (two
+   timings), within the half block where the stages alone are most even (docs/training.md,
+   "Session 15 (TVM resnet cut)": each cut's stages alone and the MPI step, paired). Conv nets
+   only (:data:`TVM_SCALED_OPS`: the zoo mlp and bert, GEMM-only, keep rule 1's cut, whose TVM
+   stages ORT's GEMM prices rank as TVM does), and only when the rescaled cut's slower stage is
+   :data:`TVM_MIN_GAIN` below rule 1's cut's by the rescaled prices (rule 1's cut's stages at
+   their measured times): a noise-sized imbalance keeps rule 1's cut, so a rerun at another
+   load does not flip it. The other MPI ranks wait up to :data:`TVM_CUT_WAIT_S` for rank 0's
+   prices (the first plan on a machine builds and times the stages first). One rescaling, not a
    fixed point: the moved nodes keep their old stage's ratio (about 40 s of TVM builds for the
    zoo resnet on this machine, once per machine: the scaled row is kept in rule 6's cache under
    its own key, and rank 0 measures it for every rank). Only for steps of at least
@@ -104,12 +116,23 @@ COST_MODEL = "cost model"
 MEASURED = "measured (onnxruntime per-node profile)"
 CUT_TAG = 25000
 PROFILE_VERSION = 2  # part of the cache key: bump when the measurement or its aggregation changes
-#: rule 8 on (module constant; off: TVM plans cut on rule 3's ORT prices as they are). Off by
-#: default: two paired runs on the loaded machine disagreed (rule 8's docstring); the environment's
-#: ``PARTITIONER_TRAIN_TVM_STAGE_SCALED=1`` turns it on, in MPI ranks too
-TVM_STAGE_SCALED = os.environ.get("PARTITIONER_TRAIN_TVM_STAGE_SCALED", "0") == "1"
-TVM_ROUNDS = 3
+#: rule 8 on (module constant; off: TVM plans cut on rule 3's ORT prices as they are). On since
+#: session 15 (rule 8's docstring: the zoo resnet's stages alone and its 2-rank MPI step, paired);
+#: the environment's ``PARTITIONER_TRAIN_TVM_STAGE_SCALED=0`` turns it off, in MPI ranks too
+TVM_STAGE_SCALED = os.environ.get("PARTITIONER_TRAIN_TVM_STAGE_SCALED", "1") == "1"
+TVM_ROUNDS = 5
 TVM_MIN_STEP_S = 0.05  # rule 8: the smallest step (ORT seconds) worth timing the TVM stages for
+#: rule 8: the op types a forward graph must hold for its TVM stages to be timed (conv nets, whose
+#: ORT and TVM conv prices differ by map size; GEMM-only models such as the zoo mlp and bert keep
+#: rule 1's cut)
+TVM_SCALED_OPS = ("Conv",)
+#: rule 8: the least share of the slower stage the rescaled cut must save by its own prices;
+#: a smaller predicted gain keeps rule 1's cut (a noise-sized imbalance does not move it)
+TVM_MIN_GAIN = 0.05
+TVM_VERSION = 2  # rule 8's part of its cache key: bump when its measurement or choice changes
+#: rule 8 on MPI ranks: how long the other ranks wait for rank 0's prices (it builds and times the
+#: TVM stages first: about 40 s for the zoo resnet on a quiet machine, 245 s at load 6-9)
+TVM_CUT_WAIT_S = 1800.0
 
 
 def _key(proto: onnx.ModelProto, loss: str, deferred: int = 0) -> str:
@@ -136,10 +159,10 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None 
     t = _ort_node_seconds(fwd, loss, backend, whole, micro_batches)
     if t is None or t.ndim != 1 or backend != "tvm" or stages < 2 or not TVM_STAGE_SCALED:
         return t
-    if float(t.sum()) * micro_batches < TVM_MIN_STEP_S:
+    if float(t.sum()) * micro_batches < TVM_MIN_STEP_S or not any(n.op_type in TVM_SCALED_OPS for n in fwd.graph):
         return t
     proto = ir.serde.serialize_model(fwd)
-    scaled = _cached(_key(proto, loss) + f"-tvm{stages}x{micro_batches}", (len(t),),
+    scaled = _cached(_key(proto, loss) + f"-tvm{stages}x{micro_batches}v{TVM_VERSION}", (len(t),),
                      lambda: tvm_scaled(fwd, t, loss, stages, micro_batches))
     return t if scaled is None else scaled
 
@@ -198,7 +221,22 @@ def tvm_scaled(fwd: ir.Model, t: np.ndarray, loss: str, stages: int, micro_batch
         times = tvm_stage_times(fwd, loss, stages, micro_batches)
     except Exception:  # noqa: BLE001 - rule 8: any failure keeps rule 1's prices
         return None
-    return rescaled(t, ends, [x / micro_batches for x in times])  # per micro-batch, as ``t``
+    scaled = rescaled(t, ends, [x / micro_batches for x in times])  # per micro-batch, as ``t``
+    return None if scaled is None else worth_moving(fwd.graph, t, scaled, ends, stages)
+
+
+def worth_moving(graph: ir.Graph, t: np.ndarray, scaled: np.ndarray, ends: list[int], stages: int) -> np.ndarray:
+    """Rule 8's choice: ``scaled`` when the cut it gives has a slower stage at least
+    :data:`TVM_MIN_GAIN` below rule 1's cut's (``ends``), both priced by ``scaled`` (rule 1's cut's
+    stages at their measured times); else ``t``, rule 1's prices and cut."""
+    from partitioner.training.pipeline import stage_ends
+
+    def slowest(e: list[int]) -> float:
+        starts = [0] + [x + 1 for x in e[:-1]]
+        return max(float(scaled[a:b + 1].sum()) for a, b in zip(starts, e))
+
+    moved = stage_ends(graph, stages, seconds=scaled)
+    return scaled if slowest(moved) <= (1.0 - TVM_MIN_GAIN) * slowest(ends) else np.asarray(t, dtype=np.float64)
 
 
 def rescaled(t: np.ndarray, ends: list[int], times: list[float]) -> np.ndarray | None:
@@ -262,8 +300,22 @@ def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks
         if hasattr(comm, "flush"):
             comm.flush()
         return t if t is None or t.shape == shape else None
-    msg = comm.recv(ranks[0], CUT_TAG, shape, np.float64)
+    msg = _patient_recv(comm, ranks[0], shape, TVM_CUT_WAIT_S if backend == "tvm" and stages >= 2 else 0.0)
     return None if (msg < 0).any() else msg
+
+
+def _patient_recv(comm: Any, peer: int, shape: tuple[int, ...], wait_s: float) -> np.ndarray:
+    """Rule 8 on MPI ranks: the cut's prices from ``peer``, waiting at least ``wait_s`` (the
+    communicator's own deadline when longer): the first plan on a machine times the TVM stages
+    before it sends (minutes), longer than a step's message deadline."""
+    old = getattr(comm, "timeout_s", None)
+    if old is not None and wait_s > old:
+        comm.timeout_s = wait_s
+    try:
+        return comm.recv(peer, CUT_TAG, shape, np.float64)
+    finally:
+        if old is not None:
+            comm.timeout_s = old
 
 
 def _profile_deferred(model: onnx.ModelProto, whole: ir.Model, names: list[str], loss: str,

@@ -124,6 +124,27 @@ PLANNED_WARMUP = False
 #: nor the ranks' jitter it absorbs; a gain below this is left to the smaller stash
 WARMUP_MIN_GAIN = 0.01
 
+#: rule 1: a forced cut, for measuring one cut against another (``benchmarks/pipeline_stages.py
+#: --cuts``): the names of the last forward node of each stage but the last; None: the stage DP
+#: decides. ``PARTITIONER_TRAIN_PIPE_CUT_AFTER=name[,name...]`` sets it (in MPI ranks too). Not a
+#: tuning knob: a name the model lacks, or a count other than ``stages - 1``, is a usage error
+_ENV_CUT = os.environ.get("PARTITIONER_TRAIN_PIPE_CUT_AFTER")
+CUT_AFTER: tuple[str, ...] | None = tuple(_ENV_CUT.split(",")) if _ENV_CUT else None
+
+
+def forced_ends(graph: ir.Graph, stages: int, ends: list[int]) -> list[int]:
+    """Rule 1 with :data:`CUT_AFTER`: the stages ending after the named nodes (and the last node);
+    ``ends`` (the DP's) when it is None."""
+    if CUT_AFTER is None:
+        return ends
+    names = [n.name for n in graph]
+    idx = [names.index(c) for c in CUT_AFTER if c in names]
+    ordered = idx == sorted(set(idx)) and (not idx or idx[-1] < len(names) - 1)
+    if len(idx) != len(CUT_AFTER) or len(idx) != stages - 1 or not ordered:
+        raise UsageError(f"pipeline cut after {','.join(CUT_AFTER)}: expected {stages - 1} node name(s) of the model, "
+                         f"in order, none its last node")
+    return idx + [len(names) - 1]
+
 
 def extra_warmup(backend: str | None) -> int:
     """Rule 5: the extra warm-up forwards a 1F1B plan for ``backend`` runs on its stages before
@@ -407,6 +428,7 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     else:
         ends, recompute, extra = warmup_cut(fwd.graph, stages, schedule, micro_batches, extra, seconds=seconds,
                                             memory_limit=memory_limit, state_copies=len(optimizer.slots))
+    ends = forced_ends(fwd.graph, stages, ends)  # rule 1: a forced cut, for measuring
     extra = chosen_warmup(fwd.graph, ends, micro_batches, seconds, extra, defer)  # rule 5
     split = _balancing_split(fwd.graph, ends, seconds, names, recompute, memory_limit, micro_batches)
     if split is not None:  # rule 11

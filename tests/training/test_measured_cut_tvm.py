@@ -2,8 +2,9 @@
 
 The rescaling is checked on hand-worked prices; the cut it gives is checked with the TVM stage
 timer replaced by fixed times (no timing in the assertion: a stage reported 3x slower than its
-ORT prices must lose nodes to the other); the real timer runs once on a small mlp (slow), and
-the plan it cuts trains like one rank.
+ORT prices must lose nodes to the other, one reported 2% slower must not: ``TVM_MIN_GAIN``);
+conv nets only (``TVM_SCALED_OPS``: the mlp is not timed); on by default (session 15); the real
+timer runs once on a small conv net (slow), and the plan it cuts trains like one rank.
 """
 
 from __future__ import annotations
@@ -25,8 +26,21 @@ def test_rescaled_scales_each_stage_by_its_time() -> None:
     assert measured_cut.rescaled(t, [1, 4], [6.0, 0.0]) is None  # no time: nothing to scale by
 
 
-def _model():
+def _mlp():
     return models_zoo.build("mlp", batch=8, hidden=32, layers=6, in_features=16)
+
+
+def _model():
+    """Two 3x3 convs and a Gemm (test_pipeline_hoist's net, wider): rule 8 times conv nets only."""
+    from tests.training.test_pipeline_hoist import _conv_net
+
+    return _conv_net(cin=4, c1=16, c2=16, size=8)
+
+
+def _stage0_nodes(plan, fwd) -> set[str]:
+    """The forward nodes (by output name) stage 0's forward program computes."""
+    outs = {n.outputs[0].name for n in fwd.graph}
+    return {o for n in plan.stages[0].forward.graph.node for o in n.output if o in outs}
 
 
 def _fake_times(calls: list, slow: float):
@@ -43,8 +57,7 @@ def _fake_times(calls: list, slow: float):
 def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
     monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
-    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)  # off by default (rule 8's note)
-    calls: list = []
+    calls: list = []  # rule 8 is on by default (session 15): this test fails with it off
     monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
     fwd = _load(_model(), 2)
     ort = measured_cut.node_seconds(fwd, "cross_entropy", "onnxruntime", None, 4)
@@ -52,18 +65,41 @@ def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
     assert calls and calls[0] == stage_ends(fwd.graph, 2, seconds=ort)  # timed on rule 1's cut
     first, moved = stage_ends(fwd.graph, 2, seconds=ort)[0], stage_ends(fwd.graph, 2, seconds=scaled)[0]
     assert moved < first  # the slow first stage gives nodes away
-    # the plan takes it: fewer weights in stage 0 than with rule 8 off
+    # the plan takes it: fewer nodes in stage 0 than with rule 8 off
     kw = {"batch": 8, "stages": 2, "micro_batches": 4, "backend": "tvm"}
     on = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), **kw)
     monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", False)
     off = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), **kw)
-    assert len(on.stages[0].weights) < len(off.stages[0].weights)
+    assert _stage0_nodes(on, fwd) < _stage0_nodes(off, fwd)  # stage 0 computes fewer forward nodes
     assert len(calls) == 1  # rule 6: measured once, then read from the cache
+
+
+def test_a_noise_sized_imbalance_keeps_the_cut(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    calls: list = []
+    monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 1.02))
+    fwd = _load(_model(), 2)
+    ort = measured_cut.node_seconds(fwd, "cross_entropy", "onnxruntime", None, 4)
+    kept = measured_cut.node_seconds(fwd, "cross_entropy", "tvm", None, 4, stages=2)
+    assert calls  # timed, and rule 1's prices kept: a 2% slower stage saves less than TVM_MIN_GAIN
+    np.testing.assert_array_equal(kept, ort)
+
+
+def test_gemm_models_are_not_timed(monkeypatch, tmp_path) -> None:
+    """``TVM_SCALED_OPS``: the mlp (no Conv) keeps rule 1's prices, whatever its step."""
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    calls: list = []
+    monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
+    fwd = _load(_mlp(), 2)
+    ort = measured_cut.node_seconds(fwd, "cross_entropy", "onnxruntime", None, 4)
+    np.testing.assert_array_equal(measured_cut.node_seconds(fwd, "cross_entropy", "tvm", None, 4, stages=2), ort)
+    assert not calls
 
 
 def test_small_steps_and_ort_plans_are_not_rescaled(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
-    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)
     calls: list = []
     monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
     fwd = _load(_model(), 2)
@@ -82,11 +118,31 @@ def test_tvm_stage_times_run_the_stages(monkeypatch, tmp_path) -> None:
 
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
     monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
-    monkeypatch.setattr(measured_cut, "TVM_STAGE_SCALED", True)
+    monkeypatch.setattr(measured_cut, "TVM_MIN_GAIN", 0.0)  # any cut the timer gives (no timing asserted)
     timed: list = []
     real = measured_cut.tvm_stage_times
     monkeypatch.setattr(measured_cut, "tvm_stage_times", lambda *a: timed.append(real(*a)) or timed[-1])
     plan, batches, one, runners = conv_pipeline_case(tmp_path)
     assert len(timed) == 1 and len(timed[0]) == 2 and all(t > 0 for t in timed[0])
-    assert len(list(tmp_path.glob("*-tvm2x4.npy"))) == 1
+    assert len(list(tmp_path.glob("*-tvm2x4v*.npy"))) == 1
     trains_like_one_rank(runners, batches, one)
+
+
+def test_other_ranks_wait_for_rank_0s_tvm_timing(monkeypatch) -> None:
+    """Rule 8 on MPI ranks: a rank waiting for rank 0's prices of a TVM plan waits
+    ``TVM_CUT_WAIT_S`` (rank 0 builds and times the stages first: minutes), its deadline restored
+    after; an ONNX Runtime plan's wait keeps the communicator's deadline."""
+    seen: list[float] = []
+
+    class Comm:
+        rank, timeout_s = 1, 30.0
+
+        def recv(self, peer, tag, shape, dtype):
+            seen.append(self.timeout_s)
+            return np.ones(shape)
+
+    comm, fwd = Comm(), _load(_model(), 2)
+    n = len(list(fwd.graph))
+    assert measured_cut.shared_node_seconds(fwd, "cross_entropy", "tvm", comm, [0, 1], None, 4, 2).shape == (n,)
+    measured_cut.shared_node_seconds(fwd, "cross_entropy", "onnxruntime", comm, [0, 1], None, 4, 0)
+    assert seen == [measured_cut.TVM_CUT_WAIT_S, 30.0] and comm.timeout_s == 30.0
