@@ -7,7 +7,8 @@ the one shared window (so both ranks hold the same arrays), and after 10 SGD and
 steps the weights match a 1-rank run of the same global batch within rtol 1e-4, atol 1e-5. With
 ``SHARDED_UPDATE`` off no step is sharded (the knob's test). In process: :func:`plan` accepts
 SGD, momentum and Adam updates and refuses one that reads ``X`` after writing ``X.next`` over
-it and one whose output two gradients feed.
+it and one whose output two gradients feed; the cost model prices a TVM data rank half of the
+update's pass on 2 ranks (and all of it with the knob off, or on ONNX Runtime).
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def test_plan_accepts_the_optimizers_and_refuses_unsafe_updates() -> None:
     assert plan(late, ["g"], [0, 1]) is None  # reads W after W.next was written over it
     two = _graph([mk("Add", ["g", "h"], ["t"]), mk("Sub", ["W", "t"], ["W.next"])], ["W", "g", "h"], ["W.next"])
     assert plan(two, ["g", "h"], [0, 1]) is None  # one output, two gradients (two owners)
+
+
+def test_cost_model_prices_a_tvm_data_rank_a_share_of_the_update(monkeypatch) -> None:
+    """cost/training.py ``single_or_data(sharded_update=...)``: with the knob on, a TVM data rank
+    on one node (the 512-wide mlp's bucket takes the shared window) pays half of the optimizer
+    pass of 2 ranks; ONNX Runtime ranks (no sharded update) and the knob off pay all of it."""
+    from partitioner.training.plan import predict_training
+
+    def update_s(backend: str, knob: bool) -> float:
+        monkeypatch.setattr(overlap, "SHARDED_UPDATE", knob)
+        return predict_training(_model(), "data", 2, batch=8, backend=backend).breakdown["optimizer_s"]
+
+    assert update_s("tvm", True) == pytest.approx(update_s("tvm", False) / 2, rel=1e-6)
+    assert update_s("onnxruntime", True) == pytest.approx(update_s("onnxruntime", False), rel=1e-9)
 
 
 def _rank_main(out: str) -> None:
