@@ -228,7 +228,7 @@ class TvmBucketedExecutable(_BucketedSteps):
                        if isinstance(s, Segment) else None) for s in segments]
         self._bucketed(overlap)
         self._in_place: dict[int, bool] = {}
-        self._sharded = self._sharded_plan() if SHARDED_UPDATE else None
+        self._sharded = self._sharded_plan()  # rule 11 (SHARDED_UPDATE is read at each step)
         self._comm_now: Any = None
 
     def _sharded_plan(self) -> Any:
@@ -261,7 +261,8 @@ class TvmBucketedExecutable(_BucketedSteps):
         return self._in_place[run]
 
     def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        if self._sharded is not None and step is self.steps[-1][0] and hasattr(self._comm_now, "shared_arrays"):
+        if SHARDED_UPDATE and self._sharded is not None and step is self.steps[-1][0] \
+                and hasattr(self._comm_now, "shared_arrays"):
             out = self._sharded.run(env, self._comm_now)  # rule 11 (None: a gradient was not lent)
             if out is not None:
                 return [out[n] for n in step.outputs]
