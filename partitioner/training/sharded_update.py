@@ -21,9 +21,12 @@ Rules:
    Otherwise, or when a gradient was not lent (below the window's size, a step output copied),
    the rank runs the full update library (overlap rule 9): every rank decides alike.
 3. The update runs in numpy, node by node (the same float32 operations in the same order as the
-   ONNX graph; equal to TVM's kernels within rounding), one gradient's nodes at a time;
-   intermediates weight-sized take buffers from a pool reused across weights (sized by liveness,
-   SGD: one), the node producing an output writes straight into its shared array.
+   ONNX graph; equal to TVM's kernels within rounding), one gradient's nodes at a time, over
+   blocks of :data:`UPDATE_BLOCK` elements: the block's intermediates take buffers from a pool
+   (sized by liveness, SGD: one) that stay in cache, and the node producing an output writes
+   straight into its shared array, so SGD reads W and g and writes W once (numpy's whole-array
+   passes would write and read a weight-sized temporary too: as much traffic as the full fused
+   update on half the weights).
 4. Ordering: every member has passed the run's AllReduce, hence finished its backward, before any
    member writes (the reduction's closing barrier), so no rank still reads the weights it
    overwrites; the barrier after the update keeps the next forward from reading a weight
@@ -40,6 +43,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+#: rule 3: elements per block of the update (256 KiB of float32: the block's intermediates stay
+#: in the core's cache, so a weight is read and written once however many nodes update it)
+UPDATE_BLOCK = 1 << 16
 _UFUNCS = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
            "Sqrt": np.sqrt, "Neg": np.negative}
 
@@ -73,10 +79,29 @@ class ShardedUpdate:
             vals[node.output[0]] = self._apply(node, vals, env, None)
         for g, nodes in self.by_grad.items():
             if owners[g] == me:
-                self._run_nodes(nodes, vals, env, targets)
+                self._run_blocks(nodes, vals, env, targets, int(np.size(env[g])))
         comm.node_barrier(self.group)  # rule 4: every owner wrote its part
         self.steps += 1
         return {o: targets[o] if o in targets else vals[o] for o in self.outputs}
+
+    def _run_blocks(self, nodes: list[onnx.NodeProto], vals: dict[str, np.ndarray],
+                    env: Mapping[str, np.ndarray], targets: dict[str, np.ndarray], size: int) -> None:
+        """Rule 3: one gradient's nodes over :data:`UPDATE_BLOCK` elements at a time (every
+        weight-sized value as a flat view; whole arrays when a value of another size but 1 is
+        read: a broadcast)."""
+        feeds = {i: env[i] for n in nodes for i in n.input if i not in vals and i in env}
+        shared = [vals[i] for n in nodes for i in n.input if i in vals]  # constants, private values
+        if any(np.size(x) not in (1, size) for x in feeds.values()) or size <= UPDATE_BLOCK \
+                or any(np.size(x) != 1 for x in shared):
+            self._run_nodes(nodes, vals, feeds, targets)
+            return
+        flat = {i: np.reshape(x, -1) for i, x in feeds.items() if np.size(x) == size}
+        mine = {n.output[0] for n in nodes} & set(targets)
+        outs = {o: targets[o].reshape(-1) for o in mine}
+        for a in range(0, size, UPDATE_BLOCK):
+            b = min(size, a + UPDATE_BLOCK)
+            self._run_nodes(nodes, vals, {**feeds, **{i: x[a:b] for i, x in flat.items()}},
+                            {o: t[a:b] for o, t in outs.items()})
 
     def _run_nodes(self, nodes: list[onnx.NodeProto], vals: dict[str, np.ndarray],
                    env: Mapping[str, np.ndarray], targets: dict[str, np.ndarray]) -> None:
@@ -148,12 +173,20 @@ def plan(model: onnx.ModelProto, grads: Sequence[str], group: Sequence[int]) -> 
     for o, x in base.items():  # rule 2: no later node reads X once X.next was written over it
         if any(x in n.input for n in g.node[order[o] + 1:]):
             return None
+    # a node no gradient feeds joins the one gradient its readers serve (momentum's ``mu v``);
+    # one read by several (Adam's bias corrections: scalars) every rank runs for itself
+    serves = {n.output[0]: set(feeds[n.output[0]]) for n in g.node}
+    for node in reversed(g.node):
+        if not feeds[node.output[0]]:
+            readers = [serves[m.output[0]] for m in g.node if node.output[0] in m.input]
+            serves[node.output[0]] = set().union(*readers) if readers else set()
+    group_of = {o: next(iter(v)) if len(v) == 1 else None for o, v in serves.items()}
     up = ShardedUpdate(tuple(int(r) for r in group), outputs, shared,
-                       [n for n in g.node if not feeds[n.output[0]]], {},
+                       [n for n in g.node if group_of[n.output[0]] is None], {},
                        {t.name: numpy_helper.to_array(t) for t in g.initializer}, base)
     for node in g.node:
-        if feeds[node.output[0]]:
-            up.by_grad.setdefault(next(iter(feeds[node.output[0]])), []).append(node)
+        if group_of[node.output[0]] is not None:
+            up.by_grad.setdefault(group_of[node.output[0]], []).append(node)
         for i in node.input:
             up.last_use[i] = id(node)
     return up
