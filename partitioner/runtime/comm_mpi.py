@@ -164,7 +164,52 @@ def _wait_policy() -> tuple[float, float, float]:
     return 1e-4, 1e-2, 5e-4
 
 
-class MPICommunicator:
+
+class _SharedState:
+    """Rule 12's methods of :class:`MPICommunicator` (over its ``_shm`` reducers and its
+    :attr:`shared_windows`)."""
+
+    MPI: Any
+    rank: int
+    _shm: dict[tuple[int, ...], _ShmReducer | None]
+
+    @property
+    def shared_windows(self) -> dict[tuple[tuple[int, ...], str], tuple[Any, list[np.ndarray]]]:
+        """Rule 12's windows: ``(group, key)`` -> (the window, its arrays)."""
+        return self.__dict__.setdefault("_shared_windows", {})
+
+    def lent_owner(self, group: Sequence[int], x: np.ndarray) -> int | None:
+        """The member whose window slot holds ``x`` (a result rule 11 lent), None when ``x`` is
+        not in the group's window (copied, or the gather path)."""
+        shm = self._shm.get(tuple(int(r) for r in group))
+        if shm is None or not isinstance(x, np.ndarray):
+            return None
+        return next((k for k, m in enumerate(shm.slots) if np.may_share_memory(x, np.frombuffer(m, np.uint8))), None)
+
+    def shared_arrays(self, group: Sequence[int], key: str, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Rule 12: arrays shaped like ``like`` that every member of ``group`` sees alike (the
+        group's reducer must exist: call after a lent AllReduce); collective at the first call
+        per ``(group, key)``, the same list afterwards."""
+        g = tuple(int(r) for r in group)
+        if (g, key) not in self.shared_windows:
+            node = self._shm[g].node
+            offsets, end = [], 0
+            for x in like:
+                offsets.append(end)
+                end += -(-x.nbytes // SHM_ALIGN_BYTES) * SHM_ALIGN_BYTES
+            win = self.MPI.Win.Allocate_shared(end + SHM_ALIGN_BYTES if node.Get_rank() == 0 else 0, 1, comm=node)
+            raw = np.frombuffer(win.Shared_query(0)[0], np.uint8)
+            base = -raw.ctypes.data % SHM_ALIGN_BYTES
+            views = [raw[base + o:base + o + x.nbytes].view(x.dtype).reshape(x.shape) for o, x in zip(offsets, like)]
+            self.shared_windows[(g, key)] = (win, views)
+        return self.shared_windows[(g, key)][1]
+
+    def node_barrier(self, group: Sequence[int], what: str = "shared-state barrier") -> None:
+        """Rule 12: a barrier of ``group``'s window communicator."""
+        self._shm[tuple(int(r) for r in group)]._barrier(what)
+
+
+class MPICommunicator(_SharedState):
     """One rank's communicator over ``comm`` (default ``MPI.COMM_WORLD``)."""
     lends_results = True  # rule 11: ``allreduce_list`` takes ``lend=True``
 
@@ -185,7 +230,6 @@ class MPICommunicator:
         self.bytes_sent = 0
         self.comm_s = 0.0
         self._shm: dict[tuple[int, ...], _ShmReducer | None] = {}  # rule 7, per group (None: not one node)
-        self._shared: dict[tuple[tuple[int, ...], str], tuple[Any, list[np.ndarray]]] = {}  # rule 12
         self.use_shm = os.environ.get(SHM_ENV, "1") != "0"
         for g in groups:
             self._create_group(tuple(int(r) for r in g))
@@ -333,37 +377,6 @@ class MPICommunicator:
             node = sub.Split_type(self.MPI.COMM_TYPE_SHARED)
             self._shm[key] = _ShmReducer(self, node) if node.Get_size() == sub.Get_size() else None
         return self._shm[key]
-
-    # rule 12: state shared by the members of a group on one node --------------------------------
-    def lent_owner(self, group: Sequence[int], x: np.ndarray) -> int | None:
-        """The member whose window slot holds ``x`` (a result rule 11 lent), None when ``x`` is
-        not in the group's window (copied, or the gather path)."""
-        shm = self._shm.get(tuple(int(r) for r in group))
-        if shm is None or not isinstance(x, np.ndarray):
-            return None
-        return next((k for k, m in enumerate(shm.slots) if np.may_share_memory(x, np.frombuffer(m, np.uint8))), None)
-
-    def shared_arrays(self, group: Sequence[int], key: str, like: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Rule 12: arrays shaped like ``like`` that every member of ``group`` sees alike (the
-        group's reducer must exist: call after a lent AllReduce); collective at the first call
-        per ``(group, key)``, the same list afterwards."""
-        g = tuple(int(r) for r in group)
-        if (g, key) not in self._shared:
-            node = self._shm[g].node
-            offsets, end = [], 0
-            for x in like:
-                offsets.append(end)
-                end += -(-x.nbytes // SHM_ALIGN_BYTES) * SHM_ALIGN_BYTES
-            win = self.MPI.Win.Allocate_shared(end + SHM_ALIGN_BYTES if node.Get_rank() == 0 else 0, 1, comm=node)
-            raw = np.frombuffer(win.Shared_query(0)[0], np.uint8)
-            base = -raw.ctypes.data % SHM_ALIGN_BYTES
-            views = [raw[base + o:base + o + x.nbytes].view(x.dtype).reshape(x.shape) for o, x in zip(offsets, like)]
-            self._shared[(g, key)] = (win, views)
-        return self._shared[(g, key)][1]
-
-    def node_barrier(self, group: Sequence[int], what: str = "shared-state barrier") -> None:
-        """Rule 12: a barrier of ``group``'s window communicator."""
-        self._shm[tuple(int(r) for r in group)]._barrier(what)
 
     @_timed
     def allgather(self, x: np.ndarray, group: Sequence[int], axis: int, tag: int) -> np.ndarray:

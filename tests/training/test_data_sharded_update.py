@@ -93,7 +93,7 @@ def _rank_main(out: str) -> None:
             for x, y in batches:
                 runner.step({"input": x[4 * rank:4 * rank + 4]}, y[4 * rank:4 * rank + 4])
             sharded = runner._exe._sharded
-            window = [v for (g, k), (_, views) in comm._shared.items() for v in views]
+            window = [v for (g, k), (_, views) in comm.shared_windows.items() for v in views]
             state = [v for n, v in runner.state.items() if n != "optimizer.step"]
             one = StepRunner(build_training_graph(_model(), optimizer=opt), backend="tvm",
                              workdir=Path(out, f"{name}one{rank}{knob}"))
@@ -105,7 +105,7 @@ def _rank_main(out: str) -> None:
                 "sharded_steps": sharded.steps if sharded is not None else 0, "worst": worst,
                 "state_in_window": sum(any(v is w or np.shares_memory(v, w) for w in window) for v in state),
                 "state": len(state)}
-            comm._shared.clear()  # the next runner's arrays (the window of this one stays allocated)
+            comm.shared_windows.clear()  # the next runner's arrays (the window of this one stays allocated)
     comm.barrier()
     Path(out, f"rank{MPI.COMM_WORLD.Get_rank()}.json").write_text(json.dumps(report))
 
