@@ -82,8 +82,9 @@ Rules:
     next step reads the weights there. A rank does ``1/R`` of the update and no all-gather copy;
     the node holds one copy of the weights. For TVM data ranks on one node with a communicator
     that lends (MPI's shared window); otherwise, or when the update does not qualify
-    (sharded_update rule 2), the full update library runs. :data:`SHARDED_UPDATE` (default on;
-    ``$PARTITIONER_TRAIN_SHARDED_UPDATE=0`` off).
+    (sharded_update rule 2), the full update library runs. :data:`SHARDED_UPDATE` (default
+    **off**: three paired ``train_step.py`` runs on the loaded machine disagreed, see
+    docs/training.md, session 15; ``$PARTITIONER_TRAIN_SHARDED_UPDATE=1`` on).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ FLAT_ELEMENTWISE = os.environ.get("PARTITIONER_TRAIN_FLAT_UPDATE", "1") != "0"
 #: rule 10: the step's last bucket AllReduced into views of the communicator's window (no copy out)
 LEND_LAST_BUCKET = os.environ.get("PARTITIONER_TRAIN_LEND_LAST_BUCKET", "1") != "0"
 #: rule 11: each data rank updates only the weights whose gradients it reduced, in shared state
-SHARDED_UPDATE = os.environ.get("PARTITIONER_TRAIN_SHARDED_UPDATE", "1") != "0"
+#: (off: no consistent paired win yet; 1 in the env: on)
+SHARDED_UPDATE = os.environ.get("PARTITIONER_TRAIN_SHARDED_UPDATE", "0") == "1"
 #: rule 9: the ops such a segment may hold (what :mod:`partitioner.training.optimizers` emits)
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Neg", "Identity"})
 
