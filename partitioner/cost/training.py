@@ -665,9 +665,13 @@ def optimizer_stream_efficiency(moved_bytes: float, device: Any) -> float:
 
 
 def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies: int, cluster: Any,
-                   device: Any, overlap: bool = True, list_buckets: bool = False) -> TrainingPrediction:
+                   device: Any, overlap: bool = True, list_buckets: bool = False,
+                   sharded_update: bool = False) -> TrainingPrediction:
     """Rule 4 for ``single`` / ``data`` (``p`` profiled at the local batch); ``list_buckets``:
-    the buckets are AllReduced as lists (rules 3 and 4)."""
+    the buckets are AllReduced as lists (rules 3 and 4); ``sharded_update``: the ranks shard the
+    optimizer update (TVM data ranks, :mod:`partitioner.training.overlap` rule 11), so a rank
+    pays ``1/devices`` of it where the last bucket takes the shared window (the path the
+    sharded update needs; :func:`partitioner.cost.comm.shm_lent_saving` > 0)."""
     from partitioner.cost.comm import collective_time, shm_lent_saving
 
     w = float(p.weight.sum())
@@ -682,8 +686,10 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
         overlapped = overlapped_backward(p, devices, cluster)
         buckets = len(gradient_buckets(p))
         passes = 0.0 if list_buckets else BUCKET_PASSES * 2 * w / device.memory_bandwidth
+    shard = devices if strategy == "data" and devices > 1 and sharded_update and shm_lent_saving(
+        ([0.0] + [b for _, b in gradient_buckets(p)])[-1], list(range(devices)), cluster) > 0 else 1
     parts = {"forward_s": float(p.forward.sum()), "backward_s": float(p.backward.sum()),
-             "optimizer_s": _optimizer_time(w, copies, device, p) + passes, "comm_s": comm,
+             "optimizer_s": _optimizer_time(w / shard, copies, device, p) + passes, "comm_s": comm,
              "fixed_s": _whole_step_fixed(p, copies, buckets)}
     step = sum(parts.values())
     if overlapped is not None:

@@ -73,6 +73,14 @@ Rules:
     result lies whole in one slot. A caller must not write a lent view nor keep it past its
     next call on the same group (ranks must all lend alike: every member barriers at that
     call's start). Default on; ``$PARTITIONER_SHM_LEND=0`` copies out as before.
+12. Shared state (:meth:`MPICommunicator.shared_arrays`, for a data-parallel rank's sharded
+    update, :mod:`partitioner.training.overlap` rule 11): a second window per group and key, held
+    whole by the group's first member, in which every member sees the same arrays (each on a
+    :data:`SHM_ALIGN_BYTES` boundary), allocated collectively at the first call with the same
+    shapes on every member. :meth:`MPICommunicator.lent_owner` says which member reduced a lent
+    result (whose slot it lies in), :meth:`MPICommunicator.node_barrier` is the group's window
+    barrier (rule 3's deadline). The caller orders the writes: a member writes only the arrays
+    it owns and barriers before anyone reads them.
 """
 
 from __future__ import annotations
@@ -156,7 +164,52 @@ def _wait_policy() -> tuple[float, float, float]:
     return 1e-4, 1e-2, 5e-4
 
 
-class MPICommunicator:
+
+class _SharedState:
+    """Rule 12's methods of :class:`MPICommunicator` (over its ``_shm`` reducers and its
+    :attr:`shared_windows`)."""
+
+    MPI: Any
+    rank: int
+    _shm: dict[tuple[int, ...], _ShmReducer | None]
+
+    @property
+    def shared_windows(self) -> dict[tuple[tuple[int, ...], str], tuple[Any, list[np.ndarray]]]:
+        """Rule 12's windows: ``(group, key)`` -> (the window, its arrays)."""
+        return self.__dict__.setdefault("_shared_windows", {})
+
+    def lent_owner(self, group: Sequence[int], x: np.ndarray) -> int | None:
+        """The member whose window slot holds ``x`` (a result rule 11 lent), None when ``x`` is
+        not in the group's window (copied, or the gather path)."""
+        shm = self._shm.get(tuple(int(r) for r in group))
+        if shm is None or not isinstance(x, np.ndarray):
+            return None
+        return next((k for k, m in enumerate(shm.slots) if np.may_share_memory(x, np.frombuffer(m, np.uint8))), None)
+
+    def shared_arrays(self, group: Sequence[int], key: str, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Rule 12: arrays shaped like ``like`` that every member of ``group`` sees alike (the
+        group's reducer must exist: call after a lent AllReduce); collective at the first call
+        per ``(group, key)``, the same list afterwards."""
+        g = tuple(int(r) for r in group)
+        if (g, key) not in self.shared_windows:
+            node = self._shm[g].node
+            offsets, end = [], 0
+            for x in like:
+                offsets.append(end)
+                end += -(-x.nbytes // SHM_ALIGN_BYTES) * SHM_ALIGN_BYTES
+            win = self.MPI.Win.Allocate_shared(end + SHM_ALIGN_BYTES if node.Get_rank() == 0 else 0, 1, comm=node)
+            raw = np.frombuffer(win.Shared_query(0)[0], np.uint8)
+            base = -raw.ctypes.data % SHM_ALIGN_BYTES
+            views = [raw[base + o:base + o + x.nbytes].view(x.dtype).reshape(x.shape) for o, x in zip(offsets, like)]
+            self.shared_windows[(g, key)] = (win, views)
+        return self.shared_windows[(g, key)][1]
+
+    def node_barrier(self, group: Sequence[int], what: str = "shared-state barrier") -> None:
+        """Rule 12: a barrier of ``group``'s window communicator."""
+        self._shm[tuple(int(r) for r in group)]._barrier(what)
+
+
+class MPICommunicator(_SharedState):
     """One rank's communicator over ``comm`` (default ``MPI.COMM_WORLD``)."""
     lends_results = True  # rule 11: ``allreduce_list`` takes ``lend=True``
 

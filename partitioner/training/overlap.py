@@ -75,6 +75,16 @@ Rules:
     copied. Earlier runs are not lent: a later run's call would reuse the window while the
     update has yet to read them. :data:`LEND_LAST_BUCKET` (default on;
     ``$PARTITIONER_TRAIN_LEND_LAST_BUCKET=0`` off).
+11. Sharded update (ZeRO-1 within a node, :mod:`partitioner.training.sharded_update`): when the
+    step's last segment is the optimizer update right after rule 10's lent run, each rank
+    updates only the weights (and their optimizer state) whose gradients it reduced, in place in
+    state the node's ranks share (:mod:`partitioner.runtime.comm_mpi` rule 12), and barriers; the
+    next step reads the weights there. A rank does ``1/R`` of the update and no all-gather copy;
+    the node holds one copy of the weights. For TVM data ranks on one node with a communicator
+    that lends (MPI's shared window); otherwise, or when the update does not qualify
+    (sharded_update rule 2), the full update library runs. :data:`SHARDED_UPDATE` (default
+    **off**: three paired ``train_step.py`` runs on the loaded machine disagreed, see
+    docs/training.md, session 15; ``$PARTITIONER_TRAIN_SHARDED_UPDATE=1`` on).
 """
 
 from __future__ import annotations
@@ -102,6 +112,9 @@ VM_ALIGNMENT = 64
 FLAT_ELEMENTWISE = os.environ.get("PARTITIONER_TRAIN_FLAT_UPDATE", "1") != "0"
 #: rule 10: the step's last bucket AllReduced into views of the communicator's window (no copy out)
 LEND_LAST_BUCKET = os.environ.get("PARTITIONER_TRAIN_LEND_LAST_BUCKET", "1") != "0"
+#: rule 11: each data rank updates only the weights whose gradients it reduced, in shared state
+#: (off: no consistent paired win yet; 1 in the env: on)
+SHARDED_UPDATE = os.environ.get("PARTITIONER_TRAIN_SHARDED_UPDATE", "0") == "1"
 #: rule 9: the ops such a segment may hold (what :mod:`partitioner.training.optimizers` emits)
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Neg", "Identity"})
 
@@ -217,6 +230,22 @@ class TvmBucketedExecutable(_BucketedSteps):
                        if isinstance(s, Segment) else None) for s in segments]
         self._bucketed(overlap)
         self._in_place: dict[int, bool] = {}
+        self._sharded = self._sharded_plan()  # rule 11 (SHARDED_UPDATE is read at each step)
+        self._comm_now: Any = None
+
+    def _sharded_plan(self) -> Any:
+        """Rule 11's plan when the last step is a segment right after the last AllReduce run."""
+        from partitioner.training.sharded_update import plan
+
+        end = next((b for a, b in self.runs if a == self._last_run), -1)
+        if end != len(self.steps) - 1 or not isinstance(self.steps[-1][0], Segment):
+            return None
+        comm_steps = [s for s, _ in self.steps[self._last_run:end]]
+        return plan(self.steps[-1][0].model, [o for s in comm_steps for o in s.outputs], comm_steps[0].op.group)
+
+    def run(self, feeds: Mapping[str, np.ndarray], comm: comm_ops.Communicator) -> dict[str, np.ndarray]:
+        self._comm_now = comm  # rule 11's update needs the communicator
+        return super().run(feeds, comm)
 
     def _writable(self, run: int, env: Mapping[str, np.ndarray], names: list[str]) -> bool:
         """Rule 7's guard, decided at the first step (the program and the VM's views are the
@@ -234,6 +263,11 @@ class TvmBucketedExecutable(_BucketedSteps):
         return self._in_place[run]
 
     def _segment(self, step: Any, run: Any, env: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        if SHARDED_UPDATE and self._sharded is not None and step is self.steps[-1][0] \
+                and hasattr(self._comm_now, "shared_arrays"):
+            out = self._sharded.run(env, self._comm_now)  # rule 11 (None: a gradient was not lent)
+            if out is not None:
+                return [out[n] for n in step.outputs]
         shapes = self._shapes.get(step.index, {})  # rule 9: views in, views of the original shapes out
         out = run.run({n: np.reshape(env[n], -1) if n in shapes else env[n] for n in step.inputs}, None)
         return [np.reshape(out[n], shapes[n]) if n in shapes else out[n] for n in step.outputs]  # no comm op

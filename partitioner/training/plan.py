@@ -98,8 +98,12 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         return _tensor(prof, graph, devices, batch, copies, cl, device)
     from partitioner.training.buckets import LIST_ALLREDUCE
 
+    from partitioner.training.overlap import SHARDED_UPDATE
+
+    be = backend or (overheads.backend if overheads is not None and overheads.backend else "onnxruntime")
     return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap,
-                               list_buckets=overlap and LIST_ALLREDUCE)
+                               list_buckets=overlap and LIST_ALLREDUCE,
+                               sharded_update=be == "tvm" and LIST_ALLREDUCE and SHARDED_UPDATE)
 
 
 def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int, schedule: str,
