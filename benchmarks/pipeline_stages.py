@@ -106,12 +106,12 @@ def case(name: str) -> tuple:
     return model, loss, batch, {vi.name: x}, y
 
 
-def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> dict:
-    model, loss, batch, feed, y = case(name)
-    load_before = os.getloadavg()
-    plans = _plans(model, loss, batch, backend, baseline)
+def _timed(name: str, backend: str, rounds: int, plans: dict, model, loss: str, feed: dict, y, load_before,
+           **runner_kw) -> tuple[dict, dict]:
+    """Each plan's stages alone and the 1-rank step in interleaved rounds (thread CPU per step):
+    the medians and the record (``cut``, ``bound_1f1b`` per plan, load, machine)."""
     with tempfile.TemporaryDirectory() as tmp:
-        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, reuse_old=bool(baseline), baseline=baseline)
+        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, **runner_kw)
         times: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(rounds):
             for k, r in runners.items():
@@ -120,12 +120,22 @@ def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> d
                 times[k].append(time.thread_time() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     bubble = (MICRO_BATCHES + 1) / MICRO_BATCHES
-    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med, "baseline": baseline,
+    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med,
            "cut": {k: p.cut for k, p in plans.items()},
            "bound_1f1b": {k: med["1 rank"] / (bubble * max(med[f"{k} stage 0"], med[f"{k} stage 1"]))
                           for k in plans},
            "load_before": list(load_before), "load_after": list(os.getloadavg()),
            "machine": platform.machine(), "python": platform.python_version()}
+    return med, doc
+
+
+def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> dict:
+    model, loss, batch, feed, y = case(name)
+    load_before = os.getloadavg()
+    plans = _plans(model, loss, batch, backend, baseline)
+    med, doc = _timed(name, backend, rounds, plans, model, loss, feed, y, load_before,
+                      reuse_old=bool(baseline), baseline=baseline)
+    doc["baseline"] = baseline
     for k in plans:
         print(f"{name} {backend} {k}: stages {med[f'{k} stage 0'] * 1e3:.1f} / {med[f'{k} stage 1'] * 1e3:.1f} ms "
               f"CPU per step ({plans[k].cut}), 1 rank {med['1 rank'] * 1e3:.1f} ms: 1F1B bound "
@@ -157,22 +167,8 @@ def run_cuts(name: str, backend: str, rounds: int, cuts: list[str]) -> dict:
     model, loss, batch, feed, y = case(name)
     load_before = os.getloadavg()
     plans = cut_plans(model, loss, batch, backend, cuts)
-    with tempfile.TemporaryDirectory() as tmp:
-        runners = _runners(plans, model, loss, backend, Path(tmp), feed, y, reuse_old=True)
-        times: dict[str, list[float]] = {k: [] for k in runners}
-        for _ in range(rounds):
-            for k, r in runners.items():
-                t = time.thread_time()
-                r.step(feed, y)
-                times[k].append(time.thread_time() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    bubble = (MICRO_BATCHES + 1) / MICRO_BATCHES
-    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med, "cuts": cuts,
-           "cut": {k: p.cut for k, p in plans.items()},
-           "bound_1f1b": {k: med["1 rank"] / (bubble * max(med[f"{k} stage 0"], med[f"{k} stage 1"]))
-                          for k in plans},
-           "load_before": list(load_before), "load_after": list(os.getloadavg()),
-           "machine": platform.machine(), "python": platform.python_version()}
+    med, doc = _timed(name, backend, rounds, plans, model, loss, feed, y, load_before, reuse_old=True)
+    doc["cuts"] = cuts
     for k, p in plans.items():
         print(f"{name} {backend} cut {k}: stages {med[f'{k} stage 0'] * 1e3:.1f} / {med[f'{k} stage 1'] * 1e3:.1f} ms "
               f"CPU per step (stage 0's last weight {p.stages[0].weights[-1]}), 1 rank {med['1 rank'] * 1e3:.1f} ms: 1F1B bound "
