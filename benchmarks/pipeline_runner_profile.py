@@ -26,12 +26,16 @@ runner, interleaved with the hooked ones. ``--classes`` also builds each program
 ``--compare`` (session 16) answers another question: why the two stages' kernels together cost
 more than the 1-rank step's. It builds both stages' runners and the 1-rank ``StepRunner`` of the
 same global batch, hooks every VM call of every TVM library they hold (thread CPU, the runners
-stepped in interleaved rounds, median per step over ``--steps`` rounds) and prints, per kernel
-class (from the kernel's name: ``conv``, ``gemm``, ``layout``, ``pool``, ``other``; builtins
-apart) and per kernel name stem (the symbol without its numeric suffix, so ``fused_conv2d_add3``
-and ``fused_conv2d_add7`` sum as one: the same kind of kernel in either build), the stage sum
-S = stage 0 + stage 1 against the 1-rank step, the largest differences first, and each stem's
-argument shapes (for mapping it to a layer). ``PARTITIONER_TRAIN_PIPE_CUT_AFTER`` forces the cut.
+stepped in interleaved rounds, hooked and plain steps alternating, medians over ``--steps``
+rounds) and keys each kernel by ``program:symbol`` (each library numbers its kernels alone: a
+stage's ``F:conv2d4`` and ``B:conv2d4`` are different kernels). It prints the plain steps and
+S = stage 0 + stage 1 against the 1-rank step; kernel time per class (from the name: ``conv``,
+``gemm``, ``layout``, ``pool``, ``other``, ``builtins``), the largest S - 1-rank differences
+first; the conv kernels by layer shape with the batch apart and the packed weight (ms per image:
+2 images against 16); the name stems (the symbol without its program and numbers, so the same
+kind of kernel in any library) with their calls a step; each runner's minor page faults per plain
+step (the thread's ``ru_minflt``). ``--json`` keeps every kernel with its first call's argument
+shapes. ``PARTITIONER_TRAIN_PIPE_CUT_AFTER`` forces the cut.
 
     .venv/bin/python benchmarks/pipeline_runner_profile.py --model resnet --compare [--steps 3] [--top 25] [--json F]
 """
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -291,15 +296,19 @@ def compare(model_name: str, steps: int) -> dict[str, Any]:
             r.step(feed, y)  # warm-up
         per: dict[str, list[dict[str, float]]] = {k: [] for k in runners}
         plain: dict[str, list[float]] = {k: [] for k in runners}
+        faults: dict[str, list[int]] = {k: [] for k in runners}
         for i in range(2 * steps):
             for k, r in runners.items():
                 h = hooks[k]
                 h.on(bool(i % 2))
                 h.sec.clear()
                 h.calls.clear()
+                f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
                 t = time.thread_time()
                 r.step(feed, y)
                 dt = time.thread_time() - t
+                if not i % 2:
+                    faults[k].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
                 if i % 2:
                     per[k].append(dict(h.sec, _step=dt, **{f"_calls {s}": float(c) for s, c in h.calls.items()}))
                 else:
@@ -307,7 +316,8 @@ def compare(model_name: str, steps: int) -> dict[str, Any]:
                 h.on(False)
     out: dict[str, Any] = {"model": model_name, "cut": plan.cut, "stage0_last_weight": plan.stages[0].weights[-1],
                            "steps": steps, "load_before": load_before,
-                           "load_after": list(os.getloadavg()), "step_plain": {}, "step_hooked": {}, "symbols": {}}
+                           "load_after": list(os.getloadavg()), "step_plain": {}, "step_hooked": {}, "symbols": {},
+                           "minor_faults_per_step": {k: statistics.median(v) for k, v in faults.items()}}
     for k, recs in per.items():
         syms = set().union(*recs)
         med = {s: statistics.median(r.get(s, 0.0) for r in recs) for s in syms}
@@ -359,6 +369,8 @@ def report_compare(doc: dict[str, Any], top: int) -> None:
     print("  step (plain): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sp.items())
           + f"; S {s_plain * 1e3:.1f} = {s_plain / sp['1 rank']:.2f}x the 1-rank step")
     print("  step (hooked): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sh.items()))
+    if "minor_faults_per_step" in doc:
+        print("  minor page faults per plain step: " + ", ".join(f"{k} {v:.0f}" for k, v in doc["minor_faults_per_step"].items()))
     cls = _sum_by(doc, "class")
     print(f"  {'class':10s} {'stage 0':>8s} {'stage 1':>8s} {'S':>8s} {'1 rank':>8s} {'S-1':>8s} {'S/1':>6s}")
     for c in sorted(cls, key=lambda c: -(cls[c]["S"] - cls[c]["1 rank"])):
