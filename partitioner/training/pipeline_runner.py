@@ -69,8 +69,14 @@ RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANT
 #: TVM stages sum their weight gradients over the micro-batches inside the per-micro-batch programs
 #: (:func:`accumulating`: ``W.grad = W.grad.acc + g``), not in numpy after each call; the update
 #: reads the sum as the last call's output tensor (module constant; off: ``_send_back``'s
-#: ``np.add``). The environment's ``PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM=0`` turns it off, in MPI
-#: ranks too
+#: ``np.add``; pipeline rule 13). Measured (session 16, docs/training.md, load 5-9; each stage alone,
+#: ``benchmarks/pipeline_stages.py --stage N --baseline ...ACCUMULATE_IN_PROGRAM=False``, thread CPU,
+#: median paired difference): resnet stage 0 -9.5 ms a step (on faster in 9 of 12 rounds), mlp
+#: stage 0 -34.0 ms (12 of 15), mlp stage 1 +0.6 ms (7 of 15); under MPI (2 ranks 1F1B x8, 2 paired
+#: rounds) the step was faster in one round of two for both models, and the peak memory a rank lower
+#: in every round (resnet's last rank 343-349 MiB against 408-411: the update's ``.grad`` input
+#: buffers are freed, rule 9 of ``backends.tvm.executable``). The environment's
+#: ``PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM=0`` turns it off, in MPI ranks too
 ACCUMULATE_IN_PROGRAM = os.environ.get("PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM", "1") == "1"
 #: :func:`accumulating` adds the sum so far to the weight gradient's MatMul / Gemm product, before
 #: the reshapes to the weight's shape (TVM can fuse an add into the product's epilogue, not across
