@@ -20,6 +20,10 @@ average; ``--results-dir`` for a trial run).
 
     .venv/bin/python benchmarks/pipeline_stages.py --model mlp --backend tvm [--rounds 7] [--baseline M.ATTR=V]
 
+``--stage N`` (with ``--baseline``) times stage N alone, today's runner against the baseline's, in
+interleaved rounds, no 1-rank step, and prints the rounds' median paired difference
+(``pipeline_stage<N>_<model>_<backend>.json``, each round's times under ``cpu_s_per_round``).
+
 ``--cuts NODE[,NODE...]`` instead times today's plan (``planned``) against one plan per named cut
 (stage 0 ends after that forward node: ``pipeline.CUT_AFTER``; everything else today's), each
 stage alone and the 1-rank step in the same interleaved rounds, with each cut's 1F1B bound
@@ -63,7 +67,7 @@ def _plans(model, loss: str, batch: int, backend: str, baseline: dict | None = N
 
 
 def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict, y, reuse_old: bool,
-             baseline: dict | None = None) -> dict:
+             baseline: dict | None = None, stage: int | None = None) -> dict:
     from partitioner.training.bench import _with_settings
     from partitioner.training.optimizers import SGD
     from partitioner.training.overheads import _Instant
@@ -73,18 +77,24 @@ def _runners(plans: dict, model, loss: str, backend: str, work: Path, feed: dict
 
     out = {}
     for k, plan in plans.items():
-        for s in range(plan.num_stages):
+        for s in range(plan.num_stages) if stage is None else (stage,):
             r = _with_settings(baseline if k == "old" and baseline else {},  # runner knobs too
                                lambda: PipelineRunner(plan, s, comm=_Instant(s), backend=backend, workdir=work / k))
             for e in r._exe.values():
                 if hasattr(e, "reuse_readonly_inputs"):
                     e.reuse_readonly_inputs = k == "new" or reuse_old
             out[f"{k} stage {s}"] = r
+    if stage is not None:  # --stage: that stage's runners only
+        return _warmed(out, feed, y)
     out["1 rank"] = StepRunner(build_training_graph(model, loss=loss, optimizer=SGD(lr=1e-3)), backend=backend,
                                workdir=work / "one")
-    for r in out.values():
+    return _warmed(out, feed, y)
+
+
+def _warmed(runners: dict, feed: dict, y) -> dict:
+    for r in runners.values():
         r.step(feed, y)  # warm-up
-    return out
+    return runners
 
 
 def case(name: str) -> tuple:
@@ -120,22 +130,31 @@ def _timed(name: str, backend: str, rounds: int, plans: dict, model, loss: str, 
                 times[k].append(time.thread_time() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     bubble = (MICRO_BATCHES + 1) / MICRO_BATCHES
-    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med,
+    doc = {"model": name, "backend": backend, "rounds": rounds, "cpu_s_per_step": med, "cpu_s_per_round": times,
            "cut": {k: p.cut for k, p in plans.items()},
            "bound_1f1b": {k: med["1 rank"] / (bubble * max(med[f"{k} stage 0"], med[f"{k} stage 1"]))
-                          for k in plans},
+                          for k in plans} if "1 rank" in med else {},
            "load_before": list(load_before), "load_after": list(os.getloadavg()),
            "machine": platform.machine(), "python": platform.python_version()}
     return med, doc
 
 
-def run(name: str, backend: str, rounds: int, baseline: dict | None = None) -> dict:
+def run(name: str, backend: str, rounds: int, baseline: dict | None = None, stage: int | None = None) -> dict:
     model, loss, batch, feed, y = case(name)
     load_before = os.getloadavg()
     plans = _plans(model, loss, batch, backend, baseline)
     med, doc = _timed(name, backend, rounds, plans, model, loss, feed, y, load_before,
-                      reuse_old=bool(baseline), baseline=baseline)
+                      reuse_old=bool(baseline), baseline=baseline, stage=stage)
     doc["baseline"] = baseline
+    if stage is not None:  # --stage: that stage alone, old against new, with the rounds' paired differences
+        doc["stage"] = stage
+        new, old = doc["cpu_s_per_round"][f"new stage {stage}"], doc["cpu_s_per_round"][f"old stage {stage}"]
+        diff = statistics.median(a - b for a, b in zip(new, old))
+        print(f"{name} {backend} stage {stage}: new {med[f'new stage {stage}'] * 1e3:.1f} / old "
+              f"{med[f'old stage {stage}'] * 1e3:.1f} ms CPU per step, median paired difference {diff * 1e3:+.1f} ms "
+              f"(new faster in {sum(a < b for a, b in zip(new, old))} of {len(new)} rounds)")
+        print(f"load average before {load_before[0]:.2f}, after {doc['load_after'][0]:.2f}")
+        return doc
     for k in plans:
         print(f"{name} {backend} {k}: stages {med[f'{k} stage 0'] * 1e3:.1f} / {med[f'{k} stage 1'] * 1e3:.1f} ms "
               f"CPU per step ({plans[k].cut}), 1 rank {med['1 rank'] * 1e3:.1f} ms: 1F1B bound "
@@ -185,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="'old' is today's plan with these settings (default: the session-8 plan)")
+    p.add_argument("--stage", type=int, default=None,
+                   help="time only this stage (old against new, no 1-rank step; results: "
+                        "pipeline_stage<N>_<model>_<backend>.json, with each round's paired difference)")
     p.add_argument("--cuts", default="", metavar="NODE[,NODE...]",
                    help="time today's plan against one plan per cut after each named forward node "
                         "(results: pipeline_cuts_<model>_<backend>.json)")
@@ -198,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {path}")
         return 0
-    doc = run(args.model, args.backend, args.rounds, _settings(args.baseline))
+    doc = run(args.model, args.backend, args.rounds, _settings(args.baseline), args.stage)
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"pipeline_stages_{args.model}_{args.backend}.json"
+    kind = "stages" if args.stage is None else f"stage{args.stage}"
+    path = args.results_dir / f"pipeline_{kind}_{args.model}_{args.backend}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

@@ -74,6 +74,12 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     sends their sum once per step, before the update. No forward work moves; the weight stays on
     the last stage. A 1F1B plan with moved columns (no memory limit) runs at least one extra
     warm-up forward (rule 5; moved_wgrad rule 6).
+13. On TVM stages rule 4's sum runs inside the per-micro-batch programs
+    (:func:`partitioner.training.pipeline_runner.accumulating`, knob
+    ``pipeline_runner.ACCUMULATE_IN_PROGRAM``): ``B``, ``FB`` and ``FBt`` output ``W.grad.acc + g``
+    from the previous call's sum (zeros on the first), the add on the weight gradient's MatMul /
+    Gemm product where there is one (TVM fuses it into that kernel). Rule 10's deferred gradients
+    and rule 12's moved columns are still added in the rank.
 """
 
 from __future__ import annotations

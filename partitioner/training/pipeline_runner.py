@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from partitioner.core.errors import UsageError
 from partitioner.training.pipeline import PipelinePlan, merged, schedule_order, stage_state_names, tag
@@ -65,6 +66,25 @@ WEIGHT_TENSORS = os.environ.get("PARTITIONER_TRAIN_WEIGHT_TENSORS", "1") == "1"
 #: MiB with it, 160.9 / 160.6 without; steps 243.9 / 245.2 ms with, 250.8 / 249.3 without. The environment's
 #: ``PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS=0`` turns it off, in MPI ranks too
 RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS", "1") == "1"
+#: TVM stages sum their weight gradients over the micro-batches inside the per-micro-batch programs
+#: (:func:`accumulating`: ``W.grad = W.grad.acc + g``), not in numpy after each call; the update
+#: reads the sum as the last call's output tensor (module constant; off: ``_send_back``'s
+#: ``np.add``; pipeline rule 13). Measured (session 16, docs/training.md, load 5-9; each stage alone,
+#: ``benchmarks/pipeline_stages.py --stage N --baseline ...ACCUMULATE_IN_PROGRAM=False``, thread CPU,
+#: median paired difference): resnet stage 0 -9.5 ms a step (on faster in 9 of 12 rounds), mlp
+#: stage 0 -34.0 ms (12 of 15), mlp stage 1 +0.6 ms (7 of 15); under MPI (2 ranks 1F1B x8, 2 paired
+#: rounds) the step was faster in one round of two for both models, and the peak memory a rank lower
+#: in every round (resnet's last rank 343-349 MiB against 408-411: the update's ``.grad`` input
+#: buffers are freed, rule 9 of ``backends.tvm.executable``). The environment's
+#: ``PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM=0`` turns it off, in MPI ranks too
+ACCUMULATE_IN_PROGRAM = os.environ.get("PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM", "1") == "1"
+#: :func:`accumulating` adds the sum so far to the weight gradient's MatMul / Gemm product, before
+#: the reshapes to the weight's shape (TVM can fuse an add into the product's epilogue, not across
+#: a reshape); off: after them, on the ``W.grad`` output (module constant)
+ACCUMULATE_AT_PRODUCT = True
+#: :func:`accumulating`'s names: the running-sum input of ``W.grad`` and the micro-batch's own gradient
+ACC_SUFFIX = ".acc"
+MICRO_SUFFIX = ".micro"
 GATHER_TAG = 30000
 LOSS_TAG = 29999
 REPLICA_TAG = 26000
@@ -79,6 +99,98 @@ def _specs(program: onnx.ModelProto | None) -> dict[str, tuple[tuple[int, ...], 
         t = v.type.tensor_type
         out[v.name] = (tuple(d.dim_value for d in t.shape.dim), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
     return out
+
+
+def accumulating(program: onnx.ModelProto, weights: Sequence[str]) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """``ACCUMULATE_IN_PROGRAM``: a copy of ``program`` whose output ``W.grad`` (each weight ``W``
+    it gives a gradient of, made by a node) is ``Add(W.grad.micro, W.grad.acc)``: the node that made
+    it now makes ``W.grad.micro``, and ``W.grad.acc`` is a new input of the output's type, placed
+    before the program's step constants (``backends.tvm.lift_step_constants`` rule 1 wants them
+    last). Returns the program and its running-sum inputs (weight -> input name); ``program``
+    itself and ``{}`` when it outputs no such gradient."""
+    from backends.tvm.lift_step_constants import step_constant_inputs
+
+    g = program.graph
+    made = {o for n in g.node for o in n.output}
+    outs = {o.name: o for o in g.output}
+    acc = {w: f"{w}.grad{ACC_SUFFIX}" for w in weights if f"{w}.grad" in outs and f"{w}.grad" in made}
+    if not acc:
+        return program, {}
+    constants = set(step_constant_inputs(program))
+    prog = onnx.ModelProto()
+    prog.CopyFrom(program)
+    g = prog.graph
+    micro = {f"{w}.grad": f"{w}.grad{MICRO_SUFFIX}" for w in acc}
+    for n in g.node:
+        n.input[:] = [micro.get(i, i) for i in n.input]
+        n.output[:] = [micro.get(o, o) for o in n.output]
+    new_inputs, adds = [], []
+    for w, name in acc.items():
+        grad = outs[f"{w}.grad"]
+        vi = onnx.ValueInfoProto()
+        vi.CopyFrom(grad)
+        vi.name = name
+        new_inputs.append(vi)
+        at = _product(g, micro[grad.name]) if ACCUMULATE_AT_PRODUCT else None
+        if at is not None:  # Add(product, Reshape(acc)) in the product's shape; the reshapes after it read the sum
+            value, shape = at
+            summed, view = f"{value}{ACC_SUFFIX}", f"{name}.view"
+            for n in g.node:
+                n.input[:] = [summed if i == value else i for i in n.input]
+            g.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), f"{name}.shape"))
+            adds += [onnx.helper.make_node("Reshape", [name, f"{name}.shape"], [view], name=f"{view}.reshape"),
+                     onnx.helper.make_node("Add", [value, view], [summed], name=f"{summed}.accumulate")]
+            g.node.append(onnx.helper.make_node("Identity", [micro[grad.name]], [grad.name],
+                                                name=f"{grad.name}.accumulated"))
+            continue
+        mid = onnx.ValueInfoProto()
+        mid.CopyFrom(grad)
+        mid.name = micro[grad.name]
+        g.value_info.append(mid)
+        g.node.append(onnx.helper.make_node("Add", [mid.name, name], [grad.name], name=f"{grad.name}.accumulate"))
+    _insert_after_producers(g, adds)
+    inputs = list(g.input)
+    at = next((k for k, v in enumerate(inputs) if v.name in constants), len(inputs))
+    del g.input[:]
+    g.input.extend(inputs[:at] + new_inputs + inputs[at:])
+    return prog, acc
+
+
+def _product(g: onnx.GraphProto, value: str) -> tuple[str, list[int]] | None:
+    """``ACCUMULATE_AT_PRODUCT``: the value behind ``value``'s chain of Identity / Reshape nodes
+    (each read by the next one only) when a MatMul or Gemm makes it, with its static shape; else
+    None."""
+    prod = {o: n for n in g.node for o in n.output}
+    uses: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    outs = {o.name for o in g.output}
+    n = prod.get(value)
+    while n is not None and n.op_type in ("Identity", "Reshape"):
+        value = n.input[0]
+        if uses.get(value, 0) != 1 or value in outs:
+            return None
+        n = prod.get(value)
+    if n is None or n.op_type not in ("MatMul", "Gemm"):
+        return None
+    info = next((v for v in list(g.value_info) + list(g.output) if v.name == value), None)
+    dims = info.type.tensor_type.shape.dim if info is not None else []
+    if not dims or any(not d.HasField("dim_value") for d in dims):
+        return None
+    return value, [d.dim_value for d in dims]
+
+
+def _insert_after_producers(g: onnx.GraphProto, adds: list[onnx.NodeProto]) -> None:
+    """Each Reshape / Add pair of ``adds`` placed right after the node making the Add's first input
+    (the graph stays in topological order)."""
+    nodes = list(g.node)
+    for k in range(0, len(adds), 2):
+        reshape, add = adds[k], adds[k + 1]
+        at = next(j for j, n in enumerate(nodes) if add.input[0] in n.output)
+        nodes[at + 1:at + 1] = [reshape, add]
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -129,10 +241,16 @@ class PipelineRunner:
         self.state = {n: _frozen(np.array(src[n], copy=True)) for n in stage_state_names(self.stage)}
         folder = Path(workdir) / f"stage{stage}" if workdir is not None else None
         st = self.stage
-        self._exe = {kind: executable(prog, backend, folder, threads)
-                     for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused), ("U", st.update),
-                                        ("P", st.prepare), ("W", st.weight_grad), ("FBt", st.fused_tail))
-                     if prog is not None}
+        programs = {kind: prog for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused),
+                                                  ("U", st.update), ("P", st.prepare), ("W", st.weight_grad),
+                                                  ("FBt", st.fused_tail)) if prog is not None}
+        self._acc_inputs: dict[str, dict[str, str]] = {}  # ACCUMULATE_IN_PROGRAM: kind -> weight -> input
+        for kind in ("B", "FB", "FBt") if ACCUMULATE_IN_PROGRAM and backend == "tvm" else ():
+            if kind in programs:
+                programs[kind], names = accumulating(programs[kind], st.weights)
+                if names:
+                    self._acc_inputs[kind] = names
+        self._exe = {kind: executable(prog, backend, folder, threads) for kind, prog in programs.items()}
         for exe in self._exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
             if hasattr(exe, "reuse_readonly_inputs"):
                 exe.reuse_readonly_inputs = True
@@ -141,6 +259,11 @@ class PipelineRunner:
         for kind in ("U", "P") if WEIGHT_TENSORS else ():
             if hasattr(self._exe.get(kind), "keep_output_tensors"):
                 self._exe[kind].keep_output_tensors = True
+        for kind in self._acc_inputs:  # the running sums go from one call to the next as tensors
+            self._exe[kind].keep_output_tensors = True
+        self._acc_zero = {w: _zero_tensor(self._spec_of(programs, f"{w}.grad"))
+                          for names in self._acc_inputs.values() for w in names}
+        self._acc_t: dict[str, tuple[Any, np.ndarray]] = {}  # weight -> (the running sum's tensor, its array)
         self._tensors: dict[str, Any] = {}  # WEIGHT_TENSORS: state / prepared value -> its TVM tensor
         self._stash_tensors: dict[int, dict[str, Any]] = {}  # STASH_TENSORS: micro-batch -> F's tensors
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
@@ -151,6 +274,19 @@ class PipelineRunner:
         # rule 8: a recomputing B reruns the forward, BN statistics included
         self._b_bn = sorted({a for a, _ in st.bn_state} & {i.name for i in st.backward.graph.input}
                             if st.backward is not None else set())
+
+    @staticmethod
+    def _spec_of(programs: Mapping[str, onnx.ModelProto], name: str) -> tuple[tuple[int, ...], np.dtype]:
+        return next(_specs(p)[name] for p in programs.values() if name in _specs(p))
+
+    def _acc_feeds(self, kind: str, acc: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """``ACCUMULATE_IN_PROGRAM``: program ``kind``'s running-sum inputs: the sum so far (the
+        last call's output tensor, else its array), zeros on the step's first call."""
+        feeds = {}
+        for w, name in self._acc_inputs.get(kind, {}).items():
+            kept = self._acc_t.get(w)
+            feeds[name] = kept[0] if kept is not None else acc[w] if w in acc else self._acc_zero[w]
+        return feeds
 
     # one step ----------------------------------------------------------------------------------
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
@@ -172,11 +308,12 @@ class PipelineRunner:
             _release_done(self._exe, last, call)
             sl = slice(m * plan.micro_batch, (m + 1) * plan.micro_batch)
             if kind == "B":
-                out = self._backward(m, stash.pop(m))
+                out = self._backward(m, stash.pop(m), acc)
             else:
                 feeds = self._forward_feeds(m, data, sl)
                 if kind == "FB":
                     feeds[plan.labels] = labels[sl]
+                    feeds.update(self._acc_feeds(self._fused_kind(m), acc))
                     out = self._exe[self._fused_kind(m)].run(feeds, self.comm)
                     losses.append(float(out["loss"]))
                 else:
@@ -193,7 +330,7 @@ class PipelineRunner:
                     self.state[a] = out[b]  # a fresh array of the backend's (no copy per step)
                 if kind == "F":
                     continue
-            self._send_back(m, out, acc)
+            self._send_back(m, out, acc, "B" if kind == "B" else self._fused_kind(m))
         del out  # the last program's gradient outputs are in ``acc`` now: not alive during the update
         _release_done(self._exe, last, len(order))
         self._weight_grad(acc)
@@ -218,7 +355,8 @@ class PipelineRunner:
         feeds.update(self._hoisted_feeds())
         return feeds
 
-    def _backward(self, m: int, stashed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _backward(self, m: int, stashed: dict[str, np.ndarray], acc: Mapping[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
         """Rule 2's ``B``: the stash, the weights and the gradients of every value sent (summed
         over the stages that read it)."""
         st, plan = self.stage, self.plan
@@ -237,7 +375,7 @@ class PipelineRunner:
             shape, dtype = self._spec[st.moved.seed]
             feeds[st.moved.seed] = self.comm.recv(self.ranks[st.moved.peer], tag(plan, m, st.moved.seed, True),
                                                   shape, dtype)
-        out = self._exe["B"].run({**feeds, **self._stash_tensors.pop(m, {})}, self.comm)
+        out = self._exe["B"].run({**feeds, **self._stash_tensors.pop(m, {}), **self._acc_feeds("B", acc)}, self.comm)
         self._keep_for_weight_grad(m, feeds, out)
         return out
 
@@ -273,8 +411,10 @@ class PipelineRunner:
         del feeds
         for w in st.weights:
             g = out.get(f"{w}.grad")
-            if g is not None and w in acc:  # the tail: the earlier micro-batches' sum
+            if g is not None and w in acc and acc[w].flags.writeable:  # the tail: the earlier micro-batches' sum
                 np.add(acc[w], g, out=acc[w])
+            elif g is not None and w in acc:
+                acc[w] = acc[w] + g
             elif g is not None:
                 acc[w] = g
 
@@ -297,8 +437,10 @@ class PipelineRunner:
     def _is_float(self, v: str) -> bool:
         return np.issubdtype(self._spec[v][1], np.floating)
 
-    def _send_back(self, m: int, out: Mapping[str, np.ndarray], acc: dict[str, np.ndarray]) -> None:
+    def _send_back(self, m: int, out: Mapping[str, np.ndarray], acc: dict[str, np.ndarray], kind: str) -> None:
         st = self.stage
+        summed = self._acc_inputs.get(kind, {})  # ACCUMULATE_IN_PROGRAM: these outputs are the sums
+        kept = getattr(self._exe[kind], "output_tensors", {}) if summed else {}
         for src, v in st.recv:
             if v in st.grad_in:
                 self.comm.send(np.ascontiguousarray(out[f"{v}.grad_in"]), self.ranks[src], tag(self.plan, m, v, True))
@@ -309,10 +451,20 @@ class PipelineRunner:
             g = out.get(w if st.moved is not None and w == st.moved.grad else f"{w}.grad")
             if g is None:  # rule 10: a deferred weight gradient (the whole-batch program gives it)
                 continue
+            if w in summed:  # the program added the sum so far
+                acc[w] = g
+                t = kept.get(f"{w}.grad")
+                if t is not None:
+                    self._acc_t[w] = (t, g)
+                else:
+                    self._acc_t.pop(w, None)
+                continue
             if w not in acc:
                 acc[w] = g if g.flags.writeable else g.copy()
-            else:
+            elif acc[w].flags.writeable:
                 np.add(acc[w], g, out=acc[w])
+            else:  # a program's read-only sum
+                acc[w] = acc[w] + g
 
     def _update(self, acc: dict[str, np.ndarray]) -> None:
         """Rule 4: the optimizer on the mean of the micro-batches' gradients."""
@@ -321,9 +473,12 @@ class PipelineRunner:
         for i, w in enumerate(st.weights if replicas > 1 else ()):  # hybrid: sum over the replicas
             acc[w] = self.comm.allreduce(acc[w], self.replica_group, "sum", REPLICA_TAG + i)
         scale = np.array(1.0 / (self.plan.micro_batches * replicas), dtype=self._spec["grad.scale"][1])
+        sums = {w: t for w, (t, a) in self._acc_t.items() if acc.get(w) is a}  # the unchanged sums' tensors
         feeds = {"grad.scale": scale, **self._state_feeds(a for a, _ in st.update_pairs),
-                 **{f"{w}.grad": acc[w] for w in st.weights}}
+                 **{f"{w}.grad": sums.get(w, acc[w]) for w in st.weights}}
         acc.clear()
+        self._acc_t.clear()
+        del sums
         out = self._exe["U"].run(feeds, self.comm)
         del feeds
         for a, b in st.update_pairs:
@@ -351,6 +506,15 @@ class PipelineRunner:
         """This stage's weights and BN statistics."""
         names = set(self.stage.weights) | {a for a, _ in self.stage.bn_state}
         return {n: self.state[n] for n in names}
+
+
+def _zero_tensor(spec: tuple[tuple[int, ...], np.dtype]) -> Any:
+    """``ACCUMULATE_IN_PROGRAM``: the running sum of a step's first call, a CPU TVM tensor of
+    zeros made once (fed as a tensor: no copy into an input buffer per step)."""
+    import tvm
+
+    shape, dtype = spec
+    return tvm.runtime.tensor(np.zeros(shape, dtype), tvm.cpu(0))
 
 
 def _release_done(exes: Mapping[str, Any], last: dict[str, int], call: int) -> None:
