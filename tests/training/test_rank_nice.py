@@ -75,3 +75,37 @@ def test_foreign_cpu_counts_a_busy_child_as_ours() -> None:
     ours = sum(v - fc._first.get(k, 0.0) for k, v in fc._last.items())
     assert ours >= 0.5, ours
     assert fc.share is not None and 0.0 <= fc.share <= 1.0
+
+
+def _mpi_train(tmp_path, out: str, **kw):
+    import numpy as np
+    import onnx
+
+    import models_zoo
+    from partitioner.training import train
+
+    model = tmp_path / "mlp.onnx"
+    if not model.exists():
+        onnx.save(models_zoo.build("mlp", batch=8, hidden=32, in_features=16), str(model))
+        rng = np.random.default_rng(0)
+        np.savez(tmp_path / "d.npz", x=rng.standard_normal((24, 16)).astype(np.float32), y=rng.integers(0, 10, 24))
+    return train(str(model), str(tmp_path / "d.npz"), out_dir=tmp_path / out, loss="cross_entropy", optimizer="sgd",
+                 lr=0.1, batch=8, epochs=1, devices=2, progress=False, **kw)
+
+
+def test_mpi_ranks_at_another_niceness_train_alike_and_a_bad_value_names_the_rank(tmp_path, monkeypatch) -> None:
+    """Under mpiexec every rank applies ``$PARTITIONER_RANK_NICE`` (rule 2): the losses equal the
+    in-process ranks' (rtol 1e-5, atol 1e-6); a value that is no integer fails the run with the
+    rank's one-line message."""
+    import numpy as np
+
+    from partitioner.core.errors import RunFailed
+
+    threads = _mpi_train(tmp_path, "t")
+    monkeypatch.setenv("PARTITIONER_RANK_NICE", str(min(19, os.getpriority(os.PRIO_PROCESS, 0) + 2)))
+    mpi = _mpi_train(tmp_path, "m", launcher="mpi")
+    np.testing.assert_allclose([h["loss"] for h in mpi.history], [h["loss"] for h in threads.history],
+                               rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("PARTITIONER_RANK_NICE", "high")
+    with pytest.raises(RunFailed, match=r"rank \d: train: \$PARTITIONER_RANK_NICE='high': expected an integer"):
+        _mpi_train(tmp_path, "bad", launcher="mpi")
