@@ -51,10 +51,11 @@ and adds 34 MiB of gradients per micro-batch. The quiet run takes about 5-8 minu
 
 Other sessions' load (session 16): every configuration records ``foreign_cpu_share``, the share
 of all cores that processes outside this run used while it ran (:class:`ForeignCpu`: /proc/stat's
-busy time minus this process tree's CPU; build and steps together): a 2-rank step waits for its
-peer at every AllReduce, so a time slice another session takes on either core stalls both ranks,
-and a 2-rank row is slowed far more than a 1-rank row by the same load (docs/training.md,
-session 16). The 1-minute load average lags by a minute and counts this run's own ranks.
+busy time minus this process tree's CPU; build and steps together). Such load moves the 2-rank /
+1-rank ratio either way (measured, paired, at niceness 0 against -20: TVM resnet data 1.46x
+against 1.91x, TVM mlp pipeline 1.64x against 2.26x; docs/training.md, session 16): a 2-rank row
+compared with a 1-rank row is only evidence when both ran with this share near 0. The 1-minute
+load average lags by a minute and counts this run's own ranks.
 ``--nice N`` (root for N < 0) runs every configuration at niceness N in an autogroup of its own,
 its MPI ranks too (``$PARTITIONER_RANK_NICE``, :mod:`partitioner.training.mpi_worker` rule 2):
 on a shared machine the nearest to a quiet one; ``--paired-env PARTITIONER_RANK_NICE=-20`` pairs

@@ -23,10 +23,10 @@ Rules:
    starts every rank in a session (so an autogroup) of its own, and the kernel shares a core
    between autogroups before it looks at a niceness, so only the rank itself can set it. It is
    a measurement aid for a shared machine (``N`` < 0 needs root): with other sessions' work on
-   the two cores the 2-rank row slows far more than the 1-rank row (measured, paired, TVM resnet
-   data: 1.46x the 1-rank samples/s at niceness 0, 1.91x at -20; presumably a rank that reaches
-   an AllReduce while its peer's core runs another session waits out that slice;
-   docs/training.md, session 16).
+   the two cores the 2-rank row slows more than the 1-rank row (measured, paired, 2-rank against
+   1-rank samples/s at niceness 0 and -20: TVM resnet data 1.46x and 1.91x, TVM mlp pipeline
+   1.64x and 2.26x; presumably a rank that reaches an AllReduce while its peer's core runs
+   another session waits out that slice; docs/training.md, session 16).
 """
 
 from __future__ import annotations
