@@ -4,6 +4,17 @@
     python benchmarks/per_device.py --models heldout_vit,heldout_mbv2,heldout_inception,heldout_unet
     python benchmarks/per_device.py --models path/to/model.onnx [--shape input=1,3,224,224]
     python benchmarks/per_device.py --markdown [--json FILE]      # render the saved table
+    python benchmarks/per_device.py --models gpt,bert --tune-trials 256 --tune-plan [--json FILE]
+    python benchmarks/per_device.py --models gpt --tune-trials 256 --tune-budget-s 1800 ...
+
+``--tune-plan`` extracts the distinct tuning tasks of the chosen models and batches (the kernels a
+``--tune-trials`` run would tune, shared kernels once) without tuning, and prints per kernel the
+trials done (``trials.json``) and left and the estimated time left at the database's measured
+seconds per trial (``backends/tvm/tuning.py`` rule 7); ``--json FILE`` saves it. ``--tune-budget-s S``
+tunes those tasks first, the largest work first, and stops at about S seconds with the database
+consistent (the next run continues); the tuned column is then built from the database as it is
+(no further tuning), so it shows what the budget bought. ``--tune-budget-s 0`` tunes nothing (it
+still compares each tuned kernel with its default schedule, rule 6).
 
 ``--models`` takes zoo keys (:data:`MODELS`), held-out architectures (``heldout_*``, generated
 with seeded random weights by ``benchmarks/heldout_models.py``: not what the schedules were
@@ -309,7 +320,9 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     if args.conv_algorithm and info["conv"]:
         variants["conv"] = {"pipeline": "scheduled", "conv_algorithm": args.conv_algorithm}
     if args.tune_trials > 0:
-        variants["tuned"] = {"pipeline": "scheduled", "tune_trials": args.tune_trials, "tuning_db": args.tuning_db,
+        # with a budget the tasks were tuned before the rows (tune_with_budget): apply the database only
+        trials = 0 if args.tune_budget_s is not None else args.tune_trials
+        variants["tuned"] = {"pipeline": "scheduled", "tune_trials": trials, "tuning_db": args.tuning_db,
                              "tune_progress": True}
         if "conv" in variants:  # tune what the conv-algorithm build runs (Winograd GEMMs included)
             variants["tuned"]["conv_algorithm"] = args.conv_algorithm
@@ -336,6 +349,44 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
                                  if k != "args" and not k.endswith(("_block_ms", "_spread_ms"))}),
               file=sys.stderr, flush=True)
     return rows
+
+
+def tuning_tasks(models: list[str], batches: list[int], args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
+    """``(tuning target, [(model label, task)])``: the contraction kernels the tuned column of
+    these rows tunes (the same conv algorithm as :func:`bench_model` gives it)."""
+    import tvm
+
+    from backends.tvm import deep_stack, tuning
+    from backends.tvm.conv_algorithms import default_algorithm
+    from backends.tvm.lower import lower_program
+    from backends.tvm.target import target_dict
+
+    target = tuning.tuning_target(tvm.target.Target(target_dict(None)))
+    labelled: list[tuple[str, Any]] = []
+    for key in models:
+        for batch in batches:
+            m, info = model_for(key, batch, args.shapes)
+            if m is None:
+                continue
+            conv = args.conv_algorithm if (args.conv_algorithm and info["conv"]) else default_algorithm()
+            print(f"  tasks of {key} b{batch}", file=sys.stderr, flush=True)
+
+            def extract(m: onnx.ModelProto = m, conv: str = conv) -> list[Any]:
+                prepared, _ = tuning.prepare_for_database(lower_program(m).mod, target, args.tuning_db, conv)
+                return tuning.extract_tasks(prepared, target)
+
+            labelled += [(f"{Path(key).name} b{batch}", t) for t in deep_stack.run(extract)]
+    return target, labelled
+
+
+def print_plan(p: dict[str, Any]) -> None:
+    print(f"{p['tasks']} kernels, {p['trials_done']}/{p['tasks'] * p['trials_target']} trials done, "
+          f"{p['trials_left']} left, ~{p['est_s_left'] / 60:.0f} min at {p['s_per_trial']} s/trial "
+          f"({p['s_per_trial_source']}); database {p['database']}")
+    for r in p["kernels"]:
+        cmp = f"  default {r['default_us']} us, tuned {r['tuned_us']} us -> {r['use']}" if r.get("tuned_us") else ""
+        print(f"  {r['kernel']:<40} x{r['occurrences']:<3} {r['flops'] / 1e6:9.2f} MFLOP  {r['trials_done']:>4}/"
+              f"{p['trials_target']} trials  ~{r['est_s_left'] / 60:5.1f} min  {', '.join(r['models'])}{cmp}")
 
 
 def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, Any], threads: int,
@@ -453,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero-runs", type=int, default=1)
     ap.add_argument("--no-zero", action="store_true", help="skip the untuned column")
     ap.add_argument("--tune-trials", type=int, default=0)
+    ap.add_argument("--tune-plan", action="store_true",
+                    help="print the tuning tasks of these models/batches, trials done/left and the time left; no tuning")
+    ap.add_argument("--tune-budget-s", type=float, default=None, metavar="S",
+                    help="tune these models' kernels for about S seconds first (largest work first, resumable), "
+                         "then time the tuned column as the database stands")
     ap.add_argument("--conv-algorithm", default=None, choices=("direct", "im2col", "winograd", "auto"),
                     help="also build the conv models with this convolution algorithm (its own column; "
                          "the default column uses the build's default, auto)")
@@ -466,9 +522,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--no-peak", action="store_true", help="skip the FMA-peak measurement (no %% of peak column)")
-    ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--json", default=None, help=f"results file (default {RESULTS.relative_to(ROOT)}; "
+                                                 "with --tune-plan: where to save the plan, none by default)")
     ap.add_argument("--markdown", action="store_true", help="print the saved results as a markdown table and exit")
     args = ap.parse_args(argv)
+    if (args.tune_plan or args.tune_budget_s is not None) and args.tune_trials <= 0:
+        ap.error("--tune-plan and --tune-budget-s need --tune-trials N (the target per kernel)")
+    if args.json is None and not args.tune_plan:
+        args.json = str(RESULTS)
     if args.markdown:
         print(render_markdown(json.loads(Path(args.json).read_text())))
         return 0
@@ -477,13 +538,33 @@ def main(argv: list[str] | None = None) -> int:
 
     args.shapes = parse_shape_option(args.shape)
     models = QUICK if args.quick else [m for m in args.models.split(",") if m]
+    batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
+    tune_report: dict[str, Any] = {}
+    if args.tune_plan or args.tune_budget_s is not None:
+        from backends.tvm import tuning
+
+        target, labelled = tuning_tasks(models, batches, args)
+        if args.tune_budget_s is not None:
+            t_tune = time.perf_counter()
+            tune_report = tuning.tune_tasks_to([t for _, t in labelled], target, args.tune_trials, args.tuning_db,
+                                               budget_s=args.tune_budget_s)
+            tune_report = {"budget_s": args.tune_budget_s, "spent_s": round(time.perf_counter() - t_tune, 1),
+                           "stopped_by_budget": tune_report["stopped_by_budget"],
+                           "kernels_tuned": len(tune_report["tuned"])}
+        p = tuning.plan(labelled, target, args.tune_trials, args.tuning_db)
+        print_plan(p)
+        if args.tune_plan:
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(p, indent=1) + "\n")
+            return 0
+        tune_report["plan"] = p
     peak = None
     if not args.no_peak:
         from backends.tvm.peak import measure_peak
 
         peak = measure_peak(quick=True).to_json()
     args.peak_flops = peak["fma_flops"] if peak else None
-    batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -493,12 +574,12 @@ def main(argv: list[str] | None = None) -> int:
         data = {"machine": machine(), "settings": {"models": models, "batches": batches, "threads": threads,
                                                    "runs": args.runs, "blocks": args.blocks,
                                                    "zero_runs": args.zero_runs,
-                                                   "tune_trials": args.tune_trials,
+                                                   "tune_trials": args.tune_trials, "tune_budget_s": args.tune_budget_s,
                                                    "conv_algorithm": args.conv_algorithm,
                                                    "default_conv_algorithm": default_algorithm(),
                                                    "rtol": args.rtol, "atol": args.atol,
                                                    "model_args": {k: MODELS[k][1] for k in models if k in MODELS}},
-                "peak": peak,
+                "peak": peak, **({"tuning": tune_report} if tune_report else {}),
                 "complete": complete, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

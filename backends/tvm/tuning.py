@@ -14,9 +14,30 @@ Rules:
 4. :func:`tune` brings every task to ``trials`` trials in total: a task the database has no
    record of gets them all, one tuned with fewer before (``trials.json`` counts them) gets the
    difference (a top-up that starts from its records), one with as many is skipped (resume);
-   when no task needs trials it does nothing.
+   when no task needs trials it does nothing. A kernel with records but no count (a database
+   from before ``trials.json``, or a run killed before it wrote the count) counts the valid
+   records it has (:func:`_had`): a killed run is topped up, not taken as complete.
 5. :func:`apply_database` compiles with the database: tuned kernels replace their default
    schedule, the rest get the default schedules; it never tunes.
+6. Never worse than the default (:data:`NEVER_WORSE`, env ``PARTITIONER_TUNED_NEVER_WORSE=0``
+   turns it off). MetaSchedule's search space does not contain our default schedules (the
+   packed-B GEMM micro-kernel, the fused epilogues), so its best can be slower than them. When
+   :func:`tune` has brought a kernel to its trials (or finds a tuned kernel with no comparison,
+   or one made at fewer trials), it times the database's best schedule and the kernel's default
+   schedule with the same in-process runner, :data:`COMPARE_ROUNDS` interleaved rounds, and
+   records both medians in ``compare.json`` beside ``trials.json``; :func:`apply_database`
+   applies a tuned schedule only where it measured faster (a kernel with no comparison, from an
+   older database, keeps its tuned schedule). Both are timed as MetaSchedule times candidates:
+   layout-rewrite (weight packing) blocks removed, as the build folds them for constant
+   weights; a per-call pack of an activation (attention's K^T/V panels) is therefore not
+   counted on either side.
+7. A budget (``budget_s`` of :func:`tune_tasks_to`): kernels are topped up one at a time, the
+   largest total work first (FLOPs x occurrences, :func:`task_flops`), each given the trials
+   its remaining time allows at the seconds per trial measured so far on this database
+   (``tuning_time.json``; :data:`ASSUMED_S_PER_TRIAL` before any), and the run stops before a
+   kernel that would get fewer than :data:`MIN_BUDGET_TRIALS`. ``trials.json`` is written after
+   every kernel, so a run stopped by the budget (or killed) leaves a consistent database and the
+   next run continues from the counts. :func:`plan` reports the same tasks without tuning.
 """
 
 from __future__ import annotations
@@ -35,6 +56,21 @@ from .pipeline import legalize_passes, pre_legalize, schedule_passes
 _BUILT: dict[str, Any] = {}  # artifact key -> runtime module, between builder and runner
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
+COMPARE_FILE = "compare.json"  # per kernel: default vs tuned time, which one the build uses (rule 6)
+TIME_FILE = "tuning_time.json"  # seconds spent tuning and trials asked, for budgets and plans (rule 7)
+
+#: rule 6: a tuned schedule replaces the default only where it measured faster
+NEVER_WORSE = os.environ.get("PARTITIONER_TUNED_NEVER_WORSE", "1") != "0"
+#: rule 6: interleaved rounds (default, tuned, tuned, default, ...) per comparison; each round is
+#: one MetaSchedule measurement (3 runs, at least 20 ms), the median of the rounds counts
+COMPARE_ROUNDS = 7
+#: rule 7: seconds per trial before this database has measured any (session 5: 2432 trials in
+#: ~35 min on 2 cores); replaced by ``tuning_time.json``'s figure once one run finished a kernel
+ASSUMED_S_PER_TRIAL = 0.86
+#: rule 7: a budget too small to give the next kernel this many trials ends the run
+MIN_BUDGET_TRIALS = 16
+# MetaSchedule's measurement, the same for candidates and for the comparison of rule 6
+_EVALUATOR = {"number": 3, "repeat": 1, "min_repeat_ms": 20, "enable_cpu_cache_flush": False}
 
 
 def tuning_target(target: Any) -> Any:
@@ -177,7 +213,7 @@ def _in_process_builder_runner(progress: TuningProgress | None = None) -> tuple[
                     results.append(BuilderResult(None, f"{type(e).__name__}: {e}"))
             return results
 
-    config = EvaluatorConfig(number=3, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
+    config = EvaluatorConfig(**_EVALUATOR)
 
     @derived_object
     class InProcessRunner(PyRunner):
@@ -287,8 +323,68 @@ def prepare_for_database(mod: Any, target: Any, db_dir: str | Path, conv_algorit
     return prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target), facts), facts
 
 
+def _had(db: Any, task: Any, target: Any, done: dict[str, int]) -> int:
+    """Trials ``task`` has had: ``trials.json``'s count, else its valid records (rule 4)."""
+    key = _task_key(task)
+    if key in done:
+        return done[key]
+    if not _covered(db, task, target):
+        return 0
+    return len(db.get_top_k(db.commit_workload(task.dispatched[0]), 1 << 20))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` whole or not at all (a killed run leaves the previous file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise BackendError(f"{path}: cannot write the tuning bookkeeping ({e.strerror})") from None
+
+
+def comparisons(db_dir: str | Path, target: Any) -> dict[str, dict[str, Any]]:
+    """``compare.json`` (rule 6): per kernel key, ``default_us``, ``tuned_us``, ``trials`` (the
+    trials the kernel had when compared) and ``use`` (``"tuned"`` or ``"default"``)."""
+    return _read_json(database_dir(db_dir, target) / COMPARE_FILE)
+
+
+def seconds_per_trial(db_dir: str | Path, target: Any) -> tuple[float, str]:
+    """Seconds per trial on this database (``tuning_time.json``) and where the figure comes from."""
+    t = _read_json(database_dir(db_dir, target) / TIME_FILE)
+    if float(t.get("trials", 0)) > 0 and float(t.get("seconds", 0)) > 0:
+        return float(t["seconds"]) / float(t["trials"]), f"measured ({int(t['trials'])} trials)"
+    return ASSUMED_S_PER_TRIAL, "assumed"
+
+
+def task_flops(task: Any) -> float:
+    """FLOPs of one call of ``task``'s kernel (TVM's estimate; 0 where it cannot tell)."""
+    try:
+        from tvm.s_tir.analysis import estimate_tir_flops
+
+        return float(estimate_tir_flops(task.dispatched[0]))
+    except Exception:
+        return 0.0
+
+
+def prepare_for_database(mod: Any, target: Any, db_dir: str | Path, conv_algorithm: str = "direct") -> tuple[Any, dict[str, Any]]:
+    """``(prepared module, conv facts)`` for :func:`tune` and :func:`apply_database`: prepared once
+    when a build does both (the layout and constant folding take seconds on a resnet)."""
+    target = tuning_target(target)
+    facts: dict[str, Any] = {}
+    return prepare(mod, target, conv_algorithm, conv_cache_file(db_dir, target), facts), facts
+
+
 def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool = True,
-         conv_algorithm: str = "direct", prepared: Any = None) -> Any:
+         conv_algorithm: str = "direct", prepared: Any = None, budget_s: float | None = None) -> Any:
     """Bring every contraction kernel of ``mod`` to ``trials`` trials in total; return the database.
 
     A kernel the database has no record of gets ``trials`` trials; one tuned before with fewer
@@ -296,74 +392,247 @@ def tune(mod: Any, target: Any, trials: int, db_dir: str | Path, progress: bool 
     from the records it already has; one with as many or more is skipped (rule 4). Kernels
     grouped by the trials they still need are tuned together. ``prepared``: the module from
     :func:`prepare_for_database` (with the same ``conv_algorithm``), when the caller has it.
+    ``budget_s``: rule 7.
     """
     target = tuning_target(target)
+    if prepared is None:
+        prepared, _ = prepare_for_database(mod, target, db_dir, conv_algorithm)
+    tune_tasks_to(extract_tasks(prepared, target), target, trials, db_dir, progress, budget_s)
+    return open_database(db_dir, target)
+
+
+def _unique(tasks: list[Any]) -> list[Any]:
+    """One task per kernel key (a kernel of several models or batches is tuned once), weights summed."""
+    from tvm.s_tir.meta_schedule.extracted_task import ExtractedTask
+
+    out: dict[str, Any] = {}
+    for t in tasks:
+        k = _task_key(t)
+        if k in out:
+            o = out[k]
+            out[k] = ExtractedTask(o.task_name, o.mod, o.target, list(o.dispatched), int(o.weight) + int(t.weight))
+        else:
+            out[k] = t
+    return list(out.values())
+
+
+def plan(labelled: list[tuple[str, Any]], target: Any, trials: int, db_dir: str | Path) -> dict[str, Any]:
+    """What :func:`tune_tasks_to` would do, without tuning: per distinct kernel its trials done and
+    left, FLOPs x occurrences, the models it is in (``labelled``: (model label, task) pairs) and
+    the time left at this database's seconds per trial (rule 7)."""
+    where: dict[str, list[str]] = {}
+    for label, t in labelled:
+        where.setdefault(_task_key(t), []).append(label)
+    tasks = [t for _, t in labelled]
+    target = tuning_target(target)
+    db = open_database(db_dir, target)
+    done = _trials_done(db_dir, target)
+    cmp = comparisons(db_dir, target)
+    s_per_trial, source = seconds_per_trial(db_dir, target)
+    rows = []
+    for t in sorted(_unique(tasks), key=lambda t: -task_flops(t) * int(t.weight)):
+        key = _task_key(t)
+        had = _had(db, t, target, done)
+        c = cmp.get(key, {})
+        rows.append({"kernel": t.task_name, "key": key, "models": sorted(set(where.get(key, []))),
+                     "occurrences": int(t.weight), "flops": task_flops(t),
+                     "trials_done": had, "trials_left": max(0, trials - had),
+                     "est_s_left": round(max(0, trials - had) * s_per_trial, 1),
+                     **({"default_us": c.get("default_us"), "tuned_us": c.get("tuned_us"), "use": c.get("use")} if c else {})})
+    left = sum(r["trials_left"] for r in rows)
+    return {"database": str(database_dir(db_dir, target)), "trials_target": trials, "tasks": len(rows),
+            "trials_done": sum(min(trials, r["trials_done"]) for r in rows), "trials_left": left,
+            "s_per_trial": round(s_per_trial, 3), "s_per_trial_source": source,
+            "est_s_left": round(left * s_per_trial, 1), "kernels": rows}
+
+
+def tune_tasks_to(tasks: list[Any], target: Any, trials: int, db_dir: str | Path, progress: bool = True,
+                  budget_s: float | None = None) -> dict[str, Any]:
+    """Bring ``tasks`` (from :func:`extract_tasks`, any number of modules) to ``trials`` trials each
+    (rule 4), within ``budget_s`` seconds when given (rule 7), then compare each against its
+    default schedule (rule 6). Returns ``{"tuned": [keys], "stopped_by_budget": bool}``."""
     import sys
+    import time
 
     from tvm.s_tir import meta_schedule as ms
 
+    started = time.monotonic()
+    target = tuning_target(target)
     db = open_database(db_dir, target)
-    done = _trials_done(db_dir, target)
-    need: dict[int, list[Any]] = {}
-    if prepared is None:
-        prepared, _ = prepare_for_database(mod, target, db_dir, conv_algorithm)
-    for t in extract_tasks(prepared, target):
-        # a kernel with records but no count (a database from before trials.json) counts as done
-        had = done.get(_task_key(t), trials if _covered(db, t, target) else 0)
-        if trials - had > 0:
-            need.setdefault(trials - had, []).append(t)
-    if not need or trials <= 0:
-        return db
     work_dir = database_dir(db_dir, target)
-    n_tasks = sum(len(ts) for ts in need.values())
-    if progress:
-        print(f"tuning {n_tasks} kernel(s) up to {trials} trials each, database {work_dir} "
-              f"(MetaSchedule's logs in its logs/ folder; PARTITIONER_TUNING_VERBOSE=1 shows them here)",
-              file=sys.stderr, flush=True)
-    # MetaSchedule's console handler takes this logger's level: WARNING keeps its per-round
-    # tables and XGBoost lines out of the terminal; they still go to <database>/logs/*.log
-    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
-    ms_logger.setLevel(logging.DEBUG if os.environ.get("PARTITIONER_TUNING_VERBOSE") else logging.WARNING)
-    # MetaSchedule re-creates its loggers with dictConfig, naming every handler already on this
-    # logger; an unnamed one (pytest's capture handler, an application's own) made it fail with
-    # "'NoneType' object has no attribute 'format'": set those aside while tuning
-    unnamed = [h for h in ms_logger.handlers if not h.get_name()]
-    for h in unnamed:
-        ms_logger.removeHandler(h)
-    try:
-        _tune_groups(ms, need, trials, db, work_dir, done, progress)
-    finally:
-        for h in unnamed:
-            ms_logger.addHandler(h)
-    return db
+    done = _trials_done(db_dir, target)
+    tasks = _unique(tasks)
+    had = {_task_key(t): _had(db, t, target, done) for t in tasks}
+    need: dict[int, list[Any]] = {}
+    for t in tasks:
+        if trials - had[_task_key(t)] > 0:
+            need.setdefault(trials - had[_task_key(t)], []).append(t)
+    out: dict[str, Any] = {"tuned": [], "stopped_by_budget": False}
+    if need and trials > 0:
+        n_tasks = sum(len(ts) for ts in need.values())
+        if progress:
+            print(f"tuning {n_tasks} kernel(s) up to {trials} trials each"
+                  + (f" within {budget_s:.0f} s" if budget_s is not None else "") + f", database {work_dir} "
+                  f"(MetaSchedule's logs in its logs/ folder; PARTITIONER_TUNING_VERBOSE=1 shows them here)",
+                  file=sys.stderr, flush=True)
+        if budget_s is None:
+            groups = sorted(need.items(), reverse=True)
+        else:  # rule 7: one kernel at a time, the largest work first
+            order = sorted((t for ts in need.values() for t in ts), key=lambda t: -task_flops(t) * int(t.weight))
+            groups = [(trials - had[_task_key(t)], [t]) for t in order]
+        with _quiet_metaschedule():
+            for remaining, group in groups:
+                if budget_s is not None:
+                    s_per_trial, _ = seconds_per_trial(db_dir, target)
+                    fit = int((budget_s - (time.monotonic() - started)) / s_per_trial)
+                    if fit < min(remaining, MIN_BUDGET_TRIALS):
+                        out["stopped_by_budget"] = True
+                        break
+                    remaining = min(remaining, fit)
+                _tune_group(ms, group, remaining, db, work_dir, done, had, progress)
+                out["tuned"] += [_task_key(t) for t in group]
+                if NEVER_WORSE:
+                    for t in group:
+                        if _covered(db, t, target):
+                            compare_kernel(t, target, db_dir, db)
+    if NEVER_WORSE:  # tuned kernels never compared, or compared at fewer trials than they have now
+        cmp = comparisons(db_dir, target)
+        done = _trials_done(db_dir, target)
+        for t in tasks:
+            key = _task_key(t)
+            if _covered(db, t, target) and cmp.get(key, {}).get("trials", -1) < done.get(key, 0):
+                compare_kernel(t, target, db_dir, db)
+    return out
 
 
-def _tune_groups(ms: Any, need: dict[int, list[Any]], trials: int, db: Any, work_dir: Path, done: dict[str, int],
-                 progress: bool) -> None:
+class _quiet_metaschedule:
+    """MetaSchedule's loggers while tuning: its tables in ``<database>/logs`` only, and no
+    unnamed handler for its dictConfig to trip over."""
+
+    def __enter__(self) -> None:
+        # MetaSchedule's console handler takes this logger's level: WARNING keeps its per-round
+        # tables and XGBoost lines out of the terminal; they still go to <database>/logs/*.log
+        self.logger = logging.getLogger("tvm.s_tir.meta_schedule")
+        self.logger.setLevel(logging.DEBUG if os.environ.get("PARTITIONER_TUNING_VERBOSE") else logging.WARNING)
+        # MetaSchedule re-creates its loggers with dictConfig, naming every handler already on this
+        # logger; an unnamed one (pytest's capture handler, an application's own) made it fail with
+        # "'NoneType' object has no attribute 'format'": set those aside while tuning
+        self.unnamed = [h for h in self.logger.handlers if not h.get_name()]
+        for h in self.unnamed:
+            self.logger.removeHandler(h)
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.unnamed:
+            self.logger.addHandler(h)
+
+
+def _tune_group(ms: Any, tasks: list[Any], n: int, db: Any, work_dir: Path, done: dict[str, int],
+                had: dict[str, int], progress: bool) -> None:
+    """``n`` more trials for each of ``tasks``, tuned together; the counts and the time recorded."""
     import sys
+    import time
 
-    for remaining, tasks in sorted(need.items(), reverse=True):
-        bar = TuningProgress(len(tasks), remaining, sys.stderr) if progress else None
-        callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.UpdateCostModel()]
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, str(work_dir), seed=0)
-        builder, runner = _in_process_builder_runner(bar)
-        try:
-            ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work_dir / "logs"),
-                          max_trials_global=remaining * len(contexts), max_trials_per_task=remaining,
-                          num_trials_per_iter=max(1, min(64, remaining)), database=db, builder=builder,
-                          runner=runner, cost_model="xgb",
-                          # no RemoveBuildArtifact: in-process artifacts are not files
-                          measure_callbacks=callbacks)
-        except Exception as e:
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise BackendError(f"MetaSchedule tuning failed ({msg}); check apache-tvm-ffi==0.1.14.post0, psutil and xgboost are installed") from None
-        if bar is not None:
-            bar.close()
-        done.update({_task_key(t): trials for t in tasks})
-        try:
-            (work_dir / TRIALS_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
-        except OSError as e:
-            raise BackendError(f"{work_dir / TRIALS_FILE}: cannot record the trials ({e.strerror})") from None
+    # the counts before this group, written first: a killed run is resumed from them
+    for t in tasks:
+        done[_task_key(t)] = had[_task_key(t)]
+    _write_json(work_dir / TRIALS_FILE, done)
+    bar = TuningProgress(len(tasks), n, sys.stderr) if progress else None
+    t0 = time.monotonic()
+    try:
+        _run_metaschedule(ms, tasks, n, db, work_dir, bar)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise BackendError(f"MetaSchedule tuning failed ({msg}); check apache-tvm-ffi==0.1.14.post0, psutil and xgboost are installed") from None
+    if bar is not None:
+        bar.close()
+    for t in tasks:
+        key = _task_key(t)
+        had[key] = done[key] = had[key] + n
+    _write_json(work_dir / TRIALS_FILE, done)
+    spent = _read_json(work_dir / TIME_FILE)
+    _write_json(work_dir / TIME_FILE, {"seconds": round(float(spent.get("seconds", 0)) + time.monotonic() - t0, 1),
+                                       "trials": int(spent.get("trials", 0)) + n * len(tasks)})
+
+
+def _run_metaschedule(ms: Any, tasks: list[Any], n: int, db: Any, work_dir: Path, bar: TuningProgress | None) -> None:
+    """MetaSchedule's search: ``n`` trials for each of ``tasks`` into ``db``. Its first call in a
+    process imports ``tvm.s_tir.tensor_intrin`` (via the builder and the x86 rules): measured 260 s
+    at load ~7 on 2 cores, before the first trial."""
+    callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.UpdateCostModel()]
+    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, str(work_dir), seed=0)
+    builder, runner = _in_process_builder_runner(bar)
+    ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work_dir / "logs"),
+                  max_trials_global=n * len(contexts), max_trials_per_task=n,
+                  num_trials_per_iter=max(1, min(64, n)), database=db, builder=builder,
+                  runner=runner, cost_model="xgb",
+                  # no RemoveBuildArtifact: in-process artifacts are not files
+                  measure_callbacks=callbacks)
+
+
+def default_schedule(task: Any, target: Any) -> Any:
+    """``task``'s kernel with the default CPU schedules (what the build gives it untuned)."""
+    from tvm.s_tir import dlight as dl
+
+    from .schedules import default_rules
+
+    import tvm
+
+    # on a copy: the pass rewrote the task's own module in place (its structural key changed)
+    mod = task.dispatched[0]
+    copy = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
+    with target:
+        return dl.ApplyDefaultSchedule(*default_rules(target))(copy)
+
+
+def _kernel_timer(mod: Any, target: Any) -> Any:
+    """A function timing one scheduled kernel module as MetaSchedule's runner does (seconds)."""
+    import tvm
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.meta_schedule.runner import EvaluatorConfig
+    from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
+    from tvm.s_tir.meta_schedule.runner.utils import run_evaluator_common
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    from . import parallel_scope
+
+    # what MetaSchedule's default_build does, compiled as the build compiles (parallel_scope); not
+    # default_build itself: its first call imports tvm.s_tir.tensor_intrin, 260 s under load
+    rt_mod = parallel_scope.compile(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target)
+    rt_mod = getattr(rt_mod, "mod", rt_mod)  # tvm.compile's Executable wraps the runtime module
+    dev = tvm.cpu(0) if str(target.kind.name) == "llvm" else tvm.device(str(target.kind.name), 0)
+    args = default_alloc_argument(dev, [a.as_json() for a in ArgInfo.from_entry_func(mod, True)], 1)
+    config = EvaluatorConfig(**_EVALUATOR)
+    return lambda: min(run_evaluator_common(rt_mod, dev, config, args))
+
+
+def compare_kernel(task: Any, target: Any, db_dir: str | Path, db: Any = None,
+                   tuned_mod: Any = None) -> dict[str, Any]:
+    """Time ``task``'s best tuned schedule against its default one and record it (rule 6).
+
+    ``tuned_mod``: the scheduled module to compare instead of the database's best (tests)."""
+    import statistics
+
+    target = tuning_target(target)
+    db = db if db is not None else open_database(db_dir, target)
+    key = _task_key(task)
+    if tuned_mod is None:
+        tuned_mod = db.query_ir_module(task.dispatched[0], target, "main")
+    entry: dict[str, Any] = {"kernel": task.task_name, "trials": _trials_done(db_dir, target).get(key, 0)}
+    try:
+        timers = {"default": _kernel_timer(default_schedule(task, target), target),
+                  "tuned": _kernel_timer(tuned_mod, target)}
+        times: dict[str, list[float]] = {"default": [], "tuned": []}
+        for r in range(COMPARE_ROUNDS):
+            for name in (("default", "tuned") if r % 2 == 0 else ("tuned", "default")):
+                times[name].append(timers[name]())
+        d, t = statistics.median(times["default"]), statistics.median(times["tuned"])
+        entry.update(default_us=round(d * 1e6, 2), tuned_us=round(t * 1e6, 2), use="tuned" if t < d else "default")
+    except Exception as e:  # the default schedule does not build alone: keep the tuned one
+        msg = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        entry.update(use="tuned", error=msg)
+    path = database_dir(db_dir, target) / COMPARE_FILE
+    _write_json(path, {**_read_json(path), key: entry})
+    return entry
 
 
 def conv_cache_file(db_dir: str | Path, target: Any) -> Path:
@@ -373,13 +642,28 @@ def conv_cache_file(db_dir: str | Path, target: Any) -> Path:
     return database_dir(db_dir, target) / CACHE_FILE
 
 
+def _kept_records(db: Any, tasks: list[Any], target: Any, use_default: set[str]) -> Any:
+    """An in-memory database with the best record of each covered task except ``use_default``."""
+    from tvm.s_tir import meta_schedule as ms
+
+    mem = ms.database.MemoryDatabase()
+    for t in tasks:
+        if _task_key(t) in use_default:
+            continue
+        rec = db.query_tuning_record(t.dispatched[0], target, "main")
+        if rec is not None:
+            mem.commit_tuning_record(ms.database.TuningRecord(rec.trace, mem.commit_workload(t.dispatched[0]),
+                                                              rec.run_secs, rec.target, rec.args_info))
+    return mem
+
+
 def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "scheduled",
                    conv_algorithm: str = "direct", prepared: tuple[Any, dict[str, Any]] | None = None
                    ) -> tuple[Any, dict[str, Any]]:
     """Compile-ready module: tuned kernels from the database, default schedules for the rest.
 
     Returns ``(module, facts)`` with facts ``{"tuned": bool, "tuned_kernels": n,
-    "untuned_kernels": [names], "database": dir}``.
+    "untuned_kernels": [names], "default_kept_kernels": [names] (rule 6), "database": dir}``.
     """
     import tvm
     from tvm import relax
@@ -390,10 +674,20 @@ def apply_database(mod: Any, target: Any, db_dir: str | Path, pipeline: str = "s
     db = open_database(db_dir, target)
     prepared, conv_facts = prepared if prepared is not None else prepare_for_database(mod, target, db_dir, conv_algorithm)
     tasks = extract_tasks(prepared, target)
+    covered = [t for t in tasks if _covered(db, t, target)]
     missing = [t.task_name for t in tasks if not _covered(db, t, target)]
-    with target, db:
+    kept: list[str] = []
+    use = db
+    if NEVER_WORSE:
+        cmp = comparisons(db_dir, target)
+        slower = {_task_key(t) for t in covered if cmp.get(_task_key(t), {}).get("use") == "default"}
+        kept = [t.task_name for t in covered if _task_key(t) in slower]
+        use = _kept_records(db, covered, target, slower) if slower else db
+    with target, use:
         applied = relax.transform.MetaScheduleApplyDatabase()(prepared)
         out = tvm.transform.Sequential(schedule_passes(target))(applied)
-    facts = {"tuned": len(tasks) > len(missing), "tuned_kernels": len(tasks) - len(missing),
-             "untuned_kernels": missing, "database": str(database_dir(db_dir, target)), **conv_facts}
+    n_tuned = len(covered) - len(kept)
+    facts = {"tuned": n_tuned > 0, "tuned_kernels": n_tuned,
+             "untuned_kernels": missing, "default_kept_kernels": kept,
+             "database": str(database_dir(db_dir, target)), **conv_facts}
     return out, facts
