@@ -241,29 +241,7 @@ class PipelineRunner:
         self.state = {n: _frozen(np.array(src[n], copy=True)) for n in stage_state_names(self.stage)}
         folder = Path(workdir) / f"stage{stage}" if workdir is not None else None
         st = self.stage
-        programs = {kind: prog for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused),
-                                                  ("U", st.update), ("P", st.prepare), ("W", st.weight_grad),
-                                                  ("FBt", st.fused_tail)) if prog is not None}
-        self._acc_inputs: dict[str, dict[str, str]] = {}  # ACCUMULATE_IN_PROGRAM: kind -> weight -> input
-        for kind in ("B", "FB", "FBt") if ACCUMULATE_IN_PROGRAM and backend == "tvm" else ():
-            if kind in programs:
-                programs[kind], names = accumulating(programs[kind], st.weights)
-                if names:
-                    self._acc_inputs[kind] = names
-        self._exe = {kind: executable(prog, backend, folder, threads) for kind, prog in programs.items()}
-        for exe in self._exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
-            if hasattr(exe, "reuse_readonly_inputs"):
-                exe.reuse_readonly_inputs = True
-        if STASH_TENSORS and hasattr(self._exe.get("F"), "keep_output_tensors"):
-            self._exe["F"].keep_output_tensors = True
-        for kind in ("U", "P") if WEIGHT_TENSORS else ():
-            if hasattr(self._exe.get(kind), "keep_output_tensors"):
-                self._exe[kind].keep_output_tensors = True
-        for kind in self._acc_inputs:  # the running sums go from one call to the next as tensors
-            self._exe[kind].keep_output_tensors = True
-        self._acc_zero = {w: _zero_tensor(self._spec_of(programs, f"{w}.grad"))
-                          for names in self._acc_inputs.values() for w in names}
-        self._acc_t: dict[str, tuple[Any, np.ndarray]] = {}  # weight -> (the running sum's tensor, its array)
+        self._exe, self._sums = _stage_executables(st, backend, folder, threads)
         self._tensors: dict[str, Any] = {}  # WEIGHT_TENSORS: state / prepared value -> its TVM tensor
         self._stash_tensors: dict[int, dict[str, Any]] = {}  # STASH_TENSORS: micro-batch -> F's tensors
         self._spec = {**_specs(st.forward), **_specs(st.fused), **_specs(st.backward), **_specs(st.update)}
@@ -274,19 +252,6 @@ class PipelineRunner:
         # rule 8: a recomputing B reruns the forward, BN statistics included
         self._b_bn = sorted({a for a, _ in st.bn_state} & {i.name for i in st.backward.graph.input}
                             if st.backward is not None else set())
-
-    @staticmethod
-    def _spec_of(programs: Mapping[str, onnx.ModelProto], name: str) -> tuple[tuple[int, ...], np.dtype]:
-        return next(_specs(p)[name] for p in programs.values() if name in _specs(p))
-
-    def _acc_feeds(self, kind: str, acc: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        """``ACCUMULATE_IN_PROGRAM``: program ``kind``'s running-sum inputs: the sum so far (the
-        last call's output tensor, else its array), zeros on the step's first call."""
-        feeds = {}
-        for w, name in self._acc_inputs.get(kind, {}).items():
-            kept = self._acc_t.get(w)
-            feeds[name] = kept[0] if kept is not None else acc[w] if w in acc else self._acc_zero[w]
-        return feeds
 
     # one step ----------------------------------------------------------------------------------
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
@@ -313,7 +278,7 @@ class PipelineRunner:
                 feeds = self._forward_feeds(m, data, sl)
                 if kind == "FB":
                     feeds[plan.labels] = labels[sl]
-                    feeds.update(self._acc_feeds(self._fused_kind(m), acc))
+                    feeds.update(self._sums.feeds(self._fused_kind(m), acc))
                     out = self._exe[self._fused_kind(m)].run(feeds, self.comm)
                     losses.append(float(out["loss"]))
                 else:
@@ -375,7 +340,7 @@ class PipelineRunner:
             shape, dtype = self._spec[st.moved.seed]
             feeds[st.moved.seed] = self.comm.recv(self.ranks[st.moved.peer], tag(plan, m, st.moved.seed, True),
                                                   shape, dtype)
-        out = self._exe["B"].run({**feeds, **self._stash_tensors.pop(m, {}), **self._acc_feeds("B", acc)}, self.comm)
+        out = self._exe["B"].run({**feeds, **self._stash_tensors.pop(m, {}), **self._sums.feeds("B", acc)}, self.comm)
         self._keep_for_weight_grad(m, feeds, out)
         return out
 
@@ -439,7 +404,7 @@ class PipelineRunner:
 
     def _send_back(self, m: int, out: Mapping[str, np.ndarray], acc: dict[str, np.ndarray], kind: str) -> None:
         st = self.stage
-        summed = self._acc_inputs.get(kind, {})  # ACCUMULATE_IN_PROGRAM: these outputs are the sums
+        summed = self._sums.inputs.get(kind, {})  # ACCUMULATE_IN_PROGRAM: these outputs are the sums
         kept = getattr(self._exe[kind], "output_tensors", {}) if summed else {}
         for src, v in st.recv:
             if v in st.grad_in:
@@ -453,11 +418,7 @@ class PipelineRunner:
                 continue
             if w in summed:  # the program added the sum so far
                 acc[w] = g
-                t = kept.get(f"{w}.grad")
-                if t is not None:
-                    self._acc_t[w] = (t, g)
-                else:
-                    self._acc_t.pop(w, None)
+                self._sums.keep(w, kept.get(f"{w}.grad"), g)
                 continue
             if w not in acc:
                 acc[w] = g if g.flags.writeable else g.copy()
@@ -473,11 +434,10 @@ class PipelineRunner:
         for i, w in enumerate(st.weights if replicas > 1 else ()):  # hybrid: sum over the replicas
             acc[w] = self.comm.allreduce(acc[w], self.replica_group, "sum", REPLICA_TAG + i)
         scale = np.array(1.0 / (self.plan.micro_batches * replicas), dtype=self._spec["grad.scale"][1])
-        sums = {w: t for w, (t, a) in self._acc_t.items() if acc.get(w) is a}  # the unchanged sums' tensors
+        sums = self._sums.take(acc)  # the unchanged sums' tensors
         feeds = {"grad.scale": scale, **self._state_feeds(a for a, _ in st.update_pairs),
                  **{f"{w}.grad": sums.get(w, acc[w]) for w in st.weights}}
         acc.clear()
-        self._acc_t.clear()
         del sums
         out = self._exe["U"].run(feeds, self.comm)
         del feeds
@@ -506,6 +466,66 @@ class PipelineRunner:
         """This stage's weights and BN statistics."""
         names = set(self.stage.weights) | {a for a, _ in self.stage.bn_state}
         return {n: self.state[n] for n in names}
+
+
+class InProgramSums:
+    """``ACCUMULATE_IN_PROGRAM``: a stage's programs rewritten by :func:`accumulating` (``programs``
+    is changed in place) and the running sums passed from one call to the next: each weight's sum
+    as the last call's output tensor, zeros (a tensor made once) on the step's first call."""
+
+    def __init__(self, programs: dict[str, onnx.ModelProto], weights: Sequence[str], on: bool) -> None:
+        self.inputs: dict[str, dict[str, str]] = {}  # program kind -> weight -> its running-sum input
+        for kind in ("B", "FB", "FBt") if on else ():
+            if kind in programs:
+                programs[kind], names = accumulating(programs[kind], weights)
+                if names:
+                    self.inputs[kind] = names
+        specs = [_specs(p) for p in programs.values()]
+        self._zero = {w: _zero_tensor(next(s[f"{w}.grad"] for s in specs if f"{w}.grad" in s))
+                      for names in self.inputs.values() for w in names}
+        self._kept: dict[str, tuple[Any, np.ndarray]] = {}  # weight -> (the running sum's tensor, its array)
+
+    def feeds(self, kind: str, acc: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Program ``kind``'s running-sum inputs: the sum so far (the last call's output tensor,
+        else its array), zeros on the step's first call."""
+        feeds = {}
+        for w, name in self.inputs.get(kind, {}).items():
+            kept = self._kept.get(w)
+            feeds[name] = kept[0] if kept is not None else acc[w] if w in acc else self._zero[w]
+        return feeds
+
+    def keep(self, w: str, tensor: Any, array: np.ndarray) -> None:
+        """Weight ``w``'s sum after a call: its output tensor (None: not kept as one) and array."""
+        if tensor is not None:
+            self._kept[w] = (tensor, array)
+        else:
+            self._kept.pop(w, None)
+
+    def take(self, acc: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """The step's end: the tensors of the sums ``acc`` still holds unchanged; forgets them all."""
+        sums = {w: t for w, (t, a) in self._kept.items() if acc.get(w) is a}
+        self._kept.clear()
+        return sums
+
+
+def _stage_executables(st: Any, backend: str, folder: Path | None, threads: int) -> tuple[dict[str, Any], InProgramSums]:
+    """The stage's programs built (``ACCUMULATE_IN_PROGRAM``'s rewrite first) with the output
+    tensors each one keeps: program kind -> executable, and the running sums' bookkeeping."""
+    programs = {kind: prog for kind, prog in (("F", st.forward), ("B", st.backward), ("FB", st.fused),
+                                              ("U", st.update), ("P", st.prepare), ("W", st.weight_grad),
+                                              ("FBt", st.fused_tail)) if prog is not None}
+    sums = InProgramSums(programs, st.weights, ACCUMULATE_IN_PROGRAM and backend == "tvm")
+    exe = {kind: executable(prog, backend, folder, threads) for kind, prog in programs.items()}
+    for e in exe.values():  # a weight is copied into a TVM input buffer once per step (executable rule 5)
+        if hasattr(e, "reuse_readonly_inputs"):
+            e.reuse_readonly_inputs = True
+    keep = (["F"] if STASH_TENSORS else []) + (["U", "P"] if WEIGHT_TENSORS else [])
+    for kind in keep:
+        if hasattr(exe.get(kind), "keep_output_tensors"):
+            exe[kind].keep_output_tensors = True
+    for kind in sums.inputs:  # the running sums go from one call to the next as tensors
+        exe[kind].keep_output_tensors = True
+    return exe, sums
 
 
 def _zero_tensor(spec: tuple[tuple[int, ...], np.dtype]) -> Any:

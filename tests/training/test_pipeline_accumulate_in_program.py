@@ -38,7 +38,7 @@ def test_in_program_sum_trains_as_numpy_sum(tmp_path, monkeypatch) -> None:
     fed: list[bool] = []
     on_losses, on_state, runners = _trained(plan, batches[:1], tmp_path, True, monkeypatch)
     for r in runners:  # every program call after the first of a step reads the sum as a tensor
-        for kind, names in r._acc_inputs.items():
+        for kind, names in r._sums.inputs.items():
             exe = r._exe[kind]
 
             def counted(feeds, comm, run=exe.run, names=names):
@@ -46,12 +46,12 @@ def test_in_program_sum_trains_as_numpy_sum(tmp_path, monkeypatch) -> None:
                 return run(feeds, comm)
 
             exe.run = counted
-    assert {k for r in runners for k in r._acc_inputs} == {"B", "FB"}, [r._acc_inputs for r in runners]
+    assert {k for r in runners for k in r._sums.inputs} == {"B", "FB"}, [r._sums.inputs for r in runners]
     on_losses += _run_pipeline(runners, batches[1:])
     on_state = gathered_state(runners)
     assert fed and all(fed)
     off_losses, off_state, off_runners = _trained(plan, batches, tmp_path, False, monkeypatch)
-    assert not any(r._acc_inputs for r in off_runners)
+    assert not any(r._sums.inputs for r in off_runners)
     np.testing.assert_allclose(on_losses, off_losses, rtol=1e-4, atol=1e-5)
     assert set(on_state) == set(off_state)
     for name, w in off_state.items():
