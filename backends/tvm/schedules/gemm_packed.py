@@ -294,9 +294,12 @@ def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int
     m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
     lanes = vector_lanes(target, 32)
     registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
-    if n % lanes != 0 and lanes >= 8:
+    if n % lanes != 0 and lanes >= 16:
         # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
-        # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak)
+        # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak). Not on
+        # AVX2: a 128-bit FMA is half of a 256-bit one's work per cycle, so such N is padded to
+        # 8 lanes instead (:func:`_padded_n`; session 16, once vector.py rule 1 gave AVX2 its 8
+        # lanes: before, AVX2 targets were sized as AVX-512 and this branch never saw 8 lanes)
         lanes //= 2
     tile = micro_tile(lanes, m, n, registers)
     if tile is None:
