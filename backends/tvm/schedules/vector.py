@@ -26,14 +26,19 @@ VECTOR_WIDTH_FROM_FEATURES = os.environ.get("PARTITIONER_VECTOR_WIDTH_FROM_FEATU
 _X86_WIDTHS = (("avx512f", 512), ("avx", 256), ("sse2", 128))
 
 
-@functools.lru_cache(maxsize=64)
-def _bits(target_str: str, from_features: bool) -> int:
+_BITS: dict[tuple[str, bool], int] = {}
+
+
+def _bits(target: Any, from_features: bool) -> int:
     import tvm
     from tvm.target.codegen import llvm_cpu_has_features, llvm_get_vector_width
 
     try:
-        target = tvm.target.Target(target_str)
+        if target is not None and not isinstance(target, tvm.target.Target):
+            target = tvm.target.Target(target)
         bits = int(llvm_get_vector_width(target))
+        if target is None:  # TVM's current/host target: its answer, as before rule 1
+            return bits if bits > 0 else 128
     except Exception:  # not an llvm target, or an LLVM without the query
         return 128
     if from_features:
@@ -61,10 +66,12 @@ def _host_triple() -> str:
 def vector_bits(target: Any) -> int:
     """SIMD register width in bits of ``target`` (rule 1; unknown: 128)."""
     try:
-        key = str(target) if not isinstance(target, str) else target
+        key = (str(target), VECTOR_WIDTH_FROM_FEATURES)
     except Exception:
         return 128
-    return _bits(key, VECTOR_WIDTH_FROM_FEATURES)
+    if key not in _BITS:
+        _BITS[key] = _bits(target, VECTOR_WIDTH_FROM_FEATURES)
+    return _BITS[key]
 
 
 def vector_lanes(target: Any, dtype_bits: int = 32) -> int:
