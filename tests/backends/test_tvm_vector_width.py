@@ -123,3 +123,14 @@ def test_matches_onnxruntime(spec, case):
     res = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(feeds[v.name]) for v in m.graph.input])
     got = res.numpy() if isinstance(res, tvm.runtime.Tensor) else res[0].numpy()
     np.testing.assert_allclose(got, ref[0], rtol=RTOL, atol=ATOL)
+
+
+def test_tall_tile_on_16_registers(monkeypatch):
+    """gemm_packed.micro_tile rule 5: on a tie, 16 registers take the tile with more rows."""
+    from backends.tvm.schedules import gemm_packed as GP
+
+    assert GP.micro_tile(8, 512, 512, 16) == (4, 16)
+    assert GP.micro_tile(8, 48, 64, 16) == (6, 16)
+    assert GP.micro_tile(16, 512, 512, 32) == (4, 64)  # AVX-512 unchanged
+    monkeypatch.setattr(GP, "TALL_TILE_16_REGISTERS", False)
+    assert GP.micro_tile(8, 512, 512, 16) == (2, 32)
