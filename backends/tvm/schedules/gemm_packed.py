@@ -29,6 +29,14 @@ Tile sizes come from the target (:func:`micro_tile`): V fp32 lanes and the regis
 on AVX-512, 16 on AVX2); among the tiles that divide the output (no bounds checks in the inner
 loops) and fit the registers, the one with the most FMAs per load (AVX-512: 4 x 4V for square
 sizes; AVX2: 6 x 2V). At least 8 independent FMAs hide the FMA latency (4 cycles x 2 pipes).
+On AVX2 matrix products take 6 x 2V with M padded to a multiple of 6, and from K >= 1024 or
+N >= 256 read A from a per-call copy packed into 6-row panels ``Ap[.., i // 6, k, i % 6]``
+(:func:`micro_tile` rule 6)::
+
+    Ap[b.., i // 6, k, i % 6] = A[b.., i, k]              # zero rows up to a multiple of 6
+    for (b.., mc, jo, io) in parallel_if_worth(...):     # mc: ~1 MiB of Ap, when B is too large
+        ...                                               #   for rows-outer; else as above
+            acc[i, ..] += Ap[b.., io, k, i] (broadcast) * Bp[jo, k, ..] (vector load)
 
 Constant weights: when B is a parameter of the kernel (a weight after Relax's import), the pack
 block is annotated ``meta_schedule.layout_rewrite_preproc``; the pipeline then runs
@@ -47,6 +55,7 @@ with a sigmoid).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -80,6 +89,20 @@ TALL_TILE_16_REGISTERS = True
 #: packing functions that run per call (B an activation) get a vectorised, parallel schedule
 #: (:func:`_schedule_runtime_packs`); off: TVM's serial scalar copy
 SCHEDULE_RUNTIME_PACKS = True
+#: 16 vector registers (AVX2): the 6 x 2-vector tile with M padded to a multiple of 6 and A packed
+#: into 6-row panels (:func:`micro_tile` rule 6); off: A read in place, rules 1-5's tile
+PACK_A_16_REGISTERS = os.environ.get("PARTITIONER_GEMM_PACK_A", "1") != "0"
+#: rows of the packed-A tile (BLIS/MLAS's 6 on AVX2: 12 accumulators + 2 B vectors + 1 broadcast)
+PACK_A_ROWS = 6
+#: bytes of packed A per M block when B is too large for rows-outer (:func:`_a_block_tiles`); 0: no
+#: M blocking (B panels outermost, all of A streamed past each)
+PACK_A_BLOCK_BYTES = int(os.environ.get("PARTITIONER_GEMM_PACK_A_BLOCK_BYTES", str(1 << 20)))
+#: smallest M, N and K for which the 6-row tile is taken (below: :func:`micro_tile`'s)
+PACK_A_MIN = (12, 16, 16)
+#: smallest K, and smallest N, from which A is packed into panels (:func:`_packs_a`); below both
+#: the 6-row tile reads A in place, and only when 6 divides M
+PACK_A_MIN_K = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_K", "1024"))
+PACK_A_MIN_N = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_N", "256"))
 
 
 
@@ -109,7 +132,26 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        the tie is 2 x 4 against 4 x 2 vectors (8 accumulators, 1.33 FMAs per load each).
        4 x 2 reads a 64-byte B panel row per k step, not 128. Measured on Zen 3 (``znver3``,
        1 thread, thread CPU time, median of 7 interleaved rounds, 4 x 2 / 2 x 4, ms): 512^3
-       4.87 / 6.78, 1024^3 39.1 / 43.1, 512x128x128 0.299 / 0.317."""
+       4.87 / 6.78, 1024^3 39.1 / 43.1, 512x128x128 0.299 / 0.317.
+    6. 16 registers (AVX2), matrix products (one reduction) with N a multiple of 2 vectors and
+       M >= 12: the caller (:func:`_pack_a_plan`) replaces this tile by BLIS/MLAS's 6 x 2
+       vectors (12 accumulators + 2 B vectors + 1 broadcast = 15 registers, 12 FMAs per 8 loads
+       against 8 per 6 for 4 x 2), M padded to a multiple of 6 (zero rows, only the real rows
+       written). From K >= ``PACK_A_MIN_K`` (1024) or N >= ``PACK_A_MIN_N`` (256) A is copied per
+       call into 6-row panels ``Ap[.., i // 6, k, i % 6]`` (:func:`_pack_a`) that the k loop reads
+       as one sequential stream: read in place, the 6 rows are K floats apart, at K = 1024 all in
+       one L1 set, and the unpacked 6 x 2 tile took 72.8 ms on 1024^3 (session 16). Below both, the
+       tile reads A in place and only when 6 divides M (a padded copy of A cost as much as the
+       tile saved: 512x512x128 1.03-1.07x). When B is too large for rows-outer, M blocks of ~1 MiB
+       of packed A (:func:`_a_block_tiles`) go outermost and every B panel streams past each
+       (2048^3: 16 MiB of packed A streamed past each panel ran at 35-44 GFLOP/s, M blocks of
+       96-342 rows at 61-70). The inner loop is 12 FMAs per k with 2 B loads and 6 broadcasts,
+       no spills (checked in the znver3 asm). ``PACK_A_16_REGISTERS`` (env
+       ``PARTITIONER_GEMM_PACK_A=0``): off, rules 1-5's tile with A in place. Measured on Zen 3
+       (``znver3``, 1 thread, thread CPU time, median of 15 interleaved rounds, load 3.4-4.0 on
+       2 cores; rule 6 / off / ORT, ms): 512^3 4.80 / 5.17 / 4.45, 1024^3 35.0 / 39.1 / 38.1,
+       2048^3 272 / 395 / 352, 512x128x512 1.28 / 1.37 / 1.23; 512x128x128 and 512x512x128 keep
+       the old tile (1.00x, 0.99x). ``benchmarks/results/session17_avx2/gemm_pack_a_ab.json``."""
     if n % lanes != 0:
         return None
     vectors = n // lanes
@@ -182,15 +224,17 @@ class GemmPacked(CPUScheduleRule):
         if plan is None:
             return None
         fuse_rows = None if n_pad else _fuse_rows(target, exts, ns, plan)
-        lanes, mr, nr, flops = fuse_rows or plan
+        a_plan = None if fuse_rows else _pack_a_plan(plan, exts, ns, n_pad)
+        lanes, mr, nr, flops = a_plan or fuse_rows or plan
 
         b_buf = stmt.reads[b_idx].source
         b_is_param = any(p.same_as(b_buf) for p in func.params)
         # 1. pack B into panels Bp[.., j // nr, k, j % nr] (zero columns up to n_pad)
-        padding = None if n_pad is None else [1] * (ns - 1) + [nr] + [1] * (len(exts) - ns)
+        padding, a_src = _padding(stmt, b_idx, exts, ns, (mr, nr, n_pad), a_plan is not None)
         pack = _pack_b(sch, red, b_idx, nr, b_transposed, padding)
         if b_is_param:
             sch.annotate(pack, LAYOUT_REWRITE, True)
+        a_pack = None if a_src is None or not _packs_a(n_pad or n, k) else _pack_a(sch, red, a_src, mr)
         # 2. accumulators + tiling (the epilogue counted before cache_write adds its copy block)
         ops = epilogue_ops(sch, red)
         wb = sch.cache_write(red, 0, "local")
@@ -201,8 +245,7 @@ class GemmPacked(CPUScheduleRule):
         b_loops, li, lj, unit_r, lk = loops[:ns - 2], loops[ns - 2], loops[ns - 1], loops[ns:-1], loops[-1]
         io, ii = sch.split(li, factors=[None, mr])
         jo, jj, jv = sch.split(lj, factors=[None, nr // lanes, lanes])
-        rows_outer = ROWS_OUTER_B_BYTES is not None and k * n * 4 <= ROWS_OUTER_B_BYTES
-        tiles = (io, jo) if rows_outer else (jo, io)
+        tiles = _tile_loops(sch, io, jo, k, k * n * 4, a_pack is not None)
         sch.reorder(*b_loops, *tiles, *unit_r, lk, ii, jj, jv)
         outer = sch.fuse(*b_loops, *tiles)
         if worth_parallel(with_epilogue(flops, ops, flops / (2.0 * k))):  # work incl. the epilogue
@@ -210,15 +253,15 @@ class GemmPacked(CPUScheduleRule):
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
         names_before = {str(sch.get(b).name_hint) for b in sch.get_child_blocks(root)}
         Contraction._inline_epilogue(sch, wb)
-        sch.unroll(ii)
-        sch.unroll(jj)
+        for lp in (ii, jj):
+            sch.unroll(lp)
         sch.vectorize(jv)
         init = sch.decompose_reduction(red, unit_r[0] if unit_r else lk)
         Contraction._vectorize_tail(sch, init, lanes)
         Contraction._vectorize_tail(sch, wb, lanes)
 
         # 3. the pack block and other producers: plain parallel/vectorised copies
-        skip = {str(sch.get(b).name_hint) for b in (red, wb, init)}
+        skip = {str(sch.get(b).name_hint) for b in (red, wb, init)} | _schedule_a_pack(sch, a_pack, flops)
         if b_is_param:
             skip.add(str(sch.get(pack).name_hint))  # folded at build time
         for blk in sch.get_child_blocks(root):
@@ -291,10 +334,112 @@ def _pack_b(sch: Any, red: Any, b_idx: int, nr: int, transposed: bool, padding: 
         sch.pad_einsum(red, padding)
         for blk in copies:
             sch.compute_inline(blk)
-        pack = next(p for p in sch.get_producers(red)
-                    if any(r.source.same_as(b_src) for r in sch.get(p).reads))
+        pack = _producer_or_copy(sch, red, b_src)
     sch.transform_layout(pack, ("write", 0), _pack_map(rank, nr, transposed=transposed))
     return pack
+
+
+def _producer_or_copy(sch: Any, red: Any, src: Any) -> Any:
+    """The producer of ``red`` that reads ``src`` (a ``pad_einsum`` pad block), or a new
+    ``cache_read`` copy of it when ``src`` was not padded."""
+    pack = next((p for p in sch.get_producers(red) if any(r.source.same_as(src) for r in sch.get(p).reads)), None)
+    if pack is not None:
+        return pack
+    idx = next(i for i, r in enumerate(sch.get(red).reads) if r.source.same_as(src))
+    return sch.cache_read(red, idx, "global")
+
+
+def _pack_a_plan(plan: tuple[int, int, int, float], exts: list[int], ns: int, n_pad: int | None) -> tuple[int, int, int, float] | None:
+    """The 6-row register tile (lanes, PACK_A_ROWS, 2 vectors, FLOPs) of :func:`micro_tile`
+    rule 6 for a matrix product on a 16-register target, or None (``plan``'s tile stays)."""
+    lanes, _, _, flops = plan
+    m, n, k = exts[ns - 2], n_pad or exts[ns - 1], exts[-1]
+    if not PACK_A_16_REGISTERS or lanes != 8 or len(exts) - ns != 1 or n % (2 * lanes):
+        return None
+    if m < PACK_A_MIN[0] or n < PACK_A_MIN[1] or k < PACK_A_MIN[2]:
+        return None
+    if not _packs_a(n, k) and m % PACK_A_ROWS:
+        return None  # A read in place would need a padded row-major copy: no better than the old tile
+    return lanes, PACK_A_ROWS, 2 * lanes, flops
+
+
+def _packs_a(n: int, k: int) -> bool:
+    """Whether the 6-row tile reads A from 6-row panels (else in place): from ``PACK_A_MIN_K``
+    (A's rows 4 KiB apart alias in L1) or ``PACK_A_MIN_N`` (the copy amortised over N / 16 panels)."""
+    return k >= PACK_A_MIN_K or n >= PACK_A_MIN_N
+
+
+def _pack_a(sch: Any, red: Any, a_src: Any, mr: int) -> Any:
+    """The block that writes A packed as ``Ap[.., i // mr, k, i % mr]`` (rows padded to a
+    multiple of ``mr`` by ``pad_einsum`` already): the micro-kernel reads mr floats per k step
+    from one sequential stream instead of mr rows K floats apart."""
+    from tvm import tirx
+
+    pack = _producer_or_copy(sch, red, a_src)
+
+    def f(*idx):
+        *lead, i, kk = idx
+        return (*lead, tirx.floordiv(i, mr), kk, tirx.floormod(i, mr))
+
+    rank = len(sch.get(pack).writes[0].region)
+    imap = tirx.IndexMap.from_func(f, ndim=rank)
+    sch.transform_layout(pack, ("write", 0), imap)
+    sch.transform_block_layout(pack, imap)
+    return pack
+
+
+def _a_block_tiles(row_tiles: int, k: int) -> int | None:
+    """Row tiles per M block of the packed-A schedule (:func:`micro_tile` rule 6): the largest divisor of
+    ``row_tiles`` whose A block (tiles x PACK_A_ROWS x K floats) is at most 2 x
+    ``PACK_A_BLOCK_BYTES``, if that block is at least half of it; else None (no M blocking)."""
+    if not PACK_A_BLOCK_BYTES:
+        return None
+    tile_bytes = PACK_A_ROWS * k * 4
+    best = max(d for d in range(1, row_tiles + 1) if row_tiles % d == 0 and d * tile_bytes <= 2 * PACK_A_BLOCK_BYTES) \
+        if tile_bytes <= 2 * PACK_A_BLOCK_BYTES else 0
+    if best * tile_bytes * 2 < PACK_A_BLOCK_BYTES or best >= row_tiles:
+        return None
+    return best
+
+
+def _schedule_a_pack(sch: Any, pack: Any, flops: float) -> set[str]:
+    """Loops (.., panel, k, row in panel): the row loop unrolled (6 sequential stores per k),
+    the outer loops fused and parallel when the product is worth threads; the block's name (an
+    empty set for no pack)."""
+    if pack is None:
+        return set()
+    loops = sch.get_loops(pack)
+    sch.unroll(loops[-1])
+    outer = sch.fuse(*loops[:-2]) if len(loops) > 3 else loops[0]
+    if worth_parallel(flops):
+        sch.parallel(outer)
+    return {str(sch.get(pack).name_hint)}
+
+
+def _padding(stmt: Any, b_idx: int, exts: list[int], ns: int, tile: tuple[int, int, int | None], six_rows: bool) -> tuple[list[int] | None, Any]:
+    """``pad_einsum``'s padding per block iter (None: nothing to pad) and, for :func:`micro_tile`
+    rule 6's tile (``six_rows``), A's buffer (else None): N up to ``n_pad``, and with the 6-row
+    tile M up to a multiple of 6."""
+    mr, nr, n_pad = tile
+    if not six_rows:
+        return (None if n_pad is None else [1] * (ns - 1) + [nr] + [1] * (len(exts) - ns)), None
+    out = stmt.writes[0].source
+    a_src = next(r.source for i, r in enumerate(stmt.reads) if i != b_idx and not r.source.same_as(out))
+    padding = [1] * (ns - 2) + [mr if exts[ns - 2] % mr else 1] + [nr if n_pad else 1] + [1]
+    return (padding if any(p != 1 for p in padding) else None), a_src
+
+
+def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: bool) -> tuple[Any, ...]:
+    """The row-tile and panel loops, outermost first: rows outer when all of B fits
+    ``ROWS_OUTER_B_BYTES``; else panels outer, or with packed A (:func:`micro_tile` rule 6) M
+    blocks of :func:`_a_block_tiles` row tiles outermost, every B panel streamed past each."""
+    if ROWS_OUTER_B_BYTES is not None and b_bytes <= ROWS_OUTER_B_BYTES:
+        return io, jo
+    block = _a_block_tiles(const_extent(sch, io), k) if packed_a else None
+    if block is None:
+        return jo, io
+    imc, iin = sch.split(io, factors=[None, block])
+    return imc, jo, iin
 
 
 def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int, float] | None:
