@@ -101,12 +101,27 @@ def test_avx2_matmul_matches_numpy(m, k, n, pack_mode):
     assert ("// T.int64(6)" in script) == (takes_tile and pack_mode == "packed"), "A packed (or not) against the rule"
 
 
+def _broadcast(x_shape: list[int], w_shape: list[int], const_w: bool) -> onnx.ModelProto:
+    inputs = [helper.make_tensor_value_info("x", F, x_shape)]
+    w = (np.random.default_rng(5).standard_normal(w_shape) * 0.2).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w")] if const_w else []
+    inputs += [] if const_w else [helper.make_tensor_value_info("w", F, w_shape)]
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "bcast", inputs,
+                          [helper.make_tensor_value_info("y", F, None)], initializer=inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+CASES = {"bias-relu-m100": lambda: _matmul(100, 64, 48, epilogue=True),
+         "batched-activation-b": lambda: _matmul(50, 32, 64, lead=(3,), const_b=False),
+         "broadcast-a": lambda: _broadcast([50, 32], [3, 32, 64], const_w=False),
+         "broadcast-const-b": lambda: _broadcast([3, 50, 32], [32, 64], const_w=True),
+         "4d": lambda: _broadcast([2, 2, 50, 32], [2, 2, 32, 64], const_w=False)}
+
+
 @pytest.mark.skipif(not _host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
-@pytest.mark.parametrize("case", ["bias-relu-m100", "batched-activation-b"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_avx2_packed_a_epilogue_and_batched(case, pack_mode):
-    model = (_matmul(100, 64, 48, epilogue=True) if case == "bias-relu-m100"
-             else _matmul(50, 32, 64, lead=(3,), const_b=False))
-    _run_and_check(model, ZNVER3)
+    _run_and_check(CASES[case](), ZNVER3)
 
 
 @pytest.mark.skipif(not _host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
