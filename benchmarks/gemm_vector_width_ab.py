@@ -1,7 +1,7 @@
-"""Paired A/B of a schedule knob on GEMMs, 1 thread: the packed GEMM built with the defaults
+"""Paired A/B of a schedule knob on GEMMs, 1 thread (or ``--threads``): the packed GEMM built with the defaults
 (new) and with ``--baseline`` knobs set (old; default schedules/vector.py rule 1 off, i.e. the
 vector width from TVM's llvm_get_vector_width), and ONNX Runtime, timed in interleaved rounds
-with thread CPU time (median per side).
+with thread CPU time (median per side; wall time for more than 1 thread).
 
     PYTHONPATH=$PWD python benchmarks/gemm_vector_width_ab.py [--rounds 9] [--json FILE]
         [--baseline backends.tvm.schedules.gemm_packed.PACK_A_16_REGISTERS=False ...] [--new ...]
@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--shapes", default="", help="MxKxN,... (default: 512^3, 1024^3, 2048^3, bert's three)")
     ap.add_argument("--peak", type=float, default=73e9, help="FMA FLOP/s per core for the %% of peak")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads for both (above 1: wall-clock medians, %% of peak per core)")
     ap.add_argument("--json", default="")
     ap.add_argument("--baseline", action="append", default=[],
                     help=f"MODULE.ATTR=VALUE set while building 'old' (repeatable; default {DEFAULT_BASELINE})")
@@ -88,7 +90,8 @@ def main() -> int:
     candidate = _knobs(args.new)
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     target = resolve_target(None)
-    configure_threads(1)
+    configure_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     rng = np.random.default_rng(0)
     rows = []
     load_before = open("/proc/loadavg").read().split()[0]
@@ -106,7 +109,7 @@ def main() -> int:
             np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-5 * np.sqrt(k))
             fns[name] = lambda fn=fn, ta=ta: fn(ta)
         so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
+        so.intra_op_num_threads = args.threads
         so.inter_op_num_threads = 1
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         fns["ort"] = lambda sess=sess, a=a: sess.run(None, {"a": a})
@@ -119,21 +122,23 @@ def main() -> int:
         samples = {name: [] for name in fns}
         for _ in range(args.rounds):
             for name, f in fns.items():
-                c0 = time.thread_time()
+                c0 = clock()
                 for _ in range(reps[name]):
                     f()
-                samples[name].append((time.thread_time() - c0) / reps[name])
+                samples[name].append((clock() - c0) / reps[name])
         flops = 2.0 * m * n * k
         med = {name: statistics.median(s) for name, s in samples.items()}
-        row = {"m": m, "k": k, "n": n, "flops": flops, "thread_cpu_median_s": med,
-               "thread_cpu_min_s": {name: min(s) for name, s in samples.items()},
+        row = {"m": m, "k": k, "n": n, "flops": flops, "median_s": med,
+               "min_s": {name: min(s) for name, s in samples.items()},
                "gflops": {nm: flops / t / 1e9 for nm, t in med.items()},
-               "pct_of_peak": {nm: 100 * flops / t / args.peak for nm, t in med.items()},
+               "pct_of_peak": {nm: 100 * flops / t / args.peak / args.threads for nm, t in med.items()},
                "new_over_old": med["new"] / med["old"], "new_over_ort": med["new"] / med["ort"]}
         rows.append(row)
         print(f"{m}x{k}x{n}: " + "  ".join(f"{nm} {t * 1e3:8.3f} ms ({row['pct_of_peak'][nm]:5.1f}%)" for nm, t in med.items())
               + f"  new/old {row['new_over_old']:.2f}  new/ort {row['new_over_ort']:.2f}", flush=True)
-    out = {"target": str(target), "rounds": args.rounds, "baseline": args.baseline or [DEFAULT_BASELINE], "new": args.new, "peak_flops_assumed": args.peak,
+    out = {"target": str(target), "rounds": args.rounds, "threads": args.threads,
+           "clock": "thread_time" if args.threads == 1 else "wall",
+           "baseline": args.baseline or [DEFAULT_BASELINE], "new": args.new, "peak_flops_assumed": args.peak,
            "loadavg_1min": [load_before, open("/proc/loadavg").read().split()[0]], "rows": rows}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

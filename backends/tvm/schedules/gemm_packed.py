@@ -148,7 +148,7 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        96-342 rows at 61-70). The inner loop is 12 FMAs per k with 2 B loads and 6 broadcasts,
        no spills (checked in the znver3 asm). ``PACK_A_16_REGISTERS`` (env
        ``PARTITIONER_GEMM_PACK_A=0``): off, rules 1-5's tile with A in place. Measured on Zen 3
-       (``znver3``, 1 thread, thread CPU time, median of 15 interleaved rounds, load 3.4-4.0 on
+       (``znver3``, 1 thread, thread CPU time, median of 15 interleaved rounds, load 3.4-3.6 on
        2 cores; rule 6 / off / ORT, ms): 512^3 4.80 / 5.17 / 4.45, 1024^3 35.0 / 39.1 / 38.1,
        2048^3 272 / 395 / 352, 512x128x512 1.28 / 1.37 / 1.23; 512x128x128 and 512x512x128 keep
        the old tile (1.00x, 0.99x). ``benchmarks/results/session17_avx2/gemm_pack_a_ab.json``."""
