@@ -37,6 +37,7 @@ function is left to the next rule.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -88,6 +89,11 @@ PAD_PER_IMAGE = True
 PAD_PER_IMAGE_MIN_BATCH = 4
 #: ... for weights (``kh*kw*ci*co`` floats) up to this size: larger ones are read again per image
 PAD_PER_IMAGE_MAX_WEIGHT_BYTES = 3 << 19
+#: rule 1: a direct convolution whose default register tile needs more vector registers than the
+#: target has (16 ymm on AVX2: 7 pixels x 2 vectors = 14 accumulators + 2 weights + 1 broadcast)
+#: takes the best tile that fits (:func:`_register_file_tile`); off: the default tile, which LLVM
+#: spills (one accumulator stored and reloaded per FMA step). Never applies on 32 registers.
+REGISTER_FILE_TILE = os.environ.get("PARTITIONER_REGISTER_FILE_TILE", "1") != "0"
 #: batch-1 padded convolutions read the input directly, the padding inlined as bounds checks, and
 #: the first / last row and column tiles get loops of their own so that the interior's checks
 #: drop (:func:`_inline_border_pad`, :func:`_split_border_tiles`); off: TOPI's whole padded copy
@@ -141,19 +147,7 @@ class Contraction(TryRule):
         if any(e is None for e in exts):
             return None
 
-        vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
-        nj = _stem_vectors(exts, r_idx, vec, nj_default)
-        col_pos, hi = None, 1
-        if vec == lanes and row_pos is not None and ni >= NARROW_ROWS and nj == nj_default:
-            ni = _wide_input_rows(exts, r_idx, vec_pos, row_pos, vec, ni, _input_bytes(stmt, vec_pos))
-        if vec > 1 and row_pos is not None and ni < NARROW_ROWS:
-            col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
-            hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
-        elif (1 < vec < lanes and row_pos is not None and nj == nj_default
-              and ni * nj < FEW_CHANNELS_ACCUMULATORS):
-            col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
-            hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
-
+        vec, nj, row_pos, ni, col_pos, hi = _choose_tile(stmt, exts, s_idx, r_idx, vec_pos, lanes)
         border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
@@ -704,6 +698,58 @@ def _flops(exts: list) -> float:
     for e in exts:
         total *= e
     return total
+
+
+def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_pos: int,
+                 lanes: int) -> tuple[int, int, int | None, int, int | None, int]:
+    """The register tile of the reduction block: (vector width, channel vectors nj, row axis,
+    pixels per row ni, outer axis the tile also spans or None, its rows hi). The default
+    (:func:`_tile_sizes`), then the rules that replace it for stems, wide inputs, narrow maps,
+    narrow channel counts and (rule 1) tiles that overflow a 16-register file."""
+    registers = 32 if lanes >= 16 else 16
+    vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
+    nj = _stem_vectors(exts, r_idx, vec, nj_default)
+    col_pos, hi = None, 1
+    if vec == lanes and row_pos is not None and ni >= NARROW_ROWS and nj == nj_default:
+        ni = _wide_input_rows(exts, r_idx, vec_pos, row_pos, vec, ni, _input_bytes(stmt, vec_pos))
+    if (REGISTER_FILE_TILE and vec > 1 and row_pos is not None and len(r_idx) == 3
+            and ni * nj + nj + 1 > registers):
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        ni, hi, nj = _register_file_tile(exts, s_idx, row_pos, col_pos, vec, registers)
+        col_pos = col_pos if hi > 1 else None
+    elif vec > 1 and row_pos is not None and ni < NARROW_ROWS:
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
+    elif (1 < vec < lanes and row_pos is not None and nj == nj_default
+          and ni * nj < FEW_CHANNELS_ACCUMULATORS):
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, registers)
+    return vec, nj, row_pos, ni, col_pos, hi
+
+
+def _register_file_tile(exts: list, s_idx: list[int], row_pos: int, col_pos: int | None, vec: int,
+                        registers: int) -> tuple[int, int, int]:
+    """(ni, hi, nj) for a direct convolution whose default tile (``ni`` pixels x ``nj`` vectors)
+    needs more vector registers than the target has (rule 1, :data:`REGISTER_FILE_TILE`): ``ni``
+    pixels of the row (dividing the output width, at most 8), ``hi`` rows of the outer axis
+    ``col_pos`` (dividing it, at most 4) and ``nj`` channel vectors (dividing the channel
+    vectors), with ``ni*hi*nj`` accumulators + ``nj`` weight vectors + 1 broadcast within the
+    register file. Chosen like :func:`_narrow_tile`: most FMAs per load, P·nj / (P + nj) with
+    P = ``ni * hi`` pixels, then most accumulators, then fewest channel vectors, then fewest
+    rows. On 16 registers: 14x14 maps get 2 x 2 pixels x 2 vectors, 28x28 and 56x56 maps 4
+    pixels x 2 vectors, 7x7 maps 7 pixels x 1 vector."""
+    width = exts[row_pos]
+    his = [1] + ([c for c in (2, 3, 4) if exts[col_pos] % c == 0] if col_pos is not None else [])
+    vectors = exts[s_idx[-1]] // vec
+    best = (0.0, 0, 0, 0, 1, 1, 1)
+    for ni in (c for c in range(min(width, 8), 0, -1) if width % c == 0):
+        for hi in his:
+            for nj in (8, 4, 3, 2, 1):
+                acc = ni * hi * nj
+                if vectors % nj or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
+                    continue
+                best = max(best, (acc / (ni * hi + nj), acc, -nj, -hi, ni, hi, nj))
+    return best[4], best[5], best[6]
 
 
 def _tile_sizes(exts: list, s_idx: list[int], lanes: int) -> tuple[int, int, int | None, int]:
