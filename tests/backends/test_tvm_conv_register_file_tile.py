@@ -1,5 +1,6 @@
 """Direct convolutions whose default register tile overflows a 16-register file
-(backends/tvm/schedules/contraction.py rule 1, ``REGISTER_FILE_TILE``).
+(backends/tvm/schedules/contraction.py rule 1, ``REGISTER_FILE_TILE``), and batched RGB stems
+run image by image on 16 registers (rule 2, ``STEM_IMAGES_OUTER``).
 
 On AVX2 (16 ymm) the default tile of a 3x3 conv on a 7-, 14-, 28- or 56-wide map is 7 or 8 pixels
 x 2 vectors: 14-16 accumulators + 2 weight vectors + 1 broadcast, so LLVM kept one accumulator on
@@ -102,6 +103,25 @@ def test_avx2_conv_has_no_ymm_spills():
 def test_matches_onnxruntime(ci, hw, co, batch):
     m = single_conv_model(ci, hw, co, 3, 1, batch, seed=ci + hw + co)
     x = np.random.default_rng(0).standard_normal((batch, ci, hw, hw)).astype(np.float32)
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    res = relax.VirtualMachine(_build(m, ZNVER3), tvm.cpu())["main"](tvm.runtime.tensor(x))
+    got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_batched_stem_runs_images_outermost_on_16_registers():
+    """contraction.py rule 2 (``STEM_IMAGES_OUTER``): AVX2 only; batch 1 and AVX-512 keep their order."""
+    exts = [2, 56, 56, 64, 7, 7, 3]  # n, oh, ow, co, kh, kw, ci of ResNet's 7x7 stride-2 stem
+    spatial = ["n", "h", "w"]
+    assert C._parallel_order("v", spatial, exts, [4, 5, 6], 3, True) == ["n", "v", "h", "w"]
+    assert C._parallel_order("v", spatial, exts, [4, 5, 6], 3, False) == ["v", "n", "h", "w"]
+    assert C._parallel_order("v", spatial, [1, *exts[1:]], [4, 5, 6], 3, True) == ["v", "n", "h", "w"]
+
+
+@pytest.mark.skipif(not _host_has_avx2(), reason="built for AVX2; this CPU cannot run it")
+def test_batched_stem_matches_onnxruntime():
+    m = single_conv_model(3, 32, 16, 7, 2, 2, seed=5)
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     res = relax.VirtualMachine(_build(m, ZNVER3), tvm.cpu())["main"](tvm.runtime.tensor(x))
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
