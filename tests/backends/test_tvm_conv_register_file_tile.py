@@ -54,12 +54,14 @@ def _spy(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("hw,co,tile", [(14, 128, (2, 2, 2)), (7, 256, (7, 1, 1)), (28, 64, (4, 1, 2)),
-                                        (56, 64, (4, 1, 2))])
-def test_tile_choice_on_16_registers(hw, co, tile):
-    exts = [1, hw, hw, co, 3, 3, co]
-    assert C._register_file_tile(exts, [0, 1, 2, 3], 2, 1, 8, 16) == tile
-    ni, hi, nj = tile
+@pytest.mark.parametrize("batch,hw,co,tile", [(1, 14, 128, (2, 2, 2, 1)), (1, 7, 256, (7, 1, 1, None)),
+                                              (1, 28, 64, (4, 1, 2, None)), (1, 56, 64, (4, 1, 2, None)),
+                                              (8, 7, 256, (1, 4, 2, 0)), (2, 7, 256, (7, 1, 1, None)),
+                                              (8, 14, 128, (2, 2, 2, 1))])
+def test_tile_choice_on_16_registers(batch, hw, co, tile):
+    exts = [batch, hw, hw, co, 3, 3, co]
+    assert C._register_file_tile(exts, [0, 1, 2, 3], 2, 1, 8, 16, 0 if batch > 1 else None) == tile
+    ni, hi, nj, _ = tile
     assert ni * hi * nj + nj + 1 <= 16
 
 
@@ -69,7 +71,7 @@ def test_avx512_build_keeps_its_tile(monkeypatch):
     _build(single_conv_model(32, 14, 32, 3, 1, 1, seed=3), ZNVER4)
     assert calls == []
     _build(single_conv_model(32, 14, 32, 3, 1, 1, seed=3), ZNVER3)
-    assert calls == [(2, 2, 2)]
+    assert calls == [(2, 2, 2, 1)]
 
 
 def test_knob_off_keeps_the_default(monkeypatch):
@@ -98,8 +100,9 @@ def test_avx2_conv_has_no_ymm_spills():
 
 
 @pytest.mark.skipif(not _host_has_avx2(), reason="built for AVX2; this CPU cannot run it")
-@pytest.mark.parametrize("ci,hw,co,batch", [(32, 14, 64, 1), (64, 7, 32, 2), (16, 28, 32, 1), (24, 7, 48, 1)],
-                         ids=["14x14", "7x7-b2", "28x28", "7x7-6vec"])
+@pytest.mark.parametrize("ci,hw,co,batch", [(32, 14, 64, 1), (64, 7, 32, 2), (16, 28, 32, 1), (24, 7, 48, 1),
+                                                   (32, 7, 32, 4)],
+                         ids=["14x14", "7x7-b2", "28x28", "7x7-6vec", "7x7-b4-images"])
 def test_matches_onnxruntime(ci, hw, co, batch):
     m = single_conv_model(ci, hw, co, 3, 1, batch, seed=ci + hw + co)
     x = np.random.default_rng(0).standard_normal((batch, ci, hw, hw)).astype(np.float32)
@@ -126,3 +129,13 @@ def test_batched_stem_matches_onnxruntime():
     res = relax.VirtualMachine(_build(m, ZNVER3), tvm.cpu())["main"](tvm.runtime.tensor(x))
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
     np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_seven_high_map_takes_four_images(monkeypatch):
+    """``REGISTER_FILE_TILE_IMAGES``: 7x7 at batch 4 spans 4 images x 2 vectors; off, 7 pixels x 1."""
+    calls = _spy(monkeypatch)
+    m = single_conv_model(32, 7, 32, 3, 1, 4, seed=6)
+    _build(m, ZNVER3)
+    monkeypatch.setattr(C, "REGISTER_FILE_TILE_IMAGES", False)
+    _build(m, ZNVER3)
+    assert calls == [(1, 4, 2, 0), (7, 1, 1, None)]

@@ -110,6 +110,9 @@ PAD_PER_IMAGE_MAX_WEIGHT_BYTES = 3 << 19
 #: takes the best tile that fits (:func:`_register_file_tile`); off: the default tile, which LLVM
 #: spills (one accumulator stored and reloaded per FMA step). Never applies on 32 registers.
 REGISTER_FILE_TILE = os.environ.get("PARTITIONER_REGISTER_FILE_TILE", "1") != "0"
+#: ... and on a map whose height no 2, 3 or 4 divides (7x7), the tile may span 4 images instead
+#: (:func:`_register_file_tile`); off: such maps take 7 pixels x 1 vector
+REGISTER_FILE_TILE_IMAGES = True
 #: rule 2: a batched RGB stem runs its images outermost, the channel tiles inside each image
 #: (:func:`_parallel_order`); off: the channel tiles outermost, each sweeping the whole batch
 STEM_IMAGES_OUTER = os.environ.get("PARTITIONER_STEM_IMAGES_OUTER", "1") != "0"
@@ -718,7 +721,8 @@ def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[i
     if ROWS_OUTER_CONV and len(r_idx) == 3 and len(spatial_outer) > 1 and weight <= ROWS_OUTER_WEIGHT_BYTES \
             and not stem and single:
         return [*spatial_outer[:-1], v_outer, spatial_outer[-1]]
-    if STEM_IMAGES_OUTER and few_registers and stem and not single and len(r_idx) == 3 and len(spatial_outer) > 1:
+    if (STEM_IMAGES_OUTER and few_registers and stem and not single and len(r_idx) == 3
+            and len(spatial_outer) > 1):
         return [spatial_outer[0], v_outer, *spatial_outer[1:]]  # rule 2
     return [v_outer, *spatial_outer]
 
@@ -746,8 +750,9 @@ def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_
     if (REGISTER_FILE_TILE and vec > 1 and row_pos is not None and len(r_idx) == 3
             and ni * nj + nj + 1 > registers):
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
-        ni, hi, nj = _register_file_tile(exts, s_idx, row_pos, col_pos, vec, registers)
-        col_pos = col_pos if hi > 1 else None
+        images = (_shared_outer_axis(stmt, ivs_of(stmt), s_idx, col_pos, vec_pos, exts)
+                  if col_pos is not None and REGISTER_FILE_TILE_IMAGES else None)
+        ni, hi, nj, col_pos = _register_file_tile(exts, s_idx, row_pos, col_pos, vec, registers, images)
     elif vec > 1 and row_pos is not None and ni < NARROW_ROWS:
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
         hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
@@ -759,17 +764,19 @@ def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_
 
 
 def _register_file_tile(exts: list, s_idx: list[int], row_pos: int, col_pos: int | None, vec: int,
-                        registers: int) -> tuple[int, int, int]:
-    """(ni, hi, nj) for a direct convolution whose default tile (``ni`` pixels x ``nj`` vectors)
-    needs more vector registers than the target has (rule 1, :data:`REGISTER_FILE_TILE`): ``ni``
-    pixels of the row (dividing the output width, at most 8), ``hi`` rows of the outer axis
-    ``col_pos`` (dividing it, at most 4) and ``nj`` channel vectors (dividing the channel
-    vectors), with ``ni*hi*nj`` accumulators + ``nj`` weight vectors + 1 broadcast within the
-    register file. Chosen like :func:`_narrow_tile`: most FMAs per load, P·nj / (P + nj) with
-    P = ``ni * hi`` pixels, then most accumulators, then fewest channel vectors, then fewest
-    rows. On 16 registers: 14x14 maps get 2 x 2 pixels x 2 vectors, 28x28 and 56x56 maps 4
-    pixels x 2 vectors, 7x7 maps 7 pixels x 1 vector (8 accumulators; 7 x 1 on 7x7, whose width
-    7 and height 7 divide by nothing else). MLAS's AVX2 conv kernel (``SconvKernelFma3.S``)
+                        registers: int, images: int | None = None) -> tuple[int, int, int, int | None]:
+    """(ni, hi, nj, the axis ``hi`` blocks or None) for a direct convolution whose default tile
+    (``ni`` pixels x ``nj`` vectors) needs more vector registers than the target has (rule 1,
+    :data:`REGISTER_FILE_TILE`): ``ni`` pixels of the row (dividing the output width, at most 8),
+    ``hi`` rows of the outer axis ``col_pos`` (dividing it, at most 4) and ``nj`` channel vectors
+    (dividing the channel vectors), with ``ni*hi*nj`` accumulators + ``nj`` weight vectors + 1
+    broadcast within the register file. When no 2, 3 or 4 divides the height (7x7 maps), ``hi``
+    may instead be 4 images of the axis ``images`` (the batch; its extent a multiple of 4).
+    Chosen like :func:`_narrow_tile`: most FMAs per load, P·nj / (P + nj) with P = ``ni * hi``
+    pixels, then most accumulators, then fewest channel vectors, then fewest rows. On 16
+    registers: 14x14 maps get 2 x 2 pixels x 2 vectors, 28x28 and 56x56 maps 4 pixels x 2
+    vectors, 7x7 maps 1 pixel x 4 images x 2 vectors at batch 4, 8, ... and 7 pixels x 1 vector
+    otherwise. MLAS's AVX2 conv kernel (``SconvKernelFma3.S``)
     takes 3 pixels x 4 vectors (12 accumulators) with a 2- or 1-pixel remainder; a tile that
     does not divide the map is not one this rule can express (a predicate in the unrolled tile).
 
@@ -777,21 +784,27 @@ def _register_file_tile(exts: list, s_idx: list[int], row_pos: int, col_pos: int
     7 interleaved rounds, load 2.4-4.4; ORT = 1.00): 128 -> 128 on 14x14 b1 7x2 (the default)
     2.21, 2x2x2 1.11, 2x1x4 1.18, 7x1 1.37, 7x2x1 2.06; b8 2.23 / 1.15 / 1.19 / 1.42 / 1.97;
     256 -> 256 on 7x7 b1 7x2 1.64, 7x1 1.19, 1x4 1.77, 1x8 2.10; b8 1.94 / 1.34 / 1.93 / 2.27;
-    64 -> 64 on 28x28 b1 7x2 1.99, 4x2 1.16, 2x2x2 1.17, 2x1x4 1.19, 4x2x1 2.06. Rule on / off
+    64 -> 64 on 28x28 b1 7x2 1.99, 4x2 1.16, 2x2x2 1.17, 2x1x4 1.19, 4x2x1 2.06. Blocks of
+    images on 7x7 maps (pixel x images x vectors, against 7x1): 256 -> 256 b8 1x4x2 0.99 and
+    1.11 (7x1 1.33, 1.28), 1x2x4 1.21; b4 1x4x2 0.95 (7x1 1.25); stride 2 128 -> 256 onto 7x7 b8
+    1x4x2 1.09 (7x1 1.49); but b2 1x2x4 1.24 against 7x1's 1.06, hence blocks of 4 only. Rule on / off
     (``benchmarks/conv_layers.py --only resnet --baseline ...REGISTER_FILE_TILE=False``, 7 rounds,
     load 3.2-4.9): see docs/per_device_speed.md, "Session 17 (AVX2): narrow convs"."""
     width = exts[row_pos]
-    his = [1] + ([c for c in (2, 3, 4) if exts[col_pos] % c == 0] if col_pos is not None else [])
+    outer = [(1, -1)] + ([(c, col_pos) for c in (2, 3, 4) if exts[col_pos] % c == 0]
+                         if col_pos is not None else [])
+    if len(outer) == 1 and images is not None and exts[images] % 4 == 0:
+        outer.append((4, images))  # a 7-high map: blocks of 4 images instead
     vectors = exts[s_idx[-1]] // vec
-    best = (0.0, 0, 0, 0, 1, 1, 1)
+    best = (0.0, 0, 0, 0, 1, 1, 1, -1)
     for ni in (c for c in range(min(width, 8), 0, -1) if width % c == 0):
-        for hi in his:
+        for hi, axis in outer:
             for nj in (8, 4, 3, 2, 1):
                 acc = ni * hi * nj
                 if vectors % nj or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
                     continue
-                best = max(best, (acc / (ni * hi + nj), acc, -nj, -hi, ni, hi, nj))
-    return best[4], best[5], best[6]
+                best = max(best, (acc / (ni * hi + nj), acc, -nj, -hi, ni, hi, nj, axis))
+    return best[4], best[5], best[6], (best[7] if best[7] >= 0 else None)
 
 
 def _tile_sizes(exts: list, s_idx: list[int], lanes: int) -> tuple[int, int, int | None, int]:
