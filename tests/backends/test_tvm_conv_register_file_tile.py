@@ -4,8 +4,9 @@ run image by image on 16 registers (rule 2, ``STEM_IMAGES_OUTER``).
 
 On AVX2 (16 ymm) the default tile of a 3x3 conv on a 7-, 14-, 28- or 56-wide map is 7 or 8 pixels
 x 2 vectors: 14-16 accumulators + 2 weight vectors + 1 broadcast, so LLVM kept one accumulator on
-the stack (a store and a reload per FMA step). Rule 1 takes the best tile that fits instead. The
-tests check the choice per shape, that a ``znver4`` (AVX-512, 32 registers) build never takes the
+the stack (a store and a reload per FMA step). Rule 1 takes the best tile that fits instead (on a
+7x7 map at batch 4k, 4 images x 2 vectors: ``REGISTER_FILE_TILE_IMAGES``). The tests check the
+choice per shape, that a ``znver4`` (AVX-512, 32 registers) build never takes the
 rule, that the ``znver3`` kernel has no ymm spills, and that the ``znver3`` builds match ONNX
 Runtime (rtol 1e-4, atol 1e-5) on the affected shapes at batch 1-2.
 """
@@ -39,7 +40,8 @@ def _host_has_avx2() -> bool:
 
 def _build(m, spec: dict):
     target = tvm.target.Target(spec)
-    return tvm.compile(run_pipeline(lower_program(m).mod, "scheduled", target, conv_algorithm="direct"), target)
+    mod = run_pipeline(lower_program(m).mod, "scheduled", target, conv_algorithm="direct")
+    return tvm.compile(mod, target)
 
 
 def _spy(monkeypatch) -> list:
@@ -106,7 +108,8 @@ def test_avx2_conv_has_no_ymm_spills():
 def test_matches_onnxruntime(ci, hw, co, batch):
     m = single_conv_model(ci, hw, co, 3, 1, batch, seed=ci + hw + co)
     x = np.random.default_rng(0).standard_normal((batch, ci, hw, hw)).astype(np.float32)
-    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = sess.run(None, {"x": x})[0]
     res = relax.VirtualMachine(_build(m, ZNVER3), tvm.cpu())["main"](tvm.runtime.tensor(x))
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
     np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
@@ -125,7 +128,8 @@ def test_batched_stem_runs_images_outermost_on_16_registers():
 def test_batched_stem_matches_onnxruntime():
     m = single_conv_model(3, 32, 16, 7, 2, 2, seed=5)
     x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
-    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = sess.run(None, {"x": x})[0]
     res = relax.VirtualMachine(_build(m, ZNVER3), tvm.cpu())["main"](tvm.runtime.tensor(x))
     got = (res if isinstance(res, tvm.runtime.Tensor) else res[0]).numpy()
     np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)

@@ -45,7 +45,8 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    pixels x 2 vectors, 14-16 accumulators in 16 ymm registers, and LLVM kept one accumulator on
    the stack (26 stores and 27 reloads in the kernel of 128 -> 128 on 14x14: a store-to-load
    round trip in every FMA chain step). On 32 registers (AVX-512) the default tile always fits
-   (at most :data:`MAX_ACCUMULATORS` + 3), so AVX-512 builds never take the rule. Measured: see
+   (at most :data:`MAX_ACCUMULATORS` + 3), so AVX-512 builds never take the rule. A 7x7 map at a
+   batch of 4k spans 4 images (:data:`REGISTER_FILE_TILE_IMAGES`). Measured: see
    :func:`_register_file_tile`.
 2. A batched RGB stem on a 16-register target runs image by image (:data:`STEM_IMAGES_OUTER`, env
    ``PARTITIONER_STEM_IMAGES_OUTER=0`` turns it off; default on): see :func:`_parallel_order`.
