@@ -92,7 +92,8 @@ def test_knob_off_splits_channels(parallel_always: None, monkeypatch: pytest.Mon
 def test_large_weights_keep_channel_tiles_outermost(parallel_always: None) -> None:
     assert 9 * 256 * 256 * 4 > C.ROWS_OUTER_WEIGHT_BYTES
     rows, chans, _ = _first_half(build_and_compare(_conv(256, 7)))
-    assert rows == set(range(7)) and len(chans) < 256 // _tile()
+    # the first half writes the first half of the channels (AVX2's 7x7 tile has 1 vector: rule 1)
+    assert rows == set(range(7)) and max(chans) < 128
 
 
 def test_batch_two_keeps_channel_tiles_outermost(parallel_always: None) -> None:

@@ -33,10 +33,28 @@ TOPI writes for a convolution without padding), which are inlined
 Applies only when every read of the reduction block either does not use the vector axis or
 uses it in its last (contiguous) dimension; otherwise the inner loop would gather, so the
 function is left to the next rule.
+
+Numbered rules (from session 17 on; the paragraphs above are the older rules):
+
+1. A tile that fits the register file (:data:`REGISTER_FILE_TILE`, env
+   ``PARTITIONER_REGISTER_FILE_TILE=0`` turns it off; default on). A direct convolution (three
+   reductions kh, kw, ci) whose tile after the rules above needs more vector registers than the
+   target has (``ni*nj`` accumulators + ``nj`` weight vectors + 1 broadcast > 16 on AVX2) takes
+   :func:`_register_file_tile`'s tile instead. Shapes it is for: 3x3 convs on 7-, 14-, 28- and
+   56-wide maps on AVX2 (every ResNet stage but the 4x4 / 2x2 ones): their default tile is 7 or 8
+   pixels x 2 vectors, 14-16 accumulators in 16 ymm registers, and LLVM kept one accumulator on
+   the stack (26 stores and 27 reloads in the kernel of 128 -> 128 on 14x14: a store-to-load
+   round trip in every FMA chain step). On 32 registers (AVX-512) the default tile always fits
+   (at most :data:`MAX_ACCUMULATORS` + 3), so AVX-512 builds never take the rule. A 7x7 map at a
+   batch of 4k spans 4 images (:data:`REGISTER_FILE_TILE_IMAGES`). Measured: see
+   :func:`_register_file_tile`.
+2. A batched RGB stem on a 16-register target runs image by image (:data:`STEM_IMAGES_OUTER`, env
+   ``PARTITIONER_STEM_IMAGES_OUTER=0`` turns it off; default on): see :func:`_parallel_order`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -88,6 +106,17 @@ PAD_PER_IMAGE = True
 PAD_PER_IMAGE_MIN_BATCH = 4
 #: ... for weights (``kh*kw*ci*co`` floats) up to this size: larger ones are read again per image
 PAD_PER_IMAGE_MAX_WEIGHT_BYTES = 3 << 19
+#: rule 1: a direct convolution whose default register tile needs more vector registers than the
+#: target has (16 ymm on AVX2: 7 pixels x 2 vectors = 14 accumulators + 2 weights + 1 broadcast)
+#: takes the best tile that fits (:func:`_register_file_tile`); off: the default tile, which LLVM
+#: spills (one accumulator stored and reloaded per FMA step). Never applies on 32 registers.
+REGISTER_FILE_TILE = os.environ.get("PARTITIONER_REGISTER_FILE_TILE", "1") != "0"
+#: ... and on a map whose height no 2, 3 or 4 divides (7x7), the tile may span 4 images instead
+#: (:func:`_register_file_tile`); off: such maps take 7 pixels x 1 vector
+REGISTER_FILE_TILE_IMAGES = True
+#: rule 2: a batched RGB stem runs its images outermost, the channel tiles inside each image
+#: (:func:`_parallel_order`); off: the channel tiles outermost, each sweeping the whole batch
+STEM_IMAGES_OUTER = os.environ.get("PARTITIONER_STEM_IMAGES_OUTER", "1") != "0"
 #: batch-1 padded convolutions read the input directly, the padding inlined as bounds checks, and
 #: the first / last row and column tiles get loops of their own so that the interior's checks
 #: drop (:func:`_inline_border_pad`, :func:`_split_border_tiles`); off: TOPI's whole padded copy
@@ -141,19 +170,7 @@ class Contraction(TryRule):
         if any(e is None for e in exts):
             return None
 
-        vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
-        nj = _stem_vectors(exts, r_idx, vec, nj_default)
-        col_pos, hi = None, 1
-        if vec == lanes and row_pos is not None and ni >= NARROW_ROWS and nj == nj_default:
-            ni = _wide_input_rows(exts, r_idx, vec_pos, row_pos, vec, ni, _input_bytes(stmt, vec_pos))
-        if vec > 1 and row_pos is not None and ni < NARROW_ROWS:
-            col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
-            hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
-        elif (1 < vec < lanes and row_pos is not None and nj == nj_default
-              and ni * nj < FEW_CHANNELS_ACCUMULATORS):
-            col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
-            hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, 32 if lanes >= 16 else 16)
-
+        vec, nj, row_pos, ni, col_pos, hi = _choose_tile(stmt, exts, s_idx, r_idx, vec_pos, lanes)
         border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
@@ -176,7 +193,7 @@ class Contraction(TryRule):
         inner = [lp for lp in (col_inner, row_inner) if lp is not None] + [v_j, v_lane]
         pad = _image_pad(sch, red, exts, r_idx) if spatial_outer and not border else None
         outer = _order_outer(sch, pad, v_outer, spatial_outer, [*red_loops, *inner], exts, r_idx, vec_pos,
-                             border)
+                             border, lanes < 16)
         if pad is not None:
             _vectorize_copy(sch, pad, lanes)
         sch.reverse_compute_at(wb, outer, preserve_unit_loops=True)
@@ -517,7 +534,7 @@ def _wide_input_rows(exts: list, r_idx: list[int], vec_pos: int, row_pos: int, v
 
 
 def _order_outer(sch: Any, pad: Any, v_outer: Any, spatial_outer: list, rest: list, exts: list,
-                 r_idx: list[int], vec_pos: int, border: bool = False) -> Any:
+                 r_idx: list[int], vec_pos: int, border: bool = False, few_registers: bool = False) -> Any:
     """Reorder the tile loops (``rest``: reductions and register tile, innermost), fuse the outer
     ones and mark the parallel loop; returns the fused loop of one output tile. Without ``pad``:
     one fused parallel loop in :func:`_parallel_order`'s order. With ``pad`` (the batch's padded
@@ -526,7 +543,7 @@ def _order_outer(sch: Any, pad: Any, v_outer: Any, spatial_outer: list, rest: li
     (:func:`_inline_border_pad`): ``[n, h, v_outer, w tiles]``, only ``(n, h)`` fused (the parallel
     loop), the column-tile loop returned, so that :func:`_split_border_tiles` can cut both."""
     if border:
-        head = _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos)
+        head = _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos, few_registers)
         sch.reorder(*head, *rest)
         rows = sch.fuse(*head[:-2])
         if worth_parallel(_flops(exts)):
@@ -539,7 +556,7 @@ def _order_outer(sch: Any, pad: Any, v_outer: Any, spatial_outer: list, rest: li
             sch.parallel(v_outer)
         return v_outer
     head = ([spatial_outer[0], v_outer, *spatial_outer[1:]] if pad is not None
-            else _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos))
+            else _parallel_order(v_outer, spatial_outer, exts, r_idx, vec_pos, few_registers))
     sch.reorder(*head, *rest)
     outer = sch.fuse(*head[int(pad is not None):])
     par = head[0] if pad is not None else outer
@@ -665,7 +682,8 @@ def _vectorize_copy(sch: Any, block: Any, lanes: int) -> None:
         sch.vectorize(v)
 
 
-def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[int], vec_pos: int) -> list:
+def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[int], vec_pos: int,
+                    few_registers: bool = False) -> list:
     """The loops fused into the parallel outer loop, outermost first: ``[v_outer, *spatial]``
     (channel tiles outermost), or ``[n, h, v_outer, w tiles]`` (the channel tiles just above the
     innermost spatial tiles) for a convolution (three reductions) whose weights
@@ -686,7 +704,16 @@ def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[i
     1: there the maps no longer fit a core's L2 either way, resnet18 at batch 8 already scaled
     1.99x with channel tiles outermost, and its 64- and 128-channel convs ran 1.04-1.18x slower on
     one thread pixels first (one paired run, load ~3). Measured: see docs/per_device_speed.md,
-    "The quiet run after steps 5-7"."""
+    "The quiet run after steps 5-7".
+
+    Rule 2 (:data:`STEM_IMAGES_OUTER`): on a 16-register target (``few_registers``: AVX2; measured
+    there only, so AVX-512 builds keep their order) an RGB stem (fewer than 4 input channels) at
+    batch > 1 runs ``[n, v_outer, h, w tiles]``: the images outermost, the channel tiles of one image inside.
+    With the channel tiles outermost, each of ResNet-18's eight 8-channel tiles (AVX2, one vector:
+    :func:`_stem_vectors`) swept the whole batch's padded input (8 x 118 x 118 x 3 floats, 1.3 MiB)
+    and wrote 32 bytes of every 256-byte output pixel of the batch (6.4 MiB), out of L2; per image
+    (167 KiB in, 0.8 MiB out) the input stays in L2. Measured: see docs/per_device_speed.md,
+    "Session 17 (AVX2): narrow convs"."""
     weight = 4 * exts[vec_pos]
     for i in r_idx:
         weight *= exts[i]
@@ -695,6 +722,9 @@ def _parallel_order(v_outer: Any, spatial_outer: list, exts: list, r_idx: list[i
     if ROWS_OUTER_CONV and len(r_idx) == 3 and len(spatial_outer) > 1 and weight <= ROWS_OUTER_WEIGHT_BYTES \
             and not stem and single:
         return [*spatial_outer[:-1], v_outer, spatial_outer[-1]]
+    if (STEM_IMAGES_OUTER and few_registers and stem and not single and len(r_idx) == 3
+            and len(spatial_outer) > 1):
+        return [spatial_outer[0], v_outer, *spatial_outer[1:]]  # rule 2
     return [v_outer, *spatial_outer]
 
 
@@ -704,6 +734,78 @@ def _flops(exts: list) -> float:
     for e in exts:
         total *= e
     return total
+
+
+def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_pos: int,
+                 lanes: int) -> tuple[int, int, int | None, int, int | None, int]:
+    """The register tile of the reduction block: (vector width, channel vectors nj, row axis,
+    pixels per row ni, outer axis the tile also spans or None, its rows hi). The default
+    (:func:`_tile_sizes`), then the rules that replace it for stems, wide inputs, narrow maps,
+    narrow channel counts and (rule 1) tiles that overflow a 16-register file."""
+    registers = 32 if lanes >= 16 else 16
+    vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
+    nj = _stem_vectors(exts, r_idx, vec, nj_default)
+    col_pos, hi = None, 1
+    if vec == lanes and row_pos is not None and ni >= NARROW_ROWS and nj == nj_default:
+        ni = _wide_input_rows(exts, r_idx, vec_pos, row_pos, vec, ni, _input_bytes(stmt, vec_pos))
+    if (REGISTER_FILE_TILE and vec > 1 and row_pos is not None and len(r_idx) == 3
+            and ni * nj + nj + 1 > registers):
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        images = (_shared_outer_axis(stmt, ivs_of(stmt), s_idx, col_pos, vec_pos, exts)
+                  if col_pos is not None and REGISTER_FILE_TILE_IMAGES else None)
+        ni, hi, nj, col_pos = _register_file_tile(exts, s_idx, row_pos, col_pos, vec, registers, images)
+    elif vec > 1 and row_pos is not None and ni < NARROW_ROWS:
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
+    elif (1 < vec < lanes and row_pos is not None and nj == nj_default
+          and ni * nj < FEW_CHANNELS_ACCUMULATORS):
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        hi, nj = _few_channels_tile(exts, s_idx, col_pos, ni, vec, registers)
+    return vec, nj, row_pos, ni, col_pos, hi
+
+
+def _register_file_tile(exts: list, s_idx: list[int], row_pos: int, col_pos: int | None, vec: int,
+                        registers: int, images: int | None = None) -> tuple[int, int, int, int | None]:
+    """(ni, hi, nj, the axis ``hi`` blocks or None) for a direct convolution whose default tile
+    (``ni`` pixels x ``nj`` vectors) needs more vector registers than the target has (rule 1,
+    :data:`REGISTER_FILE_TILE`): ``ni`` pixels of the row (dividing the output width, at most 8),
+    ``hi`` rows of the outer axis ``col_pos`` (dividing it, at most 4) and ``nj`` channel vectors
+    (dividing the channel vectors), with ``ni*hi*nj`` accumulators + ``nj`` weight vectors + 1
+    broadcast within the register file. When no 2, 3 or 4 divides the height (7x7 maps), ``hi``
+    may instead be 4 images of the axis ``images`` (the batch; its extent a multiple of 4).
+    Chosen like :func:`_narrow_tile`: most FMAs per load, P·nj / (P + nj) with P = ``ni * hi``
+    pixels, then most accumulators, then fewest channel vectors, then fewest rows. On 16
+    registers: 14x14 maps get 2 x 2 pixels x 2 vectors, 28x28 and 56x56 maps 4 pixels x 2
+    vectors, 7x7 maps 1 pixel x 4 images x 2 vectors at batch 4, 8, ... and 7 pixels x 1 vector
+    otherwise. MLAS's AVX2 conv kernel (``SconvKernelFma3.S``)
+    takes 3 pixels x 4 vectors (12 accumulators) with a 2- or 1-pixel remainder; a tile that
+    does not divide the map is not one this rule can express (a predicate in the unrolled tile).
+
+    Measured (``znver3``, 1 thread, thread CPU time, conv 3x3 + bias + ReLU, forced tiles,
+    7 interleaved rounds, load 2.4-4.4; ORT = 1.00): 128 -> 128 on 14x14 b1 7x2 (the default)
+    2.21, 2x2x2 1.11, 2x1x4 1.18, 7x1 1.37, 7x2x1 2.06; b8 2.23 / 1.15 / 1.19 / 1.42 / 1.97;
+    256 -> 256 on 7x7 b1 7x2 1.64, 7x1 1.19, 1x4 1.77, 1x8 2.10; b8 1.94 / 1.34 / 1.93 / 2.27;
+    64 -> 64 on 28x28 b1 7x2 1.99, 4x2 1.16, 2x2x2 1.17, 2x1x4 1.19, 4x2x1 2.06. Blocks of
+    images on 7x7 maps (pixel x images x vectors, against 7x1): 256 -> 256 b8 1x4x2 0.99 and
+    1.11 (7x1 1.33, 1.28), 1x2x4 1.21; b4 1x4x2 0.95 (7x1 1.25); stride 2 128 -> 256 onto 7x7 b8
+    1x4x2 1.09 (7x1 1.49); but b2 1x2x4 1.24 against 7x1's 1.06, hence blocks of 4 only. Rule on / off
+    (``benchmarks/conv_layers.py --only resnet --baseline ...REGISTER_FILE_TILE=False``, 7 rounds,
+    load 3.2-4.9): see docs/per_device_speed.md, "Session 17 (AVX2): narrow convs"."""
+    width = exts[row_pos]
+    outer = [(1, -1)] + ([(c, col_pos) for c in (2, 3, 4) if exts[col_pos] % c == 0]
+                         if col_pos is not None else [])
+    if len(outer) == 1 and images is not None and exts[images] % 4 == 0:
+        outer.append((4, images))  # a 7-high map: blocks of 4 images instead
+    vectors = exts[s_idx[-1]] // vec
+    best = (0.0, 0, 0, 0, 1, 1, 1, -1)
+    for ni in (c for c in range(min(width, 8), 0, -1) if width % c == 0):
+        for hi, axis in outer:
+            for nj in (8, 4, 3, 2, 1):
+                acc = ni * hi * nj
+                if vectors % nj or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
+                    continue
+                best = max(best, (acc / (ni * hi + nj), acc, -nj, -hi, ni, hi, nj, axis))
+    return best[4], best[5], best[6], (best[7] if best[7] >= 0 else None)
 
 
 def _tile_sizes(exts: list, s_idx: list[int], lanes: int) -> tuple[int, int, int | None, int]:
