@@ -13,8 +13,11 @@ Rules:
    not with recompute (pipeline rule 8: the stash is then only the stage's inputs). A stashed
    value is *rewritten* when ``F`` makes it (not a program input: the data and the received
    values come in NCHW), it is a 4-d float tensor, it is not a value the stage sends (the message
-   keeps the model's layout) and no deferred weight-gradient program reads it (pipeline rule 10's
-   ``w_stash``, concatenated on its batch axis in the rank).
+   keeps the model's layout), no deferred weight-gradient program reads it (pipeline rule 10's
+   ``w_stash``, concatenated on its batch axis in the rank) and no op of :data:`LAYOUT_BOUND`
+   reads it in ``B`` (the weight gradient's im2col pads and slices its input in NCHW: with that
+   input NHWC, TVM fused the transpose into the im2col kernel, which ran 72.7 ms a step against
+   58.5 for the NCHW one on the resnet's stage 0, more than all of ``F``'s transposes).
 2. ``F`` returns ``<v>.nhwc = Transpose(v, [0, 2, 3, 1])`` in place of ``v``; ``B`` takes
    ``<v>.nhwc`` as its input and starts with ``v = Transpose(<v>.nhwc, [0, 3, 1, 2])``; the
    stage's ``stash`` names ``<v>.nhwc`` (same position). The ONNX programs compute the same
@@ -24,8 +27,16 @@ Rules:
    consumer's injective kernel.
 3. Cost: none in memory (the same bytes, another order); the rank's runner passes stash values
    by name, so nothing else changes.
+4. Measured (session 17, docs/training.md "Session 17 (the NHWC stash)"): on the zoo resnet's
+   stage 0 at 2 images ``F``'s transpose kernels drop (681 -> 425 calls a step, 29.5 -> 14.7 ms)
+   but ``B``'s grow more (425 -> 785 calls, layout 82.3 -> 99.1 ms): outside its convolutions
+   ``B`` runs in NCHW (the BatchNormalization gradient's products and reductions, the im2col),
+   so TVM transposes the NHWC stash back there, once per reading kernel. Kernels 460.8 against
+   453.6 ms a step; stage 0 alone, paired, 16 rounds: on 409.8 / off 400.6 ms, off faster in 8
+   (without rule 1's im2col condition: 422.1 / 419.7, on faster in 7). Hence off.
 
-Knob :data:`NHWC_STASH` (env ``PARTITIONER_TRAIN_NHWC_STASH=0`` turns it off in MPI ranks too).
+Knob :data:`NHWC_STASH`, default off (env ``PARTITIONER_TRAIN_NHWC_STASH=1`` turns it on, in MPI
+ranks too): see rule 4.
 """
 
 from __future__ import annotations
@@ -39,9 +50,13 @@ from onnx import helper
 if TYPE_CHECKING:
     from partitioner.training.pipeline import Stage
 
-#: rules 1-2 on TVM plans (off: ``F`` returns its stash in the model's NCHW layout)
-NHWC_STASH = os.environ.get("PARTITIONER_TRAIN_NHWC_STASH", "1") != "0"
+#: rules 1-2 on TVM plans (off: ``F`` returns its stash in the model's NCHW layout). Default OFF:
+#: no paired win (rule 4); ``PARTITIONER_TRAIN_NHWC_STASH=1`` turns it on (in MPI ranks too)
+NHWC_STASH = os.environ.get("PARTITIONER_TRAIN_NHWC_STASH", "0") == "1"
 SUFFIX = ".nhwc"
+#: rule 1: ``B`` ops that read a value in the model's layout whatever TVM does around them (the
+#: weight gradient's im2col: Pad, Slice, then Concat / Reshape); a value one of them reads stays NCHW
+LAYOUT_BOUND = frozenset({"Pad", "Slice", "Reshape", "Flatten", "Concat", "Gather", "Transpose", "Split"})
 TO_NHWC = [0, 2, 3, 1]
 TO_NCHW = [0, 3, 1, 2]
 
@@ -74,6 +89,7 @@ def rewritten(stage: Stage) -> list[str]:
     made = {o for n in fwd.graph.node for o in n.output}
     sent = {v for _, v in stage.send} | {b for _, b in stage.bn_state}
     skip = f_inputs | sent | set(stage.w_stash)
+    skip |= {i for n in stage.backward.graph.node if n.op_type in LAYOUT_BOUND for i in n.input}
     return [v for v in stage.stash if v in made and v not in skip
             and _float4d(_info(fwd, v))]
 

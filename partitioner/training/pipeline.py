@@ -80,11 +80,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     from the previous call's sum (zeros on the first), the add on the weight gradient's MatMul /
     Gemm product where there is one (TVM fuses it into that kernel). Rule 10's deferred gradients
     and rule 12's moved columns are still added in the rank.
-14. On TVM plans a stage's ``F`` returns the 4-d activations it stashes for ``B`` in NHWC, the
-    layout TVM runs its convolutions in (:mod:`partitioner.training.nhwc_stash`, knob
-    ``nhwc_stash.NHWC_STASH``): a ``Transpose`` pair at the stash boundary that TVM folds into
-    its own layout permutes on both sides; sent values and rule 10's ``w_stash`` keep the
-    model's layout.
+14. On TVM plans, with ``nhwc_stash.NHWC_STASH`` (off by default: no paired win, nhwc_stash
+    rule 4), a stage's ``F`` returns the 4-d activations it stashes for ``B`` in NHWC, the layout
+    TVM runs its convolutions in (:mod:`partitioner.training.nhwc_stash`): a ``Transpose`` pair
+    at the stash boundary that TVM folds into its own layout permutes on both sides; sent values,
+    rule 10's ``w_stash`` and values ``B``'s im2col reads keep the model's layout.
 """
 
 from __future__ import annotations
