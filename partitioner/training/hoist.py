@@ -77,6 +77,23 @@ Rules:
    layer3-4 weights of 2.4-9.4 MiB: 216.7 -> 213.0 and 207.9 -> 190.7). With the bound (one
    paired run, 5 rounds, load 3.6-3.0): 320.3 / 208.2 -> 295.6 / 191.4 ms against a 376.7 ms
    1-rank step (the 1F1B bound 1.05x -> 1.13x).
+8. TVM plans only, with rule 7. A weight rule 7 lifts (at least :data:`LIFT_MIN_BYTES`, a stage
+   weight the program reads) gets neither rule 5's HWIO pair nor rule 4's hoisted transpose and
+   flip (stride 1; the phase form's gather is no permutation and stays hoisted) (knob
+   :data:`LIFTED_WEIGHTS_IN_PACK`): its Conv reads the weight (or ``flip(W^T)`` computed in the
+   program, its nodes named ``*.in_pack.node``, which rule 1 never hoists), so TVM's own OIHW -> HWIO
+   permute (and the flip) fold into the weight's panel pack
+   (``backends/tvm/fold_weight_packs.py``, the 1-rank step's ``fused_transpose_weight_prepack``)
+   and rule 7 lifts that one pass. With rules 4-5 ``P`` transposed (and flipped) the weight and
+   the lifted transform packed the result: two passes over each such weight a step (measured,
+   session 16, the zoo resnet's stage 1 at 2 images: ``P`` 24-45 ms a step plus 12.6 ms of
+   packs, against 15.3 ms for the same packs on the 1-rank step). Smaller weights keep rules
+   4-5: their packs run per call, next to the conv, from the hoisted HWIO value. Measured
+   (session 17, the zoo resnet at 2-image micro-batches, cut after layer3.0.conv1.relu, thread
+   CPU; docs/training.md "Session 17 (lifted weights packed in one pass)"): stage 1 alone,
+   paired against the knob off, 371.5 / 397.0 ms a step, median paired difference -22.9 ms,
+   faster in 14 of 16 rounds (load 2.9 -> 5.3); its kernels: ``P`` 39.5 -> 7.3 ms a step, the
+   lifted packs 27.6 -> 31.4. On by default.
 6. Cost: each hoisted value is alive for the whole step (a weight-sized buffer per transposed
    weight), one more program call per step; the arithmetic is once per step instead of ``M``
    times. With ``M = 1`` nothing is hoisted (nothing to save).
@@ -116,6 +133,10 @@ RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUn
                         "Bernoulli", "Multinomial"})
 PREFIX = "hoist."
 STAYS = ".oihw.node"  # rule 5: the per-micro-batch transpose back, never hoisted
+IN_PACK = ".in_pack.node"  # rule 8: a lifted weight's rule-4 transpose and flip, never hoisted
+#: rule 8 (off: rules 4-5 hoist the transpose / flip of every weight, lifted or not, into ``P``);
+#: the environment's ``PARTITIONER_TRAIN_LIFTED_WEIGHTS_IN_PACK=0`` turns it off in MPI ranks too
+LIFTED_WEIGHTS_IN_PACK = os.environ.get("PARTITIONER_TRAIN_LIFTED_WEIGHTS_IN_PACK", "1") != "0"
 
 
 def _attr(node: onnx.NodeProto, name: str, default: int = 0) -> int:
@@ -218,9 +239,10 @@ def _strided_as_conv(g: onnx.GraphProto, n: onnx.NodeProto, w_shape: list[int],
     return out
 
 
-def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
+def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str], in_pack: frozenset[str] = frozenset()) -> None:
     """Rule 4: ``ConvTranspose(dY, W, pads=p)`` of a weight -> ``Conv(dY, flip(W^T), pads=k-1-p)``
-    (stride 1) or its phase form (equal strides s > 1, :func:`_strided_as_conv`)."""
+    (stride 1) or its phase form (equal strides s > 1, :func:`_strided_as_conv`); for a weight of
+    ``in_pack`` (rule 8) the stride-1 transpose and flip are named to stay in the program."""
     g = model.graph
     shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in g.input}
     if CONSTANT_FILTERS:  # rule 4 on constant filters too (MaxPool's gradient scatter)
@@ -247,24 +269,27 @@ def conv_transpose_as_conv(model: onnx.ModelProto, weights: set[str]) -> None:
             for name, vals in zip(flip, ([-1, -1], [-2**62, -2**62], [2, 3], [-1, -1])):
                 g.initializer.append(helper.make_tensor(name, onnx.TensorProto.INT64, [2], vals))
         t = f"{w}.convT.{len(nodes)}"
-        nodes.append(helper.make_node("Transpose", [w], [f"{t}.swap"], perm=[1, 0, 2, 3], name=f"{t}.swap.node"))
-        nodes.append(helper.make_node("Slice", [f"{t}.swap", *flip], [t], name=f"{t}.node"))
+        end = IN_PACK if w in in_pack else ".node"
+        nodes.append(helper.make_node("Transpose", [w], [f"{t}.swap"], perm=[1, 0, 2, 3], name=f"{t}.swap{end}"))
+        nodes.append(helper.make_node("Slice", [f"{t}.swap", *flip], [t], name=f"{t}{end}"))
         nodes.append(helper.make_node("Conv", [n.input[0], t, *n.input[2:]], list(n.output), name=n.name,
                                       kernel_shape=k, pads=conv_pads, strides=[1, 1], dilations=[1, 1], group=1))
     del g.node[:]
     g.node.extend(nodes)
 
 
-def conv_weights_hwio(model: onnx.ModelProto, weights: set[str]) -> None:
-    """Rule 5: ``Conv(x, V)`` with ``V`` weight-only -> ``Conv(x, Transpose(Transpose(V, HWIO), OIHW))``."""
+def conv_weights_hwio(model: onnx.ModelProto, weights: set[str], in_pack: frozenset[str] = frozenset()) -> None:
+    """Rule 5: ``Conv(x, V)`` with ``V`` weight-only -> ``Conv(x, Transpose(Transpose(V, HWIO), OIHW))``;
+    not where ``V`` is a weight of ``in_pack`` or made from one by rule 8's nodes (rule 8)."""
     g = model.graph
     inits = {t.name for t in g.initializer}
     ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in g.input}
     derived = set(weights)  # rule 1's weight-only values, in program order
+    packed = set(in_pack) | {o for n in g.node if n.name.endswith(IN_PACK) for o in n.output}
     nodes: list[onnx.NodeProto] = []
     for n in g.node:
         w = n.input[1] if n.op_type == "Conv" and len(n.input) > 1 else ""
-        if w in derived and (len(_ints(n, "kernel_shape") or []) or ranks.get(w, 0) - 2) == 2:
+        if w in derived and w not in packed and (len(_ints(n, "kernel_shape") or []) or ranks.get(w, 0) - 2) == 2:
             hwio = f"{w}.hwio.{len(nodes)}"
             nodes.append(helper.make_node("Transpose", [w], [hwio], perm=[2, 3, 1, 0], name=f"{hwio}.node"))
             nodes.append(helper.make_node("Transpose", [hwio], [f"{hwio}.oihw"], perm=[3, 2, 0, 1],
@@ -353,7 +378,7 @@ class _Hoister:
     def _weight_only(self, n: onnx.NodeProto, ins: list[str], inits: dict[str, onnx.TensorProto],
                      returned: set[str]) -> bool:
         if n.op_type in RANDOM_OPS or not n.output or any(o in returned for o in n.output) \
-                or n.name.endswith(STAYS):  # rule 5's transpose back to OIHW, which TVM cancels
+                or n.name.endswith(STAYS) or n.name.endswith(IN_PACK):  # rules 5 and 8: TVM cancels / folds them
             return False
         present = [i for i in ins if i]
         return bool(present) and all(i in self.weights or i in inits or i.startswith(PREFIX) for i in present) \
@@ -377,15 +402,24 @@ def _renamed(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
     return out
 
 
+def _lifted_weights(programs: Sequence[onnx.ModelProto], weights: set[str]) -> frozenset[str]:
+    """Rule 8: the stage weights rule 7 will lift (the programs' weight inputs of at least
+    :data:`LIFT_MIN_BYTES`); empty with either knob off."""
+    if not (LIFTED_WEIGHTS_IN_PACK and LIFT_STEP_CONSTANTS):
+        return frozenset()
+    return frozenset(v.name for p in programs for v in p.graph.input if v.name in weights and _bytes(v) >= LIFT_MIN_BYTES)
+
+
 def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], weights: Sequence[str], *,
                          micro_batches: int, backend: str) -> tuple[list[onnx.ModelProto | None], onnx.ModelProto | None]:
-    """Rules 1-5 and 7 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
+    """Rules 1-5, 7 and 8 on one stage: its per-micro-batch programs rewritten, and the ``prepare`` program
     ``<name>.prepare`` (None when nothing is hoisted, ``micro_batches`` is 1, ``backend`` is not
     TVM or :data:`HOIST_WEIGHT_NODES` is off)."""
     present = [p for p in programs if p is not None]
     if not HOIST_WEIGHT_NODES or backend != "tvm" or micro_batches < 2 or not present or not weights:
         return list(programs), None
     hoister = _Hoister(set(weights))
+    in_pack = _lifted_weights(present, hoister.weights)
     out: list[onnx.ModelProto | None] = []
     for p in programs:
         if p is None:
@@ -394,9 +428,9 @@ def hoist_stage_programs(name: str, programs: Sequence[onnx.ModelProto | None], 
         model = onnx.ModelProto()
         model.CopyFrom(p)
         _transpose_gemm_weights(model, hoister.weights)
-        conv_transpose_as_conv(model, hoister.weights)
+        conv_transpose_as_conv(model, hoister.weights, in_pack)
         if HWIO_CONV_WEIGHTS:
-            conv_weights_hwio(model, hoister.weights)
+            conv_weights_hwio(model, hoister.weights, in_pack)
         model = hoister.program(model)
         if LIFT_STEP_CONSTANTS:  # rule 7
             mark_step_constants(model, [v.name for v in model.graph.input if _bytes(v) >= LIFT_MIN_BYTES

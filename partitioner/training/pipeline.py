@@ -80,6 +80,11 @@ Rules (numbered; ``tests/training/test_pipeline_training.py`` checks them):
     from the previous call's sum (zeros on the first), the add on the weight gradient's MatMul /
     Gemm product where there is one (TVM fuses it into that kernel). Rule 10's deferred gradients
     and rule 12's moved columns are still added in the rank.
+14. On TVM plans, with ``nhwc_stash.NHWC_STASH`` (off by default: no paired win, nhwc_stash
+    rule 4), a stage's ``F`` returns the 4-d activations it stashes for ``B`` in NHWC, the layout
+    TVM runs its convolutions in (:mod:`partitioner.training.nhwc_stash`): a ``Transpose`` pair
+    at the stash boundary that TVM folds into its own layout permutes on both sides; sent values,
+    rule 10's ``w_stash`` and values ``B``'s im2col reads keep the model's layout.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ import onnx_ir as ir
 from onnx import helper
 
 from partitioner.core.errors import UsageError
-from partitioner.training import moved_wgrad, split_cut
+from partitioner.training import moved_wgrad, nhwc_stash, split_cut
 from partitioner.training.autodiff import Emitter, backward, is_float
 from partitioner.training.losses import emit_loss, label_spec
 from partitioner.training.optimizers import STEP_NAME, Optimizer
@@ -453,6 +458,8 @@ def build_pipeline(model: Any, loss: str, optimizer: Optimizer, *, batch: int, s
     for s, (a, b) in enumerate(zip(starts, ends)):
         stage = _stage(proto, s, a, b, owner, stages, names, loss, optimizer, label_name, recompute,
                        None if wholes is None or wholes[s] is None else Defer(wholes[s], count, not defer))
+        if backend == "tvm" and nhwc_stash.NHWC_STASH:  # rule 14
+            nhwc_stash.apply(stage)
         programs, stage.prepare = hoist_stage_programs(
             f"{fwd.graph.name or 'model'}.stage{s}",
             [stage.forward, stage.backward, stage.fused, stage.weight_grad, stage.fused_tail],
