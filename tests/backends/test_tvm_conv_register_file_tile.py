@@ -25,17 +25,9 @@ from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import contraction as C
 from models_zoo.conv_layers import single_conv_model
+from tvm_build_check import ZNVER3, ZNVER4, host_has
 
 RTOL, ATOL = 1e-4, 1e-5
-ZNVER3 = {"kind": "llvm", "mcpu": "znver3"}
-ZNVER4 = {"kind": "llvm", "mcpu": "znver4"}
-
-
-def _host_has_avx2() -> bool:
-    try:
-        return "avx2" in open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
 
 
 def _build(m, spec: dict):
@@ -101,7 +93,7 @@ def test_avx2_conv_has_no_ymm_spills():
     assert len(spills) <= 2, spills
 
 
-@pytest.mark.skipif(not _host_has_avx2(), reason="built for AVX2; this CPU cannot run it")
+@pytest.mark.skipif(not host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
 @pytest.mark.parametrize("ci,hw,co,batch", [(32, 14, 64, 1), (64, 7, 32, 2), (16, 28, 32, 1), (24, 7, 48, 1),
                                                    (32, 7, 32, 4)],
                          ids=["14x14", "7x7-b2", "28x28", "7x7-6vec", "7x7-b4-images"])
@@ -124,7 +116,7 @@ def test_batched_stem_runs_images_outermost_on_16_registers():
     assert C._parallel_order("v", spatial, [1, *exts[1:]], [4, 5, 6], 3, True) == ["v", "n", "h", "w"]
 
 
-@pytest.mark.skipif(not _host_has_avx2(), reason="built for AVX2; this CPU cannot run it")
+@pytest.mark.skipif(not host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
 def test_batched_stem_matches_onnxruntime():
     m = single_conv_model(3, 32, 16, 7, 2, 2, seed=5)
     x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)

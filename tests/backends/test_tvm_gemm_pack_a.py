@@ -22,17 +22,9 @@ from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import gemm_packed
 from backends.tvm.schedules.gemm_packed import _a_block_tiles, _pack_a_plan, _register_tile
+from tvm_build_check import ZNVER3, ZNVER4, host_has
 
 F = TensorProto.FLOAT
-ZNVER3 = {"kind": "llvm", "mcpu": "znver3"}
-ZNVER4 = {"kind": "llvm", "mcpu": "znver4"}
-
-
-def _host_has(flag: str) -> bool:
-    try:
-        return flag in open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
 
 
 def _matmul(m: int, k: int, n: int, lead: tuple[int, ...] = (), const_b: bool = True, epilogue: bool = False) -> onnx.ModelProto:
@@ -90,7 +82,7 @@ def pack_mode(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.skipif(not _host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
+@pytest.mark.skipif(not host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
 @pytest.mark.parametrize("m,k,n", [(6, 64, 32), (7, 48, 32), (64, 96, 48), (100, 64, 40), (512, 128, 128), (100, 37, 64)],
                          ids=["m6", "m7", "m64", "m100-n40", "m512", "m100-k37"])
 def test_avx2_matmul_matches_numpy(m, k, n, pack_mode):
@@ -118,13 +110,13 @@ CASES = {"bias-relu-m100": lambda: _matmul(100, 64, 48, epilogue=True),
          "4d": lambda: _broadcast([2, 2, 50, 32], [2, 2, 32, 64], const_w=False)}
 
 
-@pytest.mark.skipif(not _host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
+@pytest.mark.skipif(not host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
 @pytest.mark.parametrize("case", list(CASES))
 def test_avx2_packed_a_epilogue_and_batched(case, pack_mode):
     _run_and_check(CASES[case](), ZNVER3)
 
 
-@pytest.mark.skipif(not _host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
+@pytest.mark.skipif(not host_has("avx2"), reason="built for AVX2; this CPU cannot run it")
 def test_avx2_m_blocked_order_matches_numpy(monkeypatch):
     # B too large for rows-outer: M blocks of packed A (rule 6's MC), each streamed past every B panel
     monkeypatch.setattr(gemm_packed, "PACK_A_MIN_K", 16)

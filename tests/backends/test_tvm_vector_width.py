@@ -26,18 +26,10 @@ from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import vector
 from backends.tvm.schedules.gemm_packed import _register_tile
 from backends.tvm.schedules.vector import vector_lanes
+from tvm_build_check import ZNVER3, ZNVER4, host_has
 
 F = TensorProto.FLOAT
 RTOL, ATOL = 1e-4, 1e-5
-ZNVER3 = {"kind": "llvm", "mcpu": "znver3"}
-ZNVER4 = {"kind": "llvm", "mcpu": "znver4"}
-
-
-def _host_has(flag: str) -> bool:
-    try:
-        return flag in open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("mcpu,lanes", [("znver3", 8), ("haswell", 8), ("znver4", 16),
@@ -114,9 +106,9 @@ def test_avx2_gemm_keeps_accumulators_in_registers():
 def test_matches_onnxruntime(spec, case):
     m = case()
     ex = _build(m, spec)
-    if spec is ZNVER4 and not _host_has("avx512f"):
+    if spec is ZNVER4 and not host_has("avx512f"):
         pytest.skip("built for AVX-512; this CPU cannot run it")
-    if spec is ZNVER3 and not _host_has("avx2"):
+    if spec is ZNVER3 and not host_has("avx2"):
         pytest.skip("built for AVX2; this CPU cannot run it")
     feeds = models_zoo.sample_inputs(m, 0)
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)

@@ -16,6 +16,19 @@ from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.target import detect_host_target
 
+#: build targets for the AVX2 (16 vector registers) and AVX-512 (32) schedule rules
+ZNVER3 = {"kind": "llvm", "mcpu": "znver3"}
+ZNVER4 = {"kind": "llvm", "mcpu": "znver4"}
+
+
+def host_has(flag: str) -> bool:
+    """Whether this CPU lists ``flag`` (e.g. "avx2", "avx512f") in /proc/cpuinfo, so a build for
+    that ISA can run here."""
+    try:
+        return flag in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
 
 def build_and_compare(m: onnx.ModelProto, target: Any = None) -> Any:
     """The scheduled Relax module of ``m`` for ``target`` (default: this host), after checking its
