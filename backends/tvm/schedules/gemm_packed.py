@@ -117,6 +117,13 @@ PACK_A_TILE_32 = (12, 2)
 #: there (its 4 x 4-vector tile is measured and pinned by tests). A name set because LLVM's target
 #: description has no feature for the FMA datapath width.
 HALF_WIDTH_512_FMA_CPUS = frozenset({"znver4"})
+#: matrix products (one reduction) whose N is not a multiple of 16, on full-width 512-bit FMA
+#: targets: N padded to full 16-lane vectors (:func:`_plan`) instead of half-width 8-lane vectors,
+#: which run at half the FMA peak there (a 256-bit FMA does half the work per cycle; on Zen 4 it
+#: is as fast per cycle, hence the half width there). Shapes: gpt's 1000-class head
+#: (512x128x1000 at batch 8), projections with N = 8 mod 16. Off (env
+#: ``PARTITIONER_GEMM_PAD_N_512=0``): half-width vectors as on Zen 4. 1x1 convolutions keep them.
+PAD_N_FULL_WIDTH_512 = os.environ.get("PARTITIONER_GEMM_PAD_N_512", "1") != "0"
 
 
 
@@ -316,7 +323,10 @@ def _plan(target: Any, exts: list[int], ns: int) -> tuple[tuple[int, int, int, f
     if plan is not None or not PAD_N:
         return plan, None
     lanes, n = vector_lanes(target, 32), exts[ns - 1]
-    for n_pad in (_padded_n(lanes, n), -(-n // (4 * lanes)) * 4 * lanes):
+    # full-width 512-bit FMA (PAD_N_FULL_WIDTH_512): _padded_n's half-vector rounding (24 stays 24)
+    # gives no tile at 16 lanes; the next whole vector (32) before a whole 4-vector panel (64)
+    whole = [-(-n // lanes) * lanes] if _pads_to_full_vectors(target, exts, ns) else []
+    for n_pad in (_padded_n(lanes, n), *whole, -(-n // (4 * lanes)) * 4 * lanes):
         plan = _register_tile(target, exts[:ns - 1] + [n_pad] + exts[ns:], ns)
         if plan is not None:
             return plan, n_pad
@@ -493,6 +503,12 @@ def _rows_outer(b_bytes: int) -> bool:
     return ROWS_OUTER_B_BYTES is not None and b_bytes <= ROWS_OUTER_B_BYTES
 
 
+def _pads_to_full_vectors(target: Any, exts: list[int], ns: int) -> bool:
+    """``PAD_N_FULL_WIDTH_512``: a matrix product (one reduction) on a full-width 512-bit FMA
+    target pads N to 16-lane vectors instead of taking 8-lane ones."""
+    return PAD_N_FULL_WIDTH_512 and len(exts) - ns == 1 and _full_width_512_fma(target)
+
+
 def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int, float] | None:
     """(vector lanes, tile rows, tile columns, FLOPs) for the GEMM with spatial extents
     ``exts[:ns]`` and reduction ``exts[-1]``; None when it is too small for a register tile
@@ -500,12 +516,13 @@ def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int
     m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
     lanes = vector_lanes(target, 32)
     registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
-    if n % lanes != 0 and lanes >= 16:
+    if n % lanes != 0 and lanes >= 16 and not _pads_to_full_vectors(target, exts, ns):
         # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
         # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak). Not on
         # AVX2: a 128-bit FMA is half of a 256-bit one's work per cycle, so such N is padded to
         # 8 lanes instead (:func:`_padded_n`; session 16, once vector.py rule 1 gave AVX2 its 8
-        # lanes: before, AVX2 targets were sized as AVX-512 and this branch never saw 8 lanes)
+        # lanes: before, AVX2 targets were sized as AVX-512 and this branch never saw 8 lanes).
+        # Matrix products on full-width 512-bit FMA targets pad N instead (PAD_N_FULL_WIDTH_512)
         lanes //= 2
     tile = micro_tile(lanes, m, n, registers)
     if tile is None:
