@@ -129,22 +129,23 @@ def test_avx2_m_blocked_order_matches_numpy(monkeypatch):
 def test_tile_per_target():
     avx2, avx512 = tvm.target.Target(ZNVER3), tvm.target.Target(ZNVER4)
     exts = [512, 512, 512]
-    assert _pack_a_plan(_register_tile(avx2, exts, 2), exts, 2, None)[1:3] == (6, 16)
+    assert _pack_a_plan(avx2, _register_tile(avx2, exts, 2), exts, 2, None)[1:3] == (6, 16)
     # AVX-512: unchanged (4 x 4 vectors, no packed A)
     assert _register_tile(avx512, exts, 2)[:3] == (16, 4, 64)
-    assert _pack_a_plan(_register_tile(avx512, exts, 2), exts, 2, None) is None
+    assert _pack_a_plan(avx512, _register_tile(avx512, exts, 2), exts, 2, None) is None
     _, mod = _scheduled(_matmul(512, 1024, 128), ZNVER4)
     assert "T.int64(6))" not in _gemm_script(mod)
     # 1x1 convolutions (several reductions) and N = 8 (one vector) keep micro_tile's tile
-    assert _pack_a_plan(_register_tile(avx2, [64, 64, 1, 1, 32], 2), [64, 64, 1, 1, 32], 2, None) is None
-    assert _pack_a_plan(_register_tile(avx2, [64, 8, 64], 2), [64, 8, 64], 2, None) is None
+    assert _pack_a_plan(avx2, _register_tile(avx2, [64, 64, 1, 1, 32], 2), [64, 64, 1, 1, 32], 2, None) is None
+    assert _pack_a_plan(avx2, _register_tile(avx2, [64, 8, 64], 2), [64, 8, 64], 2, None) is None
 
 
 def test_knob_off_keeps_the_old_tile(monkeypatch):
     exts = [512, 1024, 512]
-    plan = _register_tile(tvm.target.Target(ZNVER3), exts, 2)
+    avx2 = tvm.target.Target(ZNVER3)
+    plan = _register_tile(avx2, exts, 2)
     monkeypatch.setattr(gemm_packed, "PACK_A_16_REGISTERS", False)
-    assert _pack_a_plan(plan, exts, 2, None) is None
+    assert _pack_a_plan(avx2, plan, exts, 2, None) is None
     _, mod = _scheduled(_matmul(96, 1024, 64), ZNVER3)
     assert "// T.int64(6)" not in _gemm_script(mod)
 

@@ -38,6 +38,10 @@ N >= 256 read A from a per-call copy packed into 6-row panels ``Ap[.., i // 6, k
         ...                                               #   for rows-outer; else as above
             acc[i, ..] += Ap[b.., io, k, i] (broadcast) * Bp[jo, k, ..] (vector load)
 
+On AVX-512 targets with full-width 512-bit FMAs (two FMA units: Intel server cores, not Zen 4),
+products whose packed B does not fit ``ROWS_OUTER_B_BYTES`` take a 12 x 2V tile the same way, M
+padded to a multiple of 12 and A packed into 12-row panels (:func:`micro_tile` rule 7).
+
 Constant weights: when B is a parameter of the kernel (a weight after Relax's import), the pack
 block is annotated ``meta_schedule.layout_rewrite_preproc``; the pipeline then runs
 ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (:func:`prepack_passes`), so the packed copy
@@ -103,6 +107,23 @@ PACK_A_MIN = (12, 16, 16)
 #: the 6-row tile reads A in place, and only when 6 divides M
 PACK_A_MIN_K = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_K", "1024"))
 PACK_A_MIN_N = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_N", "256"))
+#: 32 vector registers of 512 bits with a full-width 512-bit FMA datapath (two 512-bit FMA units:
+#: Intel server cores): the packed-A tile of :func:`micro_tile` rule 7 (``PACK_A_TILE_32``) with M
+#: padded to its rows; off (env ``PARTITIONER_GEMM_PACK_A_32=0``): rules 1-5's tile with A in place
+PACK_A_32_REGISTERS = os.environ.get("PARTITIONER_GEMM_PACK_A_32", "1") != "0"
+#: (rows, vectors) of rule 7's tile: 12 x 2 vectors = 24 accumulators + 2 B vectors + 1 broadcast
+PACK_A_TILE_32 = (12, 2)
+#: LLVM cpu names whose 512-bit FMA runs as two 256-bit halves (AMD Zen 4): rule 7 does not apply
+#: there (its 4 x 4-vector tile is measured and pinned by tests). A name set because LLVM's target
+#: description has no feature for the FMA datapath width.
+HALF_WIDTH_512_FMA_CPUS = frozenset({"znver4"})
+#: matrix products (one reduction) whose N is not a multiple of 16, on full-width 512-bit FMA
+#: targets: N padded to full 16-lane vectors (:func:`_plan`) instead of half-width 8-lane vectors,
+#: which run at half the FMA peak there (a 256-bit FMA does half the work per cycle; on Zen 4 it
+#: is as fast per cycle, hence the half width there). Shapes: gpt's 1000-class head
+#: (512x128x1000 at batch 8), projections with N = 8 mod 16. Off (env
+#: ``PARTITIONER_GEMM_PAD_N_512=0``): half-width vectors as on Zen 4. 1x1 convolutions keep them.
+PAD_N_FULL_WIDTH_512 = os.environ.get("PARTITIONER_GEMM_PAD_N_512", "1") != "0"
 
 
 
@@ -151,7 +172,26 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        (``znver3``, 1 thread, thread CPU time, median of 15 interleaved rounds, load 3.4-3.6 on
        2 cores; rule 6 / off / ORT, ms): 512^3 4.80 / 5.17 / 4.45, 1024^3 35.0 / 39.1 / 38.1,
        2048^3 272 / 395 / 352, 512x128x512 1.28 / 1.37 / 1.23; 512x128x128 and 512x512x128 keep
-       the old tile (1.00x, 0.99x). ``benchmarks/results/session17_avx2/gemm_pack_a_ab.json``."""
+       the old tile (1.00x, 0.99x). ``benchmarks/results/session17_avx2/gemm_pack_a_ab.json``.
+    7. 32 registers of 512 bits on a target whose 512-bit FMA runs at full width (two 512-bit FMA
+       units, Intel server cores; not ``HALF_WIDTH_512_FMA_CPUS``, i.e. not Zen 4), matrix
+       products whose packed B does not fit ``ROWS_OUTER_B_BYTES`` (panels outer: 1024^3,
+       2048^3, large-N projections), N a multiple of 2 vectors, M >= 12: the caller
+       (:func:`_pack_a_plan`) replaces this tile by ``PACK_A_TILE_32`` = 12 x 2 vectors
+       (MLAS's AVX-512 block: 24 accumulators + 2 B vectors + 1 broadcast = 27 registers; 24 FMAs
+       per 2 vector loads and 12 broadcasts), M padded to a multiple of 12 and A packed into
+       12-row panels exactly as rule 6 (M blocks of ~1 MiB of packed A when B is too large). Why:
+       with two FMA ports a k step of the 4 x 4 tile lasts 8 cycles and reads a 256-byte B row
+       of a panel that lives in L2 (32 bytes/cycle); 12 x 2 reads 128 bytes of B per 12 cycles.
+       Rows-outer products (B in L2, one A tile in L1) keep rules 1-5: there 12 x 2 with packed
+       A lost (512^3 1.10x, 480x256x256 1.15x against 6 x 4 in place). Measured on an Intel
+       Xeon (Sapphire-Rapids class, LLVM host cpu ``rocketlake``, 1 thread, thread CPU time,
+       median of 15 interleaved rounds, load 6.5 on 2 cores; rule 7 / off / ORT, ms): 1024^3
+       26.0 / 29.2 / 28.8, 2048^3 188 / 203 / 239; rows-outer shapes unchanged (same schedule).
+       ``benchmarks/results/session18_intel/gemm18/ab_rule7_1t.json``. 14 x 2 (28
+       accumulators) lost to 12 x 2 (1.03x, 1.15x), 6 x 4 with packed A did not beat 4 x 4;
+       k blocking (a kc x NR block of B kept in L1) lost 1.02-2x in four variants (REPORT of
+       session 18, gemm18). ``PACK_A_32_REGISTERS`` (env ``PARTITIONER_GEMM_PACK_A_32=0``): off."""
     if n % lanes != 0:
         return None
     vectors = n // lanes
@@ -224,7 +264,7 @@ class GemmPacked(CPUScheduleRule):
         if plan is None:
             return None
         fuse_rows = None if n_pad else _fuse_rows(target, exts, ns, plan)
-        a_plan = None if fuse_rows else _pack_a_plan(plan, exts, ns, n_pad)
+        a_plan = None if fuse_rows else _pack_a_plan(target, plan, exts, ns, n_pad)
         lanes, mr, nr, flops = a_plan or fuse_rows or plan
 
         b_buf = stmt.reads[b_idx].source
@@ -245,7 +285,7 @@ class GemmPacked(CPUScheduleRule):
         b_loops, li, lj, unit_r, lk = loops[:ns - 2], loops[ns - 2], loops[ns - 1], loops[ns:-1], loops[-1]
         io, ii = sch.split(li, factors=[None, mr])
         jo, jj, jv = sch.split(lj, factors=[None, nr // lanes, lanes])
-        tiles = _tile_loops(sch, io, jo, k, k * n * 4, a_pack is not None)
+        tiles = _tile_loops(sch, io, jo, k, k * n * 4, mr if a_pack is not None else 0)
         sch.reorder(*b_loops, *tiles, *unit_r, lk, ii, jj, jv)
         outer = sch.fuse(*b_loops, *tiles)
         if worth_parallel(with_epilogue(flops, ops, flops / (2.0 * k))):  # work incl. the epilogue
@@ -283,7 +323,10 @@ def _plan(target: Any, exts: list[int], ns: int) -> tuple[tuple[int, int, int, f
     if plan is not None or not PAD_N:
         return plan, None
     lanes, n = vector_lanes(target, 32), exts[ns - 1]
-    for n_pad in (_padded_n(lanes, n), -(-n // (4 * lanes)) * 4 * lanes):
+    # full-width 512-bit FMA (PAD_N_FULL_WIDTH_512): _padded_n's half-vector rounding (24 stays 24)
+    # gives no tile at 16 lanes; the next whole vector (32) before a whole 4-vector panel (64)
+    whole = [-(-n // lanes) * lanes] if _pads_to_full_vectors(target, exts, ns) else []
+    for n_pad in (_padded_n(lanes, n), *whole, -(-n // (4 * lanes)) * 4 * lanes):
         plan = _register_tile(target, exts[:ns - 1] + [n_pad] + exts[ns:], ns)
         if plan is not None:
             return plan, n_pad
@@ -349,18 +392,31 @@ def _producer_or_copy(sch: Any, red: Any, src: Any) -> Any:
     return sch.cache_read(red, idx, "global")
 
 
-def _pack_a_plan(plan: tuple[int, int, int, float], exts: list[int], ns: int, n_pad: int | None) -> tuple[int, int, int, float] | None:
-    """The 6-row register tile (lanes, PACK_A_ROWS, 2 vectors, FLOPs) of :func:`micro_tile`
-    rule 6 for a matrix product on a 16-register target, or None (``plan``'s tile stays)."""
+def _pack_a_plan(target: Any, plan: tuple[int, int, int, float], exts: list[int], ns: int, n_pad: int | None) -> tuple[int, int, int, float] | None:
+    """The packed-A register tile (lanes, rows, columns, FLOPs) of :func:`micro_tile` rule 6 (16
+    registers: 6 x 2 vectors) or rule 7 (32 registers, full-width 512-bit FMA:
+    ``PACK_A_TILE_32``) for a matrix product, or None (``plan``'s tile stays)."""
     lanes, _, _, flops = plan
     m, n, k = exts[ns - 2], n_pad or exts[ns - 1], exts[-1]
-    if not PACK_A_16_REGISTERS or lanes != 8 or len(exts) - ns != 1 or n % (2 * lanes):
+    if len(exts) - ns != 1:
         return None
-    if m < PACK_A_MIN[0] or n < PACK_A_MIN[1] or k < PACK_A_MIN[2]:
+    if lanes == 8 and PACK_A_16_REGISTERS:
+        rows, nv = PACK_A_ROWS, 2
+    elif lanes == 16 and PACK_A_32_REGISTERS and _full_width_512_fma(target) and not _rows_outer(k * n * 4):
+        rows, nv = PACK_A_TILE_32
+    else:
         return None
-    if not _packs_a(n, k) and m % PACK_A_ROWS:
+    if n % (nv * lanes) or m < max(PACK_A_MIN[0], rows) or n < PACK_A_MIN[1] or k < PACK_A_MIN[2]:
+        return None
+    if not _packs_a(n, k) and m % rows:
         return None  # A read in place would need a padded row-major copy: no better than the old tile
-    return lanes, PACK_A_ROWS, 2 * lanes, flops
+    return lanes, rows, nv * lanes, flops
+
+
+def _full_width_512_fma(target: Any) -> bool:
+    """Whether the target's 512-bit FMAs run at full width (not on ``HALF_WIDTH_512_FMA_CPUS``)."""
+    mcpu = str(getattr(target, "mcpu", "") or target.attrs.get("mcpu", ""))
+    return mcpu not in HALF_WIDTH_512_FMA_CPUS
 
 
 def _packs_a(n: int, k: int) -> bool:
@@ -388,13 +444,13 @@ def _pack_a(sch: Any, red: Any, a_src: Any, mr: int) -> Any:
     return pack
 
 
-def _a_block_tiles(row_tiles: int, k: int) -> int | None:
+def _a_block_tiles(row_tiles: int, k: int, rows: int = PACK_A_ROWS) -> int | None:
     """Row tiles per M block of the packed-A schedule (:func:`micro_tile` rule 6): the largest divisor of
     ``row_tiles`` whose A block (tiles x PACK_A_ROWS x K floats) is at most 2 x
     ``PACK_A_BLOCK_BYTES``, if that block is at least half of it; else None (no M blocking)."""
     if not PACK_A_BLOCK_BYTES:
         return None
-    tile_bytes = PACK_A_ROWS * k * 4
+    tile_bytes = rows * k * 4
     best = max(d for d in range(1, row_tiles + 1) if row_tiles % d == 0 and d * tile_bytes <= 2 * PACK_A_BLOCK_BYTES) \
         if tile_bytes <= 2 * PACK_A_BLOCK_BYTES else 0
     if best * tile_bytes * 2 < PACK_A_BLOCK_BYTES or best >= row_tiles:
@@ -429,17 +485,28 @@ def _padding(stmt: Any, b_idx: int, exts: list[int], ns: int, tile: tuple[int, i
     return (padding if any(p != 1 for p in padding) else None), a_src
 
 
-def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: bool) -> tuple[Any, ...]:
+def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int) -> tuple[Any, ...]:
     """The row-tile and panel loops, outermost first: rows outer when all of B fits
     ``ROWS_OUTER_B_BYTES``; else panels outer, or with packed A (:func:`micro_tile` rule 6) M
     blocks of :func:`_a_block_tiles` row tiles outermost, every B panel streamed past each."""
-    if ROWS_OUTER_B_BYTES is not None and b_bytes <= ROWS_OUTER_B_BYTES:
+    if _rows_outer(b_bytes):
         return io, jo
-    block = _a_block_tiles(const_extent(sch, io), k) if packed_a else None
+    block = _a_block_tiles(const_extent(sch, io), k, packed_a) if packed_a else None
     if block is None:
         return jo, io
     imc, iin = sch.split(io, factors=[None, block])
     return imc, jo, iin
+
+
+def _rows_outer(b_bytes: int) -> bool:
+    """Whether a packed B of ``b_bytes`` fits ``ROWS_OUTER_B_BYTES`` (row tiles outermost)."""
+    return ROWS_OUTER_B_BYTES is not None and b_bytes <= ROWS_OUTER_B_BYTES
+
+
+def _pads_to_full_vectors(target: Any, exts: list[int], ns: int) -> bool:
+    """``PAD_N_FULL_WIDTH_512``: a matrix product (one reduction) on a full-width 512-bit FMA
+    target pads N to 16-lane vectors instead of taking 8-lane ones."""
+    return PAD_N_FULL_WIDTH_512 and len(exts) - ns == 1 and _full_width_512_fma(target)
 
 
 def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int, float] | None:
@@ -449,12 +516,13 @@ def _register_tile(target: Any, exts: list[int], ns: int) -> tuple[int, int, int
     m, n, k = exts[ns - 2], exts[ns - 1], exts[-1]
     lanes = vector_lanes(target, 32)
     registers = 32 if lanes >= 16 else 16  # AVX-512 has 32 vector registers, AVX2 16
-    if n % lanes != 0 and lanes >= 16:
+    if n % lanes != 0 and lanes >= 16 and not _pads_to_full_vectors(target, exts, ns):
         # e.g. N = 1000 on AVX-512: half-width vectors (on Zen 4 as fast per cycle, as its
         # 512-bit FMA is two 256-bit halves; on 2x512-bit Intel parts half the peak). Not on
         # AVX2: a 128-bit FMA is half of a 256-bit one's work per cycle, so such N is padded to
         # 8 lanes instead (:func:`_padded_n`; session 16, once vector.py rule 1 gave AVX2 its 8
-        # lanes: before, AVX2 targets were sized as AVX-512 and this branch never saw 8 lanes)
+        # lanes: before, AVX2 targets were sized as AVX-512 and this branch never saw 8 lanes).
+        # Matrix products on full-width 512-bit FMA targets pad N instead (PAD_N_FULL_WIDTH_512)
         lanes //= 2
     tile = micro_tile(lanes, m, n, registers)
     if tile is None:
