@@ -50,6 +50,32 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    :func:`_register_file_tile`.
 2. A batched RGB stem on a 16-register target runs image by image (:data:`STEM_IMAGES_OUTER`, env
    ``PARTITIONER_STEM_IMAGES_OUTER=0`` turns it off; default on): see :func:`_parallel_order`.
+3. On a target with full-width 512-bit FMA units (:func:`vector.full_width_fma`: Intel AVX-512
+   server cores; not ``znver4``, whose 512-bit FMAs run on 256-bit pipes, nor AVX2), a batch-1
+   direct convolution on a map narrower than :data:`NARROW_ROWS` takes :func:`_full_width_tile`'s
+   tile instead of :func:`_narrow_tile`'s (:data:`FULL_WIDTH_NARROW_TILE`, env
+   ``PARTITIONER_FULL_WIDTH_NARROW_TILE=0`` turns it off): the most accumulators, then the most
+   pixels per weight vector, up to :data:`NARROW_MAX_PIXELS`. Shapes it is for: the 4x4 stages
+   of ResNets at 112x112 / 64x64 input (3x3 256 -> 256, 512 -> 512, stride-2 256 -> 512), whose
+   weights (2.25-9.4 MiB) stream from L2/L3: 4 pixels x 4 vectors read each weight vector once
+   per output row (4 times), 16 pixels x 1 vector once. 2x2 maps keep 4 pixels x 4 vectors (the
+   rule picks the same tile; 2 x 2 x 2 and 4 x 1 measured 1.08x slower). Measured (this
+   session's Intel host, ``rocketlake``, 1 thread, thread CPU time, forced tiles, 11
+   interleaved rounds, load 3.4-3.9; new / old): 512 -> 512 on 4x4 b1 0.82, 256 -> 256 on 4x4
+   0.82, 256 -> 512 stride 2 onto 4x4 0.84; at batch 8 1.00 (hence batch 1 only). Whole
+   models, rules 3-4 on / off (``kernel_profile.py --baseline
+   backends.tvm.schedules.vector.FULL_WIDTH_FMA=False``, 1 thread, load ~4): conv3x3 class of
+   resnet18 b1 0.88, resnet50 b1 0.97, heldout_inception b1 0.96
+   (benchmarks/results/session18_intel/conv18/kernel_profile_ab_b1.json).
+4. On the same targets, a direct convolution whose default tile of full-width vectors has fewer
+   than :data:`FULL_WIDTH_MIN_ACCUMULATORS` accumulators takes :func:`_full_width_tile`'s tile
+   within :data:`FEW_VECTORS_MAX_PIXELS` pixels (:data:`FULL_WIDTH_FEW_VECTORS`, env
+   ``PARTITIONER_FULL_WIDTH_FEW_VECTORS=0``). Shapes it is for: 48 (or 96 on maps whose tile
+   allows 3 vectors) output channels: 3 channel vectors, which the default's ``nj`` in (2, 1)
+   took one at a time, 8 pixels x 1 vector = 8 accumulators (exactly 2 ports x 4 cycles, no
+   slack); now 8 pixels x 3 vectors = 24. One-vector outputs (16 channels) are left as they were
+   (8 pixels x 2 rows measured 1.00-1.02x on 16 -> 16 at 64x64). Measured (as rule 3): 32 -> 48
+   on 32x32 b1 0.84, 48 -> 48 on 16x16 b1 0.83 (Inception-style branches).
 """
 
 from __future__ import annotations
