@@ -75,7 +75,11 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    took one at a time, 8 pixels x 1 vector = 8 accumulators (exactly 2 ports x 4 cycles, no
    slack); now 8 pixels x 3 vectors = 24. One-vector outputs (16 channels) are left as they were
    (8 pixels x 2 rows measured 1.00-1.02x on 16 -> 16 at 64x64). Measured (as rule 3): 32 -> 48
-   on 32x32 b1 0.84, 48 -> 48 on 16x16 b1 0.83 (Inception-style branches).
+   on 32x32 b1 0.84, 48 -> 48 on 16x16 b1 0.83 (Inception-style branches). It takes the
+   factorised 1x7 / 7x1 convs with 48 channels too. Whole model, rules on / off as in rule 3:
+   heldout_inception b8 conv3x3 class 0.91, conv7x7 class 0.90 (conv1x1, which no rule here
+   touches, 0.97: the noise floor at load ~5;
+   benchmarks/results/session18_intel/conv18/kernel_profile_ab_inception_b8.json).
 """
 
 from __future__ import annotations
