@@ -59,7 +59,7 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    of ResNets at 112x112 / 64x64 input (3x3 256 -> 256, 512 -> 512, stride-2 256 -> 512), whose
    weights (2.25-9.4 MiB) stream from L2/L3: 4 pixels x 4 vectors read each weight vector once
    per output row (4 times), 16 pixels x 1 vector once. 2x2 maps keep 4 pixels x 4 vectors (the
-   rule picks the same tile; 2 x 2 x 2 and 4 x 1 measured 1.08x slower). Measured (this
+   rule picks the same tile; 4 pixels x 1 or 2 vectors measured 1.08x slower). Measured (this
    session's Intel host, ``rocketlake``, 1 thread, thread CPU time, forced tiles, 11
    interleaved rounds, load 3.4-3.9; new / old): 512 -> 512 on 4x4 b1 0.82, 256 -> 256 on 4x4
    0.82, 256 -> 512 stride 2 onto 4x4 0.84; at batch 8 1.00 (hence batch 1 only). Whole
@@ -70,8 +70,8 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
 4. On the same targets, a direct convolution whose default tile of full-width vectors has fewer
    than :data:`FULL_WIDTH_MIN_ACCUMULATORS` accumulators takes :func:`_full_width_tile`'s tile
    within :data:`FEW_VECTORS_MAX_PIXELS` pixels (:data:`FULL_WIDTH_FEW_VECTORS`, env
-   ``PARTITIONER_FULL_WIDTH_FEW_VECTORS=0``). Shapes it is for: 48 (or 96 on maps whose tile
-   allows 3 vectors) output channels: 3 channel vectors, which the default's ``nj`` in (2, 1)
+   ``PARTITIONER_FULL_WIDTH_FEW_VECTORS=0``). Shapes it is for: 48 output channels (on maps of
+   width 6 and more): 3 channel vectors, which the default's ``nj`` in (2, 1)
    took one at a time, 8 pixels x 1 vector = 8 accumulators (exactly 2 ports x 4 cycles, no
    slack); now 8 pixels x 3 vectors = 24. One-vector outputs (16 channels) are left as they were
    (8 pixels x 2 rows measured 1.00-1.02x on 16 -> 16 at 64x64). Measured (as rule 3): 32 -> 48
@@ -155,7 +155,7 @@ FULL_WIDTH_NARROW_TILE = os.environ.get("PARTITIONER_FULL_WIDTH_NARROW_TILE", "1
 NARROW_MAX_PIXELS = 16
 #: rule 4: on a target with full-width 512-bit FMA units, a direct convolution whose default tile
 #: of full-width vectors has fewer than :data:`FULL_WIDTH_MIN_ACCUMULATORS` accumulators (one
-#: channel vector: 16 or 48 output channels) takes :func:`_full_width_tile`'s tile; off: the default
+#: channel vector per tile: 16 or 48 output channels) takes :func:`_full_width_tile`'s tile; off: the default
 FULL_WIDTH_FEW_VECTORS = os.environ.get("PARTITIONER_FULL_WIDTH_FEW_VECTORS", "1") != "0"
 #: ... the bound (two FMA ports x 4 cycles of latency = 8 chains, twice that for slack)
 FULL_WIDTH_MIN_ACCUMULATORS = 16
