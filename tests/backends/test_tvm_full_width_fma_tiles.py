@@ -123,6 +123,15 @@ def test_rules_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
 
 
+def test_unmeasured_shapes_keep_their_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 4 only takes one-vector tiles (64 channels on a 6x6 map keep 6 pixels x 2 vectors);
+    rule 3 no stems (3 input channels onto a 4x4 map)."""
+    calls = _spy(monkeypatch)
+    _schedule(_model(64, 64, 6, 3, 1, 2), SAPPHIRERAPIDS)
+    _schedule(_model(3, 64, 8, 3, 2, 1), SAPPHIRERAPIDS)
+    assert calls == []
+
+
 def test_batched_narrow_map_keeps_its_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule 3 is for batch 1 only (at batch 8 the 16-pixel tile measured 1.00x)."""
     calls = _spy(monkeypatch)

@@ -62,13 +62,15 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    rule picks the same tile; 4 pixels x 1 or 2 vectors measured 1.08x slower). Measured (this
    session's Intel host, ``rocketlake``, 1 thread, thread CPU time, forced tiles, 11
    interleaved rounds, load 3.4-3.9; new / old): 512 -> 512 on 4x4 b1 0.82, 256 -> 256 on 4x4
-   0.82, 256 -> 512 stride 2 onto 4x4 0.84; at batch 8 1.00 (hence batch 1 only). Whole
+   0.82, 256 -> 512 stride 2 onto 4x4 0.84; at batch 8 1.00 (hence batch 1 only). Not for
+   convs with fewer than 4 input channels (RGB stems, patch embeddings: not measured). Whole
    models, rules 3-4 on / off (``kernel_profile.py --baseline
    backends.tvm.schedules.vector.FULL_WIDTH_FMA=False``, 1 thread, load ~4): conv3x3 class of
    resnet18 b1 0.88, resnet50 b1 0.97, heldout_inception b1 0.96
    (benchmarks/results/session18_intel/conv18/kernel_profile_ab_b1.json).
-4. On the same targets, a direct convolution whose default tile of full-width vectors has fewer
-   than :data:`FULL_WIDTH_MIN_ACCUMULATORS` accumulators takes :func:`_full_width_tile`'s tile
+4. On the same targets, a direct convolution whose default tile is one full-width channel vector
+   (the output's channel vectors are odd) with fewer than :data:`FULL_WIDTH_MIN_ACCUMULATORS`
+   accumulators takes :func:`_full_width_tile`'s tile
    within :data:`FEW_VECTORS_MAX_PIXELS` pixels (:data:`FULL_WIDTH_FEW_VECTORS`, env
    ``PARTITIONER_FULL_WIDTH_FEW_VECTORS=0``). Shapes it is for: 48 output channels (on maps of
    width 6 and more): 3 channel vectors, which the default's ``nj`` in (2, 1)
@@ -76,7 +78,8 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    slack); now 8 pixels x 3 vectors = 24. One-vector outputs (16 channels) are left as they were
    (8 pixels x 2 rows measured 1.00-1.02x on 16 -> 16 at 64x64). Measured (as rule 3): 32 -> 48
    on 32x32 b1 0.84, 48 -> 48 on 16x16 b1 0.83 (Inception-style branches). It takes the
-   factorised 1x7 / 7x1 convs with 48 channels too. Whole model, rules on / off as in rule 3:
+   factorised 1x7 / 7x1 convs with 48 channels too. Tiles of 2 or more vectors are left alone
+   even below 16 accumulators (6 pixels x 2 vectors on 6- and 12-wide maps: not measured). Whole model, rules on / off as in rule 3:
    heldout_inception b8 conv3x3 class 0.91, conv7x7 class 0.90 (conv1x1, which no rule here
    touches, 0.97: the noise floor at load ~5;
    benchmarks/results/session18_intel/conv18/kernel_profile_ab_inception_b8.json).
@@ -833,11 +836,11 @@ def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_
     elif vec > 1 and row_pos is not None and ni < NARROW_ROWS:
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
         if (full_width and FULL_WIDTH_NARROW_TILE and narrow_map and exts[0] == 1 and vec == lanes
-                and len(r_idx) == 3):
+                and len(r_idx) == 3 and exts[r_idx[-1]] >= 4):  # not RGB stems / patch embeddings
             hi, nj = _full_width_tile(exts, s_idx, col_pos, ni, vec, registers, NARROW_MAX_PIXELS)  # rule 3
         else:
             hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
-    elif (full_width and FULL_WIDTH_FEW_VECTORS and vec == lanes and row_pos is not None and nj == nj_default
+    elif (full_width and FULL_WIDTH_FEW_VECTORS and vec == lanes and row_pos is not None and nj == nj_default == 1
           and len(r_idx) == 3 and ni * nj < FULL_WIDTH_MIN_ACCUMULATORS):  # rule 4
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
         hi, nj = _full_width_tile(exts, s_idx, col_pos, ni, vec, registers, FEW_VECTORS_MAX_PIXELS)
