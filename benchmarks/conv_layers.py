@@ -60,6 +60,12 @@ LAYERS = [
     ("heldout_unet", 16, 64, 16, 3, 1), ("heldout_unet", 32, 64, 16, 3, 1), ("heldout_unet", 16, 32, 32, 3, 1),
     ("heldout_unet", 32, 32, 32, 3, 1), ("heldout_unet", 64, 32, 32, 3, 1), ("heldout_unet", 32, 16, 64, 3, 1),
     ("heldout_unet", 64, 16, 64, 3, 1),
+    # the held-out Inception (64x64 images): 48-channel outputs (3 vectors of 16: contraction rule 4),
+    # a stride-2 reduction, and 64 channels on 32x32
+    ("heldout_inception", 32, 32, 48, 3, 1), ("heldout_inception", 48, 16, 48, 3, 1),
+    ("heldout_inception", 128, 32, 64, 3, 2), ("heldout_inception", 64, 32, 64, 3, 1),
+    # 1x1 convs to 24 channels (gemm_packed.FULL_WIDTH_PAD_N)
+    ("mobilenet", 144, 28, 24, 1, 1), ("heldout_inception", 48, 32, 24, 1, 1), ("heldout_inception", 256, 16, 24, 1, 1),
 ]
 
 

@@ -50,6 +50,39 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    :func:`_register_file_tile`.
 2. A batched RGB stem on a 16-register target runs image by image (:data:`STEM_IMAGES_OUTER`, env
    ``PARTITIONER_STEM_IMAGES_OUTER=0`` turns it off; default on): see :func:`_parallel_order`.
+3. On a target with full-width 512-bit FMA units (:func:`vector.full_width_fma`: Intel AVX-512
+   server cores; not ``znver4``, whose 512-bit FMAs run on 256-bit pipes, nor AVX2), a batch-1
+   direct convolution on a map narrower than :data:`NARROW_ROWS` takes :func:`_full_width_tile`'s
+   tile instead of :func:`_narrow_tile`'s (:data:`FULL_WIDTH_NARROW_TILE`, env
+   ``PARTITIONER_FULL_WIDTH_NARROW_TILE=0`` turns it off): the most accumulators, then the most
+   pixels per weight vector, up to :data:`NARROW_MAX_PIXELS`. Shapes it is for: the 4x4 stages
+   of ResNets at 112x112 / 64x64 input (3x3 256 -> 256, 512 -> 512, stride-2 256 -> 512), whose
+   weights (2.25-9.4 MiB) stream from L2/L3: 4 pixels x 4 vectors read each weight vector once
+   per output row (4 times), 16 pixels x 1 vector once. 2x2 maps keep 4 pixels x 4 vectors (the
+   rule picks the same tile; 4 pixels x 1 or 2 vectors measured 1.08x slower). Measured (this
+   session's Intel host, ``rocketlake``, 1 thread, thread CPU time, forced tiles, 11
+   interleaved rounds, load 3.4-3.9; new / old): 512 -> 512 on 4x4 b1 0.82, 256 -> 256 on 4x4
+   0.82, 256 -> 512 stride 2 onto 4x4 0.84; at batch 8 1.00 (hence batch 1 only). Not for
+   convs with fewer than 4 input channels (RGB stems, patch embeddings: not measured). Whole
+   models, rules 3-4 on / off (``kernel_profile.py --baseline
+   backends.tvm.schedules.vector.FULL_WIDTH_FMA=False``, 1 thread, load ~4): conv3x3 class of
+   resnet18 b1 0.88, resnet50 b1 0.97, heldout_inception b1 0.96
+   (benchmarks/results/session18_intel/conv18/kernel_profile_ab_b1.json).
+4. On the same targets, a direct convolution whose default tile is one full-width channel vector
+   (the output's channel vectors are odd) with fewer than :data:`FULL_WIDTH_MIN_ACCUMULATORS`
+   accumulators takes :func:`_full_width_tile`'s tile
+   within :data:`FEW_VECTORS_MAX_PIXELS` pixels (:data:`FULL_WIDTH_FEW_VECTORS`, env
+   ``PARTITIONER_FULL_WIDTH_FEW_VECTORS=0``). Shapes it is for: 48 output channels (on maps of
+   width 6 and more): 3 channel vectors, which the default's ``nj`` in (2, 1)
+   took one at a time, 8 pixels x 1 vector = 8 accumulators (exactly 2 ports x 4 cycles, no
+   slack); now 8 pixels x 3 vectors = 24. One-vector outputs (16 channels) are left as they were
+   (8 pixels x 2 rows measured 1.00-1.02x on 16 -> 16 at 64x64). Measured (as rule 3): 32 -> 48
+   on 32x32 b1 0.84, 48 -> 48 on 16x16 b1 0.83 (Inception-style branches). It takes the
+   factorised 1x7 / 7x1 convs with 48 channels too. Tiles of 2 or more vectors are left alone
+   even below 16 accumulators (6 pixels x 2 vectors on 6- and 12-wide maps: not measured). Whole model, rules on / off as in rule 3:
+   heldout_inception b8 conv3x3 class 0.91, conv7x7 class 0.90 (conv1x1, which no rule here
+   touches, 0.97: the noise floor at load ~5;
+   benchmarks/results/session18_intel/conv18/kernel_profile_ab_inception_b8.json).
 """
 
 from __future__ import annotations
@@ -61,7 +94,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .injective import schedule_padded_copy, schedule_spatial_block
 from .threads import worth_parallel
-from .vector import const_extent, largest_divisor, vector_lanes
+from .vector import const_extent, full_width_fma, largest_divisor, vector_lanes
 
 MAX_ACCUMULATORS = 24  # of the 32 AVX-512 vector registers, leave some for operands
 # Below this many rows in the register tile (output width < 6: the 4x4 / 2x2 maps of late
@@ -117,6 +150,20 @@ REGISTER_FILE_TILE_IMAGES = True
 #: rule 2: a batched RGB stem runs its images outermost, the channel tiles inside each image
 #: (:func:`_parallel_order`); off: the channel tiles outermost, each sweeping the whole batch
 STEM_IMAGES_OUTER = os.environ.get("PARTITIONER_STEM_IMAGES_OUTER", "1") != "0"
+#: rule 3: on a target with full-width 512-bit FMA units (:func:`vector.full_width_fma`), a batch-1
+#: direct convolution on a map narrower than :data:`NARROW_ROWS` takes :func:`_full_width_tile`'s
+#: tile (up to :data:`NARROW_MAX_PIXELS` pixels per weight vector); off: :func:`_narrow_tile`'s
+FULL_WIDTH_NARROW_TILE = os.environ.get("PARTITIONER_FULL_WIDTH_NARROW_TILE", "1") != "0"
+#: ... the most pixels (output rows x columns) one register tile may span
+NARROW_MAX_PIXELS = 16
+#: rule 4: on a target with full-width 512-bit FMA units, a direct convolution whose default tile
+#: of full-width vectors has fewer than :data:`FULL_WIDTH_MIN_ACCUMULATORS` accumulators (one
+#: channel vector per tile: 16 or 48 output channels) takes :func:`_full_width_tile`'s tile; off: the default
+FULL_WIDTH_FEW_VECTORS = os.environ.get("PARTITIONER_FULL_WIDTH_FEW_VECTORS", "1") != "0"
+#: ... the bound (two FMA ports x 4 cycles of latency = 8 chains, twice that for slack)
+FULL_WIDTH_MIN_ACCUMULATORS = 16
+#: ... and the most pixels its tile may span
+FEW_VECTORS_MAX_PIXELS = 8
 #: batch-1 padded convolutions read the input directly, the padding inlined as bounds checks, and
 #: the first / last row and column tiles get loops of their own so that the interior's checks
 #: drop (:func:`_inline_border_pad`, :func:`_split_border_tiles`); off: TOPI's whole padded copy
@@ -170,7 +217,8 @@ class Contraction(TryRule):
         if any(e is None for e in exts):
             return None
 
-        vec, nj, row_pos, ni, col_pos, hi = _choose_tile(stmt, exts, s_idx, r_idx, vec_pos, lanes)
+        vec, nj, row_pos, ni, col_pos, hi = _choose_tile(stmt, exts, s_idx, r_idx, vec_pos, lanes,
+                                                         full_width_fma(target))
         border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
@@ -440,6 +488,35 @@ def _narrow_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int, vec
             if vectors % nj or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
                 continue
             best = max(best, (acc / (pixels + nj), acc, -hi, hi, nj))
+    return best[3], best[4]
+
+
+def _full_width_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int, vec: int, registers: int,
+                     max_pixels: int) -> tuple[int, int]:
+    """(hi, nj) for a direct convolution on a target with full-width 512-bit FMA units (rules 3
+    and 4): ``hi`` rows of the outer axis ``col_pos`` (dividing it; ``hi * ni`` <= ``max_pixels``)
+    and ``nj`` channel vectors (dividing the channel vectors, at most 8), chosen for the most
+    accumulators (within :data:`MAX_ACCUMULATORS` and the register file: ``P*nj`` + ``nj``
+    weight vectors + 1 broadcast), then the most pixels ``P = hi * ni`` per weight vector load.
+
+    Why not :func:`_narrow_tile`'s ratio (FMAs per load, broadcasts counted): on such a core the
+    broadcasts are L1 hits folded into the FMA, while the weight vectors stream from L2 or L3
+    (a 3x3 512 -> 512 conv: 9.4 MiB, read ``1 / P``-th as many times per output pixel); two
+    512-bit FMA ports with a 4-cycle latency also want at least 8, better 16, accumulators. Zen
+    4 (256-bit pipes) keeps :func:`_narrow_tile`. Shapes and measurements: see rules 3 and 4 in
+    the module docstring."""
+    his = [1] + ([c for c in range(2, max_pixels // ni + 1) if exts[col_pos] % c == 0] if col_pos is not None else [])
+    vectors = exts[s_idx[-1]] // vec
+    best = (0, 0, 0, 1, 1)
+    for hi in his:
+        pixels = hi * ni
+        if pixels > max_pixels:
+            continue
+        for nj in (8, 6, 4, 3, 2, 1):
+            acc = pixels * nj
+            if vectors % nj or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
+                continue
+            best = max(best, (acc, pixels, -nj, hi, nj))
     return best[3], best[4]
 
 
@@ -737,15 +814,17 @@ def _flops(exts: list) -> float:
 
 
 def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_pos: int,
-                 lanes: int) -> tuple[int, int, int | None, int, int | None, int]:
+                 lanes: int, full_width: bool = False) -> tuple[int, int, int | None, int, int | None, int]:
     """The register tile of the reduction block: (vector width, channel vectors nj, row axis,
     pixels per row ni, outer axis the tile also spans or None, its rows hi). The default
     (:func:`_tile_sizes`), then the rules that replace it for stems, wide inputs, narrow maps,
-    narrow channel counts and (rule 1) tiles that overflow a 16-register file."""
+    narrow channel counts, (rule 1) tiles that overflow a 16-register file and (rules 3-4, on a
+    ``full_width`` FMA target: :func:`vector.full_width_fma`) narrow maps and few channel vectors."""
     registers = 32 if lanes >= 16 else 16
     vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
     nj = _stem_vectors(exts, r_idx, vec, nj_default)
     col_pos, hi = None, 1
+    narrow_map = ni < NARROW_ROWS  # before _wide_input_rows, which also returns a narrow row tile
     if vec == lanes and row_pos is not None and ni >= NARROW_ROWS and nj == nj_default:
         ni = _wide_input_rows(exts, r_idx, vec_pos, row_pos, vec, ni, _input_bytes(stmt, vec_pos))
     if (REGISTER_FILE_TILE and vec > 1 and row_pos is not None and len(r_idx) == 3
@@ -756,7 +835,16 @@ def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_
         ni, hi, nj, col_pos = _register_file_tile(exts, s_idx, row_pos, col_pos, vec, registers, images)
     elif vec > 1 and row_pos is not None and ni < NARROW_ROWS:
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
-        hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
+        if (full_width and FULL_WIDTH_NARROW_TILE and narrow_map and exts[0] == 1 and vec == lanes
+                and len(r_idx) == 3 and exts[r_idx[-1]] >= 4):  # not RGB stems / patch embeddings
+            hi, nj = _full_width_tile(exts, s_idx, col_pos, ni, vec, registers, NARROW_MAX_PIXELS)  # rule 3
+        else:
+            hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
+    elif (full_width and FULL_WIDTH_FEW_VECTORS and vec == lanes and row_pos is not None and nj == nj_default == 1
+          and len(r_idx) == 3 and ni * nj < FULL_WIDTH_MIN_ACCUMULATORS):  # rule 4
+        col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
+        hi, nj = _full_width_tile(exts, s_idx, col_pos, ni, vec, registers, FEW_VECTORS_MAX_PIXELS)
+        col_pos = col_pos if hi > 1 else None  # one row: _inline_border_pad may still take the conv
     elif (1 < vec < lanes and row_pos is not None and nj == nj_default
           and ni * nj < FEW_CHANNELS_ACCUMULATORS):
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)

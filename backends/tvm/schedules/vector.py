@@ -12,6 +12,17 @@ Rules:
    ``VECTOR_WIDTH_FROM_FEATURES`` (env ``PARTITIONER_VECTOR_WIDTH_FROM_FEATURES=0``): off,
    TVM's answer everywhere. AVX-512 targets get 512 either way (the tables' ``znver4`` builds
    are unchanged).
+2. The FMA datapath width (:func:`fma_datapath_bits`): how wide one FMA unit really is, which
+   the register-tile rules need beside the vector width. AVX-512 Intel cores (Skylake-SP, Ice
+   Lake, Sapphire Rapids; this session's host, which LLVM names ``rocketlake``) execute a 512-bit
+   FMA in one unit, two of them per core: a 4-cycle latency x 2 ports wants at least 8
+   independent 512-bit accumulators in flight, and every weight vector load competes with the
+   broadcasts for the two load ports each cycle. AMD Zen 4 (``znver4``) executes 512-bit
+   instructions on two 256-bit pipes (:data:`HALF_WIDTH_AVX512_CPUS`), half the throughput per
+   instruction, so the same tile leaves it twice the slack. Keyed on the target's ``mcpu``
+   (the one property LLVM's feature list does not give); an AVX-512 CPU this table does not name
+   counts as full width. ``PARTITIONER_FULL_WIDTH_FMA=0`` answers "not full width" everywhere
+   (the contraction rules 3-4 that read it then keep their older tiles).
 """
 
 from __future__ import annotations
@@ -25,6 +36,11 @@ VECTOR_WIDTH_FROM_FEATURES = os.environ.get("PARTITIONER_VECTOR_WIDTH_FROM_FEATU
 # (feature, bits), widest first
 _X86_WIDTHS = (("avx512f", 512), ("avx", 256), ("sse2", 128))
 
+
+#: rule 2: AVX-512 CPUs whose 512-bit FMAs run on two 256-bit pipes (double-pumped)
+HALF_WIDTH_AVX512_CPUS = frozenset({"znver4"})
+#: rule 2: off: :func:`full_width_fma` answers False on every target
+FULL_WIDTH_FMA = os.environ.get("PARTITIONER_FULL_WIDTH_FMA", "1") != "0"
 
 _BITS: dict[tuple[str, bool], int] = {}
 
@@ -77,6 +93,30 @@ def vector_bits(target: Any) -> int:
 def vector_lanes(target: Any, dtype_bits: int = 32) -> int:
     """SIMD lanes for ``dtype_bits`` elements on ``target`` (AVX-512: 16 fp32, AVX2: 8; unknown: 4)."""
     return max(vector_bits(target) // dtype_bits, 1)
+
+
+def _mcpu(target: Any) -> str:
+    if isinstance(target, dict):
+        return str(target.get("mcpu", ""))
+    try:
+        return str(target.attrs.get("mcpu", ""))
+    except Exception:
+        return ""
+
+
+def fma_datapath_bits(target: Any) -> int:
+    """Width in bits of one FMA unit of ``target`` (rule 2): the vector width, except 256 on
+    the AVX-512 CPUs of :data:`HALF_WIDTH_AVX512_CPUS`."""
+    bits = vector_bits(target)
+    if bits >= 512 and _mcpu(target) in HALF_WIDTH_AVX512_CPUS:
+        return 256
+    return bits
+
+
+def full_width_fma(target: Any) -> bool:
+    """True on a 512-bit-vector target whose FMA units are 512 bits wide (rule 2; Intel AVX-512
+    server cores), and :data:`FULL_WIDTH_FMA` holds."""
+    return FULL_WIDTH_FMA and vector_bits(target) >= 512 and fma_datapath_bits(target) >= 512
 
 
 def largest_divisor(extent: int, candidates: tuple[int, ...]) -> int:
