@@ -1,7 +1,7 @@
 """The 32-register, full-width 512-bit FMA GEMM tile: 12 rows x 2 vectors with A packed in 12-row panels.
 
 ``backends/tvm/schedules/gemm_packed.py`` (:func:`micro_tile` rule 7, ``PACK_A_32_REGISTERS``):
-on an AVX-512 target whose 512-bit FMA runs at full width (not ``HALF_WIDTH_512_FMA_CPUS``), a
+on an AVX-512 target whose 512-bit FMA runs at full width (not ``vector.HALF_WIDTH_AVX512_CPUS``), a
 matrix product whose packed B does not fit ``ROWS_OUTER_B_BYTES`` takes the 12 x 32 tile (24
 accumulators), its rows padded to a multiple of 12, A read from a per-call copy packed as
 ``Ap[.., i // 12, k, i % 12]``. The shapes are small (``ROWS_OUTER_B_BYTES`` and the packing

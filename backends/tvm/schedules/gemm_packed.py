@@ -67,7 +67,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from .contraction import Contraction, _uses
 from .injective import schedule_spatial_block
 from .threads import epilogue_ops, with_epilogue, worth_parallel
-from .vector import const_extent, vector_lanes
+from .vector import const_extent, fma_datapath_bits, vector_lanes
 
 LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # Loop order: when all of the packed B fits this many bytes (the L2 of current server cores:
@@ -113,10 +113,6 @@ PACK_A_MIN_N = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_N", "256"))
 PACK_A_32_REGISTERS = os.environ.get("PARTITIONER_GEMM_PACK_A_32", "1") != "0"
 #: (rows, vectors) of rule 7's tile: 12 x 2 vectors = 24 accumulators + 2 B vectors + 1 broadcast
 PACK_A_TILE_32 = (12, 2)
-#: LLVM cpu names whose 512-bit FMA runs as two 256-bit halves (AMD Zen 4): rule 7 does not apply
-#: there (its 4 x 4-vector tile is measured and pinned by tests). A name set because LLVM's target
-#: description has no feature for the FMA datapath width.
-HALF_WIDTH_512_FMA_CPUS = frozenset({"znver4"})
 #: matrix products (one reduction) whose N is not a multiple of 16, on full-width 512-bit FMA
 #: targets: N padded to full 16-lane vectors (:func:`_plan`) instead of half-width 8-lane vectors,
 #: which run at half the FMA peak there (a 256-bit FMA does half the work per cycle; on Zen 4 it
@@ -174,7 +170,7 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        2048^3 272 / 395 / 352, 512x128x512 1.28 / 1.37 / 1.23; 512x128x128 and 512x512x128 keep
        the old tile (1.00x, 0.99x). ``benchmarks/results/session17_avx2/gemm_pack_a_ab.json``.
     7. 32 registers of 512 bits on a target whose 512-bit FMA runs at full width (two 512-bit FMA
-       units, Intel server cores; not ``HALF_WIDTH_512_FMA_CPUS``, i.e. not Zen 4), matrix
+       units, Intel server cores; not ``vector.HALF_WIDTH_AVX512_CPUS``, i.e. not Zen 4), matrix
        products whose packed B does not fit ``ROWS_OUTER_B_BYTES`` (panels outer: 1024^3,
        2048^3, large-N projections), N a multiple of 2 vectors, M >= 12: the caller
        (:func:`_pack_a_plan`) replaces this tile by ``PACK_A_TILE_32`` = 12 x 2 vectors
@@ -414,9 +410,9 @@ def _pack_a_plan(target: Any, plan: tuple[int, int, int, float], exts: list[int]
 
 
 def _full_width_512_fma(target: Any) -> bool:
-    """Whether the target's 512-bit FMAs run at full width (not on ``HALF_WIDTH_512_FMA_CPUS``)."""
-    mcpu = str(getattr(target, "mcpu", "") or target.attrs.get("mcpu", ""))
-    return mcpu not in HALF_WIDTH_512_FMA_CPUS
+    """Whether the target's 512-bit FMAs run at full width (:func:`vector.fma_datapath_bits`: not
+    on ``vector.HALF_WIDTH_AVX512_CPUS``, i.e. not Zen 4)."""
+    return fma_datapath_bits(target) >= 512
 
 
 def _packs_a(n: int, k: int) -> bool:
