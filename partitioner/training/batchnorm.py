@@ -16,6 +16,10 @@ full-size activation, ``xc``, where the other order needs ``xc`` and ``xc * rstd
 gradient reads the normalised value, the rstd's reads ``xc``): the backward pass makes one
 full-size product and one reduction (``sum(dy * xc)``, from which both per-channel gradients
 follow) instead of two each, and a pipeline stage stashes one activation less per BN.
+Measured with :data:`~partitioner.training.rules.activations.RELU_MASK_FROM_OUTPUT` (both on
+against both off, ``benchmarks/stage_kernels_ab.py``, the zoo resnet's stage 0 at 2 images, Intel
+AVX-512, load 3.7-6.1): kernels 240.9 -> 202.5 ms a step (``F`` 61.2 -> 47.6, ``B`` 129.6 -> 113.8,
+VM builtins 45.3 -> 36.1).
 """
 
 from __future__ import annotations

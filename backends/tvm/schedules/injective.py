@@ -29,6 +29,17 @@ input is known and the copy is a plain vector load/store. Before, TOPI's chain o
 ``if_then_else`` on the channel index was vectorised as a select of every input's load per
 vector.
 
+The same split also applies when a reshape that keeps the concat axis innermost and whole is fused
+behind the concat (its index is then ``v % extent``) and when the first input is itself a select
+(a fused pad's bounds check) (:data:`CONCAT_THROUGH_RESHAPE`, session 18). Shapes it is for: a
+training step's NHWC im2col, ``pad -> 9 strided slices -> concat on channels -> reshape to
+[N*Ho*Wo, 9*C]`` (``partitioner/training/rules/linear.py``), whose fused kernel ran as one flat
+vector loop selecting among the 9 slices' padded loads per lane. Measured (Intel AVX-512, 1
+thread, thread CPU per call, ``benchmarks/im2col_forms_micro.py``, env
+``PARTITIONER_TVM_CONCAT_THROUGH_RESHAPE=0`` in one run (load 1.5), default in another (2.5-4.1)):
+resnet's layer1 columns from an NHWC input at 2 images 511.0 -> 92.7 us, layer2 260.8 -> 43.7,
+layer1 at batch 16 5324.5 -> 1617.7.
+
 An axis permutation whose output-innermost axis is strided in its source (a training step's conv
 weight OIHW -> HWIO, recomputed every step) walks the source rows in order instead
 (:mod:`.transpose_tiles`, tried before the default order).

@@ -44,6 +44,22 @@ medians; on / off): 7 rounds, load 8.3-10.5, stage 0 243.7 / 248.1 ms, stage 1 1
 rounds, load 3.7-7.3, stage 0 219.0 / 217.0, stage 1 152.3 / 156.1.
 ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=1`` turns the rule on.
 
+Rule (NHWC im2col, :data:`IM2COL_NHWC`, session 18): where the columns are at least as large as
+dW (``N*Ho*Wo >= O``: a pipeline micro-batch's early layers, resnet-18's stem-to-layer2 at 2 images,
+layer1-3 at batch 16) the columns are built channels last: ``x`` to [N, H, W, C], padded on H and
+W, each offset's slice [N, Ho, Wo, C] concatenated on the channel axis (``[N, Ho, Wo, K*C]``, whose
+reshape to ``cols [N*Ho*Wo, K*C]`` is free), ``dY [O, N*Ho*Wo] @ cols`` = [O, kh, kw, C], one
+weight-sized transpose to OIHW. The copies then run along whole channel rows: TVM's Injective rule
+splits the concat into one vector copy per offset (``backends/tvm/schedules/injective.py``,
+``CONCAT_THROUGH_RESHAPE``), and a stage's ``B`` that reads an NHWC stash skips the first
+transpose (``nhwc_stash`` rule 5). For any backend (the step graph does not know its backend).
+Measured (``benchmarks/im2col_forms_micro.py``, 1 thread, thread CPU per call, Intel AVX-512,
+load 2.5-4.1; NCHW form / this form): TVM layer1 at 2 images 1086.6 / 158.7 us, layer2 833.2 /
+82.1, layer1 at batch 16 11855.8 / 1929.7; ONNX Runtime 974.7 / 587.8, 659.1 / 242.3, 12090.4 /
+8440.7. The resnet's stage 0 at 2 images (``benchmarks/stage_kernels_ab.py``, load 4.5-5.7):
+kernels 302.1 -> 238.0 ms a step, the im2col 66.4 -> 9.3 ms. ``PARTITIONER_TRAIN_IM2COL_NHWC=0``
+turns it off; the channels-first rule, an explicit opt-in, wins where both are on.
+
 Rule (flat MatMul weight gradient, :data:`MATMUL_FLAT_WEIGHT_GRAD`): ``y = a @ W`` with ``a``
 batched ``[*B, M, K]`` and ``W`` 2-D ``[K, N]`` (every transformer projection: bert's q/k/v/o and
 MLP weights on ``[batch, tokens, hidden]``) takes ``dW = a^T @ dy`` summed over ``*B`` as one 2-D
