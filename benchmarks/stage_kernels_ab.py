@@ -50,7 +50,7 @@ def measure(model_name: str, knob: str, stage: int, rounds: int) -> dict[str, An
                 plan = build_pipeline(model, loss, SGD(lr=1e-3), batch=batch, stages=2,
                                       micro_batches=pipeline_stages.MICRO_BATCHES, backend="tvm")
                 return PipelineRunner(plan, stage, comm=_Instant(stage), backend="tvm", workdir=Path(tmp) / str(on))
-            runners["on" if on else "off"] = _with_settings({knob: on}, build)
+            runners["on" if on else "off"] = _with_settings({k: on for k in knob.split(",")}, build)
         hooks = {k: _KernelHook(r) for k, r in runners.items()}
         for r in runners.values():
             r.step(feed, y)  # warm-up
@@ -100,7 +100,8 @@ def report(doc: dict[str, Any], top: int = 14) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="resnet", choices=["mlp", "resnet", "bert"])
-    p.add_argument("--knob", required=True, metavar="MODULE.ATTR")
+    p.add_argument("--knob", required=True, metavar="MODULE.ATTR[,MODULE.ATTR...]",
+                   help="one knob, or several set together (comma-separated)")
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)

@@ -265,11 +265,11 @@ def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str],
 
     import models_zoo
 
-    key, _, value = env.partition("=")
-    if not key or not value:
-        raise SystemExit(f"--paired-env {env!r}: expected NAME=VALUE")
+    pairs = [e.partition("=") for e in env.split(",")]  # NAME=VALUE[,NAME=VALUE...]: set together
+    if not pairs or any(not k or not v for k, _, v in pairs):
+        raise SystemExit(f"--paired-env {env!r}: expected NAME=VALUE[,NAME=VALUE...]")
     kwargs, loss = case(name, False, batch)  # ``batch``: --batch, else the model's default
-    batch, old = kwargs["batch"], os.environ.get(key)
+    batch, old = kwargs["batch"], {k: os.environ.get(k) for k, _, _ in pairs}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -280,7 +280,8 @@ def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str],
             for r in range(rounds):
                 for label, devices, strategy, threads in (c for c in CONFIGS if c[0] in labels):
                     for setting in (("default", "env") if r % 2 == 0 else ("env", "default")):
-                        _set_env(key, value if setting == "env" else old)
+                        for k, _, v in pairs:
+                            _set_env(k, v if setting == "env" else old[k])
                         args = (name, tmp, label, devices, strategy, threads, backend, loss, batch, steps, None)
                         load = _load()
                         with ForeignCpu() as foreign:
@@ -288,7 +289,8 @@ def run_paired(name: str, backend: str, steps: int, env: str, labels: list[str],
                         rows.append({"round": r, "setting": setting, "label": label, "load": load, **got,
                                      "foreign_cpu_share": foreign.share})
         finally:
-            _set_env(key, old)
+            for k, _, _ in pairs:
+                _set_env(k, old[k])
     return rows
 
 
@@ -575,7 +577,7 @@ def main() -> int:
     p.add_argument("--no-fixed", action="store_true",
                    help="with --repredict: compute and communication only (no fixed costs: those recorded on a "
                         "loaded run are inflated by it), to compare with the rows' CPU time")
-    p.add_argument("--paired-env", default=None, metavar="NAME=VALUE",
+    p.add_argument("--paired-env", default=None, metavar="NAME=VALUE[,NAME=VALUE...]",
                    help="measure each configuration with and without this environment setting (a knob read "
                         "at import), interleaved over --rounds; writes train_step_<model>_<backend>_paired.json")
     p.add_argument("--paired", action="store_true",

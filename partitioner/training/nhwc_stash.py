@@ -35,6 +35,11 @@ Rules:
    453.6 ms a step; stage 0 alone, paired, 16 rounds: on 409.8 / off 400.6 ms, off faster in 8
    (without rule 1's im2col condition: 422.1 / 419.7, on faster in 7). Hence off.
 
+5. (session 18) A ``B`` op ``Transpose(v, [0, 2, 3, 1])`` (the NHWC im2col of a conv weight
+   gradient, ``rules/linear.py`` rule "NHWC im2col") does not make ``v`` layout-bound: it reads
+   ``v`` in NHWC, so it becomes ``Identity(<v>.nhwc)`` and the im2col reads the stash as ``F``
+   wrote it.
+
 Knob :data:`NHWC_STASH`, default off (env ``PARTITIONER_TRAIN_NHWC_STASH=1`` turns it on, in MPI
 ranks too): see rule 4.
 """
@@ -89,7 +94,7 @@ def rewritten(stage: Stage) -> list[str]:
     made = {o for n in fwd.graph.node for o in n.output}
     sent = {v for _, v in stage.send} | {b for _, b in stage.bn_state}
     skip = f_inputs | sent | set(stage.w_stash)
-    skip |= {i for n in stage.backward.graph.node if n.op_type in LAYOUT_BOUND for i in n.input}
+    skip |= {i for n in stage.backward.graph.node if n.op_type in LAYOUT_BOUND and not _to_nhwc(n) for i in n.input}
     return [v for v in stage.stash if v in made and v not in skip
             and _float4d(_info(fwd, v))]
 
@@ -114,12 +119,25 @@ def apply(stage: Stage) -> list[str]:
         bwd.graph.input[b_inputs[v]].CopyFrom(_permuted(info, v + SUFFIX, TO_NHWC))
         bwd.graph.value_info.append(nchw)
         front.append(helper.make_node("Transpose", [v + SUFFIX], [v], perm=TO_NCHW, name=f"{v}{SUFFIX}.nchw.node"))
-    nodes = front + list(bwd.graph.node)
+    names = set(values)
+    nodes = front + [_folded(n, names) for n in bwd.graph.node]
     del bwd.graph.node[:]
     bwd.graph.node.extend(nodes)
-    names = set(values)
     stage.stash = [v + SUFFIX if v in names else v for v in stage.stash]
     return values
+
+
+def _to_nhwc(node: onnx.NodeProto) -> bool:
+    """Rule 5: ``Transpose(v, [0, 2, 3, 1])`` (the NHWC im2col's first op, ``rules/linear.py``)."""
+    return node.op_type == "Transpose" and any(a.name == "perm" and list(a.ints) == TO_NHWC for a in node.attribute)
+
+
+def _folded(node: onnx.NodeProto, names: set[str]) -> onnx.NodeProto:
+    """Rule 5: a ``B`` node ``Transpose(v, [0, 2, 3, 1])`` of a rewritten ``v`` becomes
+    ``Identity(<v>.nhwc)`` (the two transposes cancel; TVM need not see through them)."""
+    if not (_to_nhwc(node) and node.input[0] in names):
+        return node
+    return helper.make_node("Identity", [node.input[0] + SUFFIX], list(node.output), name=node.name)
 
 
 def _renamed(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:

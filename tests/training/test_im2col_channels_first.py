@@ -30,6 +30,7 @@ def test_columns_form_and_finite_differences(case: str, on: bool, monkeypatch) -
     transposed; off: the [N*Ho*Wo, C*K] columns through the 5-D transpose. Both forms give the
     finite-difference gradients."""
     monkeypatch.setattr(linear, "IM2COL_CHANNELS_FIRST", on)
+    monkeypatch.setattr(linear, "IM2COL_NHWC", False)  # off: the NCHW form (test_im2col_nhwc.py has the other)
     model, _, _ = _model(case)
     _, grads, prog, weights = gradients(model, _feeds(case), "mse", _trainable(case))
     assert (COLUMNS_TRANSPOSE in _perms(prog)) is not on
@@ -51,6 +52,7 @@ def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int
     from partitioner.training.step import build_training_graph
 
     monkeypatch.setattr(linear, "IM2COL_CHANNELS_FIRST", True)
+    monkeypatch.setattr(linear, "IM2COL_NHWC", False)  # 16 channels: the NCHW form, not the NHWC one
     w = numpy_helper.from_array(np.zeros((out_channels, 3, 3, 3), np.float32), "w")
     g = helper.make_graph([helper.make_node("Conv", ["input", "w"], ["out"], pads=[1, 1, 1, 1])], "c",
                           [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 2, 2])],

@@ -60,7 +60,12 @@ def test_in_program_sum_trains_as_numpy_sum(tmp_path, monkeypatch) -> None:
 
 def test_accumulating_adds_at_the_product(monkeypatch) -> None:
     """The conv weight gradient's add sits on its MatMul (before the reshape to the weight's
-    shape), the fc's on its Gemm; with ``ACCUMULATE_AT_PRODUCT`` off, on the ``W.grad`` output."""
+    shape), the fc's on its Gemm; with ``ACCUMULATE_AT_PRODUCT`` off, on the ``W.grad`` output.
+    The NCHW im2col form (linear.IM2COL_NHWC off): the NHWC form transposes dW to OIHW after its
+    MatMul, so its add sits behind that transpose (fused with it by TVM)."""
+    from partitioner.training.rules import linear
+
+    monkeypatch.setattr(linear, "IM2COL_NHWC", False)
     plan = build_pipeline(_conv_net(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4,
                           backend="tvm")
     for at_product in (True, False):

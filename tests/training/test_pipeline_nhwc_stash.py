@@ -20,6 +20,7 @@ from partitioner.training import SGD, nhwc_stash
 from partitioner.training import pipeline as pipe
 from partitioner.training.pipeline import build_pipeline
 from partitioner.training.pipeline_runner import executable
+from partitioner.training.rules import activations, linear
 
 from .test_pipeline_training import _tvm_pipeline_trains_like_one_rank
 
@@ -52,6 +53,10 @@ def _resnet_like(c: int = 6, seed: int = 5) -> onnx.ModelProto:
 
 def _plan(monkeypatch, on: bool) -> pipe.PipelinePlan:
     monkeypatch.setattr(nhwc_stash, "NHWC_STASH", on)
+    # the NCHW im2col (Pad reads r0, r1: rule 1's layout-bound case); test_im2col_nhwc.py has rule 5
+    monkeypatch.setattr(linear, "IM2COL_NHWC", False)
+    # ReLU masks from the ReLU inputs (c0, c1, a2: the values this rule rewrites), not the outputs
+    monkeypatch.setattr(activations, "RELU_MASK_FROM_OUTPUT", False)
     monkeypatch.setattr(pipe, "CUT_AFTER", ("r2",))
     return build_pipeline(_resnet_like(), "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4,
                           backend="tvm")

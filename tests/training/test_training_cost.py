@@ -36,7 +36,10 @@ def test_optimizer_state_memory_is_weight_copies(mlp) -> None:
 
 def test_backward_is_about_twice_the_forward_and_data_parallel_adds_the_allreduce(mlp) -> None:
     one = predict_training(mlp, "single", 1, batch=32)
-    assert 1.5 <= one.breakdown["backward_s"] / one.breakdown["forward_s"] <= 2.0
+    # up to 2.4: with activations.RELU_MASK_FROM_OUTPUT the backward no longer reads a ReLU's
+    # input, so the forward prices each ReLU fused into its Gemm (this mlp: 38.8 -> 30.4 us, the
+    # backward 69.2 us either way: 1.78x -> 2.28x)
+    assert 1.5 <= one.breakdown["backward_s"] / one.breakdown["forward_s"] <= 2.4
     two = predict_training(mlp, "data", 2, batch=32)
     assert two.breakdown["comm_s"] > 0 and one.breakdown["comm_s"] == 0
     assert two.breakdown["forward_s"] < one.breakdown["forward_s"]  # half the batch per rank

@@ -29,6 +29,17 @@ input is known and the copy is a plain vector load/store. Before, TOPI's chain o
 ``if_then_else`` on the channel index was vectorised as a select of every input's load per
 vector.
 
+The same split also applies when a reshape that keeps the concat axis innermost and whole is fused
+behind the concat (its index is then ``v % extent``) and when the first input is itself a select
+(a fused pad's bounds check) (:data:`CONCAT_THROUGH_RESHAPE`, session 18). Shapes it is for: a
+training step's NHWC im2col, ``pad -> 9 strided slices -> concat on channels -> reshape to
+[N*Ho*Wo, 9*C]`` (``partitioner/training/rules/linear.py``), whose fused kernel ran as one flat
+vector loop selecting among the 9 slices' padded loads per lane. Measured (Intel AVX-512, 1
+thread, thread CPU per call, ``benchmarks/im2col_forms_micro.py``, env
+``PARTITIONER_TVM_CONCAT_THROUGH_RESHAPE=0`` in one run (load 1.5), default in another (2.5-4.1)):
+resnet's layer1 columns from an NHWC input at 2 images 511.0 -> 92.7 us, layer2 260.8 -> 43.7,
+layer1 at batch 16 5324.5 -> 1617.7.
+
 An axis permutation whose output-innermost axis is strided in its source (a training step's conv
 weight OIHW -> HWIO, recomputed every step) walks the source rows in order instead
 (:mod:`.transpose_tiles`, tried before the default order).
@@ -37,6 +48,7 @@ weight OIHW -> HWIO, recomputed every step) walks the source rows in order inste
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -54,6 +66,11 @@ NARROW_VECTORS = True
 #: a concat along the innermost axis runs one vectorised loop per input
 #: (:func:`schedule_concat_block`); off: one loop with a select per element
 SPLIT_CONCAT = True
+#: (session 18) that rule also where the concat's innermost axis is indexed ``v % extent`` (a
+#: reshape fused behind the concat that keeps that axis innermost whole: a conv weight gradient's
+#: NHWC im2col ``[N, Ho, Wo, K*C] -> [N*Ho*Wo, K*C]``, ``partitioner/training/rules/linear.py``);
+#: env ``PARTITIONER_TVM_CONCAT_THROUGH_RESHAPE=0`` turns it off
+CONCAT_THROUGH_RESHAPE = os.environ.get("PARTITIONER_TVM_CONCAT_THROUGH_RESHAPE", "1") != "0"
 #: a convolution's zero-padded input copy runs as one row at a time, zeros then the interior as a
 #: plain vector copy (:func:`schedule_padded_copy`); off: one bounds-checked loop per element
 SPLIT_PAD_COPY = True
@@ -156,11 +173,24 @@ def _concat_bounds(sch: Any, block: Any) -> list[int]:
     bounds, value = [], body.value
     while isinstance(value, ir.Call) and value.op.name.endswith("if_then_else"):
         cond = value.args[0]
-        if not (isinstance(cond, tirx.LE) and isinstance(cond.a, tirx.IntImm) and cond.b.same_as(var)):
+        if not (isinstance(cond, tirx.LE) and isinstance(cond.a, tirx.IntImm) and _is_var(cond.b, var, int(dom))):
+            if bounds and CONCAT_THROUGH_RESHAPE:
+                break  # the first input's own select (a fused pad's bounds check), not the chain's
             return []
         bounds.append(int(cond.a.value))
         value = value.args[2]
     return sorted(set(bounds))
+
+
+def _is_var(expr: Any, var: Any, extent: int) -> bool:
+    """``expr`` is ``var`` or ``var % extent`` (:data:`CONCAT_THROUGH_RESHAPE`: a reshape that
+    keeps the concat axis innermost, fused behind it, indexes it as ``v % extent``)."""
+    from tvm import tirx
+
+    if expr.same_as(var):
+        return True
+    return (CONCAT_THROUGH_RESHAPE and isinstance(expr, tirx.FloorMod) and expr.a.same_as(var)
+            and isinstance(expr.b, tirx.IntImm) and int(expr.b.value) == extent)
 
 
 def schedule_padded_copy(sch: Any, block: Any, lanes: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from partitioner.training.autodiff import GradContext, register_gradient
 
@@ -11,9 +12,17 @@ def _mask(g: GradContext, cond, dy):
     return g.op("Where", cond, dy, g.op("CastLike", g.scalar(0.0), dy))
 
 
+#: Relu's mask from its output, ``y > 0`` (the same set as ``x > 0``: ``y = max(x, 0)``), not its
+#: input (session 18). A conv net's ReLU output is kept for the next conv's weight gradient anyway,
+#: so the backward pass no longer needs the ReLU's input (a BatchNormalization output): a pipeline
+#: stage stashes one activation less per BN-ReLU (and TVM's ``F`` writes and transposes one NCHW
+#: output less per micro-batch). ``PARTITIONER_TRAIN_RELU_MASK_FROM_OUTPUT=0`` turns it off.
+RELU_MASK_FROM_OUTPUT = os.environ.get("PARTITIONER_TRAIN_RELU_MASK_FROM_OUTPUT", "1") != "0"
+
+
 @register_gradient("Relu")
 def relu(g: GradContext) -> list:
-    x = g.x[0]
+    x = g.y[0] if RELU_MASK_FROM_OUTPUT else g.x[0]  # y > 0 exactly where x > 0 (RELU_MASK_FROM_OUTPUT)
     return [_mask(g, g.op("Greater", x, g.op("CastLike", g.scalar(0.0), x)), g.dy[0])]
 
 

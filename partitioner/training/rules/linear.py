@@ -44,6 +44,22 @@ medians; on / off): 7 rounds, load 8.3-10.5, stage 0 243.7 / 248.1 ms, stage 1 1
 rounds, load 3.7-7.3, stage 0 219.0 / 217.0, stage 1 152.3 / 156.1.
 ``PARTITIONER_TRAIN_IM2COL_CHANNELS_FIRST=1`` turns the rule on.
 
+Rule (NHWC im2col, :data:`IM2COL_NHWC`, session 18): where the columns are at least as large as
+dW (``N*Ho*Wo >= O``: a pipeline micro-batch's early layers, resnet-18's stem-to-layer2 at 2 images,
+layer1-3 at batch 16) the columns are built channels last: ``x`` to [N, H, W, C], padded on H and
+W, each offset's slice [N, Ho, Wo, C] concatenated on the channel axis (``[N, Ho, Wo, K*C]``, whose
+reshape to ``cols [N*Ho*Wo, K*C]`` is free), ``dY [O, N*Ho*Wo] @ cols`` = [O, kh, kw, C], one
+weight-sized transpose to OIHW. The copies then run along whole channel rows: TVM's Injective rule
+splits the concat into one vector copy per offset (``backends/tvm/schedules/injective.py``,
+``CONCAT_THROUGH_RESHAPE``), and a stage's ``B`` that reads an NHWC stash skips the first
+transpose (``nhwc_stash`` rule 5). For any backend (the step graph does not know its backend).
+Measured (``benchmarks/im2col_forms_micro.py``, 1 thread, thread CPU per call, Intel AVX-512,
+load 2.5-4.1; NCHW form / this form): TVM layer1 at 2 images 1086.6 / 158.7 us, layer2 833.2 /
+82.1, layer1 at batch 16 11855.8 / 1929.7; ONNX Runtime 974.7 / 587.8, 659.1 / 242.3, 12090.4 /
+8440.7. The resnet's stage 0 at 2 images (``benchmarks/stage_kernels_ab.py``, load 4.5-5.7):
+kernels 302.1 -> 238.0 ms a step, the im2col 66.4 -> 9.3 ms. ``PARTITIONER_TRAIN_IM2COL_NHWC=0``
+turns it off; the channels-first rule, an explicit opt-in, wins where both are on.
+
 Rule (flat MatMul weight gradient, :data:`MATMUL_FLAT_WEIGHT_GRAD`): ``y = a @ W`` with ``a``
 batched ``[*B, M, K]`` and ``W`` 2-D ``[K, N]`` (every transformer projection: bert's q/k/v/o and
 MLP weights on ``[batch, tokens, hidden]``) takes ``dW = a^T @ dy`` summed over ``*B`` as one 2-D
@@ -70,6 +86,10 @@ from partitioner.training.autodiff import GradContext, register_gradient
 
 #: the GEMM weight gradient rule (module docstring); ``PARTITIONER_TRAIN_GEMM_WGRAD=0`` turns it off
 GEMM_WEIGHT_GRAD = os.environ.get("PARTITIONER_TRAIN_GEMM_WGRAD", "1") != "0"
+#: the GEMM weight gradient's columns built channels last (module docstring, rule "NHWC im2col",
+#: session 18); ``PARTITIONER_TRAIN_IM2COL_NHWC=0`` turns it off (in MPI ranks too).
+#: :data:`IM2COL_CHANNELS_FIRST` (off by default, an explicit opt-in) wins where both apply.
+IM2COL_NHWC = os.environ.get("PARTITIONER_TRAIN_IM2COL_NHWC", "1") != "0"
 #: the most kernel offsets (kh x kw) whose im2col copies the GEMM form pays (module docstring)
 GEMM_MAX_OFFSETS = 9
 #: the GEMM weight gradient's columns built channels first (module docstring, rule "im2col
@@ -188,9 +208,12 @@ def weight_grad_gemm(g: GradContext, x, sx, dy, sdy, kernel, strides, dilations,
     [N, C, K, Ho, Wo], laid out as cols [N*Ho*Wo, C*K]; dY [N, O, Ho, Wo] as [O, N*Ho*Wo]."""
     n, c = sx[0], sx[1]
     o, ho, wo = sdy[1], sdy[2], sdy[3]
+    large = n * ho * wo >= IM2COL_MIN_ROWS_PER_CHANNEL * o  # the columns at least as large as dW
+    first = IM2COL_CHANNELS_FIRST and large  # module docstring; an explicit opt-in, so it wins
+    if IM2COL_NHWC and large and not first:
+        return _weight_grad_gemm_nhwc(g, x, sx, dy, sdy, kernel, strides, dilations, pads)
     if any(pads):
         x = g.op("Pad", x, g.ints([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]))
-    first = IM2COL_CHANNELS_FIRST and n * ho * wo >= IM2COL_MIN_ROWS_PER_CHANNEL * o  # module docstring
     if first:
         x = g.op("Transpose", x, perm=[1, 0, 2, 3])  # [C, N, Hp, Wp]: whole planes moved
     parts = []
@@ -211,6 +234,31 @@ def weight_grad_gemm(g: GradContext, x, sx, dy, sdy, kernel, strides, dilations,
     cols = g.op("Reshape", cols, g.ints([n * ho * wo, c * len(parts)]))
     d2 = g.op("Reshape", g.op("Transpose", dy, perm=[1, 0, 2, 3]), g.ints([o, n * ho * wo]))
     return g.op("Reshape", g.op("MatMul", d2, cols), g.ints([o, c, *kernel]))
+
+
+def _weight_grad_gemm_nhwc(g: GradContext, x, sx, dy, sdy, kernel, strides, dilations, pads):
+    """Rule "NHWC im2col" (module docstring): x moved to [N, H, W, C] first, padded on H and W,
+    each kernel offset's slice [N, Ho, Wo, C] concatenated on the channel axis (``[N, Ho, Wo,
+    K*C]``, whose reshape to ``cols [N*Ho*Wo, K*C]`` is free); ``dW' = dY[O, N*Ho*Wo] @ cols`` is [O, kh, kw, C]
+    and goes to OIHW by one weight-sized transpose (taken only where dW is no larger than the
+    columns)."""
+    n, c = sx[0], sx[1]
+    o, ho, wo = sdy[1], sdy[2], sdy[3]
+    x = g.op("Transpose", x, perm=[0, 2, 3, 1])  # [N, H, W, C]: what TVM's NHWC convs already hold
+    if any(pads):
+        x = g.op("Pad", x, g.ints([0, pads[0], pads[1], 0, 0, pads[2], pads[3], 0]))
+    parts = []
+    for kh in range(kernel[0]):
+        for kw in range(kernel[1]):
+            start = [kh * dilations[0], kw * dilations[1]]
+            end = [start[0] + (ho - 1) * strides[0] + 1, start[1] + (wo - 1) * strides[1] + 1]
+            parts.append(g.op("Slice", x, g.ints(start), g.ints(end), g.ints([1, 2]), g.ints(strides)))
+    # a channel concat on the innermost axis (the Injective rule's one vector copy per input)
+    cols = g.op("Concat", *parts, axis=3) if len(parts) > 1 else parts[0]  # [N, Ho, Wo, K*C]
+    cols = g.op("Reshape", cols, g.ints([n * ho * wo, len(parts) * c]))
+    d2 = g.op("Reshape", g.op("Transpose", dy, perm=[1, 0, 2, 3]), g.ints([o, n * ho * wo]))
+    dw = g.op("Reshape", g.op("MatMul", d2, cols), g.ints([o, *kernel, c]))  # [O, kh, kw, C]
+    return g.op("Transpose", dw, perm=[0, 3, 1, 2])
 
 
 def _output_padding(in_sp, out_sp, kernel, strides, dilations, pads) -> list[int]:
