@@ -178,6 +178,9 @@ def reduce_arrays(arrays: Sequence[np.ndarray], reduction: str) -> np.ndarray:
     """Reduce in the given (group) order: the fixed order makes results bit-reproducible."""
     fn = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[reduction]
     out = np.array(arrays[0], copy=True)
-    for arr in arrays[1:]:
-        fn(out, arr, out=out)
+    # inf/NaN operands (a diverging training step) reduce to inf/NaN silently: the training loop
+    # reports the NaN loss in one line; numpy's RuntimeWarning would add a second to stderr
+    with np.errstate(invalid="ignore", over="ignore"):
+        for arr in arrays[1:]:
+            fn(out, arr, out=out)
     return out
