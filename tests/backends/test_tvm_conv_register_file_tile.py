@@ -25,7 +25,7 @@ from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import contraction as C
 from models_zoo.conv_layers import single_conv_model
-from tvm_build_check import ZNVER3, ZNVER4, host_has
+from tvm_build_check import ZNVER3, ZNVER4, host_has, spy_returns
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -37,15 +37,7 @@ def _build(m, spec: dict):
 
 
 def _spy(monkeypatch) -> list:
-    calls: list = []
-    real = C._register_file_tile
-
-    def spy(*args):
-        calls.append(real(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(C, "_register_file_tile", spy)
-    return calls
+    return spy_returns(monkeypatch, C, "_register_file_tile")
 
 
 @pytest.mark.parametrize("batch,hw,co,tile", [(1, 14, 128, (2, 2, 2, 1)), (1, 7, 256, (7, 1, 1, None)),

@@ -24,7 +24,7 @@ from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import contraction as C
 from backends.tvm.schedules import vector as V
-from tvm_build_check import ZNVER3, ZNVER4, build_and_compare, host_has
+from tvm_build_check import ZNVER3, ZNVER4, build_and_compare, host_has, spy_returns
 
 SAPPHIRERAPIDS = {"kind": "llvm", "mcpu": "sapphirerapids"}
 SKYLAKE_AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512"}
@@ -55,15 +55,7 @@ def _model(ci: int, co: int, hw: int, k: int, stride: int, batch: int, residual:
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list:
-    calls: list = []
-    real = C._full_width_tile
-
-    def spy(*args):
-        calls.append(real(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(C, "_full_width_tile", spy)
-    return calls
+    return spy_returns(monkeypatch, C, "_full_width_tile")
 
 
 def _schedule(m: onnx.ModelProto, spec: dict) -> tvm.IRModule:

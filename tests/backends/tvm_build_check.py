@@ -60,3 +60,16 @@ def conv3x3_register_tile(mod: tvm.IRModule) -> list[int]:
         if sum(1 for lp in loops if int(lp.extent) == 3 and int(lp.kind) != unrolled) >= 2:  # ry, rx: the 3x3
             return sorted(int(lp.extent) for lp in loops if int(lp.kind) == unrolled)
     raise AssertionError("no 3x3 conv update block found")
+
+
+def spy_returns(monkeypatch: Any, module: Any, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that records each return value (in call order)."""
+    calls: list = []
+    real = getattr(module, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
