@@ -105,12 +105,14 @@ def test_planner_prices_only_hoisting_tvm_stages(monkeypatch) -> None:
 
 def test_tvm_im2col_slices_are_priced_inside_their_concat(monkeypatch) -> None:
     """Rule 1 (``TVM_FUSED_IM2COL_SLICES``): the weight gradient's im2col of conv2 (9 Slices of the
-    padded map, each through an Unsqueeze into one Concat) costs nothing beyond its Concat on a TVM
+    padded map into one Concat, through Unsqueezes when channels first) costs nothing beyond its Concat on a TVM
     rank; with the knob off, or on ONNX Runtime, each Slice is its own pass. Fails with the knob off
     (the TVM prices then equal the knob-off ones)."""
     step = _two_conv_step().graph
+    # channels first: each Slice through an Unsqueeze; channels last (linear.IM2COL_NHWC, the
+    # default): each Slice straight into the channel-axis Concat
     slices = [n for n in step if n.op_type == "Slice"
-              and all(u.op_type == "Unsqueeze" for o in n.outputs for u, _ in o.uses())]
+              and all(u.op_type in ("Unsqueeze", "Concat") for o in n.outputs for u, _ in o.uses())]
     assert len(slices) >= 9
     dev = _tvm_device()
 

@@ -110,6 +110,17 @@ PACK_A_MIN_N = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_N", "256"))
 #: 32 vector registers of 512 bits with a full-width 512-bit FMA datapath (two 512-bit FMA units:
 #: Intel server cores): the packed-A tile of :func:`micro_tile` rule 7 (``PACK_A_TILE_32``) with M
 #: padded to its rows; off (env ``PARTITIONER_GEMM_PACK_A_32=0``): rules 1-5's tile with A in place
+#: (MLAS's AVX-512 block: 24 accumulators + 2 B vectors + 1 broadcast = 27 registers; 24 FMAs per
+#: 2 vector loads and 12 broadcasts). Why: with two FMA ports a k step of the 4 x 4 tile lasts 8
+#: cycles and reads a 256-byte B row of a panel that lives in L2 (32 bytes/cycle); 12 x 2 reads 128
+#: bytes of B per 12 cycles. Rows-outer products (B in L2, one A tile in L1) keep rules 1-5: there
+#: 12 x 2 with packed A lost (512^3 1.10x, 480x256x256 1.15x against 6 x 4 in place). Measured on
+#: an Intel Xeon (Sapphire-Rapids class, LLVM host cpu ``rocketlake``, 1 thread, thread CPU time,
+#: median of 15 interleaved rounds, load 6.5 on 2 cores; rule 7 / off / ORT, ms): 1024^3 26.0 /
+#: 29.2 / 28.8, 2048^3 188 / 203 / 239 (``benchmarks/results/session18_intel/gemm18/
+#: ab_rule7_1t.json``). 14 x 2 (28 accumulators) lost to 12 x 2 (1.03x, 1.15x), 6 x 4 with packed
+#: A did not beat 4 x 4; k blocking (a kc x NR block of B kept in L1) lost 1.02-2x in four variants
+#: (docs/gemm.md, session 18).
 PACK_A_32_REGISTERS = os.environ.get("PARTITIONER_GEMM_PACK_A_32", "1") != "0"
 #: (rows, vectors) of rule 7's tile: 12 x 2 vectors = 24 accumulators + 2 B vectors + 1 broadcast
 PACK_A_TILE_32 = (12, 2)
@@ -173,21 +184,9 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        units, Intel server cores; not ``vector.HALF_WIDTH_AVX512_CPUS``, i.e. not Zen 4), matrix
        products whose packed B does not fit ``ROWS_OUTER_B_BYTES`` (panels outer: 1024^3,
        2048^3, large-N projections), N a multiple of 2 vectors, M >= 12: the caller
-       (:func:`_pack_a_plan`) replaces this tile by ``PACK_A_TILE_32`` = 12 x 2 vectors
-       (MLAS's AVX-512 block: 24 accumulators + 2 B vectors + 1 broadcast = 27 registers; 24 FMAs
-       per 2 vector loads and 12 broadcasts), M padded to a multiple of 12 and A packed into
-       12-row panels exactly as rule 6 (M blocks of ~1 MiB of packed A when B is too large). Why:
-       with two FMA ports a k step of the 4 x 4 tile lasts 8 cycles and reads a 256-byte B row
-       of a panel that lives in L2 (32 bytes/cycle); 12 x 2 reads 128 bytes of B per 12 cycles.
-       Rows-outer products (B in L2, one A tile in L1) keep rules 1-5: there 12 x 2 with packed
-       A lost (512^3 1.10x, 480x256x256 1.15x against 6 x 4 in place). Measured on an Intel
-       Xeon (Sapphire-Rapids class, LLVM host cpu ``rocketlake``, 1 thread, thread CPU time,
-       median of 15 interleaved rounds, load 6.5 on 2 cores; rule 7 / off / ORT, ms): 1024^3
-       26.0 / 29.2 / 28.8, 2048^3 188 / 203 / 239; rows-outer shapes unchanged (same schedule).
-       ``benchmarks/results/session18_intel/gemm18/ab_rule7_1t.json``. 14 x 2 (28
-       accumulators) lost to 12 x 2 (1.03x, 1.15x), 6 x 4 with packed A did not beat 4 x 4;
-       k blocking (a kc x NR block of B kept in L1) lost 1.02-2x in four variants (REPORT of
-       session 18, gemm18). ``PACK_A_32_REGISTERS`` (env ``PARTITIONER_GEMM_PACK_A_32=0``): off."""
+       (:func:`_pack_a_plan`) replaces this tile by ``PACK_A_TILE_32`` = 12 x 2 vectors, M padded
+       to a multiple of 12 and A packed into 12-row panels exactly as rule 6. Why, measured, and
+       what lost: the comment of ``PACK_A_32_REGISTERS``."""
     if n % lanes != 0:
         return None
     vectors = n // lanes
