@@ -67,7 +67,7 @@ def markdown() -> str:
              f"| mismatches / crashes in that run | {fuzz['mismatches_found']} / {fuzz['crashes_found']} |",
              "| bugs found by fuzzing, fixed and kept as minimised regression tests (docs/fuzzing.md) | "
              f"{regression_tests()} tests |",
-             f"| hostile-input classes refused (exit 2, one line, < 10 s, bounded memory, no reads outside the model's folder) | "
+             f"| hostile-input classes refused (exit 2, one line, < 10 s of CPU, bounded memory, no reads outside the model's folder) | "
              f"{len(hostile_classes())} |"]
     return "\n".join(lines)
 

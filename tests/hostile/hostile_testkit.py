@@ -564,7 +564,13 @@ def wrong_shape_name(root: Path) -> HostileCase:
 
 # running the CLI with bounded time and memory -------------------------------------------------
 
-CLI_TIMEOUT_S = 10.0
+# A hostile input must not make the CLI work long: its CPU time (user + system, the child's own
+# rusage) stays under CLI_CPU_LIMIT_S. CPU time does not grow when other processes share the
+# cores; wall time does (under a load of 9 on 2 cores, 45 cases once passed 10 s of wall time
+# while using about 1 s of CPU each). A child that blocks without using CPU is caught by the
+# wall-clock kill, set far above any loaded run: a hang never ends, so any bound catches it.
+CLI_CPU_LIMIT_S = 10.0
+CLI_TIMEOUT_S = 120.0
 CLI_ADDRESS_SPACE = 4 * 2**30
 
 
@@ -575,6 +581,7 @@ class CliResult:
     stderr: str
     seconds: float
     max_rss_bytes: int
+    cpu_seconds: float
 
 
 def _limit_memory() -> None:
@@ -585,7 +592,8 @@ def _limit_memory() -> None:
 
 def run_cli(args: list[str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> CliResult:
     """Run ``python -m partitioner.cli ARGS`` under a 4 GiB address-space limit; reap it with
-    ``os.wait4`` to get this child's own peak RSS. Kills it and raises TimeoutError past ``timeout``."""
+    ``os.wait4`` to get this child's own peak RSS and CPU time. Kills it and raises TimeoutError
+    past ``timeout`` seconds of wall time."""
     import subprocess
     import tempfile
 
@@ -610,4 +618,4 @@ def run_cli(args: list[str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> CliRe
         out.seek(0)
         err.seek(0)
         return CliResult(proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                         seconds, usage.ru_maxrss * 1024)
+                         seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime)
