@@ -259,15 +259,15 @@ class MPICommunicator(_SharedState):
         return sub
 
     # waiting ------------------------------------------------------------------------------------
-    def _wait(self, req: Any, what: str, status: Any = None) -> None:
-        """Poll ``req`` until done or the deadline, as :func:`_wait_policy` says (rule 9): spin,
-        yield the core, then sleep between polls."""
+    def _wait(self, req: Any, what: str, status: Any = None, timeout_s: float | None = None) -> None:
+        """Poll ``req`` until done or the deadline (``timeout_s``, default the communicator's), as
+        :func:`_wait_policy` says (rule 9): spin, yield the core, then sleep between polls."""
         if req.Test(status):  # the common case on a busy pipeline: already there
             return
         spin, yield_until, nap = _wait_policy()
         clock = time.perf_counter
         start = clock()
-        deadline = start + self.timeout_s
+        deadline = start + (limit := self.timeout_s if timeout_s is None else timeout_s)
         while not req.Test(status):
             now = clock()
             waited = now - start
@@ -281,7 +281,7 @@ class MPICommunicator(_SharedState):
                     req.Cancel()
                 except Exception:  # noqa: BLE001 - cancel is best effort; we are failing anyway
                     pass
-                raise RunFailed(f"{what}: timed out after {self.timeout_s:g} s (a peer failed or is stuck; "
+                raise RunFailed(f"{what}: timed out after {limit:g} s (a peer failed or is stuck; "
                                 f"raise ${TIMEOUT_ENV} for slow steps)")
             time.sleep(nap)
 
@@ -454,8 +454,8 @@ class MPICommunicator(_SharedState):
         self._wait(self.control.Irecv(out, source=source, tag=tag), what)
         return out
 
-    def barrier(self) -> None:
-        self._wait(self.control.Ibarrier(), "barrier")
+    def barrier(self, timeout_s: float | None = None, what: str = "barrier") -> None:  # None: rule 3
+        self._wait(self.control.Ibarrier(), what, timeout_s=timeout_s)
 
     def abort(self, code: int = 1) -> None:
         self.world.Abort(code)

@@ -32,6 +32,14 @@ Rules:
    25 MiB ones; `benchmarks/train_step.py` paired (load 2.5-3.8, 2 rounds) 244.8 / 356.6 ms
    of wall against 321.7 / 511.5 with the same CPU on average (docs/training.md). ONNX Runtime
    ranks keep their buckets (not measured apart).
+7. MPI ranks build their programs (TVM: minutes for a conv net's pipeline stage on a loaded
+   machine) and then wait at a barrier for every rank to finish building, with a deadline of
+   :data:`BUILD_WAIT_S` (``$PARTITIONER_BUILD_WAIT``), before the first step. Without it a rank
+   that builds faster waited for its first message under the step's 30 s deadline
+   (:mod:`partitioner.runtime.comm_mpi` rule 3): seen in session 19 at a load of 9, rank 1 of a TVM resnet
+   1F1B pipeline timed out on its first receive while rank 0 was still building. A rank whose
+   build fails aborts every rank (:mod:`partitioner.training.mpi_worker`), so the barrier never
+   waits on a dead peer.
 """
 
 from __future__ import annotations
@@ -61,6 +69,25 @@ BUCKET_BYTES = 25 * 2**20
 #: rule 6: data-parallel TVM ranks of one thread AllReduce all their gradients as one bucket
 #: (``$PARTITIONER_TRAIN_TVM_ONE_BUCKET=0``: :data:`BUCKET_BYTES` buckets, to measure it)
 TVM_ONE_BUCKET = os.environ.get("PARTITIONER_TRAIN_TVM_ONE_BUCKET", "1") != "0"
+
+
+#: rule 7: how long an MPI rank waits for the others to finish building (seconds)
+BUILD_WAIT_S = 1800.0
+BUILD_WAIT_ENV = "PARTITIONER_BUILD_WAIT"
+
+
+def build_wait_s() -> float:
+    """Rule 7's deadline: ``$PARTITIONER_BUILD_WAIT`` seconds, else :data:`BUILD_WAIT_S`."""
+    raw = os.environ.get(BUILD_WAIT_ENV)
+    if raw is None:
+        return BUILD_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"${BUILD_WAIT_ENV}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise UsageError(f"${BUILD_WAIT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
 
 
 def bucket_bytes(backend: str, threads: int) -> int:
@@ -204,6 +231,7 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     if launcher == "mpi" and devices > 1 and comm is None:
+        build_wait_s()  # rule 7: a bad $PARTITIONER_BUILD_WAIT is refused here, before any rank starts
         options = {"loss": loss, "optimizer": optimizer if isinstance(optimizer, str) else None, "lr": lr,
                    "weight_decay": weight_decay, "batch": batch, "epochs": epochs, "devices": devices,
                    "strategy": strategy, "backend": backend, "seed": seed, "progress": progress,
@@ -227,6 +255,9 @@ def train(model: Any, data: Any, *, loss: str = "cross_entropy", optimizer: str 
     else:
         ranks, runners = _data_runners(step, devices, backend=backend, comm=comm, out=out, start=start,
                                        threads=threads)
+    if comm is not None:  # rule 7: every MPI rank built its programs before any rank steps
+        comm.fault.maybe_fail("built")
+        comm.barrier(timeout_s=build_wait_s(), what="waiting for every rank to finish building")
     writer = ranks[0] == 0
     sig = signature(step)
     # the build's copies of the weights are dropped before the steps (memory_window rule 2)

@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from partitioner.runtime.comm_mpi import MPICommunicator
         from partitioner.training.loop import train
 
-        comm = MPICommunicator(comm_groups(world.Get_size(), cfg.get("strategy", "data"), cfg.get("stages")))
+        from partitioner.runtime.fault import from_env
+
+        comm = MPICommunicator(comm_groups(world.Get_size(), cfg.get("strategy", "data"), cfg.get("stages")),
+                               fault=from_env(rank))
         from partitioner.training import memory_window
 
         memory_window.CURRENT = memory_window.MemoryWindow(
