@@ -20,7 +20,10 @@ from partitioner.core.errors import ModelLoadError, UnsupportedOpError
 from partitioner.load import load
 
 ZOO = [e.name for e in models_zoo.list_models()]
-SLOW_ZOO = {"resnet50"}  # about 2 s to build and infer; covered by test-slow
+# covered by test-slow: resnet50 (about 2 s to build and infer) and the three largest light models
+# (240-550 MiB of weights: 10-30 s each for the build and full_check's copies, mostly system time;
+# the other light models stay in the fast suite)
+SLOW_ZOO = {"resnet50", "light_vgg19", "light_zfnet512", "light_bvlc_alexnet"}
 
 
 def _static(model: ir.Model) -> list[str]:

@@ -29,7 +29,10 @@ def test_check_catches_a_hand_edited_figure(tmp_path: Path, monkeypatch: pytest.
     body = first.group("body")
     edited_body = re.sub(r"\d", lambda m: str((int(m.group()) + 1) % 10), body, count=1)
     assert edited_body != body
-    edited = tmp_path / "README.md"
-    edited.write_text(text[:first.start("body")] + edited_body + text[first.end("body"):], encoding="utf-8")
+    edited = tmp_path / "README.md"  # the first table alone (the others are checked by the test above)
+    block = first.group(0)
+    edited.write_text(block.replace(body, edited_body, 1), encoding="utf-8")
     monkeypatch.setattr(mod, "README", edited)
     assert mod.main(["--check"]) == 1
+    edited.write_text(block, encoding="utf-8")  # and the same table unedited passes, so it was the edit
+    assert mod.main(["--check"]) == 0
