@@ -24,6 +24,7 @@ from partitioner.training import pipeline as pipe
 from partitioner.training.pipeline import build_pipeline
 from partitioner.training.rules import activations
 from partitioner.training.runner import StepRunner
+from tests.training.rank_threads import step_ranks
 
 IMAGE = (3, 8, 10)
 
@@ -108,8 +109,6 @@ def test_step_weights_match_with_the_rules_off(monkeypatch) -> None:
 
 def _run_plan(plan, backend: str, batches, workdir) -> tuple[list[float], dict]:
     """``plan``'s 2 stages on ``backend`` in a local world: the losses and the gathered state."""
-    import threading
-
     from partitioner.runtime.comm_local import LocalWorld
     from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
 
@@ -118,18 +117,7 @@ def _run_plan(plan, backend: str, batches, workdir) -> tuple[list[float], dict]:
                for s in range(2)]
     losses = []
     for x, y in batches:
-        out: list[float | None] = [None, None]
-
-        def work(r: int, x=x, y=y, out=out) -> None:
-            out[r] = runners[r].step({"input": x}, y)
-
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert all(o is not None for o in out)
-        losses.append(out[0])
+        losses.append(step_ranks(runners, lambda r, x=x, y=y: ({"input": x}, y), timeout=120)[0])
     return losses, gathered_state(runners)
 
 

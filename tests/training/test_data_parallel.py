@@ -8,8 +8,6 @@ different order are the only difference).
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -17,6 +15,7 @@ import models_zoo
 from partitioner.runtime.comm_local import LocalWorld
 from partitioner.training import SGD, AdamW, build_training_graph
 from partitioner.training.runner import StepRunner
+from tests.training.rank_threads import step_ranks
 
 
 def _run_two_ranks(step2, batches, backend: str = "onnxruntime"):
@@ -24,17 +23,7 @@ def _run_two_ranks(step2, batches, backend: str = "onnxruntime"):
     runners = [StepRunner(step2, backend=backend, comm=world.communicator(r)) for r in range(2)]
     losses = []
     for x, y in batches:
-        out = [None, None]
-
-        def work(r: int, x=x, y=y, out=out) -> None:
-            out[r] = runners[r].step({"input": x[r * 4:(r + 1) * 4]}, y[r * 4:(r + 1) * 4])
-
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert out[0] is not None and out[1] is not None
+        out = step_ranks(runners, lambda r, x=x, y=y: ({"input": x[r * 4:(r + 1) * 4]}, y[r * 4:(r + 1) * 4]))
         assert out[0] == out[1]  # the loss is AllReduced too: every rank reports the global loss
         losses.append(out[0])
     return runners, losses

@@ -14,13 +14,10 @@ import pytest
 
 from partitioner.training.rules import linear
 from tests.training.gradcheck import finite_differences, gradients
-from tests.training.test_rules import GEMM_FORM, _feeds, _model, _trainable
+from tests.training.test_rules import (GEMM_FORM, _feeds, _model, _small_conv_step, _trainable,
+                                       _transpose_perms)
 
 COLUMNS_TRANSPOSE = [0, 3, 4, 1, 2]  # the [N, C, K, Ho, Wo] -> [N, Ho, Wo, C, K] columns of the other form
-
-
-def _perms(prog) -> list[list[int]]:
-    return [list(a.ints) for n in prog.graph.node if n.op_type == "Transpose" for a in n.attribute if a.name == "perm"]
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -33,7 +30,7 @@ def test_columns_form_and_finite_differences(case: str, on: bool, monkeypatch) -
     monkeypatch.setattr(linear, "IM2COL_NHWC", False)  # off: the NCHW form (test_im2col_nhwc.py has the other)
     model, _, _ = _model(case)
     _, grads, prog, weights = gradients(model, _feeds(case), "mse", _trainable(case))
-    assert (COLUMNS_TRANSPOSE in _perms(prog)) is not on
+    assert (COLUMNS_TRANSPOSE in _transpose_perms(prog)) is not on
     concat_axes = [a.i for n in prog.graph.node if n.op_type == "Concat" for a in n.attribute if a.name == "axis"]
     kernel = 1 if "1x1" in case else 2  # a 1x1 kernel has one offset: no Concat
     assert concat_axes == ([] if kernel == 1 else [1 if on else 2])
@@ -45,23 +42,9 @@ def test_columns_form_and_finite_differences(case: str, on: bool, monkeypatch) -
 def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int, monkeypatch) -> None:
     """A 3x3 conv on 2x2 maps of one image (N*Ho*Wo = 4 columns rows): with 4 output channels the
     columns are channels first, with 16 (dW 4x the columns' rows) they keep the other form."""
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
-    from partitioner.training import SGD
-    from partitioner.training.step import build_training_graph
-
     monkeypatch.setattr(linear, "IM2COL_CHANNELS_FIRST", True)
     monkeypatch.setattr(linear, "IM2COL_NHWC", False)  # 16 channels: the NCHW form, not the NHWC one
-    w = numpy_helper.from_array(np.zeros((out_channels, 3, 3, 3), np.float32), "w")
-    g = helper.make_graph([helper.make_node("Conv", ["input", "w"], ["out"], pads=[1, 1, 1, 1])], "c",
-                          [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 2, 2])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, out_channels, 2, 2])], [w])
-    import onnx_ir as ir
-
-    step = build_training_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), loss="mse",
-                                optimizer=SGD(lr=0.1))
-    assert (COLUMNS_TRANSPOSE in _perms(ir.to_proto(step))) is (out_channels > 4)
+    assert (COLUMNS_TRANSPOSE in _transpose_perms(_small_conv_step(out_channels))) is (out_channels > 4)
 
 
 @pytest.mark.slow
@@ -77,6 +60,7 @@ def test_tvm_pipeline_with_the_columns_trains_like_one_rank(tmp_path, monkeypatc
     monkeypatch.setattr(linear, "IM2COL_CHANNELS_FIRST", True)
     model = _strided_net()
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
-    assert not any(COLUMNS_TRANSPOSE in _perms(p) for st in plan.stages for p in (st.forward, st.backward, st.fused)
+    assert not any(COLUMNS_TRANSPOSE in _transpose_perms(p)
+                   for st in plan.stages for p in (st.forward, st.backward, st.fused)
                    if p is not None)
     _tvm_pipeline_trains_like_one_rank(model, plan, (2, 7, 7), tmp_path, steps=10)

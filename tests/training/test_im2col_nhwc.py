@@ -20,14 +20,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.training.rules import linear
 from tests.training.gradcheck import finite_differences, gradients
-from tests.training.test_rules import GEMM_FORM, _feeds, _model, _trainable
+from tests.training.test_rules import (GEMM_FORM, _feeds, _model, _small_conv_step, _trainable,
+                                       _transpose_perms)
 
 NHWC_COLUMNS = [0, 3, 1, 2]  # dW [O, kh, kw, C] -> OIHW: the form's last transpose
 OTHER_COLUMNS = [0, 3, 4, 1, 2]  # the other form's [N, C, K, Ho, Wo] -> [N, Ho, Wo, C, K]
-
-
-def _perms(prog) -> list[list[int]]:
-    return [list(a.ints) for n in prog.graph.node if n.op_type == "Transpose" for a in n.attribute if a.name == "perm"]
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -38,7 +35,7 @@ def test_columns_form_and_finite_differences(case: str, on: bool, monkeypatch) -
     monkeypatch.setattr(linear, "IM2COL_NHWC", on)
     model, _, _ = _model(case)
     _, grads, prog, weights = gradients(model, _feeds(case), "mse", _trainable(case))
-    perms = _perms(prog)
+    perms = _transpose_perms(prog)
     kernel1 = "1x1" in case
     assert (NHWC_COLUMNS in perms) is on, perms
     assert (OTHER_COLUMNS in perms) is not on, perms
@@ -52,19 +49,8 @@ def test_columns_form_and_finite_differences(case: str, on: bool, monkeypatch) -
 def test_only_columns_at_least_as_large_as_the_weight_gradient(out_channels: int, monkeypatch) -> None:
     """A 3x3 conv on 2x2 maps of one image (4 column rows): 4 output channels take the NHWC form,
     16 (dW 4x the columns' rows) keep the other form."""
-    import onnx_ir as ir
-
-    from partitioner.training import SGD
-    from partitioner.training.step import build_training_graph
-
     monkeypatch.setattr(linear, "IM2COL_NHWC", True)
-    w = numpy_helper.from_array(np.zeros((out_channels, 3, 3, 3), np.float32), "w")
-    g = helper.make_graph([helper.make_node("Conv", ["input", "w"], ["out"], pads=[1, 1, 1, 1])], "c",
-                          [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 2, 2])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, out_channels, 2, 2])], [w])
-    step = build_training_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), loss="mse",
-                                optimizer=SGD(lr=0.1))
-    assert (NHWC_COLUMNS in _perms(ir.to_proto(step))) is (out_channels == 4)
+    assert (NHWC_COLUMNS in _transpose_perms(_small_conv_step(out_channels))) is (out_channels == 4)
 
 
 def _columns_program(n: int, c: int, hw: int, stride: int) -> onnx.ModelProto:
@@ -141,7 +127,7 @@ def test_tvm_pipeline_with_nhwc_columns_trains_like_one_rank(stash: bool, tmp_pa
     model = _resnet_like()
     plan = build_pipeline(model, "cross_entropy", SGD(lr=0.1), batch=8, stages=2, micro_batches=4, backend="tvm")
     bwd = plan.stages[0].backward
-    assert NHWC_COLUMNS in _perms(bwd)
+    assert NHWC_COLUMNS in _transpose_perms(bwd)
     if stash:
         fed = [n for n in bwd.graph.node if n.op_type == "Identity" and n.input[0].endswith(nhwc_stash.SUFFIX)]
         assert fed, "rule 5: the im2col reads a .nhwc stash value directly"

@@ -8,8 +8,6 @@ match the 1-rank run within rtol 1e-4, atol 1e-5 (only float summation order dif
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnx
 import pytest
@@ -21,6 +19,7 @@ from partitioner.training import SGD, AdamW, build_training_graph
 from partitioner.training.pipeline import build_pipeline, extra_warmup, in_flight, schedule_order
 from partitioner.training.pipeline_runner import PipelineRunner, gathered_state
 from partitioner.training.runner import StepRunner
+from tests.training.rank_threads import step_ranks
 
 
 def _mlp() -> onnx.ModelProto:
@@ -51,17 +50,7 @@ def _tvm_pipeline_trains_like_one_rank(model, plan, image: tuple[int, ...], work
 def _run_pipeline(runners: list[PipelineRunner], batches) -> list[float]:
     losses = []
     for x, y in batches:
-        out: list[float | None] = [None] * len(runners)
-
-        def work(r: int, x=x, y=y, out=out) -> None:
-            out[r] = runners[r].step({"input": x}, y)
-
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(len(runners))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert all(o is not None for o in out)
+        out = step_ranks(runners, lambda r, x=x, y=y: ({"input": x}, y))
         assert len(set(out)) == 1  # the last stage broadcasts the global loss
         losses.append(out[0])
     return losses

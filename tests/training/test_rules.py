@@ -169,6 +169,30 @@ def _model(case: str) -> tuple[onnx.ModelProto, str, tuple[int, ...]]:
     return model, "y", out_shape
 
 
+def _transpose_perms(prog: onnx.ModelProto) -> list[list[int]]:
+    """The ``perm`` of every Transpose in ``prog``, in node order."""
+    return [list(a.ints) for n in prog.graph.node if n.op_type == "Transpose"
+            for a in n.attribute if a.name == "perm"]
+
+
+def _small_conv_step(out_channels: int) -> onnx.ModelProto:
+    """The MSE + SGD training step (a proto) of one 3x3 conv, 3 -> ``out_channels``, padded, on
+    2x2 maps of one image: 4 rows of im2col columns, so its weight gradient is larger than the
+    columns when ``out_channels`` > 4 (the im2col form tests of test_im2col_*.py)."""
+    import onnx_ir as ir
+
+    from partitioner.training import SGD
+    from partitioner.training.step import build_training_graph
+
+    w = numpy_helper.from_array(np.zeros((out_channels, 3, 3, 3), np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["input", "w"], ["out"], pads=[1, 1, 1, 1])], "c",
+                          [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 2, 2])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, out_channels, 2, 2])], [w])
+    step = build_training_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), loss="mse",
+                                optimizer=SGD(lr=0.1))
+    return ir.to_proto(step)
+
+
 def _trainable(case: str) -> list[str]:
     op, inputs, _, _ = CASES[case]
     names = [n for n, a in inputs.items() if np.asarray(a).dtype.kind == "f"]

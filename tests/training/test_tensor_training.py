@@ -8,8 +8,6 @@ moments) must match 1 rank within rtol 1e-4, atol 1e-5.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnx
 import pytest
@@ -21,6 +19,7 @@ from partitioner.core.comm_ops import DOMAIN
 from partitioner.training import SGD, AdamW, build_training_graph
 from partitioner.training.runner import StepRunner
 from partitioner.training.tensor import find_pairs, tensor_runners
+from tests.training.rank_threads import step_ranks
 
 
 def _mlp() -> onnx.ModelProto:
@@ -42,17 +41,8 @@ def test_two_tensor_ranks_match_one_rank_after_10_steps(optimizer) -> None:
     assert runners[0].state["fc0.weight"].shape == (16, 16) and runners[0].state["head.weight"].shape == (10, 16)
     losses = []
     for x, y in batches:
-        out = [None, None]
-
-        def work(r: int, x=x, y=y, out=out) -> None:
-            out[r] = runners[r].step({"input": x}, y)
-
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert out[0] is not None and out[0] == out[1]
+        out = step_ranks(runners, lambda r, x=x, y=y: ({"input": x}, y))
+        assert out[0] == out[1]
         losses.append(out[0])
     np.testing.assert_allclose(losses, one_losses, rtol=1e-4, atol=1e-5)
     full = runners[0].gather_state(runners)
@@ -141,14 +131,7 @@ def test_bert_mlp_pairs_with_erf_gelu_train_like_one_rank() -> None:
                                 comm=None, out=None, threads=1, state=None)
     got = []
     for x, y in batches:
-        out = [None, None]
-        threads = [threading.Thread(target=lambda r, x=x, y=y, out=out: out.__setitem__(r, runners[r].step(
-            {"input_ids": x}, y)), args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        got.append(out[0])
+        got.append(step_ranks(runners, lambda r, x=x, y=y: ({"input_ids": x}, y))[0])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     full = runners[0].gather_state(runners)
     for name, w in one.state.items():
