@@ -40,7 +40,10 @@ after a settle pause and a warm-up; a time is the median of the engine's block m
 row also keeps each block's median (``*_block_ms``), the 10th/90th percentile of all runs
 (``*_spread_ms``) and the calling thread's context switches per run (``*_switches_per_run``: on 2
 threads ~1 per parallel kernel means TVM's worker ran on the main thread's core), and how often
-the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``). The untuned
+the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``), and per block where
+the machine's CPU went (``*_block_load``: other processes' share, the hypervisor's steal, this
+process's CPU per wall second; session 20 found 2-thread blocks of every engine, ONNX Runtime's
+included, at about the 1-thread time on an otherwise idle machine). The untuned
 column is timed apart (``--zero-runs`` runs after one warm-up, since it is up to 100x slower).
 Ratios are computed from times of the same invocation. The TVM builds are compiled once per
 kind of row (:func:`build_threads_for`): the 1-thread rows time builds made for one thread, which
@@ -185,23 +188,61 @@ def _thread_switches() -> int:
         return -1
 
 
+def _machine_ticks() -> tuple[int, int, int] | None:
+    """``/proc/stat``'s all-CPU totals (clock ticks): busy (every state but idle and iowait),
+    steal, and all; None where the file cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    steal = v[7] if len(v) > 7 else 0
+    return sum(v) - idle - steal, steal, sum(v)
+
+
+def _block_load(t0: tuple[int, int, int] | None, t1: tuple[int, int, int] | None, cpu_s: float,
+                wall_s: float) -> dict[str, float]:
+    """Where the machine's CPU went during one timed block: ``foreign_share``, the CPU used by
+    other processes (the machine's busy ticks minus this process's CPU) as a share of all CPUs'
+    time, and ``steal_share``, the hypervisor's steal as that share (both -1 without
+    ``/proc/stat``); ``cpu_per_wall``, this process's CPU seconds per wall second (about the
+    thread count while every thread runs or spins; lower when a core was taken away). The shares
+    count ``/proc/stat`` ticks (10 ms at 100 Hz), so they mean something for blocks of 100 ms and
+    more; ``cpu_per_wall`` is exact at any length."""
+    out = {"cpu_per_wall": round(cpu_s / wall_s, 3) if wall_s > 0 else -1.0,
+           "foreign_share": -1.0, "steal_share": -1.0}
+    if t0 is not None and t1 is not None and t1[2] > t0[2]:
+        tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        total = (t1[2] - t0[2]) * tick
+        out["foreign_share"] = round(max(0.0, (t1[0] - t0[0]) * tick - cpu_s) / total, 3)
+        out["steal_share"] = round((t1[1] - t0[1]) * tick / total, 3)
+    return out
+
+
+def _process_cpu_s() -> float:
+    return time.process_time()  # every thread of this process, at the clock's resolution (not ticks)
+
+
 def _block(fn: Callable[[], Any], runs: int, clock: Callable[[], float], sleep: Callable[[float], None],
-           warmup: tuple[int, float] = (WARMUP_RUNS, WARMUP_S)) -> tuple[list[float], float]:
+           warmup: tuple[int, float] = (WARMUP_RUNS, WARMUP_S)) -> tuple[list[float], float, dict[str, float]]:
     """One timed block: settle, warm up (``warmup``: at least that many runs and seconds), ``runs``
-    timed runs. Returns the run times (s) and the calling thread's context switches per timed run."""
+    timed runs. Returns the run times (s), the calling thread's context switches per timed run
+    and the block's :func:`_block_load`."""
     sleep(SETTLE_S)  # the previous block's pool (ORT's, TVM's) stops spinning first
     t_end, n = clock() + warmup[1], 0
     while n < warmup[0] or clock() < t_end:
         fn()
         n += 1
     times = []
-    sw0 = _thread_switches()
+    sw0, m0, c0, w0 = _thread_switches(), _machine_ticks(), _process_cpu_s(), time.perf_counter()
     for _ in range(max(1, runs)):
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    sw1 = _thread_switches()
-    return times, ((sw1 - sw0) / len(times) if sw0 >= 0 and sw1 >= 0 else -1.0)
+    sw1, m1, c1, w1 = _thread_switches(), _machine_ticks(), _process_cpu_s(), time.perf_counter()
+    return (times, ((sw1 - sw0) / len(times) if sw0 >= 0 and sw1 >= 0 else -1.0),
+            _block_load(m0, m1, c1 - c0, w1 - w0))
 
 
 def paired_times(fns: dict[str, Callable[[], Any]], runs: int, blocks: int | None = None, *,
@@ -211,20 +252,24 @@ def paired_times(fns: dict[str, Callable[[], Any]], runs: int, blocks: int | Non
     ``s`` (median of the block medians), ``block_ms`` (each block's median), ``spread_ms`` (10th
     and 90th percentile of all its runs) and ``switches_per_run`` (the calling thread's context
     switches per run, median over blocks: on 2 threads about one per parallel kernel when TVM's
-    worker shares the main thread's core, near 0 when each has its own)."""
+    worker shares the main thread's core, near 0 when each has its own) and ``block_load`` (each
+    block's :func:`_block_load`: a slow block beside other processes' CPU or the hypervisor's
+    steal was disturbed from outside; one whose ``cpu_per_wall`` fell without either lost a core
+    some other way)."""
     blocks = BLOCKS if blocks is None else max(1, int(blocks))
-    per: dict[str, list[tuple[list[float], float]]] = {name: [] for name in fns}
+    per: dict[str, list[tuple[list[float], float, dict[str, float]]]] = {name: [] for name in fns}
     names = list(fns)
     for b in range(blocks):
         for name in (names if b % 2 == 0 else names[::-1]):
             per[name].append(_block(fns[name], runs, clock, sleep))
     out = {}
     for name, got in per.items():
-        meds = [statistics.median(t) for t, _ in got]
-        runs_all = [x for t, _ in got for x in t]
+        meds = [statistics.median(t) for t, _, _ in got]
+        runs_all = [x for t, _, _ in got for x in t]
         out[name] = {"s": statistics.median(meds), "block_ms": [round(1e3 * m, 4) for m in meds],
                      "spread_ms": [round(1e3 * float(q), 4) for q in np.percentile(runs_all, [10, 90])],
-                     "switches_per_run": statistics.median(sw for _, sw in got)}
+                     "switches_per_run": statistics.median(sw for _, sw, _ in got),
+                     "block_load": [load for _, _, load in got]}
     return out
 
 
@@ -346,7 +391,7 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
             row["ort_pct_peak"] = pct_peak(flops, row["ort_ms"], args.peak_flops, threads)
         rows.append(row)
         print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                                 if k != "args" and not k.endswith(("_block_ms", "_spread_ms"))}),
+                                 if k != "args" and not k.endswith(("_block_ms", "_spread_ms", "_block_load"))}),
               file=sys.stderr, flush=True)
     return rows
 
@@ -424,6 +469,7 @@ def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, A
         row[f"{name}_block_ms"] = t["block_ms"]
         row[f"{name}_spread_ms"] = t["spread_ms"]
         row[f"{name}_switches_per_run"] = t["switches_per_run"]
+        row[f"{name}_block_load"] = t["block_load"]
     return row
 
 

@@ -105,3 +105,30 @@ def test_runtime_baseline_runs_the_same_build_with_the_setting_changed() -> None
     pd._with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), now)()
     assert seen == [0, default] and default != 0
     assert contention.CONTENTION_SWITCHES == default
+
+
+def test_block_load_shares() -> None:
+    """Over one block of 1 s on 2 CPUs (200 ticks at 100 Hz): 150 busy ticks of which this
+    process used 1.2 s leave 0.3 s to other processes (0.15 of the machine); 20 stolen ticks are
+    0.1; the process ran 1.2 CPU seconds per wall second."""
+    import os
+
+    pd = _per_device()
+    hz = os.sysconf("SC_CLK_TCK")
+    t0 = (0, 0, 0)
+    t1 = (int(1.5 * hz), int(0.2 * hz), int(2.0 * hz))
+    got = pd._block_load(t0, t1, cpu_s=1.2, wall_s=1.0)
+    assert got == {"cpu_per_wall": 1.2, "foreign_share": 0.15, "steal_share": 0.1}
+    assert pd._block_load(None, t1, 1.0, 1.0)["foreign_share"] == -1.0
+
+
+def test_paired_times_records_each_blocks_load() -> None:
+    pd = _per_device()
+    got = pd.paired_times({"a": lambda: sum(range(200000)), "b": lambda: sum(range(200000))}, 3, 2)
+    for name in ("a", "b"):
+        loads = got[name]["block_load"]
+        assert len(loads) == 2
+        for load in loads:  # one thread busy in Python: about one CPU second per wall second
+            assert 0.3 < load["cpu_per_wall"] < 1.5, load
+            for share in ("foreign_share", "steal_share"):  # -1: no tick passed in so short a block
+                assert load[share] == -1.0 or 0.0 <= load[share] <= 1.0, load
