@@ -4,10 +4,10 @@
                                    [--gaps 0,0.002,0.05] [--json FILE]
 
 Why (session 20, AMD EPYC Zen 4, 2 cores, nothing else running): in three ``per_device.py`` runs
-of the same code the 2-thread rows over ONNX Runtime's time changed from run to run, and in the
-third run (the first with each block's load recorded) the slow TVM blocks of the rows that had a
-contention-guard drop (``backends/tvm/contention.py``) were the ones where the process used one
-CPU second per wall second: TVM ran on one thread for the block. ``per_device.py`` pauses 50 ms
+of the same code the 2-thread rows over ONNX Runtime's time changed from run to run. In the third
+run (the first with each block's load recorded) the contention guard (``backends/tvm/contention.py``)
+dropped to one thread in 8 of the 2-thread rows, and in 7 of them one TVM block (the first, in 6)
+ran at about one CPU second per wall second: on one thread; no row without a drop had such a block. ``per_device.py`` pauses 50 ms
 (``SETTLE_S``) before each block, so the pool's workers are asleep when the block's first run
 wakes them.
 

@@ -220,10 +220,6 @@ def _block_load(t0: tuple[int, int, int] | None, t1: tuple[int, int, int] | None
     return out
 
 
-def _process_cpu_s() -> float:
-    return time.process_time()  # every thread of this process, at the clock's resolution (not ticks)
-
-
 def _block(fn: Callable[[], Any], runs: int, clock: Callable[[], float], sleep: Callable[[float], None],
            warmup: tuple[int, float] = (WARMUP_RUNS, WARMUP_S)) -> tuple[list[float], float, dict[str, float]]:
     """One timed block: settle, warm up (``warmup``: at least that many runs and seconds), ``runs``
@@ -235,12 +231,13 @@ def _block(fn: Callable[[], Any], runs: int, clock: Callable[[], float], sleep: 
         fn()
         n += 1
     times = []
-    sw0, m0, c0, w0 = _thread_switches(), _machine_ticks(), _process_cpu_s(), time.perf_counter()
+    # the load is measured in real time (process_time: every thread of this process, not in ticks)
+    sw0, m0, c0, w0 = _thread_switches(), _machine_ticks(), time.process_time(), time.perf_counter()
     for _ in range(max(1, runs)):
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    sw1, m1, c1, w1 = _thread_switches(), _machine_ticks(), _process_cpu_s(), time.perf_counter()
+    sw1, m1, c1, w1 = _thread_switches(), _machine_ticks(), time.process_time(), time.perf_counter()
     return (times, ((sw1 - sw0) / len(times) if sw0 >= 0 and sw1 >= 0 else -1.0),
             _block_load(m0, m1, c1 - c0, w1 - w0))
 

@@ -36,8 +36,8 @@ Rules:
    machine) and then wait at a barrier for every rank to finish building, with a deadline of
    :data:`BUILD_WAIT_S` (``$PARTITIONER_BUILD_WAIT``), before the first step. Without it a rank
    that builds faster waited for its first message under the step's 30 s deadline
-   (:mod:`partitioner.runtime.comm_mpi` rule 3): seen in session 19 at a load of 9, rank 1 of a TVM resnet
-   1F1B pipeline timed out on its first receive while rank 0 was still building. A rank whose
+   (:mod:`partitioner.runtime.comm_mpi` rule 3): seen in session 19 at a load of 9, rank 1 of a
+   TVM resnet 1F1B pipeline timed out on its first receive while rank 0 was still building. A rank whose
    build fails aborts every rank (:mod:`partitioner.training.mpi_worker`), so the barrier never
    waits on a dead peer.
 """

@@ -567,7 +567,7 @@ def wrong_shape_name(root: Path) -> HostileCase:
 # A hostile input must not make the CLI work long: its CPU time (user + system, the child's own
 # rusage) stays under CLI_CPU_LIMIT_S. CPU time does not grow when other processes share the
 # cores; wall time does (under a load of 9 on 2 cores, 45 cases once passed 10 s of wall time
-# while using about 1 s of CPU each). A child that blocks without using CPU is caught by the
+# while using 1-2 s of CPU each). A child that blocks without using CPU is caught by the
 # wall-clock kill, set far above any loaded run: a hang never ends, so any bound catches it.
 CLI_CPU_LIMIT_S = 10.0
 CLI_TIMEOUT_S = 120.0
