@@ -1,23 +1,28 @@
 """2-thread runs after the process was idle: what the contention guard sees and what it costs.
 
     python benchmarks/idle_wake.py [--models mobilenet,resnet18] [--batches 8,1] [--runs 30]
-                                   [--gaps 0,0.002,0.05] [--json FILE]
+                                   [--gaps 0,0.002,0.05] [--burst 1] [--graces 0.03]
+                                   [--bind 0,1] [--json FILE]
 
 Why (session 20, AMD EPYC Zen 4, 2 cores, nothing else running): in three ``per_device.py`` runs
 of the same code the 2-thread rows over ONNX Runtime's time changed from run to run. In the third
-run (the first with each block's load recorded) the contention guard (``backends/tvm/contention.py``)
-dropped to one thread in 8 of the 2-thread rows, and in 7 of them one TVM block (the first, in 6)
-ran at about one CPU second per wall second: on one thread; no row without a drop had such a block. ``per_device.py`` pauses 50 ms
+run (the first with each block's load recorded) the contention guard
+(``backends/tvm/contention.py``) dropped to one thread in 8 of the 2-thread rows, and in 7 of them
+one TVM block (the first, in 6) ran at about one CPU second per wall second: on one thread; no row
+without a drop had such a block. ``per_device.py`` pauses 50 ms
 (``SETTLE_S``) before each block, so the pool's workers are asleep when the block's first run
 wakes them.
 
 What it measures. Each model's default build for 2 threads (``per_device.py``'s sizes), run
-``--runs`` times after each pause of ``--gaps`` seconds (0: back to back), in one process: per
-gap, the median run time, how often the guard dropped to one thread, and the calling thread's
+``--burst`` times back to back after each of ``--runs`` pauses of ``--gaps`` seconds (0: no
+pause), in one process, once per value of the guard's wake grace in ``--graces``
+(``CONTENTION_GRACE_S``; 0: none): per gap and grace, the median run time, how often the guard
+dropped to one thread (and each drop's record, ``drop_events``), and the calling thread's
 involuntary context switches in each run the guard judged (its signal; the pool taking turns on
-one core shows one switch per parallel kernel). Each configuration also runs with
-``TVM_BIND_THREADS=1`` (TVM pins its workers to cores; the default here is 0,
-``backends/tvm/executable.py``), in a process of its own, since TVM reads it when its pool starts.
+one core shows one switch per parallel kernel) and in each run of a wake's grace. Each
+``TVM_BIND_THREADS`` value of ``--bind`` (1: TVM pins its workers to cores; the default here is 0,
+``backends/tvm/executable.py``) runs in a process of its own, since TVM reads it when its pool
+starts.
 The guard and everything else are as a user's process has them. Nothing is asserted.
 """
 
@@ -39,7 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def measure(key: str, batch: int, runs: int, gaps: list[float]) -> list[dict[str, Any]]:
+def measure(key: str, batch: int, runs: int, gaps: list[float], burst: int = 1,
+            graces: tuple[float, ...] = (0.03,)) -> list[dict[str, Any]]:
     """One model's rows in this process (see the module docstring)."""
     from backends.tvm import contention as C
     from backends.tvm.executable import _contention_guard, configure_threads
@@ -56,32 +62,38 @@ def measure(key: str, batch: int, runs: int, gaps: list[float]) -> list[dict[str
         guard = _contention_guard()
         for _ in range(20):
             ex.run(feeds, comm)
-        judged: list[tuple[int, float]] = []
+        watched: list[tuple[int, float, bool]] = []
         plain_after = guard.after
 
         def after(start: Any) -> None:
             if start is not None:
                 sw, cpu = C.thread_usage()
-                judged.append((sw - start[0], round(1e3 * (cpu - start[1]), 3)))
+                watched.append((sw - start[0], round(1e3 * (cpu - start[1]), 3), bool(start[3])))
             plain_after(start)
 
         guard.after = after  # type: ignore[method-assign]
         rows = []
         for gap in gaps:
-            time.sleep(1.2)  # past the guard's longest hold: each gap starts on 2 threads
-            judged.clear()
-            d0, times = guard.dropped, []
-            for _ in range(runs):
-                if gap:
-                    time.sleep(gap)
-                t0 = time.perf_counter()
-                ex.run(feeds, comm)
-                times.append(1e3 * (time.perf_counter() - t0))
-            rows.append({"model": key, "batch": batch, "gap_s": gap, "runs": runs,
-                         "median_ms": round(statistics.median(times), 3),
-                         "guard_drops": guard.dropped - d0, "judged_runs": len(judged),
-                         "switches_per_judged_run": [n for n, _ in judged],
-                         "cpu_ms_per_judged_run": [c for _, c in judged]})
+            for grace in graces:
+                C.CONTENTION_GRACE_S = grace
+                time.sleep(1.2)  # past the guard's longest hold: each gap starts on 2 threads
+                watched.clear()
+                d0, e0, times = guard.dropped, len(guard.events), []
+                for _ in range(runs):
+                    if gap:
+                        time.sleep(gap)
+                    for _ in range(burst):
+                        t0 = time.perf_counter()
+                        ex.run(feeds, comm)
+                        times.append(1e3 * (time.perf_counter() - t0))
+                judged = [(n, c) for n, c, j in watched if j]
+                rows.append({"model": key, "batch": batch, "gap_s": gap, "grace_s": grace, "runs": runs,
+                             "burst": burst, "ms_per_run": [round(t, 3) for t in times],
+                             "median_ms": round(statistics.median(times), 3),
+                             "guard_drops": guard.dropped - d0, "drop_events": guard.events[e0:],
+                             "judged_runs": len(judged), "switches_per_judged_run": [n for n, _ in judged],
+                             "cpu_ms_per_judged_run": [c for _, c in judged],
+                             "switches_per_grace_run": [n for n, _, j in watched if not j]})
     return rows
 
 
@@ -91,30 +103,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="8,1")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--gaps", default="0,0.002,0.05", help="pauses before each run, seconds")
+    ap.add_argument("--bind", default="0,1", help="TVM_BIND_THREADS values, one process each")
+    ap.add_argument("--burst", type=int, default=1, help="runs back to back after each pause")
+    ap.add_argument("--graces", default="0.03",
+                    help="the guard's CONTENTION_GRACE_S values, in turn in one process (0: no grace)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "idle_wake.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # MODEL:BATCH, one process's rows
     args = ap.parse_args(argv)
     gaps = [float(g) for g in args.gaps.split(",")]
     if args.child:
         key, batch = args.child.split(":")
-        print(json.dumps(measure(key, int(batch), args.runs, gaps)))
+        graces = tuple(float(g) for g in args.graces.split(","))
+        print(json.dumps(measure(key, int(batch), args.runs, gaps, max(1, args.burst), graces)))
         return 0
     from benchmarks.per_device import machine
 
     rows = []
     for key in [k for k in args.models.split(",") if k]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            for bind in ("0", "1"):
+            for bind in args.bind.split(","):
                 env = {**os.environ, "TVM_BIND_THREADS": bind, "PYTHONPATH": str(ROOT)}
-                proc = subprocess.run([sys.executable, __file__, "--child", f"{key}:{batch}", "--runs",
-                                       str(args.runs), "--gaps", args.gaps], env=env, capture_output=True,
-                                      text=True, cwd=ROOT, timeout=1800)
+                cmd = [sys.executable, __file__, "--child", f"{key}:{batch}", "--runs", str(args.runs),
+                       "--gaps", args.gaps, "--burst", str(args.burst), "--graces", args.graces]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
                 if proc.returncode != 0:
                     raise SystemExit(f"idle_wake: {key} b{batch}: {proc.stderr.strip().splitlines()[-1:]}")
                 for row in json.loads(proc.stdout.strip().splitlines()[-1]):
                     row["tvm_bind_threads"] = int(bind)
                     rows.append(row)
-                    print(f"{key} b{batch} bind={bind} gap {row['gap_s']:g} s: {row['median_ms']:.2f} ms, "
+                    print(f"{key} b{batch} bind={bind} gap {row['gap_s']:g} s grace {row['grace_s']:g} s: "
+                          f"{row['median_ms']:.2f} ms, "
                           f"{row['guard_drops']} drops, switches {row['switches_per_judged_run'][:10]}",
                           file=sys.stderr, flush=True)
     Path(args.json).write_text(json.dumps({"machine": machine(), "load_before": os.getloadavg(),

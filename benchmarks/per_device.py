@@ -40,12 +40,15 @@ after a settle pause and a warm-up; a time is the median of the engine's block m
 row also keeps each block's median (``*_block_ms``), the 10th/90th percentile of all runs
 (``*_spread_ms``) and the calling thread's context switches per run (``*_switches_per_run``: on 2
 threads ~1 per parallel kernel means TVM's worker ran on the main thread's core), and how often
-the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``), and per block where
+the contention guard dropped TVM to 1 thread meanwhile (``tvm_guard_drops``, and each drop's
+record, ``tvm_guard_events``), and per block where
 the machine's CPU went (``*_block_load``: other processes' share, the hypervisor's steal, this
 process's CPU per wall second; session 20 found 2-thread blocks of every engine, ONNX Runtime's
 included, at about the 1-thread time on an otherwise idle machine). The untuned
 column is timed apart (``--zero-runs`` runs after one warm-up, since it is up to 100x slower).
-Ratios are computed from times of the same invocation. The TVM builds are compiled once per
+Ratios are computed from times of the same invocation: ``tvm_*_vs_ort`` from the two medians,
+and ``tvm_*_vs_ort_paired`` as the median over rounds of the two engines' block ratio in that
+round (:func:`paired_ratio`, why). The TVM builds are compiled once per
 kind of row (:func:`build_threads_for`): the 1-thread rows time builds made for one thread, which
 have no parallel loops (a parallel loop's closure is slower even on a 1-thread pool:
 ``backends/tvm/schedules/threads.py``, "Builds for one thread"), the other rows the parallel
@@ -270,6 +273,17 @@ def paired_times(fns: dict[str, Callable[[], Any]], runs: int, blocks: int | Non
     return out
 
 
+def paired_ratio(blocks_ms: list[float], ort_blocks_ms: list[float]) -> float:
+    """The median over rounds of an engine's block median / ONNX Runtime's block median in the same
+    round (``*_vs_ort_paired``). Why, beside the ratio of the two medians: on 2 threads the blocks
+    of every engine come in two speeds (session 21, Zen 4: resnet18 b1 ORT 6.2-6.6 or 10.4-10.7 ms,
+    TVM 5.5-6.6 or 8.7-9.1 ms, each block at 2.0 CPU seconds per wall second, no switches, no
+    steal), and the slow state lasts one to a few blocks; a median of 5 blocks then falls in
+    either state, independently per engine. A ratio within a round compares blocks taken
+    ~0.1-0.3 s apart, mostly in one state."""
+    return statistics.median(a / b for a, b in zip(blocks_ms, ort_blocks_ms))
+
+
 def runtime_settings(items: list[str]) -> tuple[list[tuple[Any, str, Any]], list[tuple[Any, str, Any]]]:
     """``MODULE.ATTR=VALUE`` items (a Python literal) as (module, attr, value) triples: the values
     in force now and the ones asked for (``--runtime-baseline``)."""
@@ -382,6 +396,8 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
         for name in exes:
             row[f"tvm_{name}_compile_s"] = round(compile_s[name], 2)
             row[f"tvm_{name}_vs_ort"] = row[f"tvm_{name}_ms"] / row["ort_ms"]
+        for name in [n for n in (*exes, "scheduled_base") if f"tvm_{n}_block_ms" in row]:
+            row[f"tvm_{name}_vs_ort_paired"] = paired_ratio(row[f"tvm_{name}_block_ms"], row["ort_block_ms"])
             if args.peak_flops:
                 row[f"tvm_{name}_pct_peak"] = pct_peak(flops, row[f"tvm_{name}_ms"], args.peak_flops, threads)
         if args.peak_flops:
@@ -456,9 +472,11 @@ def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, A
             row["tvm_scheduled_base_settings"] = args.runtime_baseline
     from backends.tvm.executable import _contention_guard
 
-    drops = _contention_guard().dropped
+    guard = _contention_guard()
+    drops = guard.dropped
     timed = paired_times(fns, args.runs, args.blocks)
-    row["tvm_guard_drops"] = _contention_guard().dropped - drops  # backends/tvm/contention.py fired
+    row["tvm_guard_drops"] = n = guard.dropped - drops  # backends/tvm/contention.py fired
+    row["tvm_guard_events"] = guard.events[-n:] if n else []  # each drop: switches, CPU, idle gap, hold
     for name, t in timed.items():
         row[f"{name}_ms"] = 1e3 * t["s"]
         if name == "tvm_scheduled_base":
@@ -497,14 +515,18 @@ def render_markdown(data: dict[str, Any]) -> str:
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
     tuned = any("tvm_tuned_ms" in r for r in data["rows"])
     peak = any("tvm_scheduled_pct_peak" in r for r in data["rows"])  # runs before the column existed have none
+    paired = any("tvm_scheduled_vs_ort_paired" in r for r in data["rows"])  # since session 21
     head = "| model | batch | threads | " + " | ".join(f"TVM {label} (ms)" for label, _ in present) + \
-        " | ONNX Runtime (ms) | default / ORT |" + (" tuned / ORT |" if tuned else "") + \
-        (" default % of peak | ORT % of peak |" if peak else "")
+        " | ONNX Runtime (ms) | default / ORT |" + (" same, paired by round |" if paired else "") + \
+        (" tuned / ORT |" if tuned else "") + (" default % of peak | ORT % of peak |" if peak else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in data["rows"]:
         cells = [f"{r[k]:.2f}" if k in r else "-" for _, k in present]
         ratio = r.get("tvm_scheduled_vs_ort")
         ratio_s = f"{ratio:.2f}x" if ratio is not None else "-"
+        if paired:
+            p = r.get("tvm_scheduled_vs_ort_paired")
+            ratio_s += f" | {p:.2f}x" if p is not None else " | -"
         tuned_s = ""
         if tuned:
             t = r.get("tvm_tuned_vs_ort")

@@ -37,6 +37,27 @@ For: CPU programs without comm ops and without ONNX Runtime fallback segments (a
 progress loop or ORT's own pool switch the thread for reasons unrelated to TVM's pool), run with
 2 or more threads. One guard per calling thread: TVM's pool is per calling thread.
 
+Grace after a wake (session 21; off: :data:`CONTENTION_GRACE_S` = 0). A run that starts more
+than :data:`CONTENTION_WAKE_S` (5 ms, the pool's bounded idle spin, ``threads.POOL_SPIN_COUNT``)
+after the pool's last multi-thread run ended wakes sleeping workers; with a grace, runs that start
+within :data:`CONTENTION_GRACE_S` of such a wake run with the requested count and are not judged.
+What it was for, measured on the 2-core Zen 4 machine (guard off, mobilenet b1, 4-6 runs back to
+back after each pause of 50 or 200 ms): in some processes the woken worker was placed on the
+calling thread's core after most pauses (38 switches a run, one per parallel kernel, 2.1-3.3 ms
+against 1.1 ms back to back) and stayed there for 2-6 runs (5-17 ms) until the load balancer
+moved it (one process 50 of 50 pauses, three others 23-53 of 80 runs; four other processes 2 of 60
+pauses). With the guard, the first such run drops to 1 thread and each probe after a hold wakes a
+sleeping worker again, onto the same core: mobilenet b1 stayed on 1 thread throughout (6 drops in
+6 judged runs). Why it is off: paired in one process (``benchmarks/idle_wake.py --burst 4
+--graces 0.03,0``, 50 ms pauses) the grace removed the drops but not the turn-taking (84 of 120
+runs taking turns), so the median did not move (mobilenet b1 2.29 against 2.28 ms; gpt b1 1.01
+against 0.96 ms); in a full ``per_device.py`` run with the grace against without
+(``--runtime-baseline``, session 21) the guard did not fire in either. Pinning the worker away
+from the calling thread's core (a prototype, not in the code) removed the turn-taking too (0 of 80
+runs in each of 12 processes) but not all of the slowness after a pause (medians 1.2-2.4 ms a run,
+against 1.8-2.8 ms unpinned in the same minutes and 1.1-1.2 ms back to back). Each drop is recorded in :attr:`ContentionGuard.events` (switches, CPU, the idle gap
+before the run, the hold), the last :data:`EVENTS_KEPT`.
+
 Not covered: a worker whose core is busy while the calling thread's core is free (the calling
 thread then spins on its own core without switching: slow, but not seen by this signal).
 :data:`CONTENTION_SWITCHES` = 0 turns the guard off.
@@ -52,6 +73,9 @@ CONTENTION_SWITCHES = 4
 CONTENTION_CPU_MS_PER_SWITCH = 0.25
 CONTENTION_HOLD_S = 0.05
 CONTENTION_MAX_HOLD_S = 1.0
+CONTENTION_WAKE_S = 0.005
+CONTENTION_GRACE_S = 0.0
+EVENTS_KEPT = 64
 
 _HAVE_THREAD_USAGE = hasattr(resource, "RUSAGE_THREAD")
 
@@ -75,31 +99,45 @@ class ContentionGuard:
         self.until = 0.0  # time.monotonic() at which the next probe runs
         self.hold = CONTENTION_HOLD_S
         self.dropped = 0  # how often it dropped (a diagnostic)
+        self.last_end = -1e9  # time.monotonic() at the end of the last multi-thread run
+        self.grace_until = 0.0  # runs starting before this are not judged (a wake's grace)
+        self.events: list[dict[str, float]] = []  # the last EVENTS_KEPT drops (a diagnostic)
 
-    def before(self, requested: int) -> tuple[int, float] | None:
+    def before(self, requested: int) -> tuple[int, float, float, bool] | None:
         """Call before a run with the thread count asked for; returns what :meth:`after` takes
-        (None: the run is not watched)."""
+        (None: a 1-thread run, not watched)."""
         if CONTENTION_SWITCHES <= 0 or requested <= 1 or not _HAVE_THREAD_USAGE:
             if self.single and requested > 1:  # the guard was turned off while dropped
                 self._set_threads(requested)
             self.single = False
             return None
+        now = time.monotonic()
         if self.single:
-            if time.monotonic() < self.until:
+            if now < self.until:
                 return None
             self._set_threads(requested)  # the probe run
             self.single = False
-        return thread_usage()
+        idle = now - self.last_end
+        if idle > CONTENTION_WAKE_S:  # the workers are asleep: this run wakes them
+            self.grace_until = now + CONTENTION_GRACE_S
+        switches, cpu_s = thread_usage()
+        return switches, cpu_s, idle, now >= self.grace_until
 
-    def after(self, start: tuple[int, float] | None) -> None:
+    def after(self, start: tuple[int, float, float, bool] | None) -> None:
         """Call after a run with what :meth:`before` returned."""
         if start is None:
             return
         switches, cpu_s = thread_usage()
+        self.last_end = time.monotonic()
+        if not start[3]:
+            return  # in a wake's grace
         n, cpu_ms = switches - start[0], 1e3 * (cpu_s - start[1])
         if n >= CONTENTION_SWITCHES and n * CONTENTION_CPU_MS_PER_SWITCH >= cpu_ms:
             self._set_threads(1)
-            self.single, self.until = True, time.monotonic() + self.hold
+            self.single, self.until = True, self.last_end + self.hold
+            event = {"switches": n, "cpu_ms": round(cpu_ms, 3),
+                     "idle_before_ms": round(1e3 * min(start[2], 1e6), 3), "hold_s": self.hold}
+            self.events = self.events[-(EVENTS_KEPT - 1):] + [event]
             self.hold = min(2 * self.hold, CONTENTION_MAX_HOLD_S)
             self.dropped += 1
         else:

@@ -132,3 +132,17 @@ def test_paired_times_records_each_blocks_load() -> None:
             assert 0.3 < load["cpu_per_wall"] < 1.5, load
             for share in ("foreign_share", "steal_share"):  # -1: no tick passed in so short a block
                 assert load[share] == -1.0 or 0.0 <= load[share] <= 1.0, load
+
+
+def test_paired_ratio_compares_blocks_of_one_round() -> None:
+    """A machine with two speeds (session 21: 2-thread blocks of every engine at ~6 or ~10 ms on
+    resnet18 b1) and an engine truly 0.9x ONNX Runtime. The state changes between the two blocks
+    of round 3 only; the medians of 5 blocks then fall in different states (9 against 6 ms: 1.5x)
+    while the ratio within each round is 0.9 in four rounds of five."""
+    pd = _per_device()
+    fast, slow = 6.0, 10.0
+    states = [("f", "f"), ("s", "s"), ("s", "s"), ("f", "s"), ("f", "f")]  # (ORT, TVM) per round
+    ort = [fast if o == "f" else slow for o, _ in states]
+    tvm = [0.9 * (fast if t == "f" else slow) for _, t in states]
+    assert sorted(tvm)[2] / sorted(ort)[2] == pytest.approx(1.5)  # the ratio of the two medians
+    assert pd.paired_ratio(tvm, ort) == pytest.approx(0.9)
