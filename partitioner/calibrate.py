@@ -558,8 +558,9 @@ def kernel_roof(model: Any, device: Device) -> tuple[float, int]:
 
 
 #: the kernel probes are timed in this many interleaved rounds (:func:`_time_kernels`); 1: each
-#: kernel's runs back to back, as before 2026-12-03
-PROBE_ROUNDS = 5
+#: kernel's runs back to back, as before 2026-12-03 (``PARTITIONER_CALIBRATE_ROUNDS``, for A/B runs:
+#: the probes run in a subprocess)
+PROBE_ROUNDS = int(os.environ.get("PARTITIONER_CALIBRATE_ROUNDS", "5"))
 
 
 def _time_kernels(kernels: list[MicroKernel], backend: str, work: Path, quick: bool,
