@@ -30,7 +30,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    gradient's ReduceSum over the batch at ``reduce_batch`` (``TRAIN_REDUCE_BATCH_CLASS``: 1.4-5
    GB/s for batches of 4-16), and on a TVM rank a Slice feeding only Concats (the im2col of a
    conv's weight gradient) at nothing beyond its Concat (``TVM_FUSED_IM2COL_SLICES``: TVM fuses
-   them into one kernel); elementwise and
+   them into one kernel), on a TVM rank a Conv-form weight gradient at the forward conv's class
+   (``TVM_CONV_WGRAD_AS_CONV``: TVM builds it as a ``conv2d``) and the channels-last im2col
+   Concat as one copy at the copy bandwidth (``TVM_IM2COL_AS_COPY``); elementwise and
    data-movement nodes by their working set (roofline rule 7: a step's maps are far larger than
    the in-cache class probes'). Without a step graph (or for a node
    the step graph does not name) the backward is the forward time x ``BACKWARD_FACTOR[op
@@ -439,7 +441,8 @@ def node_class(device: Any, node: Any, backward: bool) -> str:
     ``reduce_batch`` for a ReduceSum over the batch axis of a batched product when the
     calibration measured them (ONNX Runtime runs both far below its other elementwise and
     reduction kernels: ``calibrate.backward_kernels``); a TVM rank's stride-1 ConvTranspose of a
-    weight as the forward conv it runs as (:data:`TVM_CONV_TRANSPOSE_AS_CONV`); else
+    weight and its Conv-form weight gradient as the forward conv they run as
+    (:data:`TVM_CONV_TRANSPOSE_AS_CONV`, :data:`TVM_CONV_WGRAD_AS_CONV`); else
     :func:`backward_class` of a backward node's class and :func:`forward_class` of the others'."""
     from partitioner.cost.ops import op_class
 
@@ -448,9 +451,38 @@ def node_class(device: Any, node: Any, backward: bool) -> str:
         return "where"
     if TRAIN_REDUCE_BATCH_CLASS and "reduce_batch" in table and _sums_the_batch(node):
         return "reduce_batch"
-    if _tvm_runs_as_conv(device, node):
+    if _tvm_runs_as_conv(device, node) or _tvm_conv_weight_gradient(device, node):
         return forward_class(device, "conv")
     return backward_class(device, op_class(node)) if backward else forward_class(device, op_class(node))
+
+
+#: rule 1: on TVM ranks a Conv-form weight gradient (a one-group 2-D Conv whose kernel is the output
+#: gradient: ``rules.linear.weight_grad``, the 7x7 stem's and any conv of more than
+#: ``GEMM_MAX_OFFSETS`` offsets) runs at the step's forward conv class, not at ``conv_backward``
+#: (off: at ``conv_backward``, the TVM ConvTranspose probes' rate)
+TVM_CONV_WGRAD_AS_CONV = True
+
+
+def _tvm_conv_weight_gradient(device: Any, node: Any) -> bool:
+    """The case of :data:`TVM_CONV_WGRAD_AS_CONV`: a TVM device, a one-group 2-D Conv whose kernel
+    (input 1) a node computes (the transposed output gradient), not a constant. TVM builds it as
+    the ``conv2d`` it builds for a forward conv of an input weight (NHWC, the kernel packed per
+    call), not as a transposed conv, so it runs at :func:`forward_class` of ``conv``
+    (``conv_train``), at its own multiply-adds. Measured (the zoo resnet's 1-rank TVM step at batch
+    16, ``benchmarks/train_tvm_profile.py``, VM instrument, thread CPU, Zen 4, load 0.6): the stem's
+    weight gradient (x [3, 16, 64, 64] over a [64, 16, 32, 32] kernel, 308 MFLOP) 3.2 ms, priced
+    20.0 ms at ``conv_backward`` (0.22 of the GEMM rate: TVM's ``conv2d_transpose`` probes), 4.1 at
+    ``conv_train``. A Conv with a constant kernel (the MaxPool gradient's one-hot tap bank) and
+    grouped or 1-D/3-D Conv forms (not measured) keep ``conv_backward``."""
+    if not TVM_CONV_WGRAD_AS_CONV or node.op_type != "Conv" or getattr(device, "runtime", "") != "tvm":
+        return False
+    key = node.metadata_props.get(FORWARD_NODE_KEY)
+    if key is None or key in ("loss", "optimizer") or len(node.inputs) < 2 or node.inputs[1] is None:
+        return False
+    w = node.inputs[1]
+    group = node.attributes["group"].as_int() if "group" in node.attributes else 1
+    made = w.producer() is not None and w.producer().op_type != "Constant" and w.const_value is None
+    return group == 1 and made and w.shape is not None and len(w.shape) == 4
 
 
 #: rule 1: on TVM ranks a Slice whose every use is a Concat, directly or through an Unsqueeze (the
@@ -480,6 +512,47 @@ def _tvm_fused_gather_slice(device: Any, node: Any) -> bool:
     return bool(uses) and all(into_concat(u) for u in uses)
 
 
+#: rule 1: on TVM ranks the channels-last im2col Concat (``rules.linear`` rule "NHWC im2col": the
+#: slices of the padded [N, H, W, C] map concatenated on the channel axis) is priced as one copy at
+#: the calibrated copy bandwidth (:func:`tvm_im2col_copy_bytes`); off: a data-movement node by its
+#: working set (roofline rule 7, the 16 MiB Transpose probe's rate)
+TVM_IM2COL_AS_COPY = True
+
+
+def tvm_im2col_copy_bytes(device: Any, node: Any) -> float:
+    """The bytes of :data:`TVM_IM2COL_AS_COPY`'s copy (0 when the rule does not apply): a TVM
+    device, a Concat on its last axis all of whose inputs are :func:`_tvm_fused_gather_slice`
+    Slices (directly or through an Unsqueeze); the bytes are the Concat's output written and the
+    slices' distinct sources read once (TVM fuses the slices, and the Pad before them, into the
+    one kernel that writes the output: ``fused_transpose*_pad*_strided_slice*``; the Injective
+    rule splits it into one vector copy per offset, ``backends/tvm/schedules/injective.py``), at
+    ``memory_bandwidth`` (calibration probe 2: an array copy's read + write bytes a second).
+    Why not roofline rule 7: its large-map point is a Transpose, a strided gather, where these
+    copies move whole channel rows. Measured (the zoo resnet's 1-rank TVM step at batch 16,
+    ``benchmarks/train_tvm_profile.py``, VM instrument, thread CPU, Zen 4, load 0.6): layer1's
+    [16, 16, 16, 9 x 64] columns 0.49 ms a call (priced 3.97 ms by rule 7, 0.66 ms so), layer2's
+    [16, 8, 8, 9 x 128] 0.24 ms (1.46; 0.33); all the im2col kernels 4.8 ms a step against 24.9
+    priced. The channels-first form (layer4's, a Concat on axis 2 then a Transpose: a select
+    over the offsets per element, 0.7 ms for 1.2 MB) is not a copy and keeps rule 7."""
+    from partitioner.cost.ops import nbytes
+
+    if not TVM_IM2COL_AS_COPY or node.op_type != "Concat" or getattr(device, "runtime", "") != "tvm":
+        return 0.0
+    y = node.outputs[0]
+    axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 0
+    if y.shape is None or axis not in (-1, len(y.shape) - 1):
+        return 0.0
+    sources: dict[int, Any] = {}
+    for v in node.inputs:
+        p = v.producer() if v is not None else None
+        if p is not None and p.op_type == "Unsqueeze":
+            p = p.inputs[0].producer() if p.inputs[0] is not None else None
+        if p is None or not _tvm_fused_gather_slice(device, p) or p.inputs[0] is None:
+            return 0.0
+        sources[id(p.inputs[0])] = p.inputs[0]
+    return nbytes(y) + sum(nbytes(v) for v in sources.values())
+
+
 def priced_step_nodes(step: Any, device: Any) -> list[tuple[Any, str | None, float]]:
     """Rule 1's price of every node of the step graph ``step``: (node, its forward-node key
     (``training.forward_node``: None for a forward node), seconds)."""
@@ -492,6 +565,10 @@ def priced_step_nodes(step: Any, device: Any) -> list[tuple[Any, str | None, flo
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         if _tvm_fused_gather_slice(device, node):  # rule 1: inside its Concat's one kernel
             out.append((node, key, 0.0))
+            continue
+        copied = tvm_im2col_copy_bytes(device, node)
+        if copied:  # rule 1: one copy kernel at the copy bandwidth
+            out.append((node, key, copied / device.memory_bandwidth + device.launch_overhead_s))
             continue
         cls = node_class(device, node, key is not None and key not in ("loss", "optimizer"))
         if _tvm_runs_as_conv(device, node):  # rule 1: the multiply-adds of the form TVM runs

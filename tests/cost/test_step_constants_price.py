@@ -116,6 +116,8 @@ def test_tvm_im2col_slices_are_priced_inside_their_concat(monkeypatch) -> None:
     assert len(slices) >= 9
     dev = _tvm_device()
 
+    monkeypatch.setattr(ct, "TVM_IM2COL_AS_COPY", False)  # the Concat's own rule, tested below
+
     def priced(on: bool, device) -> dict:
         monkeypatch.setattr(ct, "TVM_FUSED_IM2COL_SLICES", on)
         return {id(n): t for n, _k, t in ct.priced_step_nodes(step, device)}

@@ -201,3 +201,48 @@ def test_new_probes_build_and_run_on_both_backends(backend, tmp_path) -> None:
     for k in probes:
         out = _runner(backend, kernel_model(k), tmp_path)(_feeds(k))
         assert len(out) == len(k.outputs), k.name
+
+
+def test_probes_are_timed_in_interleaved_rounds(monkeypatch, tmp_path) -> None:
+    """``calibrate._time_kernels``: every kernel is built first, then timed in ``PROBE_ROUNDS``
+    rounds, each round every kernel in turn (the order rotated); a kernel's time is the median of
+    its rounds. A fake runner whose one kernel is slow in one round only (a burst of load) keeps
+    its usual time. Fails with the kernels timed back to back (one round)."""
+    import partitioner.calibrate as cal
+
+    kernels = [k for k in cal.micro_kernels(True) if k.name in ("gemm_128x256x256", "conv3x3_32c_16")]
+    order: list[str] = []
+    rounds = {"n": 0}
+
+    def runner(backend, model, work, threads=1):
+        def run(feeds):
+            order.append(model.graph.name)
+        return run
+
+    def median_time(fn, quick, share=1.0):
+        fn()
+        rounds["n"] += 1
+        slow = order[-1] == "conv3x3_32c_16" and rounds["n"] <= 2  # its first round only
+        return 5.0 if slow else 1.0
+
+    monkeypatch.setattr(cal, "_runner", runner)
+    monkeypatch.setattr(cal, "_median_time", median_time)
+    monkeypatch.setattr(cal, "PROBE_ROUNDS", 5)
+    device = cal.Device("probe", "cpu", {"float32": 1e11}, 1e9, 2e10)
+    rows = cal._time_kernels(kernels, "tvm", tmp_path, True, device)
+    assert order == ["gemm_128x256x256", "conv3x3_32c_16", "conv3x3_32c_16", "gemm_128x256x256"] * 2 \
+        + ["gemm_128x256x256", "conv3x3_32c_16"]
+    assert [r["measured_s"] for r in rows] == [1.0, 1.0]
+    assert [len(r["rounds_s"]) for r in rows] == [5, 5]
+
+
+def test_tvm_weight_input_probes_feed_the_weight_read_only() -> None:
+    """``calibrate._resident_weights``: on TVM the ``w`` input (a weight as a graph input) is a
+    read-only copy (the executable then copies it once, not every run); other inputs and ONNX
+    Runtime feeds are as given."""
+    from partitioner.calibrate import _resident_weights
+
+    feeds = {"x": np.ones((2, 2), np.float32), "w": np.ones((2, 2), np.float32)}
+    tvm = _resident_weights(feeds, "tvm")
+    assert not tvm["w"].flags.writeable and tvm["x"] is feeds["x"] and feeds["w"].flags.writeable
+    assert _resident_weights(feeds, "onnxruntime") is feeds
