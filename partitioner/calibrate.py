@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
-from partitioner.core.errors import PartitionerError
+from partitioner.core.errors import PartitionerError, UsageError
 from partitioner.core.machine import machine_info
 from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE, LARGE_MAP
 
@@ -413,8 +413,6 @@ def _clock() -> Any:
 def _median_time(fn: Any, quick: bool, share: float = 1.0) -> float:
     """Median seconds of ``fn()`` over at least 5 and at most 200 runs within a time budget
     (wall time, ``share`` of 0.3 s quick or 1 s; :func:`_clock`'s clock per run)."""
-    import statistics
-
     clock = _clock()
     fn()
     fn()
@@ -558,14 +556,31 @@ def kernel_roof(model: Any, device: Device) -> tuple[float, int]:
 
 
 #: the kernel probes are timed in this many interleaved rounds (:func:`_time_kernels`); 1: each
-#: kernel's runs back to back, as before 2026-12-03 (``PARTITIONER_CALIBRATE_ROUNDS``, for A/B runs:
-#: the probes run in a subprocess)
-PROBE_ROUNDS = int(os.environ.get("PARTITIONER_CALIBRATE_ROUNDS", "5"))
+#: kernel's runs back to back, as before 2026-12-03. ``$PARTITIONER_CALIBRATE_ROUNDS`` overrides it
+#: (for A/B runs; read by :func:`probe_rounds` when used, not at import)
+PROBE_ROUNDS = 5
+ROUNDS_ENV = "PARTITIONER_CALIBRATE_ROUNDS"
+
+
+def probe_rounds() -> int:
+    """``$PARTITIONER_CALIBRATE_ROUNDS`` (a whole number >= 1), else :data:`PROBE_ROUNDS`; a bad
+    value is a :class:`UsageError` (one line, exit 2), raised by :func:`calibrate` before
+    any probe starts."""
+    raw = os.environ.get(ROUNDS_ENV)
+    if raw is None:
+        return PROBE_ROUNDS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(f"${ROUNDS_ENV}={raw!r}: expected a whole number of rounds (>= 1)") from None
+    if value < 1:
+        raise UsageError(f"${ROUNDS_ENV}={raw!r}: expected a whole number of rounds (>= 1)")
+    return value
 
 
 def _time_kernels(kernels: list[MicroKernel], backend: str, work: Path, quick: bool,
                   device: Device) -> list[dict[str, Any]]:
-    """Build every micro-kernel, then time them in :data:`PROBE_ROUNDS` interleaved rounds (each
+    """Build every micro-kernel, then time them in :func:`probe_rounds` interleaved rounds (each
     round every kernel in turn, the order rotated, each for its share of the time budget); a
     kernel's time is the median of its rounds' medians. Why: on a machine whose other core runs
     something else, a burst of that load (seconds long) slowed whichever probes ran then: three
@@ -580,7 +595,7 @@ def _time_kernels(kernels: list[MicroKernel], backend: str, work: Path, quick: b
         run = _runner(backend, model, work)
         build_s = time.perf_counter() - t0
         built.append((k, model, run, _resident_weights(_feeds(k), backend), build_s))
-    rounds = max(1, PROBE_ROUNDS)
+    rounds = probe_rounds()
     times: list[list[float]] = [[] for _ in built]
     for r in range(rounds):
         for i in [(j + r) % len(built) for j in range(len(built))]:
@@ -829,6 +844,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
     the cores are busy, False never, None when they are free."""
     if backend not in BACKENDS:
         raise CalibrationError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    probe_rounds()  # a bad $PARTITIONER_CALIBRATE_ROUNDS is refused here, not in the probe subprocess
     t0 = time.perf_counter()
     single = _run_probe(quick, timeout=120 if quick else 300, backend=backend)
     threads = probe_threads()

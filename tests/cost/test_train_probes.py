@@ -5,6 +5,7 @@ ConvTranspose probes in the form the training step runs them (weights as a graph
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -228,6 +229,7 @@ def test_probes_are_timed_in_interleaved_rounds(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(cal, "_runner", runner)
     monkeypatch.setattr(cal, "_median_time", median_time)
     monkeypatch.setattr(cal, "PROBE_ROUNDS", 5)
+    monkeypatch.delenv(cal.ROUNDS_ENV, raising=False)
     device = cal.Device("probe", "cpu", {"float32": 1e11}, 1e9, 2e10)
     rows = cal._time_kernels(kernels, "tvm", tmp_path, True, device)
     assert order == ["gemm_128x256x256", "conv3x3_32c_16", "conv3x3_32c_16", "gemm_128x256x256"] * 2 \
@@ -246,3 +248,44 @@ def test_tvm_weight_input_probes_feed_the_weight_read_only() -> None:
     tvm = _resident_weights(feeds, "tvm")
     assert not tvm["w"].flags.writeable and tvm["x"] is feeds["x"] and feeds["w"].flags.writeable
     assert _resident_weights(feeds, "onnxruntime") is feeds
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-3", "2.5", ""])
+def test_a_bad_rounds_value_is_one_line_and_exit_2(value, monkeypatch, tmp_path, capsys) -> None:
+    """``$PARTITIONER_CALIBRATE_ROUNDS`` is read when the probes run, not at import: a bad value
+    does not break ``import partitioner.calibrate`` (every command imports it), and
+    ``partitioner calibrate`` refuses it in one line with exit 2 before any probe starts (the
+    probe subprocess is replaced by one that fails the test)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PARTITIONER_CALIBRATE_ROUNDS": value}
+    out = subprocess.run([sys.executable, "-c", "import partitioner.calibrate"], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+
+    import partitioner.calibrate as cal
+    from partitioner.cli import main
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a probe started with a bad rounds value")
+
+    monkeypatch.setattr(cal, "_run_probe", no_probe)
+    monkeypatch.setenv("PARTITIONER_CALIBRATION", str(tmp_path / "local.json"))
+    monkeypatch.setenv(cal.ROUNDS_ENV, value)
+    assert main(["calibrate", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "PARTITIONER_CALIBRATE_ROUNDS" in err, err
+    assert not (tmp_path / "local.json").exists()
+
+
+def test_good_rounds_values_are_read_when_used(monkeypatch) -> None:
+    """``probe_rounds``: unset gives the default, a whole number >= 1 is taken as given."""
+    import partitioner.calibrate as cal
+
+    monkeypatch.delenv(cal.ROUNDS_ENV, raising=False)
+    assert cal.probe_rounds() == cal.PROBE_ROUNDS == 5
+    monkeypatch.setenv(cal.ROUNDS_ENV, "1")
+    assert cal.probe_rounds() == 1
+    monkeypatch.setenv(cal.ROUNDS_ENV, " 7 ")
+    assert cal.probe_rounds() == 7
