@@ -103,7 +103,8 @@ def summary(rows: list) -> dict:
     tl = [(k, i, round(statistics.median(r[3][j][2] for r in rows), 1)) for j, (k, i, _) in enumerate(rows[0][3])]
     return {"cpu_ms": med([r[0] for r in rows]), "thread_cpu_ms": med([r[1] for r in rows]),
             "wall_ms": med([r[2] for r in rows]), "timeline_wall_ms": tl,
-            "minor_faults": int(statistics.median(r[4] for r in rows))}
+            # colocate's worker rows carry no fault count (session 22: its summary raised IndexError)
+            "minor_faults": int(statistics.median(r[4] for r in rows)) if len(rows[0]) > 4 else None}
 
 
 def paired(backend: str, steps: int, baseline: list[str]) -> None:

@@ -38,6 +38,13 @@ What is measured, and how:
    thread that became speed. Only classes whose kernels the backend parallelises gain from a
    rank's threads (:mod:`partitioner.cost.threads`). Skipped while other work holds the cores
    (:func:`_cores_free`): the classes then keep the nominal thread efficiency.
+7. Co-run bandwidth (:func:`co_run_bandwidth`): probe 2's copy on one core alone, then on all
+   usable cores at once (one thread pinned to each), in interleaved rounds; the share of the
+   lone core's bandwidth each core keeps together (median of rounds, at most 1). Ranks of one
+   node that run at the same time share the memory system: measured on the 2-core Zen 4
+   development machine (session 22), each core kept 0.64-0.81 of its 17-25 GB/s while both
+   copied, where a 256x256 GEMM kept 0.96-1.02 of its rate (compute does not share). Skipped
+   with probe 6 while other work holds the cores (1.0: nominal).
 5. MPI α and β: ``mpiexec -n 2 python -m partitioner.calibrate_mpi`` ping-pong at several sizes,
    then a least-squares fit of one-way time = α + nβ weighted by 1/t (relative error), so both
    small and large messages count; α is clamped to [0, time of the smallest message]. The 2-rank allreduce times are kept for checking the model.
@@ -103,6 +110,8 @@ class Calibration:
     comm_op_overhead_s: float = 0.0  # per comm op, beside the transfer (probe 3c)
     thread_efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)  # probe 6
     threads_probed: int = 1
+    co_run_bandwidth: float = 1.0  # probe 7 (1.0: not measured)
+    co_run_rounds: tuple[float, ...] = field(default=(), hash=False)  # probe 7's per-round shares
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,6 +121,7 @@ class Calibration:
             "call_overhead_s": self.call_overhead_s, "comm_op_overhead_s": self.comm_op_overhead_s,
             "efficiency_by_class": dict(self.efficiency_by_class),
             "thread_efficiency_by_class": dict(self.thread_efficiency_by_class), "threads_probed": self.threads_probed,
+            "co_run_bandwidth": self.co_run_bandwidth, "co_run_rounds": list(self.co_run_rounds),
             "kernels": [dict(k) for k in self.kernels],
             "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
@@ -756,6 +766,64 @@ def probe_threads() -> int:
     return max(1, min(usable, 8))
 
 
+def co_run_bandwidth(cores: int, quick: bool) -> tuple[float, ...]:
+    """Probe 7: per round, the mean bandwidth of ``cores`` threads copying at once (each pinned to
+    one usable CPU, its own arrays of probe 2's kind) over the first thread's bandwidth copying
+    alone just before. Each phase copies back to back for a fixed time (sustained bandwidth, as a
+    step's memory-bound kernels draw it; the best single copy of probe 2 caught bursts: 0.86-1.14
+    in one calibration against 0.64-0.81 sustained); ``numpy.copyto`` releases the GIL, so the
+    threads' copies overlap."""
+    import threading
+
+    import numpy as np
+
+    cpus = sorted(os.sched_getaffinity(0))[:cores] if hasattr(os, "sched_getaffinity") else []
+    size, span = (32 if quick else 64) * 2 ** 20, 0.1 if quick else 0.25
+    arrays = [(np.ones(size // 4, np.float32), np.empty(size // 4, np.float32)) for _ in range(cores)]
+    barrier = threading.Barrier(cores + 1)
+    plan: dict[str, Any] = {"who": 0, "stop": False}
+    rate = [0.0] * cores
+
+    def worker(i: int) -> None:
+        if cpus:
+            os.sched_setaffinity(0, {cpus[i]})  # this thread only (Linux)
+        src, dst = arrays[i]
+        np.copyto(dst, src)
+        while True:
+            barrier.wait()  # a phase starts (or the probe ends)
+            if plan["stop"]:
+                return
+            if i < plan["who"]:
+                n, t0 = 0, time.perf_counter()
+                while n < 2 or time.perf_counter() - t0 < span:
+                    np.copyto(dst, src)
+                    n += 1
+                rate[i] = 2.0 * size * n / (time.perf_counter() - t0)
+            barrier.wait()  # the phase's results are in
+
+    pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(cores)]
+    for t in pool:
+        t.start()
+
+    def phase(who: int) -> list[float]:
+        plan["who"] = who
+        barrier.wait()
+        barrier.wait()
+        return rate[:who]
+
+    shares = []
+    try:
+        for _ in range(3 if quick else 7):
+            alone = phase(1)[0]
+            shares.append(round(statistics.fmean(phase(cores)) / alone, 4))
+    finally:
+        plan["stop"] = True
+        barrier.wait()
+        for t in pool:
+            t.join(10)
+    return tuple(shares)
+
+
 def _cores_free(threads: int) -> bool:
     """Probe 6 needs its cores: a parallel speed-up measured while other work holds the cores
     measures that work (on the loaded 2-core development machine, load average 6, TVM's GEMM
@@ -849,9 +917,11 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
     single = _run_probe(quick, timeout=120 if quick else 300, backend=backend)
     threads = probe_threads()
     thread_eff: dict[str, float] = {}
+    co_run: tuple[float, ...] = ()
     if threads > 1 and (thread_probe if thread_probe is not None else _cores_free(threads)):
         one, many = (_run_probe(quick, timeout=120 if quick else 300, backend=backend, threads=t) for t in (1, threads))
         thread_eff = thread_efficiency(one, many, {k.name: k.op_class for k in micro_kernels(quick)}, threads)
+        co_run = co_run_bandwidth(threads, quick)
     # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
     mpi, mpi_error = _run_mpi(quick, timeout=60 if quick else 120) if mpi else (None, "skipped (mpi=False)")
     if mpi is not None:
@@ -867,6 +937,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         launch_overhead_s=float(single["launch_overhead_s"]), call_overhead_s=float(single.get("call_overhead_s", 0.0)),
         comm_op_overhead_s=float(single.get("comm_op_overhead_s", 0.0)),
         thread_efficiency_by_class=thread_eff, threads_probed=threads if thread_eff else 1,
+        co_run_bandwidth=min(1.0, statistics.median(co_run)) if co_run else 1.0, co_run_rounds=co_run,
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
         mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
@@ -883,7 +954,7 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     mem = total_memory_bytes() / n
     devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s,
                         dict(cal.efficiency_by_class), cal.call_overhead_s, cal.backend, cal.comm_op_overhead_s,
-                        dict(cal.thread_efficiency_by_class))
+                        dict(cal.thread_efficiency_by_class), cal.co_run_bandwidth)
                  for i in range(n))
     link = LinkLevel("shm-mpi" if cal.mpi_ok else "shm", cal.alpha_s, cal.beta_s_per_byte)
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')} "

@@ -108,6 +108,10 @@ class Device:
     #: per op class, the share of each extra thread of a rank that its kernels turn into speed
     #: (calibration probe 6; classes not listed use cost.threads.THREAD_EFFICIENCY)
     thread_efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)
+    #: the share of ``memory_bandwidth`` each core keeps while every core of its node copies at
+    #: once (calibration probe 7; 1.0: nominal, not measured): ranks of one node that run at the
+    #: same time share the memory system (cost.training rule 11)
+    co_run_bandwidth: float = 1.0
 
     def class_efficiency(self, op_class: str | None) -> float:
         """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
@@ -131,7 +135,8 @@ class Device:
                 **({"runtime": self.runtime} if self.runtime else {}),
                 **({"comm_op_overhead_s": self.comm_op_overhead_s} if self.comm_op_overhead_s else {}),
                 **({"thread_efficiency_by_class": dict(self.thread_efficiency_by_class)}
-                   if self.thread_efficiency_by_class else {})}
+                   if self.thread_efficiency_by_class else {}),
+                **({"co_run_bandwidth": self.co_run_bandwidth} if self.co_run_bandwidth != 1.0 else {})}
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,8 @@ class Cluster:
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be a positive number")
             if not (0 < d.efficiency <= 1):
                 raise ClusterError(f"{where}: device {d.name!r}: efficiency must be in (0, 1]")
+            if not (0 < d.co_run_bandwidth <= 1):
+                raise ClusterError(f"{where}: device {d.name!r}: co_run_bandwidth must be in (0, 1]")
             for fname in ("launch_overhead_s", "call_overhead_s", "comm_op_overhead_s"):
                 if not (getattr(d, fname) >= 0 and math.isfinite(getattr(d, fname))):
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be >= 0")
@@ -371,6 +378,7 @@ def _parse(data: Any, source: str) -> Cluster:
                 runtime=str(d.get("runtime", "")),
                 comm_op_overhead_s=_num(d, "comm_op_overhead_s", where, 0.0),
                 thread_efficiency_by_class=_thread_eff(d, where),
+                co_run_bandwidth=_num(d, "co_run_bandwidth", where, 1.0),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -561,7 +569,8 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     d0 = cluster.devices[0]
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
                         d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s,
-                        d0.runtime, d0.comm_op_overhead_s, dict(d0.thread_efficiency_by_class))
+                        d0.runtime, d0.comm_op_overhead_s, dict(d0.thread_efficiency_by_class),
+                        d0.co_run_bandwidth)
                  for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 

@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"launch overhead ({cal.backend}):{' ' * max(1, 15 - len(cal.backend))}{cal.launch_overhead_s * 1e6:8.2f} µs/op")
     print(f"call overhead (per run):    {cal.call_overhead_s * 1e6:8.2f} µs")
     print(f"comm-op overhead (per op):  {cal.comm_op_overhead_s * 1e6:8.2f} µs")
+    if cal.co_run_rounds:
+        share = cal.co_run_bandwidth
+        print(f"co-run bandwidth share:     {share:8.2f}   (each core, all {cal.threads_probed} copying)")
+    else:
+        print("co-run bandwidth share:         1.00   (not measured: the cores were busy)")
     for cls, eff in cal.efficiency_by_class.items():
         print(f"efficiency {cls + ':':<17s}{eff:8.3f}")
     if cal.mpi_ok:

@@ -150,6 +150,16 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    program). Before this rule the zoo resnet's TVM pipeline (session 11, quiet) was predicted at
    437.7 ms against 348.8 measured (+25.5%), its peaks at 84 / 225 MiB against 222 / 524.
    ``PRICE_STEP_CONSTANTS``.
+11. Co-run bandwidth (:func:`co_located`): the ranks of a plan with more than one rank run at the
+   same time on one node and share its memory system, so every rank's node prices run at
+   ``memory_bandwidth x co_run_bandwidth`` (the device's share while every core copies at once,
+   calibration probe 7; 1.0 when not measured): memory-bound nodes (BN, ReLU gradients, im2col,
+   pooling gradients, the optimizer) slow down, compute-bound ones do not (a GEMM kept 0.96-1.02
+   of its rate on both cores, measured). The 1-rank plans are unchanged. Measured on the 2-core
+   Zen 4 machine (session 22): copies kept 0.64-0.81 of one core's bandwidth with both cores
+   copying; the zoo resnet's TVM steps (batch 16) measured 156.6 ms data and 210.7 ms 1F1B
+   against 115.7 (-26%) and 157.7 ms (-25%) predicted without this rule (1 rank: 210.5 against
+   201.3). ``CO_RUN_BANDWIDTH``.
 """
 
 from __future__ import annotations
@@ -172,6 +182,17 @@ PIPELINE_GRADIENT_COPIES = 3
 #: concatenation and the split back (rule 4)
 BUCKET_PASSES = 2
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "Momentum": 1, "AdamW": 2}
+#: rule 11: ranks of a multi-rank plan run at their device's co-run share of the memory bandwidth
+#: (off: every rank at the lone core's bandwidth, as before 2026-12-03 pm)
+CO_RUN_BANDWIDTH = True
+
+
+def co_located(device: Any, ranks: int) -> Any:
+    """Rule 11: ``device`` as each of ``ranks`` ranks running at once on its node sees it."""
+    share = getattr(device, "co_run_bandwidth", 1.0)
+    if ranks <= 1 or not CO_RUN_BANDWIDTH or share >= 1.0:
+        return device
+    return replace(device, memory_bandwidth=device.memory_bandwidth * share)
 
 
 @dataclass

@@ -56,7 +56,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         return _hybrid(model, devices, stages or 2, batch=batch, optimizer=optimizer, schedule=schedule,
                        micro_batches=micro_batches, cluster=cluster, overheads=overheads, loss=loss)
     cl = resolve_cluster(cluster if cluster is not None else f"cpu:{devices}")
-    device = cl.devices[0]
+    device = cost.co_located(cl.devices[0], devices)  # cost rule 11: the ranks share the memory system
     copies = cost.OPTIMIZER_COPIES.get(optimizer, 0)
     m = micro_batches or 2 * devices
     if strategy == "pipeline" and devices > 1 and batch % m:
