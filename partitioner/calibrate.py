@@ -68,7 +68,8 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device, LinkLevel, total_memory_bytes
-from partitioner.core.errors import PartitionerError, UsageError
+from partitioner.core.env import env_number
+from partitioner.core.errors import PartitionerError
 from partitioner.core.machine import machine_info
 from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE, LARGE_MAP
 
@@ -576,16 +577,7 @@ def probe_rounds() -> int:
     """``$PARTITIONER_CALIBRATE_ROUNDS`` (a whole number >= 1), else :data:`PROBE_ROUNDS`; a bad
     value is a :class:`UsageError` (one line, exit 2), raised by :func:`calibrate` before
     any probe starts."""
-    raw = os.environ.get(ROUNDS_ENV)
-    if raw is None:
-        return PROBE_ROUNDS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(f"${ROUNDS_ENV}={raw!r}: expected a whole number of rounds (>= 1)") from None
-    if value < 1:
-        raise UsageError(f"${ROUNDS_ENV}={raw!r}: expected a whole number of rounds (>= 1)")
-    return value
+    return env_number(ROUNDS_ENV, PROBE_ROUNDS, int, lambda v: v >= 1, "a whole number of rounds (>= 1)")
 
 
 def _time_kernels(kernels: list[MicroKernel], backend: str, work: Path, quick: bool,

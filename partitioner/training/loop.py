@@ -58,6 +58,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from partitioner.core.env import env_number
 from partitioner.core.errors import InputError, RunFailed, UsageError
 from partitioner.training.optimizers import Optimizer, make_optimizer
 from partitioner.training.runner import StepRunner
@@ -78,16 +79,7 @@ BUILD_WAIT_ENV = "PARTITIONER_BUILD_WAIT"
 
 def build_wait_s() -> float:
     """Rule 7's deadline: ``$PARTITIONER_BUILD_WAIT`` seconds, else :data:`BUILD_WAIT_S`."""
-    raw = os.environ.get(BUILD_WAIT_ENV)
-    if raw is None:
-        return BUILD_WAIT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UsageError(f"${BUILD_WAIT_ENV}={raw!r}: expected a number of seconds") from None
-    if not value > 0:
-        raise UsageError(f"${BUILD_WAIT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    return env_number(BUILD_WAIT_ENV, BUILD_WAIT_S, float, lambda v: v > 0, "a positive number of seconds")
 
 
 def bucket_bytes(backend: str, threads: int) -> int:
