@@ -49,8 +49,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _spinner(flag: Any, go: Any) -> None:
+def _spinner(flag: Any, go: Any, ready: Any) -> None:
     """``--awake``'s spinner process: spins while ``flag`` is 1 after each ``go``; 2 ends it."""
+    ready.set()
     while True:
         go.wait()
         go.clear()
@@ -69,9 +70,11 @@ class _Pause:
             import multiprocessing as mp
 
             ctx = mp.get_context("spawn")
-            self.flag, self.go = ctx.Value("i", 0, lock=False), ctx.Event()
-            self.proc = ctx.Process(target=_spinner, args=(self.flag, self.go), daemon=True)
+            self.flag, self.go, ready = ctx.Value("i", 0, lock=False), ctx.Event(), ctx.Event()
+            self.proc = ctx.Process(target=_spinner, args=(self.flag, self.go, ready), daemon=True)
             self.proc.start()
+            if not ready.wait(60):  # the spawned interpreter has started: the first pause is awake too
+                raise RuntimeError("idle_wake: the spinner process did not start within 60 s")
 
     def __call__(self, gap: float, awake: int) -> None:
         if not gap:
