@@ -34,6 +34,8 @@ def _worker(cpu: int, commands: Any, results: Any) -> None:
     """One pinned process: runs ``(kind, seconds)`` loops and reports its rate (GFLOP/s or GB/s)."""
     import numpy as np
 
+    from partitioner.calibrate import sustained_rate
+
     os.sched_setaffinity(0, {cpu})
     a = np.random.default_rng(cpu).standard_normal((256, 256)).astype(np.float32)
     src, dst = np.ones(8 << 20, np.float32), np.empty(8 << 20, np.float32)
@@ -46,11 +48,7 @@ def _worker(cpu: int, commands: Any, results: Any) -> None:
         kind, seconds = cmd
         fn, units = work[kind]
         fn()
-        n, t0 = 0, time.perf_counter()
-        while n < 2 or time.perf_counter() - t0 < seconds:
-            fn()
-            n += 1
-        results.put((cpu, n * units / (time.perf_counter() - t0)))
+        results.put((cpu, sustained_rate(fn, units, seconds)))
 
 
 def measure(kinds: list[str], rounds: int, seconds: float) -> dict[str, Any]:

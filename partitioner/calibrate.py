@@ -42,8 +42,10 @@ What is measured, and how:
    usable cores at once (one thread pinned to each), in interleaved rounds; the share of the
    lone core's bandwidth each core keeps together (median of rounds, at most 1). Ranks of one
    node that run at the same time share the memory system: measured on the 2-core Zen 4
-   development machine (session 22), each core kept 0.64-0.81 of its 17-25 GB/s while both
-   copied, where a 256x256 GEMM kept 0.96-1.02 of its rate (compute does not share). Skipped
+   development machine (session 22, ``benchmarks/co_run.py``, one pinned process per core, stored
+   in ``benchmarks/results/session22_zen4/co_run.json``), each core kept 0.43-0.71 (median 0.54)
+   of its 29-39 GB/s while both copied, where a 256x256 GEMM kept 0.97-1.00 of its rate (compute
+   does not share). Skipped
    with probe 6 while other work holds the cores (1.0: nominal).
 5. MPI α and β: ``mpiexec -n 2 python -m partitioner.calibrate_mpi`` ping-pong at several sizes,
    then a least-squares fit of one-way time = α + nβ weighted by 1/t (relative error), so both
@@ -758,13 +760,24 @@ def probe_threads() -> int:
     return max(1, min(usable, 8))
 
 
+def sustained_rate(fn: Any, units: float, seconds: float) -> float:
+    """``units`` of work per second while ``fn`` (one call = ``units``) runs back to back for at
+    least ``seconds`` and at least twice: a sustained rate, not the best single call's burst."""
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return units * n / (time.perf_counter() - t0)
+
+
 def co_run_bandwidth(cores: int, quick: bool) -> tuple[float, ...]:
     """Probe 7: per round, the mean bandwidth of ``cores`` threads copying at once (each pinned to
     one usable CPU, its own arrays of probe 2's kind) over the first thread's bandwidth copying
     alone just before. Each phase copies back to back for a fixed time (sustained bandwidth, as a
     step's memory-bound kernels draw it; the best single copy of probe 2 caught bursts: 0.86-1.14
     in one calibration against 0.64-0.81 sustained); ``numpy.copyto`` releases the GIL, so the
-    threads' copies overlap."""
+    threads' copies overlap. The timed loop is :func:`sustained_rate`, shared with
+    ``benchmarks/co_run.py``."""
     import threading
 
     import numpy as np
@@ -786,11 +799,7 @@ def co_run_bandwidth(cores: int, quick: bool) -> tuple[float, ...]:
             if plan["stop"]:
                 return
             if i < plan["who"]:
-                n, t0 = 0, time.perf_counter()
-                while n < 2 or time.perf_counter() - t0 < span:
-                    np.copyto(dst, src)
-                    n += 1
-                rate[i] = 2.0 * size * n / (time.perf_counter() - t0)
+                rate[i] = sustained_rate(lambda: np.copyto(dst, src), 2.0 * size, span)
             barrier.wait()  # the phase's results are in
 
     pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(cores)]

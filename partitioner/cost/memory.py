@@ -287,6 +287,61 @@ class TvmStageMemory:
         return {**{k: float(v) for k, v in self.__dict__.items()}, "total": self.total}
 
 
+# ---- a TVM 1-rank or data-parallel training rank's peak, from its libraries' plans (issue 16) ----
+
+#: price a TVM ``single`` / ``data`` training rank from the memory its libraries' Relax modules
+#: plan (:func:`tvm_rank_memory`); off: training rule 3's ``3 S + G`` + stash (+ 3 G for data),
+#: made for ONNX Runtime's arena. Measured (session 22, ``benchmarks/train_step.py`` sizes, 2 MPI
+#: ranks): rule 3 priced bert's TVM 1-rank step at 250 MiB against 167 measured (+50%), its data
+#: ranks at 160 against 115 (+39%); this rule at 144 (-14%) and 100 (-13%) (docs/training.md)
+TVM_PLANNED_MEMORY = True
+
+
+@dataclass(frozen=True)
+class TvmRankMemory:
+    """The terms of a TVM ``single`` / ``data`` training rank's predicted peak (bytes)."""
+
+    state: float
+    libraries: float
+    input_buffers: float
+    window: float
+
+    @property
+    def total(self) -> float:
+        return self.state + self.libraries + self.input_buffers + self.window
+
+    def to_json(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.__dict__.items()}, "total": self.total}
+
+
+def tvm_rank_memory(*, state_bytes: float, planned: list[Any], input_bytes: float,
+                    window_bytes: float) -> TvmRankMemory:
+    """A TVM ``single`` / ``data`` training rank's peak above its baseline (what ``train --bench``
+    measures, :mod:`partitioner.training.memory_window`), the runner's libraries
+    (``runner.tvm_rank_programs``) priced by their own plans:
+
+    - ``state``: 2 x the state ``S`` (weights, optimizer slots, BN statistics). The runner holds
+      the state and each step returns the next one as new tensors (the update library's outputs,
+      counted in ``libraries``); the state the step replaced is freed after the swap, but the
+      first step's is the runner's numpy state, which the allocator keeps (the heap does not
+      shrink under it): three copies at the peak, as rule 3 has for ONNX Runtime;
+    - ``libraries``: each library's planned storage and output tensors
+      (:func:`backends.tvm.planned_memory.planned_bytes`, ``planned``), summed over the
+      libraries: TVM's pooled allocator keeps every block it gave out and shares a block between
+      libraries only at equal sizes (the same reason as :func:`pool_bytes`);
+    - ``input_buffers``: the batch's data and labels, which every library that reads them copies
+      into a buffer it keeps (``overlap`` rule 8: the other inputs are taken as they lie);
+    - ``window``: a data rank's shared-memory AllReduce window (``comm_mpi`` rule 7), one slot
+      per rank of the largest bucket reduced through it; every rank touches every slot, so each
+      rank's resident memory counts them all (0 without a data-parallel AllReduce).
+
+    Measured (session 22 runs, the zoo's ``train_step.py`` sizes, SGD): mlp 1 rank 108 MiB
+    priced against 110 measured, data 128 / 127; bert 144 / 167, 100 / 115; resnet 228 / 232,
+    327 / 297."""
+    return TvmRankMemory(state=2.0 * float(state_bytes), libraries=float(sum(p.total for p in planned)),
+                         input_buffers=float(input_bytes), window=float(window_bytes))
+
+
 def value_bytes(info: Any) -> float:
     """Bytes of an ONNX ``ValueInfoProto`` with static dims (0 for a dim without a value)."""
     import onnx

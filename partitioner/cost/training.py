@@ -77,6 +77,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    lifted step constants, TVM's pooled storage as each program's peak live bytes, the stash in
    flight, the held gradients, the deferred program's stash and the sends): rule 3's sum, made for
    ONNX Runtime's one arena, priced the zoo mlp's TVM stages at 0.61 and 0.39 of their measured peaks.
+   A TVM ``single`` or ``data`` rank (``memory.TVM_PLANNED_MEMORY``) is priced from its libraries'
+   own memory plans (:func:`partitioner.cost.memory.tvm_rank_memory`: 2 x the state, each
+   library's planned storage and outputs, the batch's buffers, the data ranks' shared-memory
+   window): rule 3 priced bert's TVM 1-rank step +50% over its measured peak, this rule -13%.
 4. Step time:
    - ``single``: forward + backward + optimizer;
    - ``data``: the same at the local batch, plus ``BUCKET_PASSES`` memory passes over the
@@ -156,10 +160,11 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    calibration probe 7; 1.0 when not measured): memory-bound nodes (BN, ReLU gradients, im2col,
    pooling gradients, the optimizer) slow down, compute-bound ones do not (a GEMM kept 0.96-1.02
    of its rate on both cores, measured). The 1-rank plans are unchanged. Measured on the 2-core
-   Zen 4 machine (session 22): copies kept 0.64-0.81 of one core's bandwidth with both cores
-   copying; the zoo resnet's TVM steps (batch 16) measured 156.6 ms data and 210.7 ms 1F1B
-   against 115.7 (-26%) and 157.7 ms (-25%) predicted without this rule (1 rank: 210.5 against
-   201.3). ``CO_RUN_BANDWIDTH``.
+   Zen 4 machine (session 22, ``benchmarks/co_run.py``, ``session22_zen4/co_run.json``): copies
+   kept 0.43-0.71 (median 0.54) of one core's bandwidth with both cores copying; the zoo
+   resnet's TVM steps (batch 16) measured 156.6 ms data and 210.7 ms 1F1B against 115.7 (-26%)
+   and 157.7 ms (-25%) predicted without this rule (1 rank: 210.5 against 201.3).
+   ``CO_RUN_BANDWIDTH``.
 """
 
 from __future__ import annotations
@@ -189,7 +194,7 @@ CO_RUN_BANDWIDTH = True
 
 def co_located(device: Any, ranks: int) -> Any:
     """Rule 11: ``device`` as each of ``ranks`` ranks running at once on its node sees it."""
-    share = getattr(device, "co_run_bandwidth", 1.0)
+    share = device.co_run_bandwidth
     if ranks <= 1 or not CO_RUN_BANDWIDTH or share >= 1.0:
         return device
     return replace(device, memory_bandwidth=device.memory_bandwidth * share)

@@ -222,9 +222,7 @@ class TvmBucketedExecutable(_BucketedSteps):
     def __init__(self, program: onnx.ModelProto, workdir: Path | None, *, threads: int = 1,
                  overlap: bool = True, kind_of: Any = None) -> None:
         self.outputs = tuple(o.name for o in program.graph.output)
-        segments = [s for s in split_program(program, kind_of) if not isinstance(s, Segment) or s.outputs]
-        flat = {s.index: flat_elementwise(s.model) if FLAT_ELEMENTWISE else None
-                for s in segments if isinstance(s, Segment)}
+        segments, flat = _segments(program, kind_of)
         self._shapes = {k: f[1] for k, f in flat.items() if f is not None}  # rule 9: original shapes
         self.steps = [(s, _build_segment(flat[s.index][0] if flat[s.index] else s.model, workdir, threads)
                        if isinstance(s, Segment) else None) for s in segments]
@@ -271,6 +269,21 @@ class TvmBucketedExecutable(_BucketedSteps):
         shapes = self._shapes.get(step.index, {})  # rule 9: views in, views of the original shapes out
         out = run.run({n: np.reshape(env[n], -1) if n in shapes else env[n] for n in step.inputs}, None)
         return [np.reshape(out[n], shapes[n]) if n in shapes else out[n] for n in step.outputs]  # no comm op
+
+
+def _segments(program: onnx.ModelProto, kind_of: Any) -> tuple[list[Any], dict[int, Any]]:
+    """Rule 7's steps of ``program`` (its segments with outputs and its comm steps) and rule 9's
+    flattened model (or None) per segment index."""
+    segments = [s for s in split_program(program, kind_of) if not isinstance(s, Segment) or s.outputs]
+    flat = {s.index: flat_elementwise(s.model) if FLAT_ELEMENTWISE else None
+            for s in segments if isinstance(s, Segment)}
+    return segments, flat
+
+
+def segment_programs(program: onnx.ModelProto, kind_of: Any = None) -> list[onnx.ModelProto]:
+    """The programs :class:`TvmBucketedExecutable` builds a library of (rules 7 and 9), in order."""
+    segments, flat = _segments(program, kind_of)
+    return [flat[s.index][0] if flat[s.index] else s.model for s in segments if isinstance(s, Segment)]
 
 
 def vm_aligned(x: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ pipeline stages by :func:`partitioner.training.pipeline.stage_ends`, the tensor 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import onnx_ir as ir
@@ -94,16 +94,74 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute, extra, stage_memory)
         return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
                                   cut=MEASURED if seconds is not None else COST_MODEL)
-    if strategy == "tensor" and devices > 1:
-        return _tensor(prof, graph, devices, batch, copies, cl, device)
     from partitioner.training.buckets import LIST_ALLREDUCE
 
     from partitioner.training.overlap import SHARDED_UPDATE
 
     be = backend or (overheads.backend if overheads is not None and overheads.backend else "onnxruntime")
-    return cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap,
-                               list_buckets=overlap and LIST_ALLREDUCE,
-                               sharded_update=be == "tvm" and LIST_ALLREDUCE and SHARDED_UPDATE)
+    if strategy == "tensor" and devices > 1:
+        pred = _tensor(prof, graph, devices, batch, copies, cl, device)
+    else:
+        pred = cost.single_or_data(prof, strategy, devices, batch, copies, cl, device, overlap,
+                                   list_buckets=overlap and LIST_ALLREDUCE,
+                                   sharded_update=be == "tvm" and LIST_ALLREDUCE and SHARDED_UPDATE)
+    planned = _tvm_rank_memory(_tvm_rank_step(model, strategy, devices, local, loss, optimizer, step)) \
+        if be == "tvm" and cost_memory.TVM_PLANNED_MEMORY and step is not None else None
+    return replace(pred, memory_per_rank=[planned.total] * devices) if planned is not None else pred
+
+
+def _tvm_rank_step(model: Any, strategy: str, devices: int, local: int, loss: str, optimizer: str,
+                   step: ir.Model) -> ir.Model | None:
+    """Rank 0's step as ``train`` builds it on TVM ranks of one thread: ``step`` on 1 rank, a data
+    rank's buckets sized by ``loop.bucket_bytes`` (one bucket), a tensor rank's forward sharded
+    (its ranks' steps are alike)."""
+    if devices == 1 or strategy not in ("data", "tensor"):
+        return step
+    if strategy == "data":
+        from partitioner.training.loop import bucket_bytes
+
+        return _step_graph(model, local, loss, optimizer, world_size=devices,
+                           bucket_bytes=bucket_bytes("tvm", 1))
+    from partitioner.training.tensor import shard_forward
+
+    return _step_graph(model, local, loss, optimizer, forward_rewrite=lambda m: shard_forward(m, 0, devices))
+
+
+def _tvm_rank_memory(step: ir.Model | None) -> cost_memory.TvmRankMemory | None:
+    """Cost rule 3 on TVM ``single`` / ``data`` ranks (:data:`partitioner.cost.memory.TVM_PLANNED_MEMORY`):
+    the libraries the runner builds of ``step``, priced by their own memory plans (lowered and
+    scheduled, not compiled); None when one of them does not lower on TVM alone."""
+    from backends.tvm.planned_memory import planned_bytes
+    from partitioner.runtime.comm_mpi import SHM_MIN_BYTES
+    from partitioner.training.runner import tvm_rank_programs
+    from partitioner.training.step import signature
+
+    if step is None:
+        return None
+    sig = signature(step)
+    programs = tvm_rank_programs(step)
+    planned = [planned_bytes(p) for p in programs]
+    if any(p is None for p in planned):
+        return None
+    held = {a for a, _ in sig.state}
+    copied = set(sig.data) | {sig.labels}
+    g = step.graph
+    state = sum(float(v.const_value.nbytes) for v in g.inputs if v.name in held and v.const_value is not None)
+    inputs = sum(cost_memory.value_bytes(v) for p in programs for v in p.graph.input if v.name in copied)
+    largest = max((_value_nbytes(n.inputs[0]) for n in g if n.op_type == "AllReduce"), default=0.0)
+    window = sig.world_size * largest if sig.world_size > 1 and largest >= SHM_MIN_BYTES else 0.0
+    return cost_memory.tvm_rank_memory(state_bytes=state, planned=planned, input_bytes=inputs,
+                                       window_bytes=window)
+
+
+def _value_nbytes(v: ir.Value) -> float:
+    """Bytes of a value with a static shape and a known type (0 otherwise)."""
+    if v.shape is None or v.dtype is None or not v.shape.is_static():
+        return 0.0
+    n = 1
+    for d in v.shape:
+        n *= int(d)
+    return float(n * v.dtype.itemsize)
 
 
 def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int, schedule: str,
@@ -122,7 +180,7 @@ def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages:
                                          constant_inputs=step_constant_inputs).total for st in plan.stages]
 
 
-def _step_graph(model: Any, batch: int, loss: str, optimizer: str) -> ir.Model | None:
+def _step_graph(model: Any, batch: int, loss: str, optimizer: str, **kw: Any) -> ir.Model | None:
     """The 1-rank training step at ``batch`` whose nodes cost rule 1 times (None when the
     step cannot be built with ``loss``, e.g. a loss that does not fit the model's output: the
     prediction then falls back to the factor rule; ``train`` itself refuses such a run)."""
@@ -131,7 +189,8 @@ def _step_graph(model: Any, batch: int, loss: str, optimizer: str) -> ir.Model |
     from partitioner.training.step import build_training_graph
 
     try:
-        return build_training_graph(model, loss=loss, optimizer=make_optimizer(optimizer, 1e-3), batch=batch)
+        return build_training_graph(model, loss=loss, optimizer=make_optimizer(optimizer, 1e-3), batch=batch,
+                                    **kw)
     except (UsageError, InputError):
         return None
 

@@ -46,6 +46,37 @@ def _overlap_flat() -> bool:
     return overlap.FLAT_ELEMENTWISE
 
 
+def tvm_cut(program: onnx.ModelProto, weights: set[str]) -> tuple[onnx.ModelProto, Any]:
+    """How a TVM rank runs its step ``program`` (hoist rule 4 applied to it in place first, with
+    :data:`TVM_CONV_TRANSPOSE_AS_CONV`): the program its libraries come from and the cut. The cut
+    is ``None`` for a data rank (the buckets unbucketed, one library per segment between the
+    AllReduces: overlap rule 7), ``update_kind`` for a 1-rank step (overlap rule 9: the forward
+    and backward's library and the update's), False for one library of the whole program."""
+    if TVM_CONV_TRANSPOSE_AS_CONV:
+        from partitioner.training.hoist import conv_transpose_as_conv
+
+        conv_transpose_as_conv(program, weights)
+    buckets = sum(1 for n in program.graph.node if n.op_type == "AllReduce")
+    if buckets and _buckets.LIST_ALLREDUCE:
+        return _buckets.unbucket(program), None
+    if not buckets and _overlap_flat():
+        from partitioner.training.overlap import update_kind
+
+        return program, update_kind
+    return program, False
+
+
+def tvm_rank_programs(step: ir.Model | onnx.ModelProto) -> list[onnx.ModelProto]:
+    """The compute programs a TVM :class:`StepRunner` of ``step`` builds a library of, in order
+    (graphs only, nothing compiled: what the cost model prices)."""
+    program, cut = tvm_cut(step_program(step), set(signature(step).weights))
+    if cut is False:
+        return [program]
+    from partitioner.training.overlap import segment_programs
+
+    return segment_programs(program, cut)
+
+
 class _NoComm:
     """The communicator of a 1-rank step (its program has no comm op)."""
 
@@ -83,24 +114,16 @@ class StepRunner:
             self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0)
         else:
             folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
-            if TVM_CONV_TRANSPOSE_AS_CONV:
-                from partitioner.training.hoist import conv_transpose_as_conv
-
-                conv_transpose_as_conv(self.program, set(self.signature.weights))
-            if buckets and _buckets.LIST_ALLREDUCE:  # one library per segment, in-place list AllReduce
+            program, cut = tvm_cut(self.program, set(self.signature.weights))
+            if cut is not False:  # one library per segment (in-place list AllReduce; or the update apart)
                 from partitioner.training.overlap import TvmBucketedExecutable
 
-                self._exe = TvmBucketedExecutable(_buckets.unbucket(self.program), folder, threads=threads,
-                                                  overlap=overlap and buckets > 1)
-            elif not buckets and _overlap_flat():  # overlap rule 9: the update its own library, over 1-D views
-                from partitioner.training.overlap import TvmBucketedExecutable, update_kind
-
-                self._exe = TvmBucketedExecutable(self.program, folder, threads=threads, overlap=False,
-                                                  kind_of=update_kind)
+                self._exe = TvmBucketedExecutable(program, folder, threads=threads,
+                                                  overlap=overlap and buckets > 1, kind_of=cut)
             else:
                 from partitioner.training.pipeline_runner import executable
 
-                self._exe = executable(self.program, "tvm", folder, threads)
+                self._exe = executable(program, "tvm", folder, threads)
             from partitioner.training.overlap import TvmBucketedExecutable, vm_aligned
 
             if isinstance(self._exe, TvmBucketedExecutable):  # they take aligned state as it lies (rule 8)
