@@ -28,6 +28,13 @@ Rules:
    them (:func:`built_memory_terms`): the plan is made before the build chooses each conv's
    algorithm, and a Winograd conv holds 4x its weights. ``plan_predicted_bytes`` keeps the plan's
    figure beside it.
+9. ``prediction.built``: for the same reason, a TVM artifact whose build chose conv algorithms
+   by measurement (build facts ``conv_choices``) gets its step re-simulated with each such conv
+   at the seconds the build measured for the chosen algorithm (this machine's conv-algorithm
+   cache, ``backends/tvm/conv_algorithms.py`` rule 6) instead of the roofline's direct-conv
+   price (:func:`built_step`: ``step_s`` and the convs priced so per rank);
+   ``predicted_step_s`` then holds it, and ``plan_predicted_step_s`` the plan's figure. None
+   otherwise (other backends, ``direct`` builds, convs not in the cache).
 """
 
 from __future__ import annotations
@@ -109,6 +116,30 @@ def built_memory_terms(manifest: Mapping[str, Any]) -> dict[int, dict[str, float
         if priced is not None:
             out[rank] = {**priced.to_json(), "library_constant_bytes": float(built)}
     return out
+
+
+def built_step(art: Any, batch: int) -> dict[str, Any] | None:
+    """Rule 9: the step re-simulated with the convs each TVM rank's build measured; None when
+    no conv was priced so."""
+    m = art.manifest
+    choices = [(r.get("build") or {}).get("conv_choices") or [] for r in m.get("ranks") or []]
+    if m.get("backend") != "tvm" or not any(choices) or not m.get("cluster"):
+        return None
+    import tvm
+
+    from backends.tvm.conv_algorithms import machine_cache_file, measured_conv_seconds
+    from backends.tvm.target import target_dict
+    from partitioner.cluster import Cluster
+    from partitioner.partition import simulate_programs
+
+    cache = machine_cache_file(tvm.target.Target(target_dict(m.get("target"))))
+    programs = art.programs
+    seconds = [measured_conv_seconds(p, c, cache) for p, c in zip(programs, choices)]
+    if not any(seconds):
+        return None
+    sim = simulate_programs(programs, Cluster.from_json(m["cluster"]), int(m["microbatches"]), batch,
+                            node_seconds=seconds)
+    return {"step_s": float(sim.step_latency), "measured_convs_per_rank": [len(s) for s in seconds]}
 
 
 def memory_rows(timings: Mapping[str, Any], prediction: Mapping[str, Any] | None,
@@ -227,7 +258,6 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
                                                     "backend": single.backend, "median_s": s2,
                                                     "throughput_per_s": batch / s2, "times_s": (r2.timings or {}).get("times_s")}
     ratios = {f"{name}_over_partitioned": row["median_s"] / part_s for name, row in rows.items() if name != "partitioned"}
-    predicted = _predicted_step(art.manifest.get("prediction"))
     m = art.manifest
     ranks = breakdown(timings, m.get("prediction"))
     memory = memory_rows(timings, m.get("prediction"), m)
@@ -247,10 +277,20 @@ def bench_artifact(directory: str | os.PathLike[str], *, baseline: str = "onnxru
         "per_microbatch": per_microbatch(part_s, int(m["microbatches"]), stages, ranks,
                                          min(timings["times_s"]) if timings.get("times_s") else None),
         "memory": memory,
-        "prediction": {"predicted_step_s": predicted, "measured_step_s": part_s,
-                       "predicted_over_measured": predicted / part_s if predicted else None,
-                       **_memory_summary(memory), "manifest": m.get("prediction")},
+        "prediction": _prediction(art, batch, part_s, memory),
     }
+
+
+def _prediction(art: Any, batch: int, part_s: float, memory: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rules 5, 8 and 9: the predicted step (re-priced with the build's conv times where it
+    measured them) and memory beside the measured ones."""
+    plan = _predicted_step(art.manifest.get("prediction"))
+    built = built_step(art, batch) if plan else None
+    predicted = built["step_s"] if built else plan
+    return {"predicted_step_s": predicted, "measured_step_s": part_s,
+            "predicted_over_measured": predicted / part_s if predicted else None,
+            "plan_predicted_step_s": plan, "built": built,
+            **_memory_summary(memory), "manifest": art.manifest.get("prediction")}
 
 
 def _memory_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -280,7 +320,10 @@ def format_table(doc: Mapping[str, Any]) -> str:
                      + (f" (fastest step: {mb['best_overhead_s'] * 1e6:.1f} us)" if "best_overhead_s" in mb else ""))
     p = doc["prediction"]
     if p["predicted_step_s"]:
-        lines.append(f"step time: predicted {p['predicted_step_s'] * 1e3:.2f} ms, measured "
+        built = p.get("built")
+        how = (f" with {'/'.join(str(n) for n in built['measured_convs_per_rank'])} convs per rank at their build's "
+               f"measured time (plan: {p['plan_predicted_step_s'] * 1e3:.2f} ms)") if built else ""
+        lines.append(f"step time: predicted {p['predicted_step_s'] * 1e3:.2f} ms{how}, measured "
                      f"{p['measured_step_s'] * 1e3:.2f} ms (predicted/measured {p['predicted_over_measured']:.2f})")
     for r in doc.get("memory") or []:
         pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / 2**20:.1f} MiB"

@@ -126,10 +126,11 @@ def _input_bytes(view: ModelView) -> float:
 
 
 def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size: int,
-                      input_bytes: float | None = None) -> Any:
+                      input_bytes: float | None = None, node_seconds: Any = None) -> Any:
     """Run the event simulator on the lowered per-rank programs (the faithful prediction: it sees
     every comm op the lowering inserted, in program order). ``programs`` are ``ir.Model`` (the
-    lowering's output) or protobuf (read back from an artifact)."""
+    lowering's output) or protobuf (read back from an artifact). ``node_seconds``: per rank,
+    measured node times (``cost.simulate.compile_program``)."""
     from partitioner.core.programs import to_ir
     from partitioner.cost.simulate import simulate
 
@@ -140,7 +141,7 @@ def simulate_programs(programs: Any, cluster: Any, microbatches: int, batch_size
     for p in programs:
         m = to_ir(p)
         models.append(by_key.setdefault(_structure_key(m), m))
-    return simulate(models, cluster, microbatches, batch_size, input_bytes=input_bytes)
+    return simulate(models, cluster, microbatches, batch_size, input_bytes=input_bytes, node_seconds=node_seconds)
 
 
 def _structure_key(program: ir.Model) -> str:

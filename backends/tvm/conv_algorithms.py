@@ -73,6 +73,12 @@ Rules:
    (0.98), 1.005 (0.96); 256 on 14x14 0.94 (0.93), 1.02 (0.96); 128 on 28x28 0.99 (0.95),
    0.86 (0.85). Reading the unpadded input with bounds checks as well (no pad stage) was mixed
    in the same setting (512 on 7x7 1.32x slower on 1 thread) and is not done.
+6. What a built conv costs (:func:`measured_conv_seconds`, read by ``partitioner bench``): the
+   cache keeps every candidate's measured seconds, so a built rank's convs can be priced at the
+   time of the algorithm its build chose instead of the cost model's roofline, which prices
+   every conv as a direct one at the calibrated ``conv`` class value. Measured (session 23, Zen 4,
+   zoo resnet at 224x224, batch 4, 1 thread, ``benchmarks/kernel_profile.py``): the 3x3 convs
+   priced 139 ms, their kernels (most of them Winograd) 102 ms.
 """
 
 from __future__ import annotations
@@ -383,6 +389,41 @@ def measure(p: dict[str, Any], target: Any, cache_file: Path | None = None) -> t
     if cache_file is not None:
         _save_entry(cache_file, key, {"fastest": _MEASURED[key], "seconds": times, "margin": AUTO_MARGIN})
     return _MEASURED[key], "measured"
+
+
+def measured_conv_seconds(program: Any, choices: list[dict[str, Any]], cache_file: Path) -> dict[str, float]:
+    """Rule 6: per Conv node of ``program`` (an ONNX rank program, NCHW) whose conv the build
+    chose an algorithm for (``choices``: the build facts' ``conv_choices``), the seconds this
+    machine's cache (rule 2) measured for that algorithm, by node name. The key is the one
+    :func:`_key` gives the TVM conv after ``ConvertLayout``: the input as NHWC, the weight as
+    HWIO, strides, dilations, pads (top, left, bottom, right) and the build's thread count (read
+    from the choices' keys). Nodes whose conv has no choice or no cached seconds are absent: the
+    cost model's price stands for them."""
+    import onnx
+
+    chosen = {c["conv"]: c["algorithm"] for c in choices if isinstance(c, dict) and "conv" in c}
+    if not chosen:
+        return {}
+    threads = json.loads(next(iter(chosen)))[-1]
+    cache = _read_cache(cache_file)
+    g = onnx.shape_inference.infer_shapes(program).graph
+    dims = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*g.input, *g.value_info)}
+    weights = {t.name: list(t.dims) for t in g.initializer}
+    out: dict[str, float] = {}
+    for node in g.node:
+        if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in weights or not node.name:
+            continue
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        x, w = dims.get(node.input[0]), weights[node.input[1]]
+        if not x or len(x) != 4 or len(w) != 4 or int(a.get("group", 1)) != 1:
+            continue
+        key = json.dumps([[x[0], x[2], x[3], x[1]], [w[2], w[3], w[1], w[0]], list(a.get("strides", [1, 1])),
+                          list(a.get("dilations", [1, 1])), list(a.get("pads", [0, 0, 0, 0])), threads])
+        entry, algorithm = cache.get(key), chosen.get(key)
+        seconds = entry.get("seconds", {}).get(algorithm) if isinstance(entry, dict) and algorithm else None
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            out[node.name] = float(seconds)
+    return out
 
 
 def _walk(mod: Any, on_conv: Any) -> Any:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -206,10 +206,13 @@ def _segment_label(ops: list[str]) -> str:
     return f"{ops[0]}…{ops[-1]} ({len(ops)} ops)"
 
 
-def compile_program(model: ir.Model, device: Device, rank: int = 0, threads: int = 1) -> _Program:
+def compile_program(model: ir.Model, device: Device, rank: int = 0, threads: int = 1,
+                    node_seconds: Mapping[str, float] | None = None) -> _Program:
     """Turn one rank's program into compute segments and comm steps (costs computed once).
     ``threads``: the rank's threads; each kernel runs faster by its class's speed-up on them
-    (:func:`partitioner.cost.threads.class_thread_speedup`)."""
+    (:func:`partitioner.cost.threads.class_thread_speedup`). ``node_seconds``: measured times of
+    named nodes on the rank's build (``bench``: the convs the TVM build timed), used as they are
+    in place of their roofline price."""
     graph = model.graph
     where = f"rank {rank}"
     const = constant_values(graph)
@@ -228,7 +231,8 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0, threads: int
             steps.append(_comm_step(node, rank, where))
             continue
         cls = op_class(node)
-        t = op_time(cost, device, _dtype_name(node), cls, node in fused) / class_thread_speedup(device, cls, threads)
+        t = node_seconds[node.name] if node_seconds and node.name in node_seconds else \
+            op_time(cost, device, _dtype_name(node), cls, node in fused) / class_thread_speedup(device, cls, threads)
         if t > 0:
             seg_time += t
             seg_ops.append(node.op_type)
@@ -248,7 +252,8 @@ def compile_program(model: ir.Model, device: Device, rank: int = 0, threads: int
 
 # ---- the simulation ---------------------------------------------------------------------------
 
-def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int) -> list[_Program]:
+def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int,
+                 node_seconds: Sequence[Mapping[str, float]] | None = None) -> list[_Program]:
     """Check the arguments, cost every rank's program (once per distinct program and device) and
     check that every peer and group lies inside the world."""
     R = len(programs)
@@ -267,9 +272,10 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
                dev.launch_overhead_s, tuple(sorted((dev.efficiency_by_class or {}).items())),
                getattr(dev, "call_overhead_s", 0.0), getattr(dev, "runtime", ""),
                getattr(dev, "comm_op_overhead_s", 0.0),
-               tuple(sorted((getattr(dev, "thread_efficiency_by_class", None) or {}).items())))
+               tuple(sorted((getattr(dev, "thread_efficiency_by_class", None) or {}).items())),
+               tuple(sorted(node_seconds[r].items())) if node_seconds else ())
         if key not in cache:  # data-parallel ranks share one program object: cost it once
-            cache[key] = compile_program(model, dev, r, threads)
+            cache[key] = compile_program(model, dev, r, threads, node_seconds[r] if node_seconds else None)
         progs.append(cache[key])
     for r, prog in enumerate(progs):
         for s in prog.steps:
@@ -283,13 +289,15 @@ def _compile_all(programs: Sequence[ir.Model], cluster: Cluster, microbatches: i
 
 
 def simulate(programs: Sequence[ir.Model], cluster: Cluster, microbatches: int = 1,
-             batch_size: int = 1, events: bool = True, input_bytes: float | None = None) -> SimResult:
+             batch_size: int = 1, events: bool = True, input_bytes: float | None = None,
+             node_seconds: Sequence[Mapping[str, float]] | None = None) -> SimResult:
     """Simulate one step: every rank runs its program ``microbatches`` times (module docstring).
 
     ``batch_size`` is the number of samples one step processes (all micro-batches together);
     throughput = batch_size / step latency. ``input_bytes``: the model's whole input (every rank
-    of the MPI worker reads it); None counts each rank's own micro-batches of input."""
-    sim = _Simulation(_compile_all(programs, cluster, microbatches), cluster, microbatches, events)
+    of the MPI worker reads it); None counts each rank's own micro-batches of input.
+    ``node_seconds``: per rank, measured node times (:func:`compile_program`)."""
+    sim = _Simulation(_compile_all(programs, cluster, microbatches, node_seconds), cluster, microbatches, events)
     sim.run()
     return sim.result(batch_size, input_bytes)
 
