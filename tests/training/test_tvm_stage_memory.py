@@ -3,7 +3,7 @@
 Fast: the terms on a small mlp's 2-stage TVM plan (graphs only, nothing compiled) against bytes
 derived here from the zoo model's own weight shapes and the plan's micro-batch; the rule is what
 ``predict_training`` charges TVM pipeline ranks, and ``TVM_STAGE_MEMORY`` off gives rule 3's sum.
-Slow: the predicted peak of a TVM stage against its measured one, in this process
+Slow: the predicted peak of a TVM stage against its measured one, in a fresh process
 (``benchmarks/pipeline_stage_memory.py``: the ``train --bench`` window, RSS above the baseline,
 the state counted in), within 25%; without the pool term, and with the knob off, it is not.
 """
@@ -84,10 +84,18 @@ def test_predict_training_charges_the_rule_on_tvm_only(monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_measured_peak_of_a_tvm_stage_within_25_percent(monkeypatch) -> None:
-    """The zoo bert's last stage (``train_step.py``'s size, 8 micro-batches), 3 steps in this
-    process: predicted within 25% of measured; the rule without its pool term, and rule 3's sum
-    (the knob off), are not."""
-    bench = load("pipeline_stage_memory")
+    """The zoo bert's last stage (``train_step.py``'s size, 8 micro-batches), 3 steps in a fresh
+    process (``benchmarks/pipeline_stage_memory.py``): predicted within 25% of measured; the rule
+    without its pool term, and rule 3's sum (the knob off), are not. Measured in this process
+    after the rest of the slow suite, the peak came out 56.5 MiB against 87.4 predicted (the
+    earlier tests' freed heap served the stage's allocations without growing the RSS); alone it
+    passed, so the measurement runs in a process of its own."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.bench_scripts import ROOT
+
     stages = load("pipeline_stages")
     model, loss, batch, _feed, _y = stages.case("bert")
     plan = build_pipeline(model, loss, SGD(lr=1e-3), batch=batch, stages=2, micro_batches=stages.MICRO_BATCHES,
@@ -95,7 +103,9 @@ def test_measured_peak_of_a_tvm_stage_within_25_percent(monkeypatch) -> None:
     counts = stashed_micro_batches(plan.schedule, 2, stages.MICRO_BATCHES, plan.extra_warmup)
     terms = memory.tvm_stage_memory(plan.stages[1], micro_batches=stages.MICRO_BATCHES, in_flight=counts[1],
                                     constant_inputs=step_constant_inputs)
-    measured = max(r["peak"] for r in bench.measure("bert", 1, 3)["rows"]) * 2**20
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_stage_memory.py"), "--model", "bert",
+                          "--stage", "1", "--steps", "3"], capture_output=True, text=True, check=True, timeout=1200).stdout
+    measured = max(float(v) for v in re.findall(r"peak\s+([0-9.]+) MiB", out)) * 2**20
     assert abs(terms.total - measured) <= 0.25 * measured, (terms, measured)
     assert abs(terms.total - terms.pool - measured) > 0.25 * measured
     monkeypatch.setattr(memory, "TVM_STAGE_MEMORY", False)
