@@ -289,17 +289,17 @@ class TvmStageMemory:
 
 # ---- a TVM 1-rank or data-parallel training rank's peak, from its libraries' plans (issue 16) ----
 
-#: price a TVM ``single`` / ``data`` training rank from the memory its libraries' Relax modules
+#: price a TVM ``single`` / ``data`` / ``tensor`` training rank from the memory its libraries' Relax modules
 #: plan (:func:`tvm_rank_memory`); off: training rule 3's ``3 S + G`` + stash (+ 3 G for data),
 #: made for ONNX Runtime's arena. Measured (session 22, ``benchmarks/train_step.py`` sizes, 2 MPI
 #: ranks): rule 3 priced bert's TVM 1-rank step at 250 MiB against 167 measured (+50%), its data
-#: ranks at 160 against 115 (+39%); this rule at 144 (-14%) and 100 (-13%) (docs/training.md)
+#: ranks at 160 against 115 (+39%); this rule at 146 (-13%) and 101 (-12%) (docs/training.md)
 TVM_PLANNED_MEMORY = True
 
 
 @dataclass(frozen=True)
 class TvmRankMemory:
-    """The terms of a TVM ``single`` / ``data`` training rank's predicted peak (bytes)."""
+    """The terms of a TVM ``single`` / ``data`` / ``tensor`` training rank's predicted peak (bytes)."""
 
     state: float
     libraries: float
@@ -316,9 +316,9 @@ class TvmRankMemory:
 
 def tvm_rank_memory(*, state_bytes: float, planned: list[Any], input_bytes: float,
                     window_bytes: float) -> TvmRankMemory:
-    """A TVM ``single`` / ``data`` training rank's peak above its baseline (what ``train --bench``
-    measures, :mod:`partitioner.training.memory_window`), the runner's libraries
-    (``runner.tvm_rank_programs``) priced by their own plans:
+    """A TVM ``single`` / ``data`` / ``tensor`` training rank's peak above its baseline (what
+    ``train --bench`` measures, :mod:`partitioner.training.memory_window`), the runner's
+    libraries (``runner.tvm_rank_programs``) priced by their own plans:
 
     - ``state``: 2 x the state ``S`` (weights, optimizer slots, BN statistics). The runner holds
       the state and each step returns the next one as new tensors (the update library's outputs,
@@ -335,9 +335,9 @@ def tvm_rank_memory(*, state_bytes: float, planned: list[Any], input_bytes: floa
       per rank of the largest bucket reduced through it; every rank touches every slot, so each
       rank's resident memory counts them all (0 without a data-parallel AllReduce).
 
-    Measured (session 22 runs, the zoo's ``train_step.py`` sizes, SGD): mlp 1 rank 108 MiB
-    priced against 110 measured, data 128 / 127; bert 144 / 167, 100 / 115; resnet 228 / 232,
-    327 / 297."""
+    Measured (session 22 runs re-predicted, the zoo's ``train_step.py`` sizes, SGD): mlp 1 rank
+    108 MiB priced against 110 measured, data 128 / 127; bert 146 / 167, 101 / 115; resnet
+    228 / 232, 293 / 297."""
     return TvmRankMemory(state=2.0 * float(state_bytes), libraries=float(sum(p.total for p in planned)),
                          input_buffers=float(input_bytes), window=float(window_bytes))
 

@@ -128,10 +128,11 @@ def _tvm_rank_step(model: Any, strategy: str, devices: int, local: int, loss: st
 
 
 def _tvm_rank_memory(step: ir.Model | None) -> cost_memory.TvmRankMemory | None:
-    """Cost rule 3 on TVM ``single`` / ``data`` ranks (:data:`partitioner.cost.memory.TVM_PLANNED_MEMORY`):
+    """Cost rule 3 on TVM ``single`` / ``data`` / ``tensor`` ranks (``memory.TVM_PLANNED_MEMORY``):
     the libraries the runner builds of ``step``, priced by their own memory plans (lowered and
     scheduled, not compiled); None when one of them does not lower on TVM alone."""
     from backends.tvm.planned_memory import planned_bytes
+    from partitioner.cost.ops import nbytes
     from partitioner.runtime.comm_mpi import SHM_MIN_BYTES
     from partitioner.training.runner import tvm_rank_programs
     from partitioner.training.step import signature
@@ -148,20 +149,10 @@ def _tvm_rank_memory(step: ir.Model | None) -> cost_memory.TvmRankMemory | None:
     g = step.graph
     state = sum(float(v.const_value.nbytes) for v in g.inputs if v.name in held and v.const_value is not None)
     inputs = sum(cost_memory.value_bytes(v) for p in programs for v in p.graph.input if v.name in copied)
-    largest = max((_value_nbytes(n.inputs[0]) for n in g if n.op_type == "AllReduce"), default=0.0)
+    largest = max((nbytes(n.inputs[0]) for n in g if n.op_type == "AllReduce"), default=0.0)
     window = sig.world_size * largest if sig.world_size > 1 and largest >= SHM_MIN_BYTES else 0.0
     return cost_memory.tvm_rank_memory(state_bytes=state, planned=planned, input_bytes=inputs,
                                        window_bytes=window)
-
-
-def _value_nbytes(v: ir.Value) -> float:
-    """Bytes of a value with a static shape and a known type (0 otherwise)."""
-    if v.shape is None or v.dtype is None or not v.shape.is_static():
-        return 0.0
-    n = 1
-    for d in v.shape:
-        n *= int(d)
-    return float(n * v.dtype.itemsize)
 
 
 def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int, schedule: str,

@@ -51,7 +51,7 @@ def test_planned_bytes_of_a_program_against_its_shapes() -> None:
     assert planned_bytes(_program()) is p  # cached per program
 
 
-def test_the_priced_programs_are_the_runners(monkeypatch) -> None:
+def test_the_priced_programs_are_the_runners() -> None:
     """1 rank: the forward and backward's library and the update's (overlap rule 9); a data rank:
     one per segment between its AllReduces (overlap rule 7); every program lowers."""
     from partitioner.training.runner import tvm_rank_programs
