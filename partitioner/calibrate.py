@@ -187,24 +187,23 @@ def nhwc_model(model: Any) -> Any:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    first, last = [], []
-    for v in g.input:
-        dims = v.type.tensor_type.shape.dim
-        if len(dims) == 4:
-            first.append(helper.make_node("Transpose", [v.name + ".nhwc"], [v.name], perm=[0, 3, 1, 2]))
-            v.name += ".nhwc"
+    def wrap(values: Any, into_nchw: bool) -> list[Any]:
+        """A Transpose per 4-D value, which is renamed ``<name>.nhwc`` and given NHWC dims."""
+        nodes = []
+        for v in values:
+            dims = v.type.tensor_type.shape.dim
+            if len(dims) != 4:
+                continue
+            nhwc = v.name + ".nhwc"
+            nodes.append(helper.make_node("Transpose", [nhwc], [v.name], perm=[0, 3, 1, 2]) if into_nchw
+                         else helper.make_node("Transpose", [v.name], [nhwc], perm=[0, 2, 3, 1]))
+            v.name = nhwc
             n, c, h, w = (d.dim_value for d in dims)
             for d, size in zip(dims, (n, h, w, c)):
                 d.dim_value = size
-    for v in g.output:
-        dims = v.type.tensor_type.shape.dim
-        if len(dims) == 4:
-            last.append(helper.make_node("Transpose", [v.name], [v.name + ".nhwc"], perm=[0, 2, 3, 1]))
-            v.name += ".nhwc"
-            n, c, h, w = (d.dim_value for d in dims)
-            for d, size in zip(dims, (n, h, w, c)):
-                d.dim_value = size
-    nodes = first + list(g.node) + last
+        return nodes
+
+    nodes = wrap(g.input, True) + list(g.node) + wrap(g.output, False)
     del g.node[:]
     g.node.extend(nodes)
     return out
