@@ -437,6 +437,9 @@ DECOMPOSED_LAYERNORM_AS_ONE = True
 # the model's opset; the converter handles it (rule 8), so that one warning is noise to the user
 warnings.filterwarnings("ignore", message="No Op registered for LayerNormalization with domain_version",
                         category=UserWarning)
+# the importer warns once per ONNX name with a dot (``layer1.0.conv1.weight`` -> ``layer1_0_conv1_weight``):
+# one line per weight, thousands for a training step, and nothing the user can act on
+warnings.filterwarnings("ignore", message="Renaming name ", category=UserWarning)
 
 
 class DecomposedLayerNorm(_Rewrite):
