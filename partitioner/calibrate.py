@@ -115,6 +115,8 @@ class Calibration:
     threads_probed: int = 1
     co_run_bandwidth: float = 1.0  # probe 7 (1.0: not measured)
     co_run_rounds: tuple[float, ...] = field(default=(), hash=False)  # probe 7's per-round shares
+    # probe 6's per-kernel best times, {"kernel", "class", "one_s", "many_s"} (the class figures' evidence)
+    thread_kernels: tuple[dict[str, Any], ...] = field(default=(), hash=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,6 +127,7 @@ class Calibration:
             "efficiency_by_class": dict(self.efficiency_by_class),
             "thread_efficiency_by_class": dict(self.thread_efficiency_by_class), "threads_probed": self.threads_probed,
             "co_run_bandwidth": self.co_run_bandwidth, "co_run_rounds": list(self.co_run_rounds),
+            "thread_kernels": [dict(k) for k in self.thread_kernels],
             "kernels": [dict(k) for k in self.kernels],
             "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
@@ -642,6 +645,17 @@ def probe_rounds() -> int:
     return env_number(ROUNDS_ENV, PROBE_ROUNDS, int, lambda v: v >= 1, "a whole number of rounds (>= 1)")
 
 
+def _probe_runner(k: MicroKernel, model: Any, backend: str, work: Path, threads: int = 1) -> tuple[Any, dict]:
+    """``k``'s runner and feeds in the form it is timed in: NHWC on TVM for an ``nhwc`` probe
+    (:func:`nhwc_model`; the roof stays the NCHW ``model``'s), else ``model`` itself. Probes 4
+    and 6 both build through here, so a class's thread speed-up is measured on the kernel its
+    one-thread efficiency was."""
+    nhwc = k.nhwc and backend == "tvm" and NHWC_PROBES
+    runs_model = nhwc_model(model) if nhwc else model
+    run = _runner(backend, runs_model, work, threads)
+    return run, (_nhwc_feeds(_feeds(k), runs_model) if nhwc else _feeds(k))
+
+
 def _time_kernels(kernels: list[MicroKernel], backend: str, work: Path, quick: bool,
                   device: Device) -> list[dict[str, Any]]:
     """Build every micro-kernel, then time them in :func:`probe_rounds` interleaved rounds (each
@@ -655,12 +669,9 @@ def _time_kernels(kernels: list[MicroKernel], backend: str, work: Path, quick: b
     built = []
     for k in kernels:
         model = kernel_model(k)
-        nhwc = k.nhwc and backend == "tvm" and NHWC_PROBES
-        runs_model = nhwc_model(model) if nhwc else model  # the roof stays the NCHW model's
         t0 = time.perf_counter()
-        run = _runner(backend, runs_model, work)
+        run, feeds = _probe_runner(k, model, backend, work)
         build_s = time.perf_counter() - t0
-        feeds = _nhwc_feeds(_feeds(k), runs_model) if nhwc else _feeds(k)
         built.append((k, model, run, _resident_weights(feeds, backend), build_s))
     rounds = probe_rounds()
     times: list[list[float]] = [[] for _ in built]
@@ -728,16 +739,30 @@ def _best_time(fn: Any, runs: int) -> float:
 def measure_threads(backend: str, quick: bool, threads: int) -> dict[str, float]:
     """Probe 6: each micro-kernel's (:func:`micro_kernels`) best time on ``threads`` threads of
     ``backend`` (the best: the kernel's speed when it had its cores). Runs in a subprocess whose
-    thread pool was created with that many workers (TVM sizes its pool once per process)."""
+    thread pool was created with that many workers (TVM sizes its pool once per process).
+
+    Each kernel runs in the form probe 4 times it in (:func:`_probe_runner`: the depthwise probe
+    in NHWC on TVM), and the rounds are interleaved: every round times every kernel in turn, so a
+    kernel's rounds spread over the whole probe. Why: on the 2-core development machine (Zen 4
+    under KVM, session 24) a kernel's best of 20 back-to-back 2-thread runs came in two states
+    for seconds at a time, about 1x or 1.6-1.9x its 1-thread speed (``gemm_128x256x256``
+    0.088-0.099 or 0.158-0.170 ms in six processes, ``conv3x3_256c_7`` 0.28 or 0.51 ms: the host's
+    other tenants); with each kernel's rounds back to back, a kernel whose turn fell in the slow
+    state was priced as if the second core did nothing for it (the ``conv`` class came out at 0.20
+    in session 23, where convs inside a model ran about 2x faster on 2 threads). Interleaving
+    makes that less likely, not impossible: when the slow state lasts the whole probe, five runs
+    gave ``conv`` 0.67, 0.21, 0.67, 0.21, 0.07 (docs/calibration.md); the per-kernel times are kept
+    in ``Calibration.thread_kernels``."""
     import tempfile
 
-    out: dict[str, float] = {}
-    rounds, runs = (3, 5) if quick else (5, 10)
+    rounds, runs = (3, 5) if quick else (8, 10)
     with tempfile.TemporaryDirectory(prefix="partitioner-calibrate-") as tmp:
-        for k in micro_kernels(quick):
-            run, feeds = _runner(backend, kernel_model(k), Path(tmp), threads), _feeds(k)
-            out[k.name] = min(_best_time(lambda: run(feeds), runs) for _ in range(rounds))
-    return out
+        built = [(k.name, *_probe_runner(k, kernel_model(k), backend, Path(tmp), threads)) for k in micro_kernels(quick)]
+        best = {name: float("inf") for name, _, _ in built}
+        for r in range(rounds):
+            for name, run, feeds in built[r % len(built):] + built[:r % len(built)]:
+                best[name] = min(best[name], _best_time(lambda: run(feeds), runs))
+    return best
 
 
 def thread_efficiency(one: dict[str, float], many: dict[str, float], classes: dict[str, str],
@@ -982,9 +1007,13 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
     threads = probe_threads()
     thread_eff: dict[str, float] = {}
     co_run: tuple[float, ...] = ()
+    thread_kernels: tuple[dict[str, Any], ...] = ()
     if threads > 1 and (thread_probe if thread_probe is not None else _cores_free(threads)):
         one, many = (_run_probe(quick, timeout=120 if quick else 300, backend=backend, threads=t) for t in (1, threads))
-        thread_eff = thread_efficiency(one, many, {k.name: k.op_class for k in micro_kernels(quick)}, threads)
+        classes = {k.name: k.op_class for k in micro_kernels(quick)}
+        thread_eff = thread_efficiency(one, many, classes, threads)
+        thread_kernels = tuple({"kernel": n, "class": classes.get(n, ""), "one_s": t1, "many_s": many.get(n)}
+                               for n, t1 in one.items())
         co_run = co_run_bandwidth(threads, quick)
     # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
     mpi, mpi_error = _run_mpi(quick, timeout=60 if quick else 120) if mpi else (None, "skipped (mpi=False)")
@@ -1002,6 +1031,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         comm_op_overhead_s=float(single.get("comm_op_overhead_s", 0.0)),
         thread_efficiency_by_class=thread_eff, threads_probed=threads if thread_eff else 1,
         co_run_bandwidth=min(1.0, statistics.median(co_run)) if co_run else 1.0, co_run_rounds=co_run,
+        thread_kernels=thread_kernels,
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
         mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},

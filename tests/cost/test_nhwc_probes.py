@@ -84,3 +84,67 @@ def test_time_kernels_builds_the_nhwc_form_and_prices_the_nchw_roof(monkeypatch,
     assert built == [["x.nhwc"] if on else ["x"]]
     assert set(fed) == {(1, 28, 28, 128) if on else (1, 128, 28, 28)}
     assert row["roof_s"] == pytest.approx(cal.kernel_roof(cal.kernel_model(k), dev)[0])
+
+
+def test_thread_probe_times_the_same_form_in_interleaved_rounds(monkeypatch, tmp_path) -> None:
+    """Probe 6 (``measure_threads``) builds each kernel as probe 4 does (the depthwise probe in
+    NHWC on TVM, at the asked thread count) and interleaves its rounds: no kernel's second round
+    before every kernel's first, and each kernel's figure is the best of its rounds."""
+    import partitioner.calibrate as cal
+
+    kernels = cal.micro_kernels(True)
+    built: list[tuple[str, int]] = []
+    order: list[str] = []
+    calls: dict[str, int] = {}
+
+    def runner(backend, model, work, threads=1):
+        name = model.graph.name
+        built.append((next(iter(v.name for v in model.graph.input)), threads))
+
+        def run(feeds):
+            order.append(name)
+        return run
+
+    def best_time(fn, runs):
+        fn()
+        n = calls[order[-1]] = calls.get(order[-1], 0) + 1
+        return 1.0 / n  # each round of a kernel faster than its last: the best is the last round's
+
+    monkeypatch.setattr(cal, "_runner", runner)
+    monkeypatch.setattr(cal, "_best_time", best_time)
+    out = cal.measure_threads("tvm", True, 2)
+    assert len(built) == len(kernels) and {t for _, t in built} == {2}
+    depthwise = [i for i, k in enumerate(kernels) if k.nhwc]
+    assert depthwise and all(built[i][0] == "x.nhwc" for i in depthwise)
+    assert all(built[i][0] != "x.nhwc" for i in range(len(kernels)) if i not in depthwise)
+    names = [cal.kernel_model(k).graph.name for k in kernels]
+    first_round = order[:len(kernels)]
+    assert sorted(first_round) == sorted(names)  # every kernel once before any kernel twice
+    assert set(out) == {k.name for k in kernels}
+    assert set(out.values()) == {1.0 / 3}  # quick: 3 rounds, the best (last) one kept
+
+
+def test_calibration_keeps_probe_6_per_kernel_times(monkeypatch) -> None:
+    """``calibrate`` keeps each kernel's 1-thread and N-thread best times beside the class figures
+    (``thread_kernels`` in ``calibrate --json``): the class efficiency is their geometric mean, so
+    the evidence for a surprising class value is in the document. Probes stubbed: 1 thread 2 ms,
+    2 threads 1 ms for the convs, 2 ms for the rest."""
+    import partitioner.calibrate as cal
+
+    kernels = cal.micro_kernels(True)
+
+    def probe(quick, timeout, backend="tvm", threads=0):
+        if threads == 0:
+            return {"gemm_flops": 1e11, "gemm_n": 512, "memory_bandwidth": 2e10, "launch_overhead_s": 1e-6}
+        return {k.name: (0.001 if threads == 2 and k.op_class == "conv" else 0.002) for k in kernels}
+
+    monkeypatch.setattr(cal, "_run_probe", probe)
+    monkeypatch.setattr(cal, "probe_threads", lambda: 2)
+    monkeypatch.setattr(cal, "co_run_bandwidth", lambda threads, quick: (0.8,))
+    c = cal.calibrate(quick=True, backend="tvm", mpi=False, thread_probe=True)
+    rows = {r["kernel"]: r for r in c.to_json()["thread_kernels"]}
+    assert set(rows) == {k.name for k in kernels}
+    conv = [r for r in rows.values() if r["class"] == "conv"]
+    assert conv and all(r["one_s"] == 0.002 and r["many_s"] == 0.001 for r in conv)
+    assert c.thread_efficiency_by_class["conv"] == pytest.approx(1.0)
+    assert c.thread_efficiency_by_class["gemm"] == pytest.approx(0.0)
