@@ -260,6 +260,17 @@ def with_library_constants(terms: dict[str, float], rule: RuntimeMemory, constan
 #: 63.6 / 87.0, predicted 56.4 / 34.9 off and 58.5 / 84.3 on (docs/training.md, "TVM pipeline stages")
 TVM_STAGE_MEMORY = True
 
+#: a TVM stage's pool term from each program's Relax memory plan (:func:`pool_bytes`, ``planned``:
+#: ``backends.tvm.planned_memory.planned_bytes``, storage and outputs) where the program lowers on TVM
+#: alone; off: the program graph's peak live bytes, as before session 24. Why: the lowered program
+#: holds more than its graph's values (each GEMM of a weight input packs the weight per call; the
+#: planner shares a block only at a fitting size), the cause session 23 found for 1-rank and data
+#: ranks (:data:`TVM_PLANNED_MEMORY`). Measured (session 24, the zoo resnet at batch 64, 1F1B x8,
+#: micro-batches of 8 images): stage 0's programs F / B / U / P peak 11.1 / 12.9 / 3.2 / 5.6 MiB in
+#: their graphs and plan 22.2 / 16.9 / 2.6 / 6.3 MiB; the stage's predicted peak 75 -> 90 MiB
+#: against 108 measured (stage 1: 340 -> 360 against 335).
+TVM_STAGE_PLANNED_POOL = True
+
 #: a stage's programs as the pipeline runner names them (``pipeline_runner.PipelineRunner._exe``)
 PROGRAM_KINDS = (("F", "forward"), ("B", "backward"), ("FB", "fused"), ("U", "update"), ("P", "prepare"),
                  ("W", "weight_grad"), ("FBt", "fused_tail"))
@@ -396,7 +407,7 @@ def step_constant_bytes(programs: dict[str, Any], constant_inputs: Any) -> float
     return prepared + lifted
 
 
-def pool_bytes(stage: Any, programs: dict[str, Any]) -> float:
+def pool_bytes(stage: Any, programs: dict[str, Any], planned: Any = None) -> float:
     """TVM's storage across the stage's programs: the sum over programs of each one's peak live
     bytes over its graph (:func:`~partitioner.cost.workdepth.peak_activation_bytes`: its
     intermediates and outputs, and the inputs it takes as arrays while it reads them). The VM
@@ -406,7 +417,11 @@ def pool_bytes(stage: Any, programs: dict[str, Any]) -> float:
     (:func:`tensor_fed`, and ``B``'s stash) is another program's output, counted where it is held
     (the state, :func:`step_constant_bytes`, :func:`stash_bytes`); an input given as an array is
     the runner's array (a received message, the accumulated gradients, the concatenated stash),
-    alive while the call copies it into its buffer (:func:`array_input_bytes`: the copy)."""
+    alive while the call copies it into its buffer (:func:`array_input_bytes`: the copy).
+
+    With ``planned`` (a program -> its plan's ``total`` bytes or None) and
+    :data:`TVM_STAGE_PLANNED_POOL` on, a program that has a plan counts its plan (the storage
+    blocks and output tensors its VM allocates per call) in place of its graph's peak."""
     import onnx_ir as ir
 
     from partitioner.cost.workdepth import constant_values, peak_activation_bytes
@@ -414,6 +429,10 @@ def pool_bytes(stage: Any, programs: dict[str, Any]) -> float:
     tensors, stash = tensor_fed(stage), set(stage.stash)
     total = 0.0
     for kind, p in programs.items():
+        plan = planned(p) if planned is not None and TVM_STAGE_PLANNED_POOL else None
+        if plan is not None:
+            total += float(plan.total)
+            continue
         g = ir.serde.deserialize_model(p).graph
         held = {v for v in g.inputs if v.name in tensors or (kind == "B" and v.name in stash)}
         total += peak_activation_bytes(g, constant_values(g) | held)
@@ -461,20 +480,22 @@ def send_bytes(stage: Any, programs: dict[str, Any], micro_batches: int) -> floa
     return micro_batches * per
 
 
-def tvm_stage_memory(stage: Any, *, micro_batches: int, in_flight: int, constant_inputs: Any) -> TvmStageMemory:
+def tvm_stage_memory(stage: Any, *, micro_batches: int, in_flight: int, constant_inputs: Any,
+                     planned: Any = None) -> TvmStageMemory:
     """A TVM pipeline stage's peak above its baseline (what ``train --bench`` measures), from the
     stage's programs (``pipeline.Stage``): its state (weights, optimizer slots, BN statistics) and
     the terms of the functions above. ``constant_inputs(program)``: the program's lifted
     step-constant inputs (``backends.tvm.lift_step_constants.step_constant_inputs``). Prices the
     runner's defaults (``WEIGHT_TENSORS``, ``STASH_TENSORS``, ``RELEASE_PASSED_BUFFERS``,
-    ``RELEASE_STEP_CONSTANTS`` on)."""
+    ``RELEASE_STEP_CONSTANTS`` on). ``planned(program)``: a program's memory plan or None
+    (:func:`pool_bytes`)."""
     programs = stage_programs(stage)
     return TvmStageMemory(
         state=float(sum(stage.initial[n].nbytes for n in dict.fromkeys(
             [a for a, _ in stage.update_pairs] + [a for a, _ in stage.bn_state]) if n in stage.initial)),
         input_buffers=array_input_bytes(stage, programs),
         step_constants=step_constant_bytes(programs, constant_inputs),
-        pool=pool_bytes(stage, programs),
+        pool=pool_bytes(stage, programs, planned),
         stash=stash_bytes(stage, programs, in_flight),
         gradients=held_gradient_bytes(stage, programs),
         weight_grad_stash=weight_grad_stash_bytes(stage, programs),

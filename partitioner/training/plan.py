@@ -158,9 +158,11 @@ def _tvm_rank_memory(step: ir.Model | None) -> cost_memory.TvmRankMemory | None:
 def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int, schedule: str,
                       memory_limit: float | None) -> list[float]:
     """Cost rule 3 on TVM stages (:data:`partitioner.cost.memory.TVM_STAGE_MEMORY`): each stage's
-    peak priced from the programs the runner builds (the plan as ``train`` makes it, graphs only,
-    nothing compiled), with rule 3's in-flight counts of the plan's schedule."""
+    peak priced from the programs the runner builds (the plan as ``train`` makes it; each program
+    lowered for its memory plan, ``memory.TVM_STAGE_PLANNED_POOL``, nothing compiled), with rule 3's
+    in-flight counts of the plan's schedule."""
     from backends.tvm.lift_step_constants import step_constant_inputs
+    from backends.tvm.planned_memory import planned_bytes
     from partitioner.training.optimizers import make_optimizer
     from partitioner.training.pipeline import build_pipeline
 
@@ -168,7 +170,8 @@ def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages:
                           schedule=schedule, memory_limit=memory_limit, backend="tvm")
     counts = cost.stashed_micro_batches(schedule, plan.num_stages, m, plan.extra_warmup)
     return [cost_memory.tvm_stage_memory(st, micro_batches=m, in_flight=counts[st.index],
-                                         constant_inputs=step_constant_inputs).total for st in plan.stages]
+                                         constant_inputs=step_constant_inputs, planned=planned_bytes).total
+            for st in plan.stages]
 
 
 def _step_graph(model: Any, batch: int, loss: str, optimizer: str, **kw: Any) -> ir.Model | None:

@@ -1,6 +1,6 @@
 """A TVM pipeline stage's predicted peak (``partitioner.cost.memory.tvm_stage_memory``, issue 16).
 
-Fast: the terms on a small mlp's 2-stage TVM plan (graphs only, nothing compiled) against bytes
+Fast: the terms on a small mlp's 2-stage TVM plan (graphs and memory plans, nothing compiled) against bytes
 derived here from the zoo model's own weight shapes and the plan's micro-batch; the rule is what
 ``predict_training`` charges TVM pipeline ranks, and ``TVM_STAGE_MEMORY`` off gives rule 3's sum.
 Slow: the predicted peak of a TVM stage against its measured one, in a fresh process
@@ -16,6 +16,7 @@ import pytest
 
 import models_zoo
 from backends.tvm.lift_step_constants import step_constant_inputs
+from backends.tvm.planned_memory import PlannedBytes, planned_bytes
 from partitioner.cost import memory
 from partitioner.cost.training import stashed_micro_batches
 from partitioner.training import SGD
@@ -36,7 +37,7 @@ def _model() -> onnx.ModelProto:
 def _terms(plan, s: int) -> memory.TvmStageMemory:
     counts = stashed_micro_batches(plan.schedule, plan.num_stages, M, plan.extra_warmup)
     return memory.tvm_stage_memory(plan.stages[s], micro_batches=M, in_flight=counts[s],
-                                   constant_inputs=step_constant_inputs)
+                                   constant_inputs=step_constant_inputs, planned=planned_bytes)
 
 
 def _weight_bytes(model: onnx.ModelProto, names) -> dict[str, int]:
@@ -82,6 +83,28 @@ def test_predict_training_charges_the_rule_on_tvm_only(monkeypatch) -> None:
     assert ort != pytest.approx(tvm)
 
 
+def test_pool_counts_each_programs_plan(monkeypatch) -> None:
+    """``TVM_STAGE_PLANNED_POOL``: a program with a memory plan counts the plan's bytes in the pool
+    term, one without (``planned`` answers None) its graph's peak, and with the knob off every
+    program its graph's peak. The real plans of this stage differ from the graphs' peaks."""
+    plan = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), batch=BATCH, stages=2, micro_batches=M,
+                          backend="tvm")
+    st = plan.stages[0]
+    programs = memory.stage_programs(st)
+    assert len(programs) >= 2
+    graphs = {k: memory.pool_bytes(st, {k: p}) for k, p in programs.items()}
+    assert memory.pool_bytes(st, programs) == pytest.approx(sum(graphs.values()))
+    assert memory.pool_bytes(st, programs, lambda p: PlannedBytes(1000.0, 24.0)) == 1024.0 * len(programs)
+    first = next(iter(programs))
+    mixed = memory.pool_bytes(st, programs, lambda p: None if p is programs[first] else PlannedBytes(0.0, 8.0))
+    assert mixed == pytest.approx(graphs[first] + 8.0 * (len(programs) - 1))
+    real = memory.pool_bytes(st, programs, planned_bytes)
+    assert real == pytest.approx(sum(planned_bytes(p).total for p in programs.values()))
+    assert real != pytest.approx(sum(graphs.values()))
+    monkeypatch.setattr(memory, "TVM_STAGE_PLANNED_POOL", False)
+    assert memory.pool_bytes(st, programs, lambda p: PlannedBytes(1000.0, 24.0)) == pytest.approx(sum(graphs.values()))
+
+
 @pytest.mark.slow
 def test_measured_peak_of_a_tvm_stage_within_25_percent(monkeypatch) -> None:
     """The zoo bert's last stage (``train_step.py``'s size, 8 micro-batches), 3 steps in a fresh
@@ -102,7 +125,7 @@ def test_measured_peak_of_a_tvm_stage_within_25_percent(monkeypatch) -> None:
                           backend="tvm")
     counts = stashed_micro_batches(plan.schedule, 2, stages.MICRO_BATCHES, plan.extra_warmup)
     terms = memory.tvm_stage_memory(plan.stages[1], micro_batches=stages.MICRO_BATCHES, in_flight=counts[1],
-                                    constant_inputs=step_constant_inputs)
+                                    constant_inputs=step_constant_inputs, planned=planned_bytes)
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_stage_memory.py"), "--model", "bert",
                           "--stage", "1", "--steps", "3"], capture_output=True, text=True, check=True, timeout=1200).stdout
     measured = max(float(v) for v in re.findall(r"peak\s+([0-9.]+) MiB", out)) * 2**20
