@@ -32,10 +32,15 @@ accumulation for pipeline), which grow with the weights while the arithmetic gro
 weights x batch. The mlp has 4 equal 1024-wide layers (16 MiB of weights, about 26 GFLOP per
 step at batch 1024), so its 2 pipeline stages split evenly and each 1F1B micro-batch is a
 128-row GEMM; bert has 2 layers 256 wide over 64 tokens at batch 32 (about 20 GFLOP); the resnet
-is the zoo resnet-18 on 64x64 images (45 MiB of weights). With 1F1B and 8 micro-batches on 2
+is the zoo resnet-18 on 64x64 images (45 MiB of weights) at batch 64, so that each of the 8
+1F1B micro-batches has 8 images (since session 24; 16 before, which is ``--batch 16``). At 2
+images a micro-batch the weight-sized passes were not a few percent: layer4's maps are 2x2, its
+GEMMs 8 rows, each micro-batch re-reads every weight and accumulates 34 MiB of gradients, and the
+two TVM stages, each timed alone, cost 1.56x the 1-rank step (docs/training.md, session 18), so
+1F1B could not pass 1.14x whatever the schedule. With 1F1B and 8 micro-batches on 2
 stages the bubble caps the pipeline at 16/9 = 1.78x. The cost model (this machine's ORT
 calibration) predicts data 1.84x / 1.91x and pipeline 1.61x / 1.66x for mlp / bert; for resnet
-data 1.76x but pipeline under 1x: its last stage holds layer4 (three quarters of the weights)
+at batch 16 data 1.76x but pipeline under 1x: its last stage holds layer4 (three quarters of the weights)
 and adds 34 MiB of gradients per micro-batch. The quiet run takes about 5-8 minutes on 2 cores
 (``--models`` to run fewer).
 
@@ -80,7 +85,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 CASES = {  # compute-dominated sizes (module docstring)
     "mlp": ({"batch": 1024, "layers": 4, "hidden": 1024, "in_features": 1024}, "cross_entropy"),
-    "resnet": ({"batch": 16, "image": 64, "classes": 10}, "cross_entropy"),
+    "resnet": ({"batch": 64, "image": 64, "classes": 10}, "cross_entropy"),  # 16 before session 24
     "bert": ({"batch": 32, "seq": 64, "hidden": 256, "heads": 4, "layers": 2}, "mse"),
 }
 QUICK = {
