@@ -751,8 +751,9 @@ def measure_threads(backend: str, quick: bool, threads: int) -> dict[str, float]
     state was priced as if the second core did nothing for it (the ``conv`` class came out at 0.20
     in session 23, where convs inside a model ran about 2x faster on 2 threads). Interleaving
     makes that less likely, not impossible: when the slow state lasts the whole probe, five runs
-    gave ``conv`` 0.67, 0.21, 0.67, 0.21, 0.07 (docs/calibration.md); the per-kernel times are kept
-    in ``Calibration.thread_kernels``."""
+    gave ``conv`` 0.67, 0.21, 0.67, 0.21, 0.07, and three later ones 0.67-0.69
+    (``benchmarks/probe6_spread.py``, docs/calibration.md); the per-kernel times are kept in
+    ``Calibration.thread_kernels``."""
     import tempfile
 
     rounds, runs = (3, 5) if quick else (8, 10)
