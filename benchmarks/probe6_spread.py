@@ -54,18 +54,15 @@ def spin_check(seconds: float) -> dict[str, list[int]]:
 
 
 def probe6_run(backend: str, quick: bool) -> dict[str, Any]:
-    """One probe-6 measurement, as ``calibrate`` makes it."""
-    from partitioner.calibrate import _run_probe, micro_kernels, probe_threads, thread_efficiency
+    """One probe-6 measurement, as ``calibrate`` makes it (``calibrate.run_thread_probe``)."""
+    from partitioner.calibrate import probe_threads, run_thread_probe
 
     threads = probe_threads()
     t0 = time.time()
-    one, many = (_run_probe(quick, timeout=300, backend=backend, threads=t) for t in (1, threads))
-    classes = {k.name: k.op_class for k in micro_kernels(quick)}
+    eff, kernels = run_thread_probe(quick, backend, threads)
     return {"started": time.strftime("%H:%M:%S", time.gmtime(t0)), "threads": threads,
             "seconds": round(time.time() - t0, 1), "load_average": os.getloadavg()[0],
-            "efficiency_by_class": thread_efficiency(one, many, classes, threads),
-            "kernels": [{"kernel": n, "class": classes.get(n, ""), "one_s": t, "many_s": many.get(n)}
-                        for n, t in one.items()]}
+            "efficiency_by_class": eff, "kernels": list(kernels)}
 
 
 def main(argv: list[str] | None = None) -> int:

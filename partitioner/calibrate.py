@@ -788,6 +788,19 @@ def thread_efficiency(one: dict[str, float], many: dict[str, float], classes: di
     return eff
 
 
+def run_thread_probe(quick: bool, backend: str,
+                     threads: int) -> tuple[dict[str, float], tuple[dict[str, Any], ...]]:
+    """Probe 6 as :func:`calibrate` runs it: the micro-kernels on 1 thread, then on ``threads``, each in
+    a subprocess of its own; returns the per-class efficiencies (:func:`thread_efficiency`) and each
+    kernel's two best times (``{"kernel", "class", "one_s", "many_s"}``, ``Calibration.thread_kernels``)."""
+    timeout = 120 if quick else 300
+    one, many = (_run_probe(quick, timeout=timeout, backend=backend, threads=t) for t in (1, threads))
+    classes = {k.name: k.op_class for k in micro_kernels(quick)}
+    kernels = tuple({"kernel": n, "class": classes.get(n, ""), "one_s": t1, "many_s": many.get(n)}
+                    for n, t1 in one.items())
+    return thread_efficiency(one, many, classes, threads), kernels
+
+
 # ---- single-core probe (runs in a subprocess with one BLAS thread) ----------------------------
 
 def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
@@ -1010,11 +1023,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
     co_run: tuple[float, ...] = ()
     thread_kernels: tuple[dict[str, Any], ...] = ()
     if threads > 1 and (thread_probe if thread_probe is not None else _cores_free(threads)):
-        one, many = (_run_probe(quick, timeout=120 if quick else 300, backend=backend, threads=t) for t in (1, threads))
-        classes = {k.name: k.op_class for k in micro_kernels(quick)}
-        thread_eff = thread_efficiency(one, many, classes, threads)
-        thread_kernels = tuple({"kernel": n, "class": classes.get(n, ""), "one_s": t1, "many_s": many.get(n)}
-                               for n, t1 in one.items())
+        thread_eff, thread_kernels = run_thread_probe(quick, backend, threads)
         co_run = co_run_bandwidth(threads, quick)
     # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
     mpi, mpi_error = _run_mpi(quick, timeout=60 if quick else 120) if mpi else (None, "skipped (mpi=False)")

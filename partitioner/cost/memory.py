@@ -419,7 +419,7 @@ def pool_bytes(stage: Any, programs: dict[str, Any], planned: Any = None) -> flo
     the runner's array (a received message, the accumulated gradients, the concatenated stash),
     alive while the call copies it into its buffer (:func:`array_input_bytes`: the copy).
 
-    With ``planned`` (a program -> its plan's ``total`` bytes or None) and
+    With ``planned`` (a program -> its memory plan, an object with ``total`` bytes, or None) and
     :data:`TVM_STAGE_PLANNED_POOL` on, a program that has a plan counts its plan (the storage
     blocks and output tensors its VM allocates per call) in place of its graph's peak."""
     import onnx_ir as ir
