@@ -10,7 +10,8 @@ Recipe (DESIGN.md, "Facts checked"): ``from_onnx`` has no hook for custom ops, s
    and added as the private Relax function ``seg<k>``; helper functions the importer creates
    (e.g. the ``maximum``/``minimum`` PrimFuncs of Clip) become ``seg<k>_<name>`` so segments
    never clash; a segment whose values nobody reads later is dropped; a segment holding an
-   ``If`` gets dataflow blocks around it (:func:`_dataflow_around_control_flow`);
+   ``If`` gets dataflow blocks around it (:func:`_dataflow_around_control_flow`); the
+   importer's unchecked ``take`` (mode ``"fast"``) becomes ``"clip"`` (:func:`_bounded_takes`);
 3. ``main`` (no dataflow block, so bindings run in program order) calls the segments in order
    and each comm op in between:
 
@@ -159,6 +160,38 @@ def _dataflow_around_control_flow(mod):
     return relax.transform.ConvertToDataflow()(mod)
 
 
+BOUNDED_TAKES = True
+
+
+def _bounded_takes(mod):
+    """Every ``relax.take`` the importer made in mode ``"fast"`` (its default: an out-of-range
+    index reads outside the tensor, and ``topi.take`` logs "Fast mode segfaults ..." once per
+    take each time a program is legalised: thousands of lines per bert training run) is made
+    ``"clip"``. Same values for in-range indices (the importer already wraps negative ones, as
+    ONNX defines); an out-of-range index reads the nearest row instead of past the buffer. One
+    ``min``/``max`` per index, not per element gathered."""
+    from tvm import ir, relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    take = ir.Op.get("relax.take")
+
+    @mutator
+    class _Clip(PyExprMutator):
+        def visit_call_(self, call):  # noqa: N802 - TVM's method name
+            call = super().visit_call_(call)
+            if call.op.same_as(take) and call.attrs.mode == "fast":
+                axis = None if call.attrs.axis is None else int(call.attrs.axis)
+                return relax.op.take(call.args[0], call.args[1], axis, mode="clip")
+            return call
+
+    if not BOUNDED_TAKES:
+        return mod
+    for gv, func in list(mod.functions_items()):  # the importer's fresh module, updated in place
+        if isinstance(func, relax.Function):
+            mod.update_func(gv, _Clip().visit_expr(func))
+    return mod
+
+
 def _import_segment(seg: Segment, opset: int, where: str):
     from tvm.relax.frontend.onnx import from_onnx
 
@@ -167,7 +200,7 @@ def _import_segment(seg: Segment, opset: int, where: str):
     except Exception as e:  # the importer raises many kinds; turn them into one actionable line
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise BackendError(f"{where}: TVM's ONNX importer failed on segment {seg.index} ({type(e).__name__}: {first})") from None
-    return _dataflow_around_control_flow(mod)
+    return _dataflow_around_control_flow(_bounded_takes(mod))
 
 
 def _add_segment(bb, seg_mod, k: int):
