@@ -71,3 +71,42 @@ def test_short_source_stride_is_left_alone() -> None:
     apart in the source, under a cache line (MIN_SOURCE_STRIDE), where the default order was faster."""
     ext = _loop_extents(build_and_compare(_transpose([32, 64, 3, 3], [2, 3, 0, 1], flip=True)))
     assert ext[-1] == LANES and ext[0] != 64 // LANES
+
+
+def _reshape_transpose(shape: list[int], merged: list[int], perm: list[int]) -> onnx.ModelProto:
+    """Reshape x to ``merged``, then Transpose ``perm``: the two fuse into one copy whose source
+    indices are ``v // n`` and ``v % n`` (not a plain permutation)."""
+    out = [merged[p] for p in perm]
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Transpose", ["r"], ["y"], perm=perm)]
+    inits = [helper.make_tensor("shape", TensorProto.INT64, [len(merged)], merged)]
+    g = helper.make_graph(nodes, "rt", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_fused_reshape_transpose_walks_source_rows() -> None:
+    """bert's weight-gradient operand, shrunk: [4, 8, 64] -> [32, 64] -> [64, 32]. The fused copy
+    reads ``x[v1 // 8, v1 % 8, v0]``, offset ``64 v1 + v0`` (linear_source_strides): tiled."""
+    ext = _loop_extents(build_and_compare(_reshape_transpose([4, 8, 64], [32, 64], [1, 0])))
+    assert ext == [32 // LANES, 64 // TT.ROW_TILE, TT.ROW_TILE, LANES]
+
+
+def test_linear_knob_off_keeps_the_output_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TT, "TILE_LINEAR_TRANSPOSE", False)
+    ext = _loop_extents(build_and_compare(_reshape_transpose([4, 8, 64], [32, 64], [1, 0])))
+    assert ext[-1] == LANES and ext[0] != 32 // LANES
+
+
+def test_linear_source_strides_of_a_split_index() -> None:
+    """The strides come from the simplified flat offset; a copy that is not linear (a broadcast
+    reads one element for many outputs: stride 0) gets None."""
+    from tvm import s_tir, te, topi
+
+    x = te.placeholder((4, 8, 64), name="x")
+    sch = s_tir.Schedule(te.create_prim_func([x, topi.transpose(topi.reshape(x, (32, 64)), (1, 0))]))
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    sch.compute_inline(blocks[0])
+    assert TT.linear_source_strides(sch.get(sch.get_child_blocks(sch.get_sblock("root"))[0])) == [1, 64]
+    b = te.placeholder((1, 64), name="b")
+    sch = s_tir.Schedule(te.create_prim_func([b, topi.broadcast_to(b, (32, 64))]))
+    assert TT.linear_source_strides(sch.get(sch.get_child_blocks(sch.get_sblock("root"))[0])) is None
