@@ -1,4 +1,4 @@
-"""float32 Erf, Tanh, Sigmoid and Softmax go to TOPI's vectorisable fast versions on the CPU
+"""float32 Erf, Tanh, Sigmoid, Exp and Softmax go to TOPI's vectorisable fast versions on the CPU
 (backends/tvm/pipeline.py, ``_fast_math_map``); results stay within rtol 1e-5 / atol 1e-6 of
 ONNX Runtime on seeded inputs that include saturating magnitudes and fully masked (-inf)
 softmax positions, and other dtypes keep TVM's exact legalization (float64 Erf against scipy)."""
@@ -33,7 +33,8 @@ def _inputs(np_dtype) -> np.ndarray:
     return x.astype(np_dtype)
 
 
-@pytest.mark.parametrize(("op", "attrs"), [("Erf", {}), ("Tanh", {}), ("Sigmoid", {}), ("Softmax", {"axis": -1})])
+@pytest.mark.parametrize(("op", "attrs"), [("Erf", {}), ("Tanh", {}), ("Sigmoid", {}), ("Exp", {}),
+                                         ("Softmax", {"axis": -1})])
 def test_fast_versions_match_ort(op: str, attrs: dict, tmp_path: Path) -> None:
     import tvm
 
@@ -43,7 +44,7 @@ def test_fast_versions_match_ort(op: str, attrs: dict, tmp_path: Path) -> None:
 
     m = _model(op, TensorProto.FLOAT, **attrs)
     x = _inputs(np.float32)
-    if op != "Softmax":
+    if op not in ("Softmax", "Exp"):
         x[1, 2, :10] = 0.5  # Erf/Tanh of -inf is not what this test is about
     mod = run_pipeline(lower_program(m).mod, "scheduled", tvm.target.Target(detect_host_target()))
     assert any("fast_" in gv.name_hint for gv, _ in mod.functions_items()), [gv.name_hint for gv, _ in mod.functions_items()]
@@ -70,3 +71,16 @@ def test_float64_keeps_the_exact_legalization(tmp_path: Path) -> None:
     from scipy.special import erf  # ONNX Runtime has no float64 Erf kernel
 
     np.testing.assert_allclose(got, erf(x), rtol=1e-12, atol=1e-14)
+
+
+def test_fast_exp_keeps_the_float32_range(tmp_path: Path) -> None:
+    """TOPI's fast_exp clamps its input at 88.376; exp up to float32's overflow (88.72) stays
+    finite (pipeline.EXP_SHIFT_FROM), beyond it inf, NaN stays NaN, as ONNX Runtime gives."""
+    m = _model("Exp", TensorProto.FLOAT)
+    x = _inputs(np.float32)
+    x[2, 0, :9] = [88.0, 88.2, 88.38, 88.5, 88.72, 88.73, 100.0, np.nan, -87.0]
+    bt.build(m, tmp_path / "rank0.so")
+    got = bt.load(m, tmp_path / "rank0.so").run({"x": x}, LocalWorld(1).communicator(0))["y"]
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], {"x": x})[0]
+    assert np.isfinite(got[2, 0, :5]).all() and np.isinf(got[2, 0, 5:7]).all() and np.isnan(got[2, 0, 7])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
