@@ -110,3 +110,41 @@ def test_linear_source_strides_of_a_split_index() -> None:
     b = te.placeholder((1, 64), name="b")
     sch = s_tir.Schedule(te.create_prim_func([b, topi.broadcast_to(b, (32, 64))]))
     assert TT.linear_source_strides(sch.get(sch.get_child_blocks(sch.get_sblock("root"))[0])) is None
+
+
+def test_row_tile_is_the_source_innermost_axis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NHWC -> NCHW, (2, 32, 32, 64) -> (2, 64, 32, 32): the output-innermost W is 64 floats apart
+    in the source; the row tile is C (contiguous in the source), not H (the output's
+    second-innermost, ROW_TILE_BY_SOURCE off): a 16 x 16 block per tile."""
+    ext = _loop_extents(build_and_compare(_transpose([2, 32, 32, 64], [0, 3, 1, 2])))
+    assert ext == [32 // LANES, 64 // TT.ROW_TILE, 2, 32, TT.ROW_TILE, LANES]
+    monkeypatch.setattr(TT, "ROW_TILE_BY_SOURCE", False)
+    ext = _loop_extents(build_and_compare(_transpose([2, 32, 32, 64], [0, 3, 1, 2])))
+    assert ext == [32 // LANES, 32 // TT.ROW_TILE, 2, 64, TT.ROW_TILE, LANES]
+
+
+def _affine_transpose(shape: list[int], perm: list[int]) -> onnx.ModelProto:
+    """A per-channel affine (x * s + b, s and b constants of shape [1, C, 1, 1]) then Transpose
+    ``perm``: one fused block whose largest read is x."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(1)
+    c = [1, shape[1], 1, 1]
+    inits = [numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), n) for n in ("s", "b")]
+    nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Transpose", ["a"], ["y"], perm=perm)]
+    g = helper.make_graph(nodes, "at", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [shape[p] for p in perm])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_elementwise_fused_into_a_transpose_is_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stem's batch norm written HWNC for its weight gradient, shrunk: (2, 32, 32, 32) NCHW,
+    x * s[c] + b[c], -> (32, 32, 2, 32). The largest read (x) decides: C is the output-innermost
+    axis, 1024 floats apart in x; the row tile is W. Off (TILE_LINEAR_TRANSPOSE): the output order."""
+    m = _affine_transpose([2, 32, 32, 32], [2, 3, 0, 1])
+    assert _loop_extents(build_and_compare(m)) == [32 // LANES, 32 // TT.ROW_TILE, 2, 32, TT.ROW_TILE, LANES]
+    monkeypatch.setattr(TT, "TILE_LINEAR_TRANSPOSE", False)
+    ext = _loop_extents(build_and_compare(m))
+    assert ext[-1] == LANES and ext[0] != 32 // LANES

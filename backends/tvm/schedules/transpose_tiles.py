@@ -42,12 +42,25 @@ against 11.78 ms off; ``[32, 64, 256] -> [256, 2048]`` 0.18 against 1.21 ms; the
 1-rank training step (train_tvm_profile.py, thread CPU) 240.2 against 275.6 ms. In inference it
 fires on bert's and gpt's ``K^T`` at batch 8 (``[8, 64, 128] -> [8, 4, 32, 64]``, 21-31 us
 against 38-41 us median on 1 thread, within noise on 2) and on no conv model of per_device.py.
+The largest read decides, so elementwise work fused into the transpose is taken too: the zoo
+resnet's stem batch norm written ``(H, W, N, C)`` for its weight gradient, ``x[n, c, h, w] * s[c]
++ b[c]`` at ``(64, 64, 32, 32)``: 5.7 against 31.0 ms a step (two paired profiles, thread CPU).
+
+The row tile (:func:`_row_axis`, :data:`ROW_TILE_BY_SOURCE`) is the output axis innermost in the
+source, so a tile is a 16 x 16 block that reads 16 contiguous floats per source row; session
+11's rule took the output's second-innermost axis, the same axis for the conv weights and the
+bert operand. Measured (1 thread, wall per call, medians of 40, interleaved by process): NHWC ->
+NCHW ``(16, 32, 32, 64)`` 0.67 ms against 1.09 (second-innermost) and 1.42 (untiled);
+``(64, 32, 32, 64)`` 7.1-7.6 against 8.7-10.6 and 8.0-8.2; on 2 threads 7.4 against 10.6 and
+7.6.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import numpy as np
 
 from .threads import parallel_elements
 
@@ -58,6 +71,9 @@ TILE_STRIDED_TRANSPOSE = True
 #: fused before the transpose, :func:`linear_source_strides`); env
 #: ``PARTITIONER_TVM_TILE_LINEAR_TRANSPOSE=0`` keeps it to plain permutations
 TILE_LINEAR_TRANSPOSE = os.environ.get("PARTITIONER_TVM_TILE_LINEAR_TRANSPOSE", "1") != "0"
+#: the row tile is the output axis innermost in the source (:func:`_row_axis`); env
+#: ``PARTITIONER_TVM_ROW_TILE_BY_SOURCE=0``: the output's second-innermost axis
+ROW_TILE_BY_SOURCE = os.environ.get("PARTITIONER_TVM_ROW_TILE_BY_SOURCE", "1") != "0"
 #: elements: as ``injective.PARALLEL_MIN`` (below it a parallel loop costs more than it saves)
 PARALLEL_MIN = 16384
 #: the source stride (elements) of the output-innermost axis from which the rule applies (one
@@ -94,23 +110,37 @@ def permutation_indices(stmt: Any) -> list[tuple[int, int | None]] | None:
 
 
 def linear_source_strides(stmt: Any) -> list[int] | None:
-    """Per block variable of ``stmt``, its stride in the loaded buffer's flat offset, when the
-    block copies one buffer at an offset linear in its variables with distinct positive constant
-    strides (a transpose with a reshape fused before it, e.g. bert's weight-gradient operand
-    ``X[v1 // 64, v1 % 64, v0]``, offset ``1024 v1 + v0``); else None."""
+    """Per block variable of ``stmt``, its stride in the flat offset of the block's largest read,
+    when the block stores at its own variables, reads every buffer at one point (no window), has
+    no select (a pad's or concat's bounds check), and that largest read's offset is linear in the
+    variables with distinct positive constant strides. The cases: a transpose with a reshape fused
+    before it (bert's weight-gradient operand ``X[v1 // 64, v1 % 64, v0]``, offset ``1024 v1 +
+    v0``) and a transpose with elementwise work fused into it (the stem's batch norm written as
+    HWNC for its weight gradient, ``x[n, c, h, w] * s[c] + b[c]``: ``x`` is the largest read, the
+    per-channel vectors are small). Else None."""
     from tvm import sym, tirx
 
     body = stmt.body
-    if not isinstance(body, tirx.stmt.BufferStore) or not hasattr(body.value, "indices"):
+    if not isinstance(body, tirx.stmt.BufferStore):
         return None
     ivars = [iv.var for iv in stmt.iter_vars]
     if len(body.indices) != len(ivars) or not all(i.same_as(v) for i, v in zip(body.indices, ivars)):
         return None
-    offset, stride = 0, 1
-    for idx, ext in reversed(list(zip(body.value.indices, body.value.source.shape))):
-        if not hasattr(ext, "value"):
+    if "if_then_else" in str(body.value) or "Select" in str(body.value):
+        return None
+    largest, size = None, 0
+    for region in stmt.reads:  # TVM 0.27: TensorRegion, its buffer is ``source``
+        dims = [int(e.value) if hasattr(e, "value") else 0 for e in region.source.shape]
+        points = all(hasattr(r.extent, "value") and int(r.extent.value) == 1 for r in region.region)
+        if not points or 0 in dims:
             return None
-        offset, stride = offset + idx * stride, stride * int(ext.value)
+        if int(np.prod(dims)) > size:
+            largest, size = region, int(np.prod(dims))
+    if largest is None:
+        return None
+    offset, stride = 0, 1
+    for r, ext in reversed(list(zip(largest.region, largest.source.shape))):
+        offset, stride = offset + r.min * stride, stride * int(ext.value)
     analyzer = sym.Analyzer()
     for iv in stmt.iter_vars:
         analyzer.bind(iv.var, iv.dom)
@@ -148,6 +178,20 @@ def _source_stride(stmt: Any, axis: int) -> int:
     return stride
 
 
+def _row_axis(src: list[int], exts: list[int]) -> int | None:
+    """The output axis tiled by :data:`ROW_TILE`: of the axes other than the output-innermost one
+    whose extent is a multiple of it (and larger), the one innermost in the source, so a tile
+    reads ``ROW_TILE`` contiguous source elements per row (16 x 16 floats, a register-sized
+    transpose). With ``ROW_TILE_BY_SOURCE`` off, the output's second-innermost axis when it fits
+    (session 11's rule; the same axis for a conv weight OIHW -> HWIO, whose source-innermost taps
+    are 3 long). None: no axis fits."""
+    if not ROW_TILE_BY_SOURCE:
+        n2 = len(exts) - 2
+        return n2 if exts[n2] % ROW_TILE == 0 and exts[n2] > ROW_TILE else None
+    fits = [k for k in range(len(exts) - 1) if exts[k] % ROW_TILE == 0 and exts[k] > ROW_TILE]
+    return max(fits, key=lambda k: src[k]) if fits else None
+
+
 def schedule_strided_transpose(sch: Any, block: Any, lanes: int, parallel: bool = True) -> bool:
     """Apply the module's rule to ``block`` (in place); False (nothing changed) when it does not fit."""
     from .vector import const_extent
@@ -168,10 +212,10 @@ def schedule_strided_transpose(sch: Any, block: Any, lanes: int, parallel: bool 
         return False
     o, v = sch.split(loops[-1], factors=[None, lanes])
     rest = sorted(range(len(loops) - 1), key=lambda k: src[k])
-    n2 = len(loops) - 2
-    if exts[n2] % ROW_TILE == 0 and exts[n2] > ROW_TILE:
-        ro, ri = sch.split(loops[n2], factors=[None, ROW_TILE])
-        sch.reorder(o, ro, *[loops[k] for k in rest if k != n2], ri, v)
+    row = _row_axis(src, exts)
+    if row is not None:
+        ro, ri = sch.split(loops[row], factors=[None, ROW_TILE])
+        sch.reorder(o, ro, *[loops[k] for k in rest if k != row], ri, v)
     else:
         sch.reorder(o, *[loops[k] for k in rest], v)
     sch.vectorize(v)
