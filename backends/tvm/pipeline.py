@@ -116,8 +116,8 @@ def _fast_exp(x: Any) -> Any:
     shifted = te.compute(x.shape, lambda *i: tirx.Select(x(*i) > big, x(*i) - one, x(*i)), name="exp_shift")
     e = topi.fast_exp(shifted)
     euler = tirx.const(2.718281828459045, x.dtype)
-    return te.compute(x.shape, lambda *i: tirx.Select(x(*i) > big, e(*i) * euler, e(*i)), name="fast_exp_full",
-                      tag="elemwise")
+    return te.compute(x.shape, lambda *i: tirx.Select(x(*i) > big, e(*i) * euler, e(*i)),
+                      name="fast_exp_full", tag="elemwise")
 
 
 def _fast_sigmoid(x: Any) -> Any:

@@ -259,8 +259,9 @@ def test_gather_takes_are_bounded_and_silent(tmp_path: Path, capfd) -> None:
     building logs no "Fast mode segfaults" line, in-range and negative indices match ONNX
     Runtime, and an out-of-range index reads the edge row instead of memory past the table."""
     table = np.random.default_rng(5).standard_normal((50, 8)).astype(np.float32)
-    m = model([helper.make_node("Gather", ["W", "ids"], ["y"], axis=0)], "emb", [vi("ids", [2, 3], TensorProto.INT64)],
-              [vi("y", [2, 3, 8])], [numpy_helper.from_array(table, "W")], comm=False)
+    m = model([helper.make_node("Gather", ["W", "ids"], ["y"], axis=0)], "emb",
+              [vi("ids", [2, 3], TensorProto.INT64)], [vi("y", [2, 3, 8])],
+              [numpy_helper.from_array(table, "W")], comm=False)
     capfd.readouterr()
     bt.build(m, tmp_path / "rank0.so")
     assert "Fast mode" not in capfd.readouterr().err
@@ -268,7 +269,8 @@ def test_gather_takes_are_bounded_and_silent(tmp_path: Path, capfd) -> None:
     ids = np.array([[0, 7, 49], [-1, -50, 3]], dtype=np.int64)
     out = ex.run({"ids": ids}, LocalWorld(1).communicator(0))["y"]
     np.testing.assert_allclose(out, ort_run(m, {"ids": ids})["y"], rtol=RTOL, atol=ATOL)
-    far = ex.run({"ids": np.array([[50, 10**6, 0], [-51, 2, 1]], dtype=np.int64)}, LocalWorld(1).communicator(0))["y"]
+    far_ids = np.array([[50, 10**6, 0], [-51, 2, 1]], dtype=np.int64)
+    far = ex.run({"ids": far_ids}, LocalWorld(1).communicator(0))["y"]
     np.testing.assert_array_equal(far[0, 0], table[49])
     np.testing.assert_array_equal(far[0, 1], table[49])
     np.testing.assert_array_equal(far[1, 0], table[0])

@@ -77,7 +77,8 @@ def _reshape_transpose(shape: list[int], merged: list[int], perm: list[int]) -> 
     """Reshape x to ``merged``, then Transpose ``perm``: the two fuse into one copy whose source
     indices are ``v // n`` and ``v % n`` (not a plain permutation)."""
     out = [merged[p] for p in perm]
-    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Transpose", ["r"], ["y"], perm=perm)]
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["y"], perm=perm)]
     inits = [helper.make_tensor("shape", TensorProto.INT64, [len(merged)], merged)]
     g = helper.make_graph(nodes, "rt", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
@@ -134,8 +135,9 @@ def _affine_transpose(shape: list[int], perm: list[int]) -> onnx.ModelProto:
     inits = [numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), n) for n in ("s", "b")]
     nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
              helper.make_node("Transpose", ["a"], ["y"], perm=perm)]
-    g = helper.make_graph(nodes, "at", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [shape[p] for p in perm])], inits)
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [shape[p] for p in perm])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    g = helper.make_graph(nodes, "at", [x], [out], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
