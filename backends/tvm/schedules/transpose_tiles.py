@@ -52,7 +52,8 @@ source, so a tile is a 16 x 16 block that reads 16 contiguous floats per source 
 bert operand. Measured (1 thread, wall per call, medians of 40, interleaved by process): NHWC ->
 NCHW ``(16, 32, 32, 64)`` 0.67 ms against 1.09 (second-innermost) and 1.42 (untiled);
 ``(64, 32, 32, 64)`` 7.1-7.6 against 8.7-10.6 and 8.0-8.2; on 2 threads 7.4 against 10.6 and
-7.6.
+7.6. ``benchmarks/copy_kernels_micro.py`` times every case above with its knob on and off in one
+process (docs/per_device_speed.md, "Session 25").
 """
 
 from __future__ import annotations
