@@ -166,13 +166,15 @@ BOUNDED_TAKES = True
 def _bounded_takes(mod):
     """Every ``relax.take`` the importer made in mode ``"fast"`` (its default: an out-of-range
     index reads outside the tensor, and ``topi.take`` logs "Fast mode segfaults ..." once per
-    take each time a program is legalised: thousands of lines per bert training run) is made
+    take each time a program is legalised: 47 lines in one resnet stage-timing run) is made
     ``"clip"``. Same values for in-range indices (the importer already wraps negative ones, as
     ONNX defines); an out-of-range index reads the nearest row instead of past the buffer. One
     ``min``/``max`` per index, not per element gathered."""
     from tvm import ir, relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
+    if not BOUNDED_TAKES:
+        return mod
     take = ir.Op.get("relax.take")
 
     @mutator
@@ -184,8 +186,6 @@ def _bounded_takes(mod):
                 return relax.op.take(call.args[0], call.args[1], axis, mode="clip")
             return call
 
-    if not BOUNDED_TAKES:
-        return mod
     for gv, func in list(mod.functions_items()):  # the importer's fresh module, updated in place
         if isinstance(func, relax.Function):
             mod.update_func(gv, _Clip().visit_expr(func))
