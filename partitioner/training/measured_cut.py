@@ -91,6 +91,8 @@ Rules:
    its own key, and rank 0 measures it for every rank). Only for steps of at least
    :data:`TVM_MIN_STEP_S` by rule 1's prices (their sum x ``M``): below that the builds cost more
    than any cut could save (the tests' small models). Any failure: rule 1's prices.
+9. Rule 8's cached row is keyed also by the TVM backend's sources (:func:`tvm_sources_hash`): a
+   row timed on other kernels is not reused.
 """
 
 from __future__ import annotations
@@ -162,9 +164,26 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None 
     if float(t.sum()) * micro_batches < TVM_MIN_STEP_S or not any(n.op_type in TVM_SCALED_OPS for n in fwd.graph):
         return t
     proto = ir.serde.serialize_model(fwd)
-    scaled = _cached(_key(proto, loss) + f"-tvm{stages}x{micro_batches}v{TVM_VERSION}", (len(t),),
-                     lambda: tvm_scaled(fwd, t, loss, stages, micro_batches))
+    scaled = _cached(_key(proto, loss) + f"-tvm{stages}x{micro_batches}v{TVM_VERSION}-{tvm_sources_hash()}",
+                     (len(t),), lambda: tvm_scaled(fwd, t, loss, stages, micro_batches))
     return t if scaled is None else scaled
+
+
+def tvm_sources_hash() -> str:
+    """Rule 9: the part of rule 8's cache key that names the TVM kernels the stages were timed
+    with, a hash of the TVM backend's Python sources (``backends/tvm``: lowering, fusion,
+    schedules). A kernel change re-times the stages on the next TVM pipeline plan, instead of
+    keeping a cut made on the old kernels (session 26: the zoo resnet's row had been timed
+    before session 25's stem-copy change; re-timed under this key it chose the same cut, after
+    layer2.1.conv2)."""
+    import backends.tvm
+
+    root = Path(backends.tvm.__file__).resolve().parent
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _cached(key: str, shape: tuple[int, ...], measure: Any) -> np.ndarray | None:

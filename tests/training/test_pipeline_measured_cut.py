@@ -90,3 +90,38 @@ def test_measured_cut_balances_the_resnet_stages(monkeypatch, tmp_path) -> None:
     ratio_on, ratio_off = max(t_on) / min(t_on), max(t_off) / min(t_off)
     assert ratio_on < 1.5 and ratio_on < ratio_off, (t_on, t_off)
     assert max(t_on) < max(t_off), (t_on, t_off)
+
+
+def test_tvm_stage_timing_is_not_reused_across_kernel_changes(monkeypatch, tmp_path) -> None:
+    """Rule 9: rule 8's cached row is keyed by the TVM backend's sources: the same model and
+    settings reuse it, a changed source re-times the stages."""
+    import backends.tvm
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    src = tmp_path / "tvm_src"
+    src.mkdir()
+    (src / "__init__.py").write_text("")
+    (src / "schedule.py").write_text("TILE = 16\n")
+    monkeypatch.setattr(backends.tvm, "__file__", str(src / "__init__.py"))
+    before = measured_cut.tvm_sources_hash()
+    assert measured_cut.tvm_sources_hash() == before
+    (src / "schedule.py").write_text("TILE = 32\n")
+    assert measured_cut.tvm_sources_hash() != before
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 3, 3, 3], [0.1] * 108)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+                           helper.make_node("Relu", ["y"], ["z"], name="relu")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4, 8, 8])], [w])
+    fwd = ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "_ort_node_seconds", lambda *a: np.array([0.04, 0.02]))
+    timed = []
+    monkeypatch.setattr(measured_cut, "tvm_scaled", lambda *a: timed.append(1) or np.array([0.05, 0.01]))
+    for _ in range(2):
+        assert list(measured_cut.node_seconds(fwd, "mse", "tvm", micro_batches=2, stages=2)) == [0.05, 0.01]
+    assert len(timed) == 1  # the second plan reused the cached row
+    (src / "schedule.py").write_text("TILE = 64\n")
+    measured_cut.node_seconds(fwd, "mse", "tvm", micro_batches=2, stages=2)
+    assert len(timed) == 2  # a kernel change: timed again
