@@ -93,6 +93,27 @@ Rules:
    than any cut could save (the tests' small models). Any failure: rule 1's prices.
 9. Rule 8's cached row is keyed also by the TVM backend's sources (:func:`tvm_sources_hash`): a
    row timed on other kernels is not reused.
+10. Neighbour cuts, timed (2-stage TVM plans that rule 8 timed; :data:`TVM_NEIGHBOUR_CUTS`): rule
+   8 rescales once, so the cut its prices give is one estimate, not a measurement. Three plans
+   are then built and their stages timed alone in :data:`TVM_ROUNDS` interleaved rounds (as rule
+   8, thread CPU per step, each plan's cut forced by ``pipeline.CUT_AFTER``): rule 8's cut, the
+   cut one conv earlier (the last ``Conv`` of stage 0 and what follows it move to stage 1) and one
+   conv later (the first ``Conv`` of stage 1 moves to stage 0). A neighbour whose slower stage is
+   :data:`TVM_NEIGHBOUR_GAIN` below rule 8's cut's replaces it; its prices are rule 8's with each
+   stage scaled to the two stages' mean sum (:func:`forced_prices`), so that the DP cuts there
+   (a candidate the DP would not cut at, for its cut bytes, is not timed). What it is for: the
+   zoo resnet at micro-batch 2 (session 26, ``benchmarks/pipeline_stages.py --cuts``, quiet):
+   rule 8 cut after layer2.1.conv2, stages 433.9 / 365.3 ms per step (1F1B bound 1.56x against
+   the 840.8 ms 1-rank step); one conv earlier, after layer2.1.conv1.relu, 384.3 / 406.2 (bound
+   1.67x); two convs earlier 347.9 / 445.2 (1.52x). Session 27 (Zen 5, quiet; README "Session
+   27"): rule 8 cut after layer3.0.conv1, its stages 272.4 / 238.4 ms; one conv earlier (after
+   layer2.1.relu) 244.8 / 236.5, taken; one conv later 285.1 / 202.6. The 2-rank MPI step, 3
+   rounds paired against rule 10 off (``train_step.py --paired-env
+   PARTITIONER_TRAIN_TVM_NEIGHBOUR_CUTS=0``): medians 281.2 against 289.9 ms, 2 pairs of 3 won.
+   Cost: three TVM plans built and timed (about 2 minutes for the zoo resnet on Zen 5), once per
+   machine: the row is cached under rule 8's key (rule 10 off: its own key), and rank 0 times it
+   for every rank; the timings are kept beside it (``<key>.json``) and printed on stderr. Conv
+   nets and 2 stages only (more stages: the neighbours of every cut multiply the builds).
 """
 
 from __future__ import annotations
@@ -131,7 +152,11 @@ TVM_SCALED_OPS = ("Conv",)
 #: rule 8: the least share of the slower stage the rescaled cut must save by its own prices;
 #: a smaller predicted gain keeps rule 1's cut (a noise-sized imbalance does not move it)
 TVM_MIN_GAIN = 0.05
-TVM_VERSION = 2  # rule 8's part of its cache key: bump when its measurement or choice changes
+TVM_VERSION = 3  # rule 8's part of its cache key: bump when its measurement or choice changes (3: rule 10)
+#: rule 10 on (module constant; the environment's ``PARTITIONER_TRAIN_TVM_NEIGHBOUR_CUTS=0`` turns it off)
+TVM_NEIGHBOUR_CUTS = os.environ.get("PARTITIONER_TRAIN_TVM_NEIGHBOUR_CUTS", "1") == "1"
+#: rule 10: the least share of rule 8's cut's slower stage a neighbour must save, measured
+TVM_NEIGHBOUR_GAIN = 0.03
 #: rule 8 on MPI ranks: how long the other ranks wait for rank 0's prices (it builds and times the
 #: TVM stages first: about 40 s for the zoo resnet on a quiet machine, 245 s at load 6-9)
 TVM_CUT_WAIT_S = 1800.0
@@ -164,8 +189,10 @@ def node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | None 
     if float(t.sum()) * micro_batches < TVM_MIN_STEP_S or not any(n.op_type in TVM_SCALED_OPS for n in fwd.graph):
         return t
     proto = ir.serde.serialize_model(fwd)
-    scaled = _cached(_key(proto, loss) + f"-tvm{stages}x{micro_batches}v{TVM_VERSION}-{tvm_sources_hash()}",
-                     (len(t),), lambda: tvm_scaled(fwd, t, loss, stages, micro_batches))
+    off = "" if TVM_NEIGHBOUR_CUTS else "n0"  # rule 10 off: rule 8's row, under its own key
+    key = _key(proto, loss) + f"-tvm{stages}x{micro_batches}v{TVM_VERSION}{off}-{tvm_sources_hash()}"
+    report = _cache_file(key).with_suffix(".json")  # rule 10's timings
+    scaled = _cached(key, (len(t),), lambda: tvm_scaled(fwd, t, loss, stages, micro_batches, report))
     return t if scaled is None else scaled
 
 
@@ -230,9 +257,11 @@ def _ort_node_seconds(fwd: ir.Model, loss: str, backend: str, whole: ir.Model | 
     return _cached(_key(proto, loss, deferred), (3, len(names)) if deferred else (len(names),), measure)
 
 
-def tvm_scaled(fwd: ir.Model, t: np.ndarray, loss: str, stages: int, micro_batches: int) -> np.ndarray | None:
+def tvm_scaled(fwd: ir.Model, t: np.ndarray, loss: str, stages: int, micro_batches: int,
+               report: Path | None = None) -> np.ndarray | None:
     """Rule 8: ``t`` (rule 1's prices) with each stage's nodes scaled by its TVM stage's measured
-    CPU per step over its summed prices, the stages those of rule 1's cut; None on any failure."""
+    CPU per step over its summed prices, the stages those of rule 1's cut; None on any failure.
+    Then rule 10 (its timings written to ``report``, JSON, when given)."""
     from partitioner.training.pipeline import stage_ends
 
     try:
@@ -241,7 +270,76 @@ def tvm_scaled(fwd: ir.Model, t: np.ndarray, loss: str, stages: int, micro_batch
     except Exception:  # noqa: BLE001 - rule 8: any failure keeps rule 1's prices
         return None
     scaled = rescaled(t, ends, [x / micro_batches for x in times])  # per micro-batch, as ``t``
-    return None if scaled is None else worth_moving(fwd.graph, t, scaled, ends, stages)
+    if scaled is None:
+        return None
+    prices = worth_moving(fwd.graph, t, scaled, ends, stages)
+    if not TVM_NEIGHBOUR_CUTS or stages != 2:
+        return prices
+    try:
+        return neighbour_checked(fwd, loss, micro_batches, prices, report)
+    except Exception:  # noqa: BLE001 - rule 10: a failed timing keeps rule 8's prices
+        return prices
+
+
+def neighbour_checked(fwd: ir.Model, loss: str, micro_batches: int, prices: np.ndarray,
+                      report: Path | None = None) -> np.ndarray:
+    """Rule 10: ``prices`` (rule 8's), or the prices of the neighbour cut whose stages, timed with
+    rule 8's cut's in interleaved rounds, have a slower stage :data:`TVM_NEIGHBOUR_GAIN` below.
+    The timings go to stderr (one line) and, as JSON, to ``report`` when given."""
+    import sys
+
+    from partitioner.training.pipeline import stage_ends
+
+    nodes = list(fwd.graph)
+    first = stage_ends(fwd.graph, 2, seconds=prices)[0]
+    rows = {first: prices}
+    for e in neighbour_ends(nodes, first):
+        row = forced_prices(prices, e)
+        if row is not None and stage_ends(fwd.graph, 2, seconds=row)[0] == e:
+            rows[e] = row
+    if len(rows) == 1:
+        return prices
+    cuts = list(rows)
+    names = [nodes[e].name for e in cuts]
+    sys.stderr.write(f"pipeline cut: timing the TVM stages of {len(cuts)} cuts (once per machine, model)\n")
+    times = tvm_cut_times(fwd, loss, micro_batches, names)
+    slowest = [max(ts) for ts in times]
+    best = min(range(len(cuts)), key=slowest.__getitem__)
+    best = best if slowest[best] <= (1.0 - TVM_NEIGHBOUR_GAIN) * slowest[0] else 0
+    timed = ", ".join(f"after {n} {' / '.join(f'{x * 1e3:.1f}' for x in ts)} ms"
+                      for n, ts in zip(names, times))
+    sys.stderr.write(f"pipeline cut: {timed} (stage CPU per step): cut after {names[best]}\n")
+    if report is not None:
+        try:
+            doc = {"rule": "measured_cut rule 10", "cuts": names, "stage_seconds": times,
+                   "chosen": names[best]}
+            report.write_text(json.dumps(doc, indent=1))
+        except OSError:
+            pass
+    return rows[cuts[best]] if best else prices
+
+
+def neighbour_ends(nodes: list[ir.Node], end: int) -> list[int]:
+    """Rule 10's candidates around a 2-stage cut after node ``end``: the cut just before the last
+    ``Conv`` of stage 0, and the cut just after the first ``Conv`` of stage 1 (each kept when both
+    stages still hold a node)."""
+    convs = [i for i, n in enumerate(nodes) if n.op_type in TVM_SCALED_OPS]
+    before = [i - 1 for i in convs if i <= end and i >= 1]
+    after = [i for i in convs if end < i < len(nodes) - 1]
+    return before[-1:] + after[:1]
+
+
+def forced_prices(prices: np.ndarray, end: int) -> np.ndarray | None:
+    """Rule 10: ``prices`` with stage 0 (nodes ``0..end``) and stage 1 each scaled to their mean
+    sum, so that a 2-stage DP on them cuts after ``end`` (every other cut moves a priced node onto
+    one stage); None when a stage has no price."""
+    out = np.asarray(prices, dtype=np.float64).copy()
+    a, b = float(out[:end + 1].sum()), float(out[end + 1:].sum())
+    if a <= 0 or b <= 0:
+        return None
+    out[:end + 1] *= (a + b) / (2 * a)
+    out[end + 1:] *= (a + b) / (2 * b)
+    return out
 
 
 def worth_moving(graph: ir.Graph, t: np.ndarray, scaled: np.ndarray, ends: list[int], stages: int) -> np.ndarray:
@@ -275,6 +373,20 @@ def rescaled(t: np.ndarray, ends: list[int], times: list[float]) -> np.ndarray |
 def tvm_stage_times(fwd: ir.Model, loss: str, stages: int, micro_batches: int) -> list[float]:
     """Rule 8's measurement: each stage of the plan built with rule 1's cut, run on TVM alone
     (:class:`~partitioner.training.overheads._Instant`), median thread CPU seconds per step."""
+    return _timed_plans(fwd, loss, stages, micro_batches, [None])[0]
+
+
+def tvm_cut_times(fwd: ir.Model, loss: str, micro_batches: int, cuts: list[str]) -> list[list[float]]:
+    """Rule 10's measurement: per cut (the name of the node stage 0 ends with), the 2-stage plan's
+    stage times as rule 8 takes them, the plans' stages interleaved in each round."""
+    return _timed_plans(fwd, loss, 2, micro_batches, [(c,) for c in cuts])
+
+
+def _timed_plans(fwd: ir.Model, loss: str, stages: int, micro_batches: int,
+                 cuts: list[tuple[str, ...] | None]) -> list[list[float]]:
+    """Rules 8 and 10: one TVM plan per forced cut (None: rule 1's), every stage run alone
+    (:class:`~partitioner.training.overheads._Instant`) in :data:`TVM_ROUNDS` interleaved rounds
+    after a warm-up; per plan, each stage's median thread CPU seconds per step."""
     import statistics
     import time
 
@@ -286,21 +398,26 @@ def tvm_stage_times(fwd: ir.Model, loss: str, stages: int, micro_batches: int) -
 
     feeds = _feeds(_gradients_step(ir.serde.serialize_model(fwd), loss))
     micro = len(feeds["labels"])
-    plan = _with_settings({f"{__name__}.TVM_STAGE_SCALED": False},
-                          lambda: build_pipeline(fwd, loss, SGD(lr=0.0), batch=micro * micro_batches, stages=stages,
-                                                 micro_batches=micro_batches, backend="tvm"))
-    labels = np.concatenate([feeds.pop(plan.labels)] * micro_batches)
+    def plan() -> Any:
+        return build_pipeline(fwd, loss, SGD(lr=0.0), batch=micro * micro_batches, stages=stages,
+                              micro_batches=micro_batches, backend="tvm")
+
+    rule1 = {f"{__name__}.TVM_STAGE_SCALED": False}
+    plans = [_with_settings({**rule1, "partitioner.training.pipeline.CUT_AFTER": cut}, plan) for cut in cuts]
+    labels = np.concatenate([feeds.pop(plans[0].labels)] * micro_batches)
     data = {k: np.concatenate([v] * micro_batches) for k, v in feeds.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        runners = [PipelineRunner(plan, s, comm=_Instant(s), backend="tvm", workdir=tmp) for s in range(stages)]
-        times: list[list[float]] = [[] for _ in runners]
+        runners = [[PipelineRunner(p, s, comm=_Instant(s), backend="tvm", workdir=str(Path(tmp) / f"plan{i}"))
+                    for s in range(stages)] for i, p in enumerate(plans)]
+        times: list[list[list[float]]] = [[[] for _ in rs] for rs in runners]
         for i in range(TVM_ROUNDS + 1):
-            for r, ts in zip(runners, times):
-                c = time.thread_time()
-                r.step(data, labels)
-                if i:  # the first round warms up
-                    ts.append(time.thread_time() - c)
-    return [statistics.median(ts) for ts in times]
+            for rs, plan_times in zip(runners, times):
+                for r, ts in zip(rs, plan_times):
+                    c = time.thread_time()
+                    r.step(data, labels)
+                    if i:  # the first round warms up
+                        ts.append(time.thread_time() - c)
+    return [[statistics.median(ts) for ts in plan_times] for plan_times in times]
 
 
 def shared_node_seconds(fwd: ir.Model, loss: str, backend: str, comm: Any, ranks: list[int],

@@ -3,11 +3,15 @@
 The rescaling is checked on hand-worked prices; the cut it gives is checked with the TVM stage
 timer replaced by fixed times (no timing in the assertion: a stage reported 3x slower than its
 ORT prices must lose nodes to the other, one reported 2% slower must not: ``TVM_MIN_GAIN``);
-conv nets only (``TVM_SCALED_OPS``: the mlp is not timed); on by default (session 15); the real
+rule 10's neighbour cuts likewise, with the plan timer replaced by fixed times (a neighbour 10%
+faster is taken and the plan cuts there, one 1% faster is not); conv nets only
+(``TVM_SCALED_OPS``: the mlp is not timed); on by default (session 15); the real
 timer runs once on a small conv net (slow), and the plan it cuts trains like one rank.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -56,6 +60,7 @@ def _fake_times(calls: list, slow: float):
 
 def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_NEIGHBOUR_CUTS", False)  # rule 10: its own tests below
     monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
     calls: list = []  # rule 8 is on by default (session 15): this test fails with it off
     monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 3.0))
@@ -76,6 +81,7 @@ def test_a_slow_tvm_stage_moves_the_cut(monkeypatch, tmp_path) -> None:
 
 def test_a_noise_sized_imbalance_keeps_the_cut(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_NEIGHBOUR_CUTS", False)  # rule 10: its own tests below
     monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
     calls: list = []
     monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times(calls, 1.02))
@@ -84,6 +90,61 @@ def test_a_noise_sized_imbalance_keeps_the_cut(monkeypatch, tmp_path) -> None:
     kept = measured_cut.node_seconds(fwd, "cross_entropy", "tvm", None, 4, stages=2)
     assert calls  # timed, and rule 1's prices kept: a 2% slower stage saves less than TVM_MIN_GAIN
     np.testing.assert_array_equal(kept, ort)
+
+
+def test_neighbour_ends_and_forced_prices() -> None:
+    import onnx_ir as ir
+
+    nodes = [ir.Node("", op, []) for op in ("Conv", "Relu", "Conv", "Relu", "Conv", "Relu", "Gemm")]
+    # a cut after node 3 (the second Relu): before the Conv at 2 (end 1), after the Conv at 4
+    assert measured_cut.neighbour_ends(nodes, 3) == [1, 4]
+    assert measured_cut.neighbour_ends(nodes, 0) == [2]  # no Conv of stage 0 can leave it
+    # stage 0 = nodes 0-1 (2 s), stage 1 = nodes 2-4 (8 s): each scaled to the mean, 5 s
+    t = np.array([1.0, 1.0, 2.0, 2.0, 4.0])
+    np.testing.assert_allclose(measured_cut.forced_prices(t, 1), [2.5, 2.5, 1.25, 1.25, 2.5])
+    assert measured_cut.forced_prices(np.array([0.0, 1.0]), 0) is None
+
+
+def _neighbour_case(monkeypatch, tmp_path, gain: float):
+    """Rule 10 with fixed times: rule 8 keeps rule 1's prices (stages at 1x), and every neighbour
+    plan's stages are reported ``gain`` below rule 8's cut's."""
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"{key}.npy")
+    monkeypatch.setattr(measured_cut, "TVM_MIN_STEP_S", 0.0)
+    monkeypatch.setattr(measured_cut, "tvm_stage_times", _fake_times([], 1.0))
+    cuts: list = []
+
+    def cut_times(fwd, loss, micro_batches, names):
+        cuts.append(names)
+        return [[1.0, 0.5]] + [[1.0 - gain, 0.5]] * (len(names) - 1)
+
+    monkeypatch.setattr(measured_cut, "tvm_cut_times", cut_times)
+    fwd = _load(_model(), 2)
+    ort = measured_cut.node_seconds(fwd, "cross_entropy", "onnxruntime", None, 4)
+    return fwd, ort, measured_cut.node_seconds(fwd, "cross_entropy", "tvm", None, 4, stages=2), cuts
+
+
+def test_a_faster_neighbour_cut_is_taken(monkeypatch, tmp_path) -> None:
+    fwd, ort, prices, cuts = _neighbour_case(monkeypatch, tmp_path, 0.10)
+    names = [n.name for n in fwd.graph]
+    first = stage_ends(fwd.graph, 2, seconds=ort)[0]
+    assert cuts and len(cuts[0]) >= 2 and cuts[0][0] == names[first]  # rule 8's cut and its neighbours, timed
+    moved = stage_ends(fwd.graph, 2, seconds=prices)[0]
+    assert names[moved] == cuts[0][1] != names[first]  # the first faster neighbour: the DP cuts there
+    report = json.loads(next(tmp_path.glob("*-tvm2x4v*.json")).read_text())  # the timings, kept
+    assert report["cuts"] == cuts[0] and report["chosen"] == cuts[0][1]
+    kw = {"batch": 8, "stages": 2, "micro_batches": 4, "backend": "tvm"}
+    on = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), **kw)
+    monkeypatch.setattr(measured_cut, "TVM_NEIGHBOUR_CUTS", False)
+    monkeypatch.setattr(measured_cut, "_cache_file", lambda key: tmp_path / f"off-{key}.npy")
+    off = build_pipeline(_model(), "cross_entropy", SGD(lr=0.1), **kw)
+    assert _stage0_nodes(on, fwd) != _stage0_nodes(off, fwd)  # the plan takes the neighbour's cut
+    assert len(cuts) == 1  # rule 6: timed once, then read from the cache
+
+
+def test_a_noise_sized_neighbour_gain_keeps_the_cut(monkeypatch, tmp_path) -> None:
+    fwd, ort, prices, cuts = _neighbour_case(monkeypatch, tmp_path, 0.01)
+    assert cuts and len(cuts[0]) >= 2  # timed, and rule 8's (here rule 1's) prices kept
+    np.testing.assert_array_equal(prices, ort)
 
 
 def test_gemm_models_are_not_timed(monkeypatch, tmp_path) -> None:
