@@ -326,8 +326,9 @@ def calibration(backend: str) -> dict:
     """The cached calibration the predictions use (``cpu:<ranks>`` reads it), made first when
     there is none or when it predates the training probes (no ``gemm_backward`` /
     ``conv_backward``: the backward would run at the forward classes' rates, cost rule 1) or
-    lacks one of today's probes (the conv weight gradient's GEMM form, the out-of-cache GEMM, say): a full
-    ``partitioner calibrate --backend B`` (about a minute). Returns the figures the JSON records."""
+    lacks one of today's probes (the conv weight gradient's GEMM form, the out-of-cache GEMM, say, or
+    probe 7's in-cache co-run copy, session 27): a full ``partitioner calibrate --backend B`` (about
+    a minute). Returns the figures the JSON records."""
     from partitioner.calibrate import calibrate_and_cache
     from partitioner.calibrate_cache import cache_path, load_cached
     from partitioner.cluster import BACKWARD_CLASSES
@@ -337,7 +338,8 @@ def calibration(backend: str) -> dict:
     doc = load_cached(backend)
     classes = (((doc or {}).get("cluster") or {}).get("devices") or [{}])[0].get("efficiency_by_class") or {}
     probed = {k.get("kernel") for k in ((doc or {}).get("calibration") or {}).get("kernels") or []}
-    if doc is None or any(c not in classes for c in BACKWARD_CLASSES) or \
+    co_run_old = "co_run_cached_rounds" not in ((doc or {}).get("calibration") or {})
+    if doc is None or any(c not in classes for c in BACKWARD_CLASSES) or co_run_old or \
             any(k.name not in probed for k in micro_kernels(quick=False)):
         print(f"calibrating the {backend} backend (training probes included) into {cache_path(backend)} ...",
               flush=True)
@@ -352,7 +354,8 @@ def calibration(backend: str) -> dict:
     cal = doc.get("calibration") or {}
     return {"file": str(cache_path(backend)), "efficiency_by_class": dev.get("efficiency_by_class"),
             "peak_flops": dev.get("peak_flops"), "memory_bandwidth": dev.get("memory_bandwidth"),
-            "seconds": cal.get("seconds")}
+            "co_run_bandwidth": dev.get("co_run_bandwidth", 1.0),
+            "co_run_cached_bandwidth": dev.get("co_run_cached_bandwidth", 0.0), "seconds": cal.get("seconds")}
 
 
 def _load() -> list[float]:

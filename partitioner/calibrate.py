@@ -45,8 +45,10 @@ What is measured, and how:
    development machine (session 22, ``benchmarks/co_run.py``, one pinned process per core, stored
    in ``benchmarks/results/session22_zen4/co_run.json``), each core kept 0.43-0.71 (median 0.54)
    of its 29-39 GB/s while both copied, where a 256x256 GEMM kept 0.97-1.00 of its rate (compute
-   does not share). Skipped
-   with probe 6 while other work holds the cores (1.0: nominal).
+   does not share). The same again with a copy that stays in the caches
+   (:data:`CO_RUN_CACHED_BYTES` moved, ``co_run_cached_bandwidth``): on Zen 5 (session 27) it
+   kept 0.93 where the out-of-cache copy kept 0.43. Skipped
+   with probe 6 while other work holds the cores (1.0 and 0.0: nominal, not measured).
 5. MPI α and β: ``mpiexec -n 2 python -m partitioner.calibrate_mpi`` ping-pong at several sizes,
    then a least-squares fit of one-way time = α + nβ weighted by 1/t (relative error), so both
    small and large messages count; α is clamped to [0, time of the smallest message]. The 2-rank allreduce times are kept for checking the model.
@@ -73,7 +75,7 @@ from partitioner.cluster import CPU_LINK, MAX_CLASS_EFFICIENCY, Cluster, Device,
 from partitioner.core.env import env_number
 from partitioner.core.errors import PartitionerError
 from partitioner.core.machine import machine_info
-from partitioner.cost.roofline import GEMM_LARGE_PROBE, GEMM_PROBE, LARGE_MAP
+from partitioner.cost.roofline import CO_RUN_CACHED_BYTES, GEMM_LARGE_PROBE, GEMM_PROBE, LARGE_MAP
 
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
@@ -115,6 +117,8 @@ class Calibration:
     threads_probed: int = 1
     co_run_bandwidth: float = 1.0  # probe 7 (1.0: not measured)
     co_run_rounds: tuple[float, ...] = field(default=(), hash=False)  # probe 7's per-round shares
+    co_run_cached_bandwidth: float = 0.0  # probe 7's in-cache copy (0.0: not measured)
+    co_run_cached_rounds: tuple[float, ...] = field(default=(), hash=False)
     # probe 6's per-kernel best times, {"kernel", "class", "one_s", "many_s"} (the class figures' evidence)
     thread_kernels: tuple[dict[str, Any], ...] = field(default=(), hash=False)
 
@@ -127,6 +131,8 @@ class Calibration:
             "efficiency_by_class": dict(self.efficiency_by_class),
             "thread_efficiency_by_class": dict(self.thread_efficiency_by_class), "threads_probed": self.threads_probed,
             "co_run_bandwidth": self.co_run_bandwidth, "co_run_rounds": list(self.co_run_rounds),
+            "co_run_cached_bandwidth": self.co_run_cached_bandwidth,
+            "co_run_cached_rounds": list(self.co_run_cached_rounds),
             "thread_kernels": [dict(k) for k in self.thread_kernels],
             "kernels": [dict(k) for k in self.kernels],
             "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
@@ -872,20 +878,28 @@ def sustained_rate(fn: Any, units: float, seconds: float) -> float:
     return units * n / (time.perf_counter() - t0)
 
 
-def co_run_bandwidth(cores: int, quick: bool) -> tuple[float, ...]:
+# Probe 7's in-cache copy moves ``CO_RUN_CACHED_BYTES`` (read + write, 1 MiB arrays; the cost
+# model's roofline rule 8 reads the share at those bytes). Measured on Zen 5 (session 27, 2
+# cores, 5 rounds each): a copy of 2-8 MiB moved kept 0.88-0.95 of its lone rate with both cores
+# copying, 32 MiB 0.59, 64 MiB 0.43, 128 MiB 0.52: the memory system is shared beyond the
+# caches, not within them.
+
+
+def co_run_bandwidth(cores: int, quick: bool, moved: int | None = None) -> tuple[float, ...]:
     """Probe 7: per round, the mean bandwidth of ``cores`` threads copying at once (each pinned to
     one usable CPU, its own arrays of probe 2's kind) over the first thread's bandwidth copying
     alone just before. Each phase copies back to back for a fixed time (sustained bandwidth, as a
     step's memory-bound kernels draw it; the best single copy of probe 2 caught bursts: 0.86-1.14
     in one calibration against 0.64-0.81 sustained); ``numpy.copyto`` releases the GIL, so the
     threads' copies overlap. The timed loop is :func:`sustained_rate`, shared with
-    ``benchmarks/co_run.py``."""
+    ``benchmarks/co_run.py``. ``moved``: the bytes one copy moves (default: 32 or 64 MiB arrays,
+    out of every cache; :data:`CO_RUN_CACHED_BYTES`: the in-cache copy)."""
     import threading
 
     import numpy as np
 
     cpus = sorted(os.sched_getaffinity(0))[:cores] if hasattr(os, "sched_getaffinity") else []
-    size, span = (32 if quick else 64) * 2 ** 20, 0.1 if quick else 0.25
+    size, span = (32 if quick else 64) * 2 ** 20 if moved is None else moved // 2, 0.1 if quick else 0.25
     arrays = [(np.ones(size // 4, np.float32), np.empty(size // 4, np.float32)) for _ in range(cores)]
     barrier = threading.Barrier(cores + 1)
     plan: dict[str, Any] = {"who": 0, "stop": False}
@@ -1021,10 +1035,12 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
     threads = probe_threads()
     thread_eff: dict[str, float] = {}
     co_run: tuple[float, ...] = ()
+    co_cached: tuple[float, ...] = ()
     thread_kernels: tuple[dict[str, Any], ...] = ()
     if threads > 1 and (thread_probe if thread_probe is not None else _cores_free(threads)):
         thread_eff, thread_kernels = run_thread_probe(quick, backend, threads)
         co_run = co_run_bandwidth(threads, quick)
+        co_cached = co_run_bandwidth(threads, quick, CO_RUN_CACHED_BYTES)
     # generous timeouts: mpiexec start-up plus numpy/mpi4py imports take seconds on a busy machine
     mpi, mpi_error = _run_mpi(quick, timeout=60 if quick else 120) if mpi else (None, "skipped (mpi=False)")
     if mpi is not None:
@@ -1041,6 +1057,8 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         comm_op_overhead_s=float(single.get("comm_op_overhead_s", 0.0)),
         thread_efficiency_by_class=thread_eff, threads_probed=threads if thread_eff else 1,
         co_run_bandwidth=min(1.0, statistics.median(co_run)) if co_run else 1.0, co_run_rounds=co_run,
+        co_run_cached_bandwidth=min(1.0, statistics.median(co_cached)) if co_cached else 0.0,
+        co_run_cached_rounds=co_cached,
         thread_kernels=thread_kernels,
         alpha_s=alpha, beta_s_per_byte=beta, pingpong=tuple(pp), allreduce=tuple(ar),  # type: ignore[arg-type]
         mpi_ok=mpi is not None, mpi_error=mpi_error, seconds=time.perf_counter() - t0, machine=machine_info(),
@@ -1058,7 +1076,8 @@ def cluster_from_calibration(cal: Calibration, n: int | None = None) -> Cluster:
     mem = total_memory_bytes() / n
     devs = tuple(Device(f"cpu{i}", "cpu", dict(peak), mem, cal.memory_bandwidth, 1.0, cal.launch_overhead_s,
                         dict(cal.efficiency_by_class), cal.call_overhead_s, cal.backend, cal.comm_op_overhead_s,
-                        dict(cal.thread_efficiency_by_class), cal.co_run_bandwidth)
+                        dict(cal.thread_efficiency_by_class), cal.co_run_bandwidth,
+                        cal.co_run_cached_bandwidth)
                  for i in range(n))
     link = LinkLevel("shm-mpi" if cal.mpi_ok else "shm", cal.alpha_s, cal.beta_s_per_byte)
     notes = (f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {cal.machine.get('cpu', '?')} "

@@ -112,6 +112,14 @@ class Device:
     #: once (calibration probe 7; 1.0: nominal, not measured): ranks of one node that run at the
     #: same time share the memory system (cost.training rule 11)
     co_run_bandwidth: float = 1.0
+    #: the same share for a copy whose working set stays in the node's caches (probe 7's second
+    #: copy, :data:`partitioner.calibrate.CO_RUN_CACHED_BYTES` moved; 0: not measured, every
+    #: working set at ``co_run_bandwidth``): cost.training rule 11 interpolates by working set
+    co_run_cached_bandwidth: float = 0.0
+    #: set by :func:`partitioner.cost.training.co_located` on the device of a rank that runs beside
+    #: others on its node (with ``memory_bandwidth`` already at the ``co_run_bandwidth`` share);
+    #: never written to a cluster file
+    co_running: bool = False
 
     def class_efficiency(self, op_class: str | None) -> float:
         """The efficiency for ``op_class``; ``efficiency`` when the class is None or not listed."""
@@ -136,7 +144,9 @@ class Device:
                 **({"comm_op_overhead_s": self.comm_op_overhead_s} if self.comm_op_overhead_s else {}),
                 **({"thread_efficiency_by_class": dict(self.thread_efficiency_by_class)}
                    if self.thread_efficiency_by_class else {}),
-                **({"co_run_bandwidth": self.co_run_bandwidth} if self.co_run_bandwidth != 1.0 else {})}
+                **({"co_run_bandwidth": self.co_run_bandwidth} if self.co_run_bandwidth != 1.0 else {}),
+                **({"co_run_cached_bandwidth": self.co_run_cached_bandwidth}
+                   if self.co_run_cached_bandwidth else {})}
 
 
 @dataclass(frozen=True)
@@ -191,6 +201,9 @@ class Cluster:
                 raise ClusterError(f"{where}: device {d.name!r}: efficiency must be in (0, 1]")
             if not (0 < d.co_run_bandwidth <= 1):
                 raise ClusterError(f"{where}: device {d.name!r}: co_run_bandwidth must be in (0, 1]")
+            if not (0 <= d.co_run_cached_bandwidth <= 1):
+                raise ClusterError(f"{where}: device {d.name!r}: co_run_cached_bandwidth must be in [0, 1] "
+                                   "(0: not measured)")
             for fname in ("launch_overhead_s", "call_overhead_s", "comm_op_overhead_s"):
                 if not (getattr(d, fname) >= 0 and math.isfinite(getattr(d, fname))):
                     raise ClusterError(f"{where}: device {d.name!r}: {fname} must be >= 0")
@@ -379,6 +392,7 @@ def _parse(data: Any, source: str) -> Cluster:
                 comm_op_overhead_s=_num(d, "comm_op_overhead_s", where, 0.0),
                 thread_efficiency_by_class=_thread_eff(d, where),
                 co_run_bandwidth=_num(d, "co_run_bandwidth", where, 1.0),
+                co_run_cached_bandwidth=_num(d, "co_run_cached_bandwidth", where, 0.0),
             ))
     nodes_raw = data.get("nodes")
     if nodes_raw is None:
@@ -570,7 +584,7 @@ def replicate(cluster: Cluster, n: int) -> Cluster:
     devs = tuple(Device(f"{d0.kind}{i}", d0.kind, dict(d0.peak_flops), d0.memory_bytes, d0.memory_bandwidth,
                         d0.efficiency, d0.launch_overhead_s, dict(d0.efficiency_by_class), d0.call_overhead_s,
                         d0.runtime, d0.comm_op_overhead_s, dict(d0.thread_efficiency_by_class),
-                        d0.co_run_bandwidth)
+                        d0.co_run_bandwidth, d0.co_run_cached_bandwidth)
                  for i in range(n))
     return Cluster(f"{cluster.name}:{n}", devs, (tuple(range(n)),), cluster.levels[:1], cluster.notes)
 

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from partitioner.calibrate import calibrate, cluster_from_calibration
+    from partitioner.calibrate import CO_RUN_CACHED_BYTES, calibrate, cluster_from_calibration
     from partitioner.cluster import calibration_path
     from partitioner.core.errors import UsageError
 
@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     if cal.co_run_rounds:
         share = cal.co_run_bandwidth
         print(f"co-run bandwidth share:     {share:8.2f}   (each core, all {cal.threads_probed} copying)")
+        if cal.co_run_cached_rounds:
+            print(f"  in cache:                 {cal.co_run_cached_bandwidth:8.2f}   "
+                  f"(copies of {CO_RUN_CACHED_BYTES // 2 ** 20} MiB moved)")
     else:
         print("co-run bandwidth share:         1.00   (not measured: the cores were busy)")
     for cls, eff in cal.efficiency_by_class.items():

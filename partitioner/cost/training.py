@@ -164,7 +164,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    kept 0.43-0.71 (median 0.54) of one core's bandwidth with both cores copying; the zoo
    resnet's TVM steps (batch 16) measured 156.6 ms data and 210.7 ms 1F1B against 115.7 (-26%)
    and 157.7 ms (-25%) predicted without this rule (1 rank: 210.5 against 201.3).
-   ``CO_RUN_BANDWIDTH``.
+   ``CO_RUN_BANDWIDTH``. Since session 27 a node's price takes the share of its working set
+   (roofline rule 8: the caches are not shared, the DRAM path is) when the calibration measured
+   the in-cache co-run copy; the optimizer's pass, the gradient accumulation and the bucket
+   copies (weight-sized) keep the out-of-cache share.
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ def co_located(device: Any, ranks: int) -> Any:
     share = device.co_run_bandwidth
     if ranks <= 1 or not CO_RUN_BANDWIDTH or share >= 1.0:
         return device
-    return replace(device, memory_bandwidth=device.memory_bandwidth * share)
+    return replace(device, memory_bandwidth=device.memory_bandwidth * share, co_running=True)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Co-run bandwidth: calibration probe 7, the device field it fills, and the training cost
-model's rule 11 (the ranks of a multi-rank plan share their node's memory system)."""
+"""Co-run bandwidth: calibration probe 7, the device fields it fills, the training cost
+model's rule 11 (the ranks of a multi-rank plan share their node's memory system) and the
+roofline's rule 8 (by working set: the caches are not shared)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,101 @@ def test_the_probe_measures_a_share_per_round() -> None:
     assert len(shares) == 3
     assert all(0.05 < s < 3 for s in shares), shares
     assert any(s != 1.0 for s in shares)
+
+
+def _cached(share: float, cached: float, n: int = 2) -> Cluster:
+    base = cpu_cluster(1)
+    dev = dataclasses.replace(base.devices[0], co_run_bandwidth=share, co_run_cached_bandwidth=cached)
+    return replicate(dataclasses.replace(base, devices=[dev]), n)
+
+
+def test_the_in_cache_share_round_trips_and_co_running_is_never_written(tmp_path) -> None:
+    c = _cached(0.45, 0.9)
+    assert all(d.co_run_cached_bandwidth == 0.9 for d in c.devices)
+    c.save(tmp_path / "c.json")
+    doc = json.loads((tmp_path / "c.json").read_text())["devices"][0]
+    assert doc["co_run_cached_bandwidth"] == 0.9 and "co_running" not in doc
+    assert Cluster.resolve(str(tmp_path / "c.json")) == c
+    assert "co_run_cached_bandwidth" not in json.dumps(_cluster(0.45).to_json())  # 0: not measured
+    assert "co_running" not in json.dumps(cost.co_located(c.devices[0], 2).to_json())
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "0.9", True])
+def test_a_bad_in_cache_share_is_refused(tmp_path, value) -> None:
+    doc = cpu_cluster(1).to_json()
+    doc["devices"][0]["co_run_cached_bandwidth"] = value
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ClusterError, match="co_run_cached_bandwidth"):
+        Cluster.resolve(str(path))
+
+
+def test_the_gain_interpolates_by_working_set(monkeypatch) -> None:
+    """Roofline rule 8, worked by hand: in-cache share 0.9, out-of-cache 0.45 (gain 2 at and below
+    2 MiB, 1 at and beyond 64 MiB; at the geometric middle, 8 x 2**0.5 MiB, the share is 0.675:
+    gain 1.5); a device not co-running, or whose in-cache share was not measured, gains nothing."""
+    from partitioner.cost import roofline
+
+    two = cost.co_located(_cached(0.45, 0.9).devices[0], 2)
+    lone = cpu_cluster(1).devices[0].memory_bandwidth
+    assert two.co_running and two.memory_bandwidth == pytest.approx(0.45 * lone)
+    mib = 2 ** 20
+    assert roofline.co_run_gain(two, 1 * mib) == pytest.approx(2.0)
+    assert roofline.co_run_gain(two, 2 * mib) == pytest.approx(2.0)
+    assert roofline.co_run_gain(two, 8 * 2 ** 0.5 * mib) == pytest.approx(1.5)
+    assert roofline.co_run_gain(two, 64 * mib) == pytest.approx(1.0)
+    assert roofline.co_run_gain(two, 512 * mib) == pytest.approx(1.0)
+    assert roofline.co_run_gain(_cached(0.45, 0.9).devices[0], 1 * mib) == 1.0  # one rank: not co-running
+    assert roofline.co_run_gain(cost.co_located(_cluster(0.45).devices[0], 2), 1 * mib) == 1.0  # not measured
+    monkeypatch.setattr(roofline, "CO_RUN_BY_WORKING_SET", False)
+    assert roofline.co_run_gain(two, 1 * mib) == 1.0
+
+
+def test_in_cache_nodes_of_a_data_plan_keep_their_bandwidth() -> None:
+    """Rule 8 in a prediction: the zoo mlp at a small size (its maps and weights far below 2 MiB)
+    on two ranks with the out-of-cache share 0.5: with the in-cache share measured at 1.0 its
+    nodes run at the lone core's bandwidth (the step as on nominal devices but for the
+    weight-sized passes, which keep the out-of-cache share); unmeasured, at half of it."""
+    mlp = models_zoo.build("mlp", batch=32, hidden=64, in_features=16)
+    nominal = predict_training(mlp, "data", 2, batch=32, cluster=_cluster(1.0))
+    shared = predict_training(mlp, "data", 2, batch=32, cluster=_cluster(0.5))
+    cached = predict_training(mlp, "data", 2, batch=32, cluster=_cached(0.5, 1.0))
+    assert cached.step_time_s < shared.step_time_s
+    for part in ("forward_s", "backward_s"):
+        assert cached.breakdown[part] == pytest.approx(nominal.breakdown[part])
+        assert shared.breakdown[part] > cached.breakdown[part]
+    assert cached.breakdown["optimizer_s"] == pytest.approx(shared.breakdown["optimizer_s"])
+
+
+def test_calibration_carries_the_in_cache_share(monkeypatch) -> None:
+    import partitioner.calibrate as cal
+    from partitioner.calibrate import Calibration, cluster_from_calibration
+
+    c = Calibration(gemm_flops=1e11, gemm_n=512, memory_bandwidth=2e10, launch_overhead_s=1e-6,
+                    alpha_s=2e-6, beta_s_per_byte=4e-10, pingpong=((8, 2e-6),), allreduce=(), mpi_ok=True,
+                    seconds=1.0, co_run_bandwidth=0.5, co_run_rounds=(0.5,), co_run_cached_bandwidth=0.9,
+                    co_run_cached_rounds=(0.9, 0.95, 0.85))
+    assert all(d.co_run_cached_bandwidth == 0.9 for d in cluster_from_calibration(c, 2).devices)
+    assert c.to_json()["co_run_cached_rounds"] == [0.9, 0.95, 0.85]
+    sizes = []
+    monkeypatch.setattr(cal, "_run_probe", lambda quick, timeout, backend="tvm", threads=0: {
+        "gemm_flops": 1e11, "gemm_n": 512, "memory_bandwidth": 2e10, "launch_overhead_s": 1e-6})
+    monkeypatch.setattr(cal, "probe_threads", lambda: 2)
+    monkeypatch.setattr(cal, "run_thread_probe", lambda quick, backend, threads: ({}, ()))
+    def probe7(threads: int, quick: bool, moved: int | None = None) -> tuple[float, ...]:
+        sizes.append(moved)
+        return (0.9,) if moved else (0.5,)
+
+    monkeypatch.setattr(cal, "co_run_bandwidth", probe7)
+    got = cal.calibrate(quick=True, backend="tvm", mpi=False, thread_probe=True)
+    assert sizes == [None, cal.CO_RUN_CACHED_BYTES]
+    assert (got.co_run_bandwidth, got.co_run_cached_bandwidth) == (0.5, 0.9)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="probe 7 compares one core with two")
+def test_the_in_cache_probe_measures() -> None:
+    """Probe 7's in-cache copy for real: three positive shares, in physical range."""
+    from partitioner.calibrate import CO_RUN_CACHED_BYTES, co_run_bandwidth
+
+    shares = co_run_bandwidth(2, quick=True, moved=CO_RUN_CACHED_BYTES)
+    assert len(shares) == 3 and all(0.05 < s < 3 for s in shares), shares

@@ -140,7 +140,7 @@ def test_calibration_keeps_probe_6_per_kernel_times(monkeypatch) -> None:
 
     monkeypatch.setattr(cal, "_run_probe", probe)
     monkeypatch.setattr(cal, "probe_threads", lambda: 2)
-    monkeypatch.setattr(cal, "co_run_bandwidth", lambda threads, quick: (0.8,))
+    monkeypatch.setattr(cal, "co_run_bandwidth", lambda threads, quick, moved=None: (0.8,))
     c = cal.calibrate(quick=True, backend="tvm", mpi=False, thread_probe=True)
     rows = {r["kernel"]: r for r in c.to_json()["thread_kernels"]}
     assert set(rows) == {k.name for k in kernels}

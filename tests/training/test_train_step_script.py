@@ -30,8 +30,8 @@ def test_a_cache_without_the_training_probes_is_recalibrated(tmp_path, monkeypat
         new = dataclasses.replace(old, efficiency_by_class={"gemm": 0.9, "conv": 0.8, "gemm_backward": 0.7,
                                                             "conv_backward": 0.3})
         save_cached(dataclasses.replace(one, devices=[new]).to_json(),
-                    {"seconds": 2.0, "kernels": [{"kernel": k.name} for k in calibrate.micro_kernels(quick=False)]},
-                    backend)
+                    {"seconds": 2.0, "co_run_cached_rounds": [0.9],
+                     "kernels": [{"kernel": k.name} for k in calibrate.micro_kernels(quick=False)]}, backend)
 
     monkeypatch.setattr(calibrate, "calibrate_and_cache", fake)
     script = _script()
@@ -49,6 +49,12 @@ def test_a_cache_without_the_training_probes_is_recalibrated(tmp_path, monkeypat
     save_cached(doc["cluster"], {**doc["calibration"], "kernels": kernels}, "onnxruntime")
     script.calibration("onnxruntime")
     assert len(calls) == 2
+    # one made before probe 7's in-cache copy (session 27) too
+    doc = load_cached("onnxruntime")
+    save_cached(doc["cluster"], {k: v for k, v in doc["calibration"].items() if k != "co_run_cached_rounds"},
+                "onnxruntime")
+    script.calibration("onnxruntime")
+    assert len(calls) == 3
 
 
 def test_a_failed_calibration_is_said_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
@@ -82,8 +88,8 @@ def test_a_cache_without_todays_training_probes_is_recalibrated(tmp_path, monkey
     def fake(backend: str, quick: bool = True, thread_probe=None):
         calls.append(backend)
         save_cached(dataclasses.replace(one, devices=[dev]).to_json(),
-                    {"seconds": 2.0, "kernels": [{"kernel": k.name} for k in calibrate.micro_kernels(quick=False)]},
-                    backend)
+                    {"seconds": 2.0, "co_run_cached_rounds": [0.9],
+                     "kernels": [{"kernel": k.name} for k in calibrate.micro_kernels(quick=False)]}, backend)
 
     monkeypatch.setattr(calibrate, "calibrate_and_cache", fake)
     assert _script().calibration("onnxruntime")["seconds"] == 2.0 and calls == ["onnxruntime"]
