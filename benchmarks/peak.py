@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "peak.json"
 
 # fp32 FLOP per cycle per core for CPU families whose FMA datapath we know (2 x FMA x lanes):
-# Zen 4 runs AVX-512 on two 256-bit FMA pipes (32); Skylake-SP/Ice Lake/Sapphire Rapids server
-# parts have two 512-bit FMA units (64); Haswell..Zen 3 two 256-bit FMA units (32).
-FLOP_PER_CYCLE = {"znver4": 32, "znver3": 32, "znver2": 32, "haswell": 32, "skylake-avx512": 64,
+# Zen 4 runs AVX-512 on two 256-bit FMA pipes (32); Zen 5 (its EPYC parts) on two 512-bit FMA
+# pipes (64: session 27 measured 271 GFLOP/s, 4.2 GHz implied); Skylake-SP/Ice Lake/Sapphire
+# Rapids server parts have two 512-bit FMA units (64); Haswell..Zen 3 two 256-bit FMA units (32).
+FLOP_PER_CYCLE = {"znver5": 64, "znver4": 32, "znver3": 32, "znver2": 32, "haswell": 32, "skylake-avx512": 64,
                   "icelake-server": 64, "sapphirerapids": 64}
 
 
