@@ -398,6 +398,7 @@ def _timed_plans(fwd: ir.Model, loss: str, stages: int, micro_batches: int,
 
     feeds = _feeds(_gradients_step(ir.serde.serialize_model(fwd), loss))
     micro = len(feeds["labels"])
+
     def plan() -> Any:
         return build_pipeline(fwd, loss, SGD(lr=0.0), batch=micro * micro_batches, stages=stages,
                               micro_batches=micro_batches, backend="tvm")
