@@ -128,8 +128,9 @@ def test_paired_times_records_each_blocks_load() -> None:
     for name in ("a", "b"):
         loads = got[name]["block_load"]
         assert len(loads) == 2
-        for load in loads:  # one thread busy in Python: about one CPU second per wall second
-            assert 0.3 < load["cpu_per_wall"] < 1.5, load
+        for load in loads:  # one thread busy in Python: up to one CPU second per wall second (less
+            # when other processes take the core: a CI rehearsal beside a test run measured under 0.3)
+            assert 0.02 < load["cpu_per_wall"] < 1.5, load
             for share in ("foreign_share", "steal_share"):  # -1: no tick passed in so short a block
                 assert load[share] == -1.0 or 0.0 <= load[share] <= 1.0, load
 
