@@ -878,13 +878,6 @@ def sustained_rate(fn: Any, units: float, seconds: float) -> float:
     return units * n / (time.perf_counter() - t0)
 
 
-# Probe 7's in-cache copy moves ``CO_RUN_CACHED_BYTES`` (read + write, 1 MiB arrays; the cost
-# model's roofline rule 8 reads the share at those bytes). Measured on Zen 5 (session 27, 2
-# cores, 5 rounds each): a copy of 2-8 MiB moved kept 0.88-0.95 of its lone rate with both cores
-# copying, 32 MiB 0.59, 64 MiB 0.43, 128 MiB 0.52: the memory system is shared beyond the
-# caches, not within them.
-
-
 def co_run_bandwidth(cores: int, quick: bool, moved: int | None = None) -> tuple[float, ...]:
     """Probe 7: per round, the mean bandwidth of ``cores`` threads copying at once (each pinned to
     one usable CPU, its own arrays of probe 2's kind) over the first thread's bandwidth copying
@@ -893,7 +886,11 @@ def co_run_bandwidth(cores: int, quick: bool, moved: int | None = None) -> tuple
     in one calibration against 0.64-0.81 sustained); ``numpy.copyto`` releases the GIL, so the
     threads' copies overlap. The timed loop is :func:`sustained_rate`, shared with
     ``benchmarks/co_run.py``. ``moved``: the bytes one copy moves (default: 32 or 64 MiB arrays,
-    out of every cache; :data:`CO_RUN_CACHED_BYTES`: the in-cache copy)."""
+    out of every cache; :data:`CO_RUN_CACHED_BYTES`, read + write of 1 MiB arrays: the in-cache
+    copy, whose share the roofline's rule 8 reads at those bytes). Measured on Zen 5 (session 27,
+    2 cores, 5 rounds each): a copy of 2-8 MiB moved kept 0.88-0.95 of its lone rate with both
+    cores copying, 32 MiB 0.59, 64 MiB 0.43, 128 MiB 0.52: the memory system is shared beyond the
+    caches, not within them."""
     import threading
 
     import numpy as np

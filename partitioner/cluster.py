@@ -114,7 +114,7 @@ class Device:
     co_run_bandwidth: float = 1.0
     #: the same share for a copy whose working set stays in the node's caches (probe 7's second
     #: copy, :data:`partitioner.calibrate.CO_RUN_CACHED_BYTES` moved; 0: not measured, every
-    #: working set at ``co_run_bandwidth``): cost.training rule 11 interpolates by working set
+    #: working set at ``co_run_bandwidth``): the roofline's rule 8 interpolates by working set
     co_run_cached_bandwidth: float = 0.0
     #: set by :func:`partitioner.cost.training.co_located` on the device of a rank that runs beside
     #: others on its node (with ``memory_bandwidth`` already at the ``co_run_bandwidth`` share);
