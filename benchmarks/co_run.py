@@ -11,6 +11,11 @@ issue 16): two training ranks on the 2-core Zen 4 VM were priced as if each had 
 bandwidth, and the data and pipeline steps came out 25-33% slower than predicted. Calibration
 probe 7 (``partitioner.calibrate.co_run_bandwidth``) measures the copy share with threads; this
 script also shows that compute does not share. Nothing is asserted; the JSON keeps every round.
+
+``--sweep MIB[,MIB...]`` instead runs calibration probe 7 itself
+(``partitioner.calibrate.co_run_bandwidth``, threads pinned one per core, 7 rounds) with copies
+that move each given number of MiB (read + write): the share by working set that the
+roofline's rule 8 interpolates (session 27).
 """
 
 from __future__ import annotations
@@ -84,13 +89,41 @@ def measure(kinds: list[str], rounds: int, seconds: float) -> dict[str, Any]:
     return out
 
 
+def _sweep(spec: str, path: str) -> int:
+    """``--sweep``: probe 7's shares per size moved, as calibration measures them."""
+    from partitioner.calibrate import co_run_bandwidth
+
+    try:
+        sizes = [float(x) for x in spec.split(",") if x]
+    except ValueError:
+        sizes = []
+    if not sizes or any(not (0.25 <= m <= 4096) for m in sizes):
+        print(f"co_run: --sweep takes sizes in MiB between 0.25 and 4096, comma-separated (got {spec!r})",
+              file=sys.stderr)
+        return 2
+    cores = min(8, len(os.sched_getaffinity(0)))
+    rows = []
+    for mib in sizes:
+        shares = co_run_bandwidth(cores, quick=False, moved=int(mib * 2 ** 20))
+        rows.append({"moved_mib": mib, "shares": list(shares), "median_share": statistics.median(shares)})
+        print(f"copy of {mib:g} MiB moved: median share {rows[-1]['median_share']:.2f} "
+              f"({', '.join(f'{x:.2f}' for x in shares)})", flush=True)
+    doc = {"load_before": os.getloadavg(), "cores": cores, "sweep": rows}
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="gemm,copy")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=0.25, help="each phase's loop, per process")
+    ap.add_argument("--sweep", default="", metavar="MIB[,MIB...]",
+                    help="probe 7's copy at each size moved (MiB, read + write) instead of --kinds")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "co_run.json"))
     args = ap.parse_args(argv)
+    if args.sweep:
+        return _sweep(args.sweep, args.json)
     kinds = [k for k in args.kinds.split(",") if k]
     bad = [k for k in kinds if k not in ("gemm", "copy")]
     if bad or args.rounds < 1 or not args.seconds > 0:

@@ -888,8 +888,9 @@ def co_run_bandwidth(cores: int, quick: bool, moved: int | None = None) -> tuple
     ``benchmarks/co_run.py``. ``moved``: the bytes one copy moves (default: 32 or 64 MiB arrays,
     out of every cache; :data:`CO_RUN_CACHED_BYTES`, read + write of 1 MiB arrays: the in-cache
     copy, whose share the roofline's rule 8 reads at those bytes). Measured on Zen 5 (session 27,
-    2 cores, 5 rounds each): a copy of 2-8 MiB moved kept 0.88-0.95 of its lone rate with both
-    cores copying, 32 MiB 0.59, 64 MiB 0.43, 128 MiB 0.52: the memory system is shared beyond the
+    2 cores, 7 rounds each): a copy of 2-8 MiB moved kept 0.93-0.97 of its lone rate with both
+    cores copying, 16 MiB 0.56, 32 MiB 0.42, 64 MiB 0.46, 128 MiB 0.53 (``benchmarks/co_run.py
+    --sweep``, ``session27_zen5/co_run_sweep.json``): the memory system is shared beyond the
     caches, not within them."""
     import threading
 

@@ -73,8 +73,10 @@ Rules:
    op's bytes: the share at :data:`CO_RUN_CACHED_BYTES` (``co_run_cached_bandwidth``) over the
    out-of-cache share at or below those bytes, 1 at or beyond :data:`CO_RUN_DRAM_BYTES`, the share
    interpolated linearly in ``log bytes`` between. Why: the caches are the core's own, the DRAM
-   path is shared. Measured on Zen 5 (session 27, both cores copying against one): 0.88-0.95 of
-   the lone rate for copies of 2-8 MiB, 0.59 at 32 MiB, 0.43-0.52 at 64-128 MiB; with every
+   path is shared. Measured on Zen 5 (session 27, both cores copying against one): 0.93-0.97 of
+   the lone rate for copies of 2-8 MiB moved, 0.56 at 16 MiB, 0.42-0.53 at 32-128 MiB
+   (``benchmarks/co_run.py --sweep``, ``session27_zen5/co_run_sweep.json``; the drop comes
+   between 8 and 16 MiB, which the log-linear rule spreads over 2-64 MiB); with every
    memory-bound node of the zoo resnet's step at the out-of-cache share, its 2-rank TVM steps
    were predicted at +19% (data, batch 32 per rank) and +42% (1F1B, micro-batch 8), whose maps
    are mostly 0.5-8 MiB.
