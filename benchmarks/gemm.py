@@ -62,6 +62,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # before numpy loads Open
 
 import numpy as np  # noqa: E402
 
+from benchmarks.module_settings import with_settings  # noqa: E402
 from partitioner.core.machine import cpu_model  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gemm.json"
@@ -172,7 +173,22 @@ def _time_block(f: Callable[[], Any], reps: int, out: tuple[list[float], list[fl
     cpu.append((time.thread_time() - c0) / reps)
 
 
-def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | None = None) -> dict[str, Any]:
+def parse_variants(items: list[str]) -> dict[str, list[Any]]:
+    """``--variant NAME:MODULE.ATTR=VALUE`` items as {NAME: settings}; one NAME given several
+    times collects all of its settings."""
+    from benchmarks.module_settings import parse_settings
+
+    by_name: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, setting = item.partition(":")
+        if not sep or not name or "=" not in setting:
+            raise SystemExit(f"gemm: --variant {item!r}: expected NAME:MODULE.ATTR=VALUE")
+        by_name.setdefault(name, []).append(setting)
+    return {name: parse_settings(settings)[1] for name, settings in by_name.items()}
+
+
+def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | None = None,
+        variants: dict[str, list[Any]] | None = None) -> dict[str, Any]:
     import onnxruntime as ort
     import tvm
 
@@ -193,6 +209,8 @@ def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | No
         b = rng.standard_normal((*batch, k, n), dtype=np.float32)
         model = _model(batch, m, k, n, b if const else None)
         builds = {"ours": _tvm(model, target, True), "previous": _tvm(model, target, False)}
+        for name, settings in (variants or {}).items():  # ours built with module settings changed
+            builds[f"ours_{name}"] = with_settings(lambda: _tvm(model, target, True), settings)()
         ta, tb = tvm.runtime.tensor(a), tvm.runtime.tensor(b)
         targs = (ta,) if const else (ta, tb)
         ref = a @ b
@@ -238,7 +256,9 @@ def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | No
             "versions": {"tvm": tvm.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__},
             "peak": {"fma_flops_per_core": peak, "before": peak_before.to_json(), "after": peak_after.to_json()},
             "settings": {"threads": threads_list, "repeats": repeats, "quick": quick,
-                         "call_percentile": CALL_PERCENTILE},
+                         "call_percentile": CALL_PERCENTILE,
+                         "variants": {name: [f"{mod.__name__}.{attr}={value!r}" for mod, attr, value in settings]
+                                      for name, settings in (variants or {}).items()}},
             "rows": rows}
 
 
@@ -260,12 +280,19 @@ def markdown(data: dict[str, Any]) -> str:
         how = f" (p{data['settings'].get('call_percentile', 10)} of calls)" if scale_key != "scaling" else ""
         out[-2] += f" ours, 2-thread scaling{how} | ORT, 2-thread scaling{how} |"
         out[-1] += "---:|---:|"
+    extra = list(data.get("settings", {}).get("variants") or {})  # --variant builds: a column each
+    for name in extra:
+        out[-2] += f" ours, {name} |"
+        out[-1] += "---:|"
     for r in data["rows"]:
         pct = r["pct_of_peak_cpu"] if loaded and "pct_of_peak_cpu" in r else r["pct_of_peak"]
         cells = [f"{r['times_s'][k] * 1e3:.3f} ({pct[k]:.0f}%)" for k in ("ours", "previous", "ort", "numpy")]
         if scaling:
             cells += [f"{r[scale_key][k]:.0f}%" if scale_key in r else "-" for k in ("ours", "ort")]
+        cells += [f"{r['times_s'][f'ours_{n}'] * 1e3:.3f} ({pct[f'ours_{n}']:.0f}%)" for n in extra]
         out.append(f"| {r['shape']} | {r['threads']} | " + " | ".join(cells) + " |")
+    for name, settings in (data.get("settings", {}).get("variants") or {}).items():
+        out.append(f"\n{name}: ours built with {', '.join(settings)}")
     return "\n".join(out)
 
 
@@ -276,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default 15)")
     ap.add_argument("--shapes", default="", help="comma-separated substrings of row labels to run "
                     "(e.g. '512^3,gpt head'; default: all rows)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE",
+                    help="also build ours with this module setting changed while building (repeatable; "
+                         "a NAME given again adds a setting), timed in the same interleaved rounds: "
+                         "column ours_NAME (e.g. kb:backends.tvm.schedules.gemm_packed.PACK_A_BLOCK_BYTES=524288)")
     ap.add_argument("--loaded", action="store_true", help="mark the figures as measured on a shared machine")
     ap.add_argument("--markdown", action="store_true", help="print the saved table as markdown")
     ap.add_argument("--json", default=str(RESULTS), help=f"results file (default {RESULTS.relative_to(ROOT)})")
@@ -292,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if only and not any(o in lab for o in only for lab in labels):
         print(f"gemm: --shapes {args.shapes!r} matches no row (rows: {', '.join(labels)})", file=sys.stderr)
         return 2
-    data = run([int(t) for t in args.threads.split(",")], args.repeats, args.quick, only or None)
+    data = run([int(t) for t in args.threads.split(",")], args.repeats, args.quick, only or None,
+               parse_variants(args.variant))
     data["loaded"] = bool(args.loaded)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))

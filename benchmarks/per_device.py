@@ -80,6 +80,8 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # numpy's pool must not s
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
+from benchmarks.module_settings import parse_settings, with_settings  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "per_device.json"
 # Idle time before each timed block: ORT's and TVM's workers busy-wait after a call and would take
 # the second core from the next block (backends/tvm/schedules/threads.py, "the pool's idle spin").
@@ -284,37 +286,6 @@ def paired_ratio(blocks_ms: list[float], ort_blocks_ms: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(blocks_ms, ort_blocks_ms))
 
 
-def runtime_settings(items: list[str]) -> tuple[list[tuple[Any, str, Any]], list[tuple[Any, str, Any]]]:
-    """``MODULE.ATTR=VALUE`` items (a Python literal) as (module, attr, value) triples: the values
-    in force now and the ones asked for (``--runtime-baseline``)."""
-    import ast
-    import importlib
-
-    now, base = [], []
-    for item in items:
-        target, value = item.split("=", 1)
-        mod_name, attr = target.rsplit(".", 1)
-        mod = importlib.import_module(mod_name)
-        now.append((mod, attr, getattr(mod, attr)))
-        base.append((mod, attr, ast.literal_eval(value)))
-    return now, base
-
-
-def _with_settings(fn: Callable[[], Any], settings: list[tuple[Any, str, Any]]) -> Callable[[], Any]:
-    """``fn`` run with ``settings`` set (and the previous values put back after each call)."""
-    def run() -> Any:
-        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in settings]
-        for mod, attr, value in settings:
-            setattr(mod, attr, value)
-        try:
-            return fn()
-        finally:
-            for mod, attr, value in saved:
-                setattr(mod, attr, value)
-
-    return run
-
-
 def _median_s(fn: Callable[[], Any], runs: int) -> float:
     """One engine alone: one block, one warm-up run (the untuned column, up to 100x slower than
     the others: timed apart, as before)."""
@@ -354,8 +325,11 @@ def _tvm_builds(m: onnx.ModelProto, stem: str, variants: dict[str, dict[str, Any
     suffix = f"_t{threads}" if threads else ""
     for name, opts in variants.items():
         print(f"  compile {stem} {name}{suffix}", file=sys.stderr, flush=True)
+        opts = dict(opts)
+        settings = opts.pop("build_settings", [])  # --build-baseline: module attributes set while it builds
         opts = {**opts, "threads": threads} if threads else opts
-        exes[name], compile_s[name] = _tvm_build(m, work / f"{stem}_{name}{suffix}.so", opts)
+        exes[name], compile_s[name] = with_settings(
+            lambda opts=opts, name=name: _tvm_build(m, work / f"{stem}_{name}{suffix}.so", opts), settings)()
     return exes, compile_s
 
 
@@ -371,6 +345,8 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     flops = sum(by_class.values())
     comm = LocalWorld(1).communicator(0)
     variants: dict[str, dict[str, Any]] = {"scheduled": {"pipeline": "scheduled"}}
+    if args.build_baseline:  # the default build again, schedule settings changed while it builds
+        variants["build_base"] = {"pipeline": "scheduled", "build_settings": parse_settings(args.build_baseline)[1]}
     if info["run_zero"] and not args.no_zero:
         variants["zero"] = {"pipeline": "zero"}
     if args.conv_algorithm and info["conv"]:
@@ -398,6 +374,10 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
             row[f"tvm_{name}_vs_ort"] = row[f"tvm_{name}_ms"] / row["ort_ms"]
         for name in [n for n in (*exes, "scheduled_base") if f"tvm_{n}_block_ms" in row]:
             row[f"tvm_{name}_vs_ort_paired"] = paired_ratio(row[f"tvm_{name}_block_ms"], row["ort_block_ms"])
+        if "tvm_build_base_block_ms" in row:  # the schedule change's own before/after, paired by round
+            row["tvm_build_base_settings"] = args.build_baseline
+            row["tvm_scheduled_vs_build_base_paired"] = paired_ratio(row["tvm_scheduled_block_ms"],
+                                                                     row["tvm_build_base_block_ms"])
             if args.peak_flops:
                 row[f"tvm_{name}_pct_peak"] = pct_peak(flops, row[f"tvm_{name}_ms"], args.peak_flops, threads)
         if args.peak_flops:
@@ -465,10 +445,10 @@ def time_row(m: onnx.ModelProto, feeds: dict[str, np.ndarray], exes: dict[str, A
             continue
         fns[f"tvm_{name}"] = lambda ex=ex: ex.run(feeds, comm)
         if name == "scheduled" and args.runtime_baseline:  # the same build, a runtime setting changed
-            now, base = runtime_settings(args.runtime_baseline)
+            now, base = parse_settings(args.runtime_baseline)
             plain = fns["tvm_scheduled"]
-            fns["tvm_scheduled"] = _with_settings(plain, now)  # the same wrapper, the same cost
-            fns["tvm_scheduled_base"] = _with_settings(plain, base)
+            fns["tvm_scheduled"] = with_settings(plain, now)  # the same wrapper, the same cost
+            fns["tvm_scheduled_base"] = with_settings(plain, base)
             row["tvm_scheduled_base_settings"] = args.runtime_baseline
     from backends.tvm.executable import _contention_guard
 
@@ -511,7 +491,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     conv = data.get("settings", {}).get("conv_algorithm") or "direct"
     cols = [("untuned", "tvm_zero_ms"), ("default schedules", "tvm_scheduled_ms"),
             (f"default, conv {conv}", "tvm_conv_ms"), ("tuned", "tvm_tuned_ms"),
-            ("default, runtime baseline", "tvm_scheduled_base_ms")]
+            ("default, runtime baseline", "tvm_scheduled_base_ms"),
+            ("default, build baseline", "tvm_build_base_ms")]
     present = [(label, k) for label, k in cols if any(k in r for r in data["rows"])]
     tuned = any("tvm_tuned_ms" in r for r in data["rows"])
     peak = any("tvm_scheduled_pct_peak" in r for r in data["rows"])  # runs before the column existed have none
@@ -581,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the default build with this run-time setting changed (repeatable; e.g. "
                          "backends.tvm.contention.CONTENTION_SWITCHES=0), in the same interleaved blocks: "
                          "column tvm_scheduled_base_ms, a before/after from one run")
+    ap.add_argument("--build-baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="also build the default schedules with this module setting changed while building "
+                         "(repeatable; e.g. backends.tvm.schedules.contraction.FULL_WIDTH_NARROW_TILE=False), "
+                         "timed in the same interleaved blocks: column tvm_build_base_ms and "
+                         "tvm_scheduled_vs_build_base_paired, a schedule rule's before/after from one run")
     ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))
     ap.add_argument("--shape", action="append", metavar="NAME=DIMS", default=[],
                     help="bind an .onnx model's input shape, e.g. --shape input=1,3,224,224 (repeatable)")
@@ -641,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "zero_runs": args.zero_runs,
                                                    "tune_trials": args.tune_trials, "tune_budget_s": args.tune_budget_s,
                                                    "conv_algorithm": args.conv_algorithm,
+                                                   "build_baseline": args.build_baseline,
                                                    "default_conv_algorithm": default_algorithm(),
                                                    "rtol": args.rtol, "atol": args.atol,
                                                    "model_args": {k: MODELS[k][1] for k in models if k in MODELS}},

@@ -99,12 +99,35 @@ def test_runtime_baseline_runs_the_same_build_with_the_setting_changed() -> None
 
     pd = _per_device()
     seen: list[int] = []
-    now, base = pd.runtime_settings(["backends.tvm.contention.CONTENTION_SWITCHES=0"])
+    now, base = pd.parse_settings(["backends.tvm.contention.CONTENTION_SWITCHES=0"])
     default = contention.CONTENTION_SWITCHES
-    pd._with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), base)()
-    pd._with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), now)()
+    pd.with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), base)()
+    pd.with_settings(lambda: seen.append(contention.CONTENTION_SWITCHES), now)()
     assert seen == [0, default] and default != 0
     assert contention.CONTENTION_SWITCHES == default
+
+
+def test_build_baseline_sets_the_schedule_setting_only_while_its_variant_builds(monkeypatch, tmp_path) -> None:
+    """``--build-baseline MODULE.ATTR=VALUE``: the ``build_base`` variant is built with VALUE in
+    force, the default variant with the module's own value, and the module keeps its value."""
+    from backends.tvm.schedules import contraction
+
+    pd = _per_device()
+    seen: dict[str, bool] = {}
+
+    def fake_build(m, out, opts):
+        seen[out.name] = contraction.FULL_WIDTH_NARROW_TILE
+        return out.name, 0.0
+
+    monkeypatch.setattr(pd, "_tvm_build", fake_build)
+    default = contraction.FULL_WIDTH_NARROW_TILE
+    _, base = pd.parse_settings([f"backends.tvm.schedules.contraction.FULL_WIDTH_NARROW_TILE={not default}"])
+    variants = {"scheduled": {"pipeline": "scheduled"},
+                "build_base": {"pipeline": "scheduled", "build_settings": base}}
+    exes, _ = pd._tvm_builds(None, "m", variants, 1, tmp_path)
+    assert seen == {"m_scheduled_t1.so": default, "m_build_base_t1.so": not default}
+    assert set(exes) == {"scheduled", "build_base"} and variants["build_base"]["build_settings"] == base
+    assert contraction.FULL_WIDTH_NARROW_TILE == default
 
 
 def test_block_load_shares() -> None:
