@@ -1,7 +1,8 @@
-"""Register tiles for targets with full-width 512-bit FMA units (Intel AVX-512 server cores):
+"""Register tiles for targets with full-width 512-bit FMA units (Intel AVX-512 server cores, Zen 5):
 backends/tvm/schedules/contraction.py rules 3 (``FULL_WIDTH_NARROW_TILE``: batch-1 convs on maps
-narrower than 6 pixels take up to 16 pixels per weight vector) and 4 (``FULL_WIDTH_FEW_VECTORS``:
-convs whose default tile has fewer than 16 full-width accumulators, e.g. 48 output channels, take
+narrower than 6 pixels take up to 16 pixels per weight vector; on Zen 5 at least 2 channel vectors,
+``NARROW_MIN_VECTORS``) and 4 (``FULL_WIDTH_FEW_VECTORS``: convs whose default tile has fewer than
+16 full-width accumulators, e.g. 48 output channels, take
 more channel vectors), keyed on ``vector.full_width_fma``.
 
 Checked: the datapath table (``znver4`` is half width, Intel AVX-512 CPUs full width, AVX2 neither);
@@ -28,7 +29,9 @@ from tvm_build_check import ZNVER3, ZNVER4, build_and_compare, host_has, spy_ret
 
 SAPPHIRERAPIDS = {"kind": "llvm", "mcpu": "sapphirerapids"}
 SKYLAKE_AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512"}
+ZNVER5 = {"kind": "llvm", "mcpu": "znver5"}
 CAN_RUN_SPR = host_has("avx512f") and host_has("amx_tile") and host_has("avx512_fp16")
+CAN_RUN_ZNVER5 = all(host_has(f) for f in ("avx512f", "avx512_vp2intersect", "avx512_bf16", "avx_vnni"))
 
 
 def _model(ci: int, co: int, hw: int, k: int, stride: int, batch: int, residual: bool = False) -> onnx.ModelProto:
@@ -76,17 +79,21 @@ def test_datapath_knob_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not V.full_width_fma(tvm.target.Target(SAPPHIRERAPIDS))
 
 
-@pytest.mark.parametrize("exts,ni,max_pixels,tile", [
-    ([1, 4, 4, 512, 3, 3, 512], 4, 16, (4, 1)),   # resnet18's 512 -> 512 on 4x4: 16 pixels x 1 vector
-    ([1, 4, 4, 256, 3, 3, 256], 4, 16, (4, 1)),
-    ([1, 2, 2, 512, 3, 3, 512], 2, 16, (2, 4)),   # 2x2: as _narrow_tile (4 pixels x 4 vectors)
-    ([1, 3, 3, 64, 3, 3, 64], 3, 16, (3, 2)),     # odd 3x3 map: 9 pixels x 2 vectors
-    ([1, 5, 5, 32, 3, 3, 32], 5, 16, (1, 2)),     # 5x5: no row block fits 16 pixels
-    ([1, 32, 32, 48, 3, 3, 32], 8, 8, (1, 3)),    # rule 4: 48 channels, 8 pixels x 3 vectors
-    ([1, 64, 64, 16, 3, 3, 16], 8, 8, (1, 1)),    # rule 4 leaves one-vector outputs as they were
+@pytest.mark.parametrize("exts,ni,max_pixels,min_vectors,tile", [
+    ([1, 4, 4, 512, 3, 3, 512], 4, 16, 1, (4, 1)),   # resnet18's 512 -> 512 on 4x4: 16 pixels x 1 vector
+    ([1, 4, 4, 256, 3, 3, 256], 4, 16, 1, (4, 1)),
+    ([1, 2, 2, 512, 3, 3, 512], 2, 16, 1, (2, 4)),   # 2x2: as _narrow_tile (4 pixels x 4 vectors)
+    ([1, 3, 3, 64, 3, 3, 64], 3, 16, 1, (3, 2)),     # odd 3x3 map: 9 pixels x 2 vectors
+    ([1, 5, 5, 32, 3, 3, 32], 5, 16, 1, (1, 2)),     # 5x5: no row block fits 16 pixels
+    ([1, 32, 32, 48, 3, 3, 32], 8, 8, 1, (1, 3)),    # rule 4: 48 channels, 8 pixels x 3 vectors
+    ([1, 64, 64, 16, 3, 3, 16], 8, 8, 1, (1, 1)),    # rule 4 leaves one-vector outputs as they were
+    ([1, 4, 4, 512, 3, 3, 512], 4, 16, 2, (2, 2)),   # Zen 5: 8 pixels x 2 vectors on 4x4
+    ([1, 2, 2, 512, 3, 3, 512], 2, 16, 2, (2, 4)),   # ... 2x2 and 3x3 maps as elsewhere
+    ([1, 3, 3, 64, 3, 3, 64], 3, 16, 2, (3, 2)),
+    ([1, 4, 4, 16, 3, 3, 16], 4, 16, 2, (4, 1)),     # ... one-vector outputs keep one vector
 ])
-def test_tile_choice(exts: list, ni: int, max_pixels: int, tile: tuple) -> None:
-    hi, nj = C._full_width_tile(exts, [0, 1, 2, 3], 1, ni, 16, 32, max_pixels)
+def test_tile_choice(exts: list, ni: int, max_pixels: int, min_vectors: int, tile: tuple) -> None:
+    hi, nj = C._full_width_tile(exts, [0, 1, 2, 3], 1, ni, 16, 32, max_pixels, min_vectors)
     assert (hi, nj) == tile
     assert hi * ni * nj <= C.MAX_ACCUMULATORS and hi * ni * nj + nj + 1 <= 32
 
@@ -107,6 +114,14 @@ def test_amd_targets_never_take_the_rules(monkeypatch: pytest.MonkeyPatch, spec:
 
 def test_intel_target_takes_both_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _rule_calls(monkeypatch, SAPPHIRERAPIDS) == [(4, 1), (1, 3)]
+
+
+def test_zen5_takes_both_rules_with_two_vectors_on_narrow_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zen 5 (two 512-bit FMA pipes) is full width; rule 3's tile there spans 2 channel vectors."""
+    assert V.full_width_fma(tvm.target.Target(ZNVER5))
+    assert _rule_calls(monkeypatch, ZNVER5) == [(2, 2), (1, 3)]
+    monkeypatch.setattr(C, "NARROW_MIN_VECTORS", {})
+    assert _rule_calls(monkeypatch, ZNVER5)[-2:] == [(4, 1), (1, 3)]
 
 
 def test_rules_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,3 +162,16 @@ def test_rule_builds_match_ort(monkeypatch: pytest.MonkeyPatch, ci: int, co: int
     calls = _spy(monkeypatch)
     build_and_compare(_model(ci, co, hw, k, stride, batch, residual), tvm.target.Target(SAPPHIRERAPIDS))
     assert calls, "the rule did not take this shape"
+
+
+@pytest.mark.skipif(not CAN_RUN_ZNVER5, reason="needs a CPU that runs znver5 builds (AVX-512 with VP2INTERSECT)")
+@pytest.mark.parametrize("ci,co,hw,k,stride,batch,residual", [
+    (256, 256, 4, 3, 1, 1, True),    # rule 3 on Zen 5: 8 pixels x 2 vectors, residual add + relu epilogue
+    (128, 256, 8, 3, 2, 1, False),   # stride 2 onto a 4x4 map
+    (64, 64, 3, 3, 1, 1, False),     # odd 3x3 map: 9 pixels x 2 vectors, as elsewhere
+])
+def test_zen5_rule_builds_match_ort(monkeypatch: pytest.MonkeyPatch, ci: int, co: int, hw: int, k: int,
+                                    stride: int, batch: int, residual: bool) -> None:
+    calls = _spy(monkeypatch)
+    build_and_compare(_model(ci, co, hw, k, stride, batch, residual), tvm.target.Target(ZNVER5))
+    assert calls and all(nj >= 2 for _, nj in calls), calls

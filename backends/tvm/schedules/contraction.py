@@ -51,7 +51,7 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
 2. A batched RGB stem on a 16-register target runs image by image (:data:`STEM_IMAGES_OUTER`, env
    ``PARTITIONER_STEM_IMAGES_OUTER=0`` turns it off; default on): see :func:`_parallel_order`.
 3. On a target with full-width 512-bit FMA units (:func:`vector.full_width_fma`: Intel AVX-512
-   server cores; not ``znver4``, whose 512-bit FMAs run on 256-bit pipes, nor AVX2), a batch-1
+   server cores, Zen 5; not ``znver4``, whose 512-bit FMAs run on 256-bit pipes, nor AVX2), a batch-1
    direct convolution on a map narrower than :data:`NARROW_ROWS` takes :func:`_full_width_tile`'s
    tile instead of :func:`_narrow_tile`'s (:data:`FULL_WIDTH_NARROW_TILE`, env
    ``PARTITIONER_FULL_WIDTH_NARROW_TILE=0`` turns it off): the most accumulators, then the most
@@ -68,6 +68,15 @@ Numbered rules (from session 17 on; the paragraphs above are the older rules):
    backends.tvm.schedules.vector.FULL_WIDTH_FMA=False``, 1 thread, load ~4): conv3x3 class of
    resnet18 b1 0.88, resnet50 b1 0.97, heldout_inception b1 0.96
    (benchmarks/results/session18_intel/conv18/kernel_profile_ab_b1.json).
+   On Zen 5 (``znver5``, :data:`NARROW_MIN_VECTORS`) the tile takes at least 2 channel vectors
+   where the output has them: 4x4 maps get 8 pixels x 2 vectors instead of 16 x 1 (the same 16
+   accumulators). Measured there (session 28, 1 thread, thread CPU time, forced tiles, 11
+   interleaved rounds, ``conv_forced_tiles.py``; 16 x 1 / 8 x 2 / 4 x 4, as x ORT): 512 -> 512 on
+   4x4 b1 1.00 / 0.85 / 1.04, 256 -> 256 0.90 / 0.84 / 0.87, 256 -> 512 stride 2 onto 4x4 0.99 /
+   0.86 / 0.88; a 3x3 map keeps 9 pixels x 2 (0.69; 3 x 4 0.81). Whole models with the
+   16-pixel tile against rule 3 off (``per_device.py --build-baseline``, 7 interleaved rounds,
+   ``benchmarks/results/session28_zen5/rule3_b1.json``): resnet18 b1 1.16x / 1.05x slower (1 / 2
+   threads), resnet50 b1 1.12x / 1.08x; mbv2, inception, unet b1 0.98-1.01x (no narrow maps).
 4. On the same targets, a direct convolution whose default tile is one full-width channel vector
    (the output's channel vectors are odd) with fewer than :data:`FULL_WIDTH_MIN_ACCUMULATORS`
    accumulators takes :func:`_full_width_tile`'s tile
@@ -94,7 +103,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .injective import schedule_padded_copy, schedule_spatial_block
 from .threads import worth_parallel
-from .vector import const_extent, full_width_fma, largest_divisor, vector_lanes
+from .vector import const_extent, full_width_fma, largest_divisor, mcpu, vector_lanes
 
 MAX_ACCUMULATORS = 24  # of the 32 AVX-512 vector registers, leave some for operands
 # Below this many rows in the register tile (output width < 6: the 4x4 / 2x2 maps of late
@@ -156,6 +165,9 @@ STEM_IMAGES_OUTER = os.environ.get("PARTITIONER_STEM_IMAGES_OUTER", "1") != "0"
 FULL_WIDTH_NARROW_TILE = os.environ.get("PARTITIONER_FULL_WIDTH_NARROW_TILE", "1") != "0"
 #: ... the most pixels (output rows x columns) one register tile may span
 NARROW_MAX_PIXELS = 16
+#: ... the fewest channel vectors its tile takes (where the output has that many), by LLVM ``mcpu``;
+#: other CPUs 1. Zen 5: a 16-pixel x 1-vector tile on 4x4 maps measured 1.12-1.18x the 8 x 2 one
+NARROW_MIN_VECTORS = {"znver5": 2}
 #: rule 4: on a target with full-width 512-bit FMA units, a direct convolution whose default tile
 #: of full-width vectors has fewer than :data:`FULL_WIDTH_MIN_ACCUMULATORS` accumulators (one
 #: channel vector per tile: 16 or 48 output channels) takes :func:`_full_width_tile`'s tile; off: the default
@@ -218,7 +230,8 @@ class Contraction(TryRule):
             return None
 
         vec, nj, row_pos, ni, col_pos, hi = _choose_tile(stmt, exts, s_idx, r_idx, vec_pos, lanes,
-                                                         full_width_fma(target))
+                                                         full_width_fma(target),
+                                                         NARROW_MIN_VECTORS.get(mcpu(target), 1))
         border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.
@@ -492,12 +505,13 @@ def _narrow_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int, vec
 
 
 def _full_width_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int, vec: int, registers: int,
-                     max_pixels: int) -> tuple[int, int]:
+                     max_pixels: int, min_vectors: int = 1) -> tuple[int, int]:
     """(hi, nj) for a direct convolution on a target with full-width 512-bit FMA units (rules 3
     and 4): ``hi`` rows of the outer axis ``col_pos`` (dividing it; ``hi * ni`` <= ``max_pixels``)
     and ``nj`` channel vectors (dividing the channel vectors, at most 8), chosen for the most
     accumulators (within :data:`MAX_ACCUMULATORS` and the register file: ``P*nj`` + ``nj``
-    weight vectors + 1 broadcast), then the most pixels ``P = hi * ni`` per weight vector load.
+    weight vectors + 1 broadcast), then the most pixels ``P = hi * ni`` per weight vector load;
+    at least ``min_vectors`` channel vectors when the output has that many (rule 3 on Zen 5).
 
     Why not :func:`_narrow_tile`'s ratio (FMAs per load, broadcasts counted): on such a core the
     broadcasts are L1 hits folded into the FMA, while the weight vectors stream from L2 or L3
@@ -507,6 +521,7 @@ def _full_width_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int,
     the module docstring."""
     his = [1] + ([c for c in range(2, max_pixels // ni + 1) if exts[col_pos] % c == 0] if col_pos is not None else [])
     vectors = exts[s_idx[-1]] // vec
+    least = min(min_vectors, vectors)
     best = (0, 0, 0, 1, 1)
     for hi in his:
         pixels = hi * ni
@@ -514,7 +529,7 @@ def _full_width_tile(exts: list, s_idx: list[int], col_pos: int | None, ni: int,
             continue
         for nj in (8, 6, 4, 3, 2, 1):
             acc = pixels * nj
-            if vectors % nj or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
+            if vectors % nj or nj < least or acc > MAX_ACCUMULATORS or acc + nj + 1 > registers:
                 continue
             best = max(best, (acc, pixels, -nj, hi, nj))
     return best[3], best[4]
@@ -814,12 +829,14 @@ def _flops(exts: list) -> float:
 
 
 def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_pos: int,
-                 lanes: int, full_width: bool = False) -> tuple[int, int, int | None, int, int | None, int]:
+                 lanes: int, full_width: bool = False,
+                 narrow_min_vectors: int = 1) -> tuple[int, int, int | None, int, int | None, int]:
     """The register tile of the reduction block: (vector width, channel vectors nj, row axis,
     pixels per row ni, outer axis the tile also spans or None, its rows hi). The default
     (:func:`_tile_sizes`), then the rules that replace it for stems, wide inputs, narrow maps,
     narrow channel counts, (rule 1) tiles that overflow a 16-register file and (rules 3-4, on a
-    ``full_width`` FMA target: :func:`vector.full_width_fma`) narrow maps and few channel vectors."""
+    ``full_width`` FMA target: :func:`vector.full_width_fma`) narrow maps (at least
+    ``narrow_min_vectors`` channel vectors: :data:`NARROW_MIN_VECTORS`) and few channel vectors."""
     registers = 32 if lanes >= 16 else 16
     vec, nj_default, row_pos, ni = _tile_sizes(exts, s_idx, lanes)
     nj = _stem_vectors(exts, r_idx, vec, nj_default)
@@ -837,7 +854,8 @@ def _choose_tile(stmt: Any, exts: list, s_idx: list[int], r_idx: list[int], vec_
         col_pos = _shared_outer_axis(stmt, ivs_of(stmt), s_idx, row_pos, vec_pos, exts)
         if (full_width and FULL_WIDTH_NARROW_TILE and narrow_map and exts[0] == 1 and vec == lanes
                 and len(r_idx) == 3 and exts[r_idx[-1]] >= 4):  # not RGB stems / patch embeddings
-            hi, nj = _full_width_tile(exts, s_idx, col_pos, ni, vec, registers, NARROW_MAX_PIXELS)  # rule 3
+            hi, nj = _full_width_tile(exts, s_idx, col_pos, ni, vec, registers, NARROW_MAX_PIXELS,  # rule 3
+                                      narrow_min_vectors)
         else:
             hi, nj = _narrow_tile(exts, s_idx, col_pos, ni, vec, registers)
     elif (full_width and FULL_WIDTH_FEW_VECTORS and vec == lanes and row_pos is not None and nj == nj_default == 1

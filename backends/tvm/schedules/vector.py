@@ -95,7 +95,8 @@ def vector_lanes(target: Any, dtype_bits: int = 32) -> int:
     return max(vector_bits(target) // dtype_bits, 1)
 
 
-def _mcpu(target: Any) -> str:
+def mcpu(target: Any) -> str:
+    """The target's LLVM ``mcpu`` (a Target or a plain dict target; '' when it names none)."""
     if isinstance(target, dict):
         return str(target.get("mcpu", ""))
     try:
@@ -108,7 +109,7 @@ def fma_datapath_bits(target: Any) -> int:
     """Width in bits of one FMA unit of ``target`` (rule 2): the vector width, except 256 on
     the AVX-512 CPUs of :data:`HALF_WIDTH_AVX512_CPUS`."""
     bits = vector_bits(target)
-    if bits >= 512 and _mcpu(target) in HALF_WIDTH_AVX512_CPUS:
+    if bits >= 512 and mcpu(target) in HALF_WIDTH_AVX512_CPUS:
         return 256
     return bits
 
