@@ -86,6 +86,38 @@ def test_tile_per_target():
     assert _pack_a_plan(skx, _register_tile(skx, conv, 2), conv, 2, None) is None
 
 
+ZNVER5 = {"kind": "llvm", "mcpu": "znver5"}
+can_run_znver5 = pytest.mark.skipif(not all(host_has(f) for f in ("avx512f", "avx512_vp2intersect", "avx_vnni")),
+                                    reason="built for znver5; this CPU cannot run it")
+
+
+def test_zen5_keeps_the_4x4_tile_with_panels_outer():
+    """Zen 5 (two full 512-bit FMA pipes): rule 7 off (``PACK_A_32_BY_CPU``), products whose B
+    exceeds 512 KiB panels outer (``ROWS_OUTER_B_BYTES_BY_CPU``), so 512^3 no longer runs rows outer."""
+    zen5 = tvm.target.Target(ZNVER5)
+    for shape in ([1024, 1024, 1024], [512, 512, 512]):
+        assert _register_tile(zen5, shape, 2)[:3] == (16, 4, 64)
+        assert _pack_a_plan(zen5, _register_tile(zen5, shape, 2), shape, 2, None) is None
+    mib = 1 << 20  # 512^3's B: panels outer on Zen 5 (half its L2 is the bound), rows outer elsewhere
+    assert not gemm_packed._rows_outer(mib, zen5) and gemm_packed._rows_outer(mib, tvm.target.Target(SKX))
+    assert gemm_packed._rows_outer(mib // 2, zen5) and gemm_packed._rows_outer(mib)  # no target: the general bound
+
+
+def test_zen5_settings_off_give_the_intel_rules(monkeypatch):
+    monkeypatch.setattr(gemm_packed, "PACK_A_32_BY_CPU", {})
+    monkeypatch.setattr(gemm_packed, "ROWS_OUTER_B_BYTES_BY_CPU", {})
+    zen5, big, l2 = tvm.target.Target(ZNVER5), [1024, 1024, 1024], [512, 512, 512]
+    assert _pack_a_plan(zen5, _register_tile(zen5, big, 2), big, 2, None)[1:3] == (12, 32)
+    assert gemm_packed._rows_outer(4 * 512 * 512, zen5)
+
+
+@can_run_znver5
+@pytest.mark.parametrize("m,k,n", [(100, 64, 64), (130, 37, 96), (64, 96, 40)], ids=["m100", "m130-k37", "n40"])
+def test_zen5_matmul_matches_numpy(m, k, n):
+    script = _gemm_script(_run_and_check(_matmul(m, k, n), ZNVER5))
+    assert "T.int64(12))" not in script
+
+
 def test_zen4_schedule_unchanged(monkeypatch):
     monkeypatch.setattr(gemm_packed, "ROWS_OUTER_B_BYTES", 1024)
     _, mod = _scheduled(_matmul(96, 1024, 128), ZNVER4)

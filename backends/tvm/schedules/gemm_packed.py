@@ -67,7 +67,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from .contraction import Contraction, _uses
 from .injective import schedule_spatial_block
 from .threads import epilogue_ops, with_epilogue, worth_parallel
-from .vector import const_extent, fma_datapath_bits, vector_lanes
+from .vector import const_extent, fma_datapath_bits, mcpu, vector_lanes
 
 LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # Loop order: when all of the packed B fits this many bytes (the L2 of current server cores:
@@ -76,6 +76,13 @@ LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # panels-outer): 512x128x1000 88 vs 73, 512x512x128 105 vs 100, 512^3 101 vs 102, but 2048^3
 # 78 vs 105 (B 16 MiB streamed from L3 per row tile), hence the bound.
 ROWS_OUTER_B_BYTES: int | None = 1 << 20
+#: the bound by LLVM ``mcpu`` where it differs (:func:`_rows_outer`). Zen 5 (``znver5``, 1 MiB of L2
+#: per core): 512 KiB, half the L2, so that A's and C's tiles fit beside B. Measured there (session
+#: 28, ``benchmarks/gemm.py --variant``, 1 thread, median of 9 interleaved rounds, rule 7 off, ms,
+#: rows outer / panels outer): 512^3 (B 1 MiB) 1.150 / 1.048 and 1.318 / 1.133 in a second run (ORT
+#: 1.052, 1.234); B of 64-512 KiB within 1-4% either way (256^3, 512x128x512, 512x512x128,
+#: 512x128x1000; ``benchmarks/results/session28_zen5/gemm_sweep4.json``, ``gemm_sweep5.json``)
+ROWS_OUTER_B_BYTES_BY_CPU: dict[str, int | None] = {"znver5": 1 << 19}
 #: 1x1 convs on narrow maps take (h, w) as the GEMM's rows (:func:`_fuse_rows`); off: one output row
 FUSE_NARROW_ROWS = True
 #: inline producers that copy a buffer unchanged (:func:`_inline_identity_copies`); off: keep the copy
@@ -122,6 +129,13 @@ PACK_A_MIN_N = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_N", "256"))
 #: A did not beat 4 x 4; k blocking (a kc x NR block of B kept in L1) lost 1.02-2x in four variants
 #: (docs/gemm.md, session 18).
 PACK_A_32_REGISTERS = os.environ.get("PARTITIONER_GEMM_PACK_A_32", "1") != "0"
+#: rule 7 by LLVM ``mcpu`` where it differs from ``PACK_A_32_REGISTERS``. Zen 5 (``znver5``, two
+#: 512-bit FMA pipes): off, rules 1-5's tile (4 x 4 vectors, A in place). Measured there (session 28,
+#: ``benchmarks/gemm.py --variant``, 1 thread, median of 9 interleaved rounds, ms, rule 7 / off /
+#: ORT): 1024^3 10.18 / 8.35 / 8.80, 2048^3 75.8 / 67.6 / 72.6 (92-93% of the 258-273 GFLOP/s
+#: peak against 77-82%; ``benchmarks/results/session28_zen5/gemm_sweep4.json``); 6 x 4 with packed
+#: A 9.75 ms on 1024^3 (``gemm_sweep2.json``)
+PACK_A_32_BY_CPU: dict[str, bool] = {"znver5": False}
 #: (rows, vectors) of rule 7's tile: 12 x 2 vectors = 24 accumulators + 2 B vectors + 1 broadcast
 PACK_A_TILE_32 = (12, 2)
 #: matrix products (one reduction) whose N is not a multiple of 16, on full-width 512-bit FMA
@@ -186,7 +200,10 @@ def micro_tile(lanes: int, m: int, n: int, registers: int) -> tuple[int, int] | 
        2048^3, large-N projections), N a multiple of 2 vectors, M >= 12: the caller
        (:func:`_pack_a_plan`) replaces this tile by ``PACK_A_TILE_32`` = 12 x 2 vectors, M padded
        to a multiple of 12 and A packed into 12-row panels exactly as rule 6. Why, measured, and
-       what lost: the comment of ``PACK_A_32_REGISTERS``."""
+       what lost: the comment of ``PACK_A_32_REGISTERS``. Not on the CPUs ``PACK_A_32_BY_CPU``
+       turns off: Zen 5 (``znver5``), where rules 1-5's 4 x 4 tile with A in place, panels outer
+       from 512 KiB of B (``ROWS_OUTER_B_BYTES_BY_CPU``), measured 89-94% of peak on 512^3 to
+       2048^3 against 76-83% with this rule and the 1 MiB rows-outer bound."""
     if n % lanes != 0:
         return None
     vectors = n // lanes
@@ -280,7 +297,7 @@ class GemmPacked(CPUScheduleRule):
         b_loops, li, lj, unit_r, lk = loops[:ns - 2], loops[ns - 2], loops[ns - 1], loops[ns:-1], loops[-1]
         io, ii = sch.split(li, factors=[None, mr])
         jo, jj, jv = sch.split(lj, factors=[None, nr // lanes, lanes])
-        tiles = _tile_loops(sch, io, jo, k, k * n * 4, mr if a_pack is not None else 0)
+        tiles = _tile_loops(sch, io, jo, k, k * n * 4, mr if a_pack is not None else 0, target)
         sch.reorder(*b_loops, *tiles, *unit_r, lk, ii, jj, jv)
         outer = sch.fuse(*b_loops, *tiles)
         if worth_parallel(with_epilogue(flops, ops, flops / (2.0 * k))):  # work incl. the epilogue
@@ -397,7 +414,8 @@ def _pack_a_plan(target: Any, plan: tuple[int, int, int, float], exts: list[int]
         return None
     if lanes == 8 and PACK_A_16_REGISTERS:
         rows, nv = PACK_A_ROWS, 2
-    elif lanes == 16 and PACK_A_32_REGISTERS and _full_width_512_fma(target) and not _rows_outer(k * n * 4):
+    elif (lanes == 16 and PACK_A_32_BY_CPU.get(mcpu(target), PACK_A_32_REGISTERS) and _full_width_512_fma(target)
+          and not _rows_outer(k * n * 4, target)):
         rows, nv = PACK_A_TILE_32
     else:
         return None
@@ -480,11 +498,11 @@ def _padding(stmt: Any, b_idx: int, exts: list[int], ns: int, tile: tuple[int, i
     return (padding if any(p != 1 for p in padding) else None), a_src
 
 
-def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int) -> tuple[Any, ...]:
+def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int, target: Any = None) -> tuple[Any, ...]:
     """The row-tile and panel loops, outermost first: rows outer when all of B fits
     ``ROWS_OUTER_B_BYTES``; else panels outer, or with packed A (:func:`micro_tile` rule 6) M
     blocks of :func:`_a_block_tiles` row tiles outermost, every B panel streamed past each."""
-    if _rows_outer(b_bytes):
+    if _rows_outer(b_bytes, target):
         return io, jo
     block = _a_block_tiles(const_extent(sch, io), k, packed_a) if packed_a else None
     if block is None:
@@ -493,9 +511,11 @@ def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int)
     return imc, jo, iin
 
 
-def _rows_outer(b_bytes: int) -> bool:
-    """Whether a packed B of ``b_bytes`` fits ``ROWS_OUTER_B_BYTES`` (row tiles outermost)."""
-    return ROWS_OUTER_B_BYTES is not None and b_bytes <= ROWS_OUTER_B_BYTES
+def _rows_outer(b_bytes: int, target: Any = None) -> bool:
+    """Whether a packed B of ``b_bytes`` fits ``ROWS_OUTER_B_BYTES`` (row tiles outermost;
+    ``ROWS_OUTER_B_BYTES_BY_CPU``'s bound on the CPUs it names)."""
+    bound = ROWS_OUTER_B_BYTES_BY_CPU.get(mcpu(target), ROWS_OUTER_B_BYTES) if target is not None else ROWS_OUTER_B_BYTES
+    return bound is not None and b_bytes <= bound
 
 
 def _pads_to_full_vectors(target: Any, exts: list[int], ns: int) -> bool:
