@@ -61,6 +61,10 @@ class OpCost:
     #: convolutions only: the output pixels per image (ConvTranspose: its input's), the column
     #: count of the per-image GEMM a CPU backend runs them as (0 otherwise; roofline rule 6)
     columns: float = 0.0
+    #: a training step's node on a co-running rank (:mod:`partitioner.cost.training` rule 12):
+    #: (bytes, reuse distance in bytes) of each input last touched more than the op's own bytes
+    #: before; roofline rule 8 prices each such read at the working set of its distance
+    reuse: tuple[tuple[float, float], ...] = ()
 
     @property
     def bytes(self) -> float:

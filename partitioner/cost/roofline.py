@@ -79,7 +79,10 @@ Rules:
    between 8 and 16 MiB, which the log-linear rule spreads over 2-64 MiB); with every
    memory-bound node of the zoo resnet's step at the out-of-cache share, its 2-rank TVM steps
    were predicted at +19% (data, batch 32 per rank) and +42% (1F1B, micro-batch 8), whose maps
-   are mostly 0.5-8 MiB.
+   are mostly 0.5-8 MiB. An input read long after it was last touched (``OpCost.reuse``: a
+   training step's stashed activations read by the backward, weights read again; training rule
+   12) is not in cache whatever the op's size: such a read takes the share of its reuse distance
+   (the bytes the rank touched in between) instead of the op's bytes (:func:`co_run_bytes`).
 """
 
 from __future__ import annotations
@@ -136,6 +139,20 @@ def co_run_gain(device: Device, nbytes: float) -> float:
     return max(1.0, share / dram)
 
 
+def co_run_bytes(device: Device, cost: OpCost) -> float:
+    """Rule 8: ``cost.bytes`` over the co-run gain of their working sets, i.e. the bytes the op
+    moves at ``memory_bandwidth``: the op's own bytes at the gain of ``cost.bytes``, each read in
+    ``cost.reuse`` at the gain of its reuse distance (those reads scaled down to ``cost.bytes``
+    when they add up to more)."""
+    gain = co_run_gain(device, cost.bytes)
+    far = sum(b for b, _ in cost.reuse)
+    if gain <= 1.0 or far <= 0:
+        return cost.bytes / gain
+    scale = min(1.0, cost.bytes / far)
+    return (cost.bytes - far * scale) / gain + scale * sum(b / co_run_gain(device, max(d, cost.bytes))
+                                                          for b, d in cost.reuse)
+
+
 def gemm_probe_bytes(mkn: tuple[int, int, int]) -> float:
     """Operand bytes (A, B and C in float32) of an ``M x K x N`` product: rule 5's working set."""
     m, k, n = mkn
@@ -157,7 +174,7 @@ def op_time(cost: OpCost, device: Device, dtype: str = "float32", op_class: str 
     compute = cost.flops / (device.peak(dtype) * eff)
     if fused and op_class == "elementwise":
         return compute
-    memory = cost.bytes / (device.memory_bandwidth * co_run_gain(device, cost.bytes) * eff)
+    memory = co_run_bytes(device, cost) / (device.memory_bandwidth * eff)
     return max(compute, memory) + (0.0 if fused else device.launch_overhead_s)
 
 

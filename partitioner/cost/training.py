@@ -168,6 +168,18 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    (roofline rule 8: the caches are not shared, the DRAM path is) when the calibration measured
    the in-cache co-run copy; the optimizer's pass, the gradient accumulation and the bucket
    copies (weight-sized) keep the out-of-cache share.
+12. Reuse distance (:func:`reuse_reads`, ``CO_RUN_REUSE_DISTANCE``): on a co-running rank
+   (rule 11) a node's input last touched long before it is read from beyond the core's caches
+   whatever the node's size: the forward activations the backward reads (stashed across the
+   whole forward), the weights the backward reads again, the state read by the next step. Each
+   input's reuse distance is the bytes the step's nodes read and wrote between its last access
+   (its producer, or an earlier reader) and this node, the step taken as a cycle (what no
+   earlier node of the step touched was last touched in the previous step); an input whose
+   distance exceeds the node's own bytes is priced at the co-run share of its distance (roofline
+   rule 8). Why: rule 8 alone keyed every read on the node's bytes, so a backward node of the zoo
+   bert (every map under 2 MiB) read its stashed activations at the in-cache share (0.93-0.97 of
+   the lone rate) where they come from DRAM (0.42-0.53 beyond 16 MiB moved per core on Zen 5):
+   its 2-rank data step was predicted at 0.517 of the 1-rank step, measured 0.574 (session 27).
 """
 
 from __future__ import annotations
@@ -193,6 +205,8 @@ OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "SGD": 0, "M
 #: rule 11: ranks of a multi-rank plan run at their device's co-run share of the memory bandwidth
 #: (off: every rank at the lone core's bandwidth, as before 2026-12-03 pm)
 CO_RUN_BANDWIDTH = True
+#: rule 12: a co-running rank's reads priced by their reuse distance (off: at the node's bytes)
+CO_RUN_REUSE_DISTANCE = True
 
 
 def co_located(device: Any, ranks: int) -> Any:
@@ -582,6 +596,31 @@ def tvm_im2col_copy_bytes(device: Any, node: Any) -> float:
     return nbytes(y) + sum(nbytes(v) for v in sources.values())
 
 
+def reuse_reads(nodes: list[Any], costs: list[Any]) -> list[tuple[tuple[float, float], ...]]:
+    """Rule 12: per node (in step order), (bytes, reuse distance) of each distinct input whose
+    distance exceeds the node's own bytes (``costs[i].bytes``): the bytes the nodes between the
+    input's last access and this node read and wrote, over the step as a cycle (two passes; the
+    second's distances count)."""
+    from partitioner.cost.ops import nbytes
+
+    ends, total = [], 0.0
+    for c in costs:
+        total += c.bytes
+        ends.append(total)  # the traffic when node i is done
+    last: dict[int, float] = {}
+    out: list[tuple[tuple[float, float], ...]] = [()] * len(nodes)
+    for lap in (0.0, total):
+        for i, (node, c) in enumerate(zip(nodes, costs)):
+            start = lap + ends[i] - c.bytes
+            values = [v for v in dict.fromkeys(node.inputs) if v is not None]
+            if lap:
+                far = ((nbytes(v), start - last[id(v)]) for v in values if id(v) in last)
+                out[i] = tuple((b, d) for b, d in far if b > 0 and d > c.bytes)
+            for v in (*values, *node.outputs):
+                last[id(v)] = lap + ends[i]
+    return out
+
+
 def priced_step_nodes(step: Any, device: Any) -> list[tuple[Any, str | None, float]]:
     """Rule 1's price of every node of the step graph ``step``: (node, its forward-node key
     (``training.forward_node``: None for a forward node), seconds)."""
@@ -590,7 +629,10 @@ def priced_step_nodes(step: Any, device: Any) -> list[tuple[Any, str | None, flo
 
     fused = fused_nodes(step)
     out = []
-    for node, c in zip(list(step), node_costs(step, constant_values(step))):
+    nodes, costs = list(step), node_costs(step, constant_values(step))
+    if CO_RUN_REUSE_DISTANCE and getattr(device, "co_running", False):  # rule 12
+        costs = [replace(c, reuse=r) if r else c for c, r in zip(costs, reuse_reads(nodes, costs))]
+    for node, c in zip(nodes, costs):
         key = node.metadata_props.get(FORWARD_NODE_KEY)
         if _tvm_fused_gather_slice(device, node):  # rule 1: inside its Concat's one kernel
             out.append((node, key, 0.0))

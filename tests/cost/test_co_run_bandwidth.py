@@ -188,3 +188,66 @@ def test_the_in_cache_probe_measures() -> None:
 
     shares = co_run_bandwidth(2, quick=True, moved=CO_RUN_CACHED_BYTES)
     assert len(shares) == 3 and all(0.05 < s < 3 for s in shares), shares
+
+
+def _chain() -> tuple[list, list]:
+    """x -> Relu a -> Relu b -> Relu c -> Relu d -> Add(a, d): every map 1024 float32 (4 KiB)."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    from partitioner.cost.workdepth import constant_values, node_costs
+
+    names = ["x", "a", "b", "c", "d"]
+    nodes = [helper.make_node("Relu", [i], [o]) for i, o in zip(names, names[1:])]
+    nodes.append(helper.make_node("Add", ["a", "d"], ["y"]))
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [1024])  # noqa: E731
+    g = helper.make_graph(nodes, "chain", [vi("x")], [vi("y")], value_info=[vi(n) for n in names[1:]])
+    graph = ir.from_proto(onnx.shape_inference.infer_shapes(helper.make_model(g))).graph
+    return list(graph), node_costs(graph, constant_values(graph))
+
+
+def test_reuse_distances_by_hand() -> None:
+    """Training rule 12 worked by hand on :func:`_chain` (Relu 8 KiB each, Add 12 KiB; the step
+    44 KiB as a cycle): the Add reads ``a`` 16 KiB after its last reader (the two Relus between)
+    and ``d`` at once; the first Relu reads ``x`` 36 KiB after it was last read (the rest of the
+    previous step). Reads within the node's own bytes are not listed."""
+    nodes, costs = _chain()
+    kib = 1024.0
+    assert [c.bytes for c in costs] == [8 * kib] * 4 + [12 * kib]
+    got = cost.reuse_reads(nodes, costs)
+    assert got == [((4 * kib, 36 * kib),), (), (), (), ((4 * kib, 16 * kib),)]
+
+
+def test_far_reads_take_the_share_of_their_distance(monkeypatch) -> None:
+    """Roofline rule 8 with ``OpCost.reuse``: a 1 MiB node (gain 2 at in-cache share 0.9 against
+    0.45) whose half is a read 64 MiB after its last access (gain 1) moves 0.5 / 2 + 0.5 / 1 =
+    0.75 MiB at the out-of-cache bandwidth; the same read 1 MiB back is in cache (0.5 MiB); reads
+    summing past the node's bytes are scaled to them; a rank not co-running ignores the field."""
+    from partitioner.cost import roofline
+    from partitioner.cost.ops import OpCost
+
+    mib = 2.0 ** 20
+    two = cost.co_located(_cached(0.45, 0.9).devices[0], 2)
+    c = OpCost(0.0, 0.5 * mib, 0.5 * mib, 1.0)
+    assert roofline.co_run_bytes(two, c) == pytest.approx(0.5 * mib)
+    assert roofline.co_run_bytes(two, dataclasses.replace(c, reuse=((0.5 * mib, 64 * mib),))) == pytest.approx(0.75 * mib)
+    assert roofline.co_run_bytes(two, dataclasses.replace(c, reuse=((0.5 * mib, 1 * mib),))) == pytest.approx(0.5 * mib)
+    assert roofline.co_run_bytes(two, dataclasses.replace(c, reuse=((2 * mib, 64 * mib),))) == pytest.approx(1 * mib)
+    lone = _cached(0.45, 0.9).devices[0]
+    assert roofline.co_run_bytes(lone, dataclasses.replace(c, reuse=((0.5 * mib, 64 * mib),))) == pytest.approx(mib)
+
+
+def test_stashed_activations_slow_the_backward_of_a_co_running_rank(monkeypatch) -> None:
+    """Rule 12 in a prediction: the zoo mlp with 1 MiB maps (batch 256 per rank, 1024 wide) on two
+    ranks: its backward reads the forward's maps across the whole forward, so with rule 12 the
+    backward is dearer than with every read at its node's bytes; one rank is not co-running and
+    keeps its price."""
+    mlp = models_zoo.build("mlp", batch=512, hidden=1024, in_features=1024)
+    cluster = _cached(0.45, 0.9)
+    on = predict_training(mlp, "data", 2, batch=512, cluster=cluster)
+    one_on = predict_training(mlp, "single", 1, batch=512, cluster=cluster)
+    monkeypatch.setattr(cost, "CO_RUN_REUSE_DISTANCE", False)
+    off = predict_training(mlp, "data", 2, batch=512, cluster=cluster)
+    assert on.breakdown["backward_s"] > 1.005 * off.breakdown["backward_s"]  # GEMM-bound: a small rise
+    assert predict_training(mlp, "single", 1, batch=512, cluster=cluster).step_time_s == pytest.approx(one_on.step_time_s)
