@@ -120,6 +120,9 @@ def test_zen5_takes_both_rules_with_two_vectors_on_narrow_maps(monkeypatch: pyte
     """Zen 5 (two 512-bit FMA pipes) is full width; rule 3's tile there spans 2 channel vectors."""
     assert V.full_width_fma(tvm.target.Target(ZNVER5))
     assert _rule_calls(monkeypatch, ZNVER5) == [(2, 2), (1, 3)]
+    monkeypatch.setattr(V, "SCHEDULE_BY_CPU", False)  # PARTITIONER_SCHEDULE_BY_CPU=0: the general tile
+    assert _rule_calls(monkeypatch, ZNVER5)[-2:] == [(4, 1), (1, 3)]
+    monkeypatch.setattr(V, "SCHEDULE_BY_CPU", True)
     monkeypatch.setattr(C, "NARROW_MIN_VECTORS", {})
     assert _rule_calls(monkeypatch, ZNVER5)[-2:] == [(4, 1), (1, 3)]
 

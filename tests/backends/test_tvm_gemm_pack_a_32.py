@@ -103,12 +103,26 @@ def test_zen5_keeps_the_4x4_tile_with_panels_outer():
     assert gemm_packed._rows_outer(mib // 2, zen5) and gemm_packed._rows_outer(mib)  # no target: the general bound
 
 
-def test_zen5_settings_off_give_the_intel_rules(monkeypatch):
-    monkeypatch.setattr(gemm_packed, "PACK_A_32_BY_CPU", {})
-    monkeypatch.setattr(gemm_packed, "ROWS_OUTER_B_BYTES_BY_CPU", {})
-    zen5, big, l2 = tvm.target.Target(ZNVER5), [1024, 1024, 1024], [512, 512, 512]
+@pytest.mark.parametrize("how", ["tables emptied", "PARTITIONER_SCHEDULE_BY_CPU=0"])
+def test_zen5_settings_off_give_the_intel_rules(monkeypatch, how):
+    from backends.tvm.schedules import vector
+
+    if how == "tables emptied":
+        monkeypatch.setattr(gemm_packed, "PACK_A_32_BY_CPU", {})
+        monkeypatch.setattr(gemm_packed, "ROWS_OUTER_B_BYTES_BY_CPU", {})
+    else:
+        monkeypatch.setattr(vector, "SCHEDULE_BY_CPU", False)
+    zen5, big = tvm.target.Target(ZNVER5), [1024, 1024, 1024]
     assert _pack_a_plan(zen5, _register_tile(zen5, big, 2), big, 2, None)[1:3] == (12, 32)
     assert gemm_packed._rows_outer(4 * 512 * 512, zen5)
+
+
+def test_rule7_switch_turns_it_off_on_every_cpu(monkeypatch):
+    monkeypatch.setattr(gemm_packed, "PACK_A_32_BY_CPU", {})
+    monkeypatch.setattr(gemm_packed, "PACK_A_32_REGISTERS", False)
+    for spec in (ZNVER5, SKX):
+        t, big = tvm.target.Target(spec), [1024, 1024, 1024]
+        assert _pack_a_plan(t, _register_tile(t, big, 2), big, 2, None) is None
 
 
 @can_run_znver5

@@ -103,7 +103,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from .injective import schedule_padded_copy, schedule_spatial_block
 from .threads import worth_parallel
-from .vector import const_extent, full_width_fma, largest_divisor, mcpu, vector_lanes
+from .vector import by_cpu, const_extent, full_width_fma, largest_divisor, vector_lanes
 
 MAX_ACCUMULATORS = 24  # of the 32 AVX-512 vector registers, leave some for operands
 # Below this many rows in the register tile (output width < 6: the 4x4 / 2x2 maps of late
@@ -231,7 +231,7 @@ class Contraction(TryRule):
 
         vec, nj, row_pos, ni, col_pos, hi = _choose_tile(stmt, exts, s_idx, r_idx, vec_pos, lanes,
                                                          full_width_fma(target),
-                                                         NARROW_MIN_VECTORS.get(mcpu(target), 1))
+                                                         by_cpu(NARROW_MIN_VECTORS, target, 1))
         border = _inline_border_pad(sch, red, exts, s_idx, row_pos, col_pos, ni)
         pack = _pack_conv_weights(sch, red, stmt, vec_pos, r_idx, nj * vec) if vec > 1 else None
         # Accumulate in a small tile, written back (with the epilogue) per output tile.

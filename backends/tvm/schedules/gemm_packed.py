@@ -67,7 +67,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from .contraction import Contraction, _uses
 from .injective import schedule_spatial_block
 from .threads import epilogue_ops, with_epilogue, worth_parallel
-from .vector import const_extent, fma_datapath_bits, mcpu, vector_lanes
+from .vector import by_cpu, const_extent, fma_datapath_bits, vector_lanes
 
 LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
 # Loop order: when all of the packed B fits this many bytes (the L2 of current server cores:
@@ -129,7 +129,8 @@ PACK_A_MIN_N = int(os.environ.get("PARTITIONER_GEMM_PACK_A_MIN_N", "256"))
 #: A did not beat 4 x 4; k blocking (a kc x NR block of B kept in L1) lost 1.02-2x in four variants
 #: (docs/gemm.md, session 18).
 PACK_A_32_REGISTERS = os.environ.get("PARTITIONER_GEMM_PACK_A_32", "1") != "0"
-#: rule 7 by LLVM ``mcpu`` where it differs from ``PACK_A_32_REGISTERS``. Zen 5 (``znver5``, two
+#: rule 7 off by LLVM ``mcpu`` (``vector.by_cpu``; ``PACK_A_32_REGISTERS`` off turns it off
+#: everywhere). Zen 5 (``znver5``, two
 #: 512-bit FMA pipes): off, rules 1-5's tile (4 x 4 vectors, A in place). Measured there (session 28,
 #: ``benchmarks/gemm.py --variant``, 1 thread, median of 9 interleaved rounds, ms, rule 7 / off /
 #: ORT): 1024^3 10.18 / 8.35 / 8.80, 2048^3 75.8 / 67.6 / 72.6 (92-93% of the 258-273 GFLOP/s
@@ -414,8 +415,8 @@ def _pack_a_plan(target: Any, plan: tuple[int, int, int, float], exts: list[int]
         return None
     if lanes == 8 and PACK_A_16_REGISTERS:
         rows, nv = PACK_A_ROWS, 2
-    elif (lanes == 16 and PACK_A_32_BY_CPU.get(mcpu(target), PACK_A_32_REGISTERS) and _full_width_512_fma(target)
-          and not _rows_outer(k * n * 4, target)):
+    elif (lanes == 16 and PACK_A_32_REGISTERS and by_cpu(PACK_A_32_BY_CPU, target, True)
+          and _full_width_512_fma(target) and not _rows_outer(k * n * 4, target)):
         rows, nv = PACK_A_TILE_32
     else:
         return None
@@ -514,7 +515,7 @@ def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int,
 def _rows_outer(b_bytes: int, target: Any = None) -> bool:
     """Whether a packed B of ``b_bytes`` fits ``ROWS_OUTER_B_BYTES`` (row tiles outermost;
     ``ROWS_OUTER_B_BYTES_BY_CPU``'s bound on the CPUs it names)."""
-    bound = ROWS_OUTER_B_BYTES_BY_CPU.get(mcpu(target), ROWS_OUTER_B_BYTES) if target is not None else ROWS_OUTER_B_BYTES
+    bound = by_cpu(ROWS_OUTER_B_BYTES_BY_CPU, target, ROWS_OUTER_B_BYTES)
     return bound is not None and b_bytes <= bound
 
 

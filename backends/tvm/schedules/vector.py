@@ -23,6 +23,12 @@ Rules:
    (the one property LLVM's feature list does not give); an AVX-512 CPU this table does not name
    counts as full width. ``PARTITIONER_FULL_WIDTH_FMA=0`` answers "not full width" everywhere
    (the contraction rules 3-4 that read it then keep their older tiles).
+3. Per-CPU settings (:func:`by_cpu`): a rule whose measured best value differs on one CPU keeps
+   a table keyed by LLVM ``mcpu`` beside its general value (``contraction.NARROW_MIN_VECTORS``,
+   ``gemm_packed.PACK_A_32_BY_CPU``, ``gemm_packed.ROWS_OUTER_B_BYTES_BY_CPU``: Zen 5, session
+   28). ``PARTITIONER_SCHEDULE_BY_CPU=0`` (:data:`SCHEDULE_BY_CPU`) ignores every such table, so
+   a paired run can build the general rules on that CPU in a subprocess (MPI ranks, compile
+   workers) where a module attribute set in the parent does not reach.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ _X86_WIDTHS = (("avx512f", 512), ("avx", 256), ("sse2", 128))
 HALF_WIDTH_AVX512_CPUS = frozenset({"znver4"})
 #: rule 2: off: :func:`full_width_fma` answers False on every target
 FULL_WIDTH_FMA = os.environ.get("PARTITIONER_FULL_WIDTH_FMA", "1") != "0"
+
+#: rule 3: off (env ``PARTITIONER_SCHEDULE_BY_CPU=0``): every per-CPU table ignored
+SCHEDULE_BY_CPU = os.environ.get("PARTITIONER_SCHEDULE_BY_CPU", "1") != "0"
 
 _BITS: dict[tuple[str, bool], int] = {}
 
@@ -103,6 +112,14 @@ def mcpu(target: Any) -> str:
         return str(target.attrs.get("mcpu", ""))
     except Exception:
         return ""
+
+
+def by_cpu(table: dict[str, Any], target: Any, default: Any) -> Any:
+    """Rule 3: ``table``'s value for the target's ``mcpu``, else ``default`` (always ``default``
+    when :data:`SCHEDULE_BY_CPU` is off or there is no target)."""
+    if not SCHEDULE_BY_CPU or target is None:
+        return default
+    return table.get(mcpu(target), default)
 
 
 def fma_datapath_bits(target: Any) -> int:
