@@ -257,8 +257,8 @@ def run(threads_list: list[int], repeats: int, quick: bool, only: list[str] | No
             "peak": {"fma_flops_per_core": peak, "before": peak_before.to_json(), "after": peak_after.to_json()},
             "settings": {"threads": threads_list, "repeats": repeats, "quick": quick,
                          "call_percentile": CALL_PERCENTILE,
-                         "variants": {name: [f"{mod.__name__}.{attr}={value!r}" for mod, attr, value in settings]
-                                      for name, settings in (variants or {}).items()}},
+                         "variants": {name: [f"{mod.__name__}.{attr}={value!r}" for mod, attr, value in s]
+                                      for name, s in (variants or {}).items()}},
             "rows": rows}
 
 
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE",
                     help="also build ours with this module setting changed while building (repeatable; "
                          "a NAME given again adds a setting), timed in the same interleaved rounds: "
-                         "column ours_NAME (e.g. kb:backends.tvm.schedules.gemm_packed.PACK_A_BLOCK_BYTES=524288)")
+                         "column ours_NAME (e.g. "
+                         "kb:backends.tvm.schedules.gemm_packed.PACK_A_BLOCK_BYTES=524288)")
     ap.add_argument("--loaded", action="store_true", help="mark the figures as measured on a shared machine")
     ap.add_argument("--markdown", action="store_true", help="print the saved table as markdown")
     ap.add_argument("--json", default=str(RESULTS), help=f"results file (default {RESULTS.relative_to(ROOT)})")

@@ -346,7 +346,8 @@ def bench_model(key: str, batch: int, threads_list: list[int], args: argparse.Na
     comm = LocalWorld(1).communicator(0)
     variants: dict[str, dict[str, Any]] = {"scheduled": {"pipeline": "scheduled"}}
     if args.build_baseline:  # the default build again, schedule settings changed while it builds
-        variants["build_base"] = {"pipeline": "scheduled", "build_settings": parse_settings(args.build_baseline)[1]}
+        variants["build_base"] = {"pipeline": "scheduled",
+                                  "build_settings": parse_settings(args.build_baseline)[1]}
     if info["run_zero"] and not args.no_zero:
         variants["zero"] = {"pipeline": "zero"}
     if args.conv_algorithm and info["conv"]:
@@ -564,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                          "column tvm_scheduled_base_ms, a before/after from one run")
     ap.add_argument("--build-baseline", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                     help="also build the default schedules with this module setting changed while building "
-                         "(repeatable; e.g. backends.tvm.schedules.contraction.FULL_WIDTH_NARROW_TILE=False), "
+                         "(repeatable; e.g. "
+                         "backends.tvm.schedules.contraction.FULL_WIDTH_NARROW_TILE=False), "
                          "timed in the same interleaved blocks: column tvm_build_base_ms and "
                          "tvm_scheduled_vs_build_base_paired, a schedule rule's before/after from one run")
     ap.add_argument("--tuning-db", default=str(ROOT / "benchmarks" / "results" / "tuning_db"))

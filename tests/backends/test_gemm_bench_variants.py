@@ -16,7 +16,8 @@ def test_parse_variants_groups_settings_by_name() -> None:
                             "a:backends.tvm.schedules.gemm_packed.PACK_A_BLOCK_BYTES=4096",
                             "b:backends.tvm.schedules.gemm_packed.PACK_A_BLOCK_BYTES=0"])
     assert {n: [(m.__name__, attr, v) for m, attr, v in s] for n, s in got.items()} == {
-        "a": [(gemm_packed.__name__, "ROWS_OUTER_B_BYTES", None), (gemm_packed.__name__, "PACK_A_BLOCK_BYTES", 4096)],
+        "a": [(gemm_packed.__name__, "ROWS_OUTER_B_BYTES", None),
+              (gemm_packed.__name__, "PACK_A_BLOCK_BYTES", 4096)],
         "b": [(gemm_packed.__name__, "PACK_A_BLOCK_BYTES", 0)]}
     for bad in ("nocolon", ":backends.tvm.schedules.gemm_packed.PACK_A_ROWS=6", "a:no_equals",
                 "a:backends.tvm.schedules.gemm_packed.NO_SUCH_SETTING=1"):
@@ -37,7 +38,8 @@ def test_variant_is_built_with_its_setting_and_timed_beside_ours(monkeypatch) ->
 
     monkeypatch.setattr(g, "_tvm", spy)
     default = gemm_packed.ROWS_OUTER_B_BYTES
-    data = g.run([1], 1, True, ["256^3"], g.parse_variants(["po:backends.tvm.schedules.gemm_packed.ROWS_OUTER_B_BYTES=0"]))
+    variant = g.parse_variants(["po:backends.tvm.schedules.gemm_packed.ROWS_OUTER_B_BYTES=0"])
+    data = g.run([1], 1, True, ["256^3"], variant)
     assert seen == [(True, default), (False, default), (True, 0)] and default != 0
     assert gemm_packed.ROWS_OUTER_B_BYTES == default
     (row,) = data["rows"]

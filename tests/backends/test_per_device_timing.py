@@ -107,7 +107,7 @@ def test_runtime_baseline_runs_the_same_build_with_the_setting_changed() -> None
     assert contention.CONTENTION_SWITCHES == default
 
 
-def test_build_baseline_sets_the_schedule_setting_only_while_its_variant_builds(monkeypatch, tmp_path) -> None:
+def test_build_baseline_sets_the_setting_only_while_its_variant_builds(monkeypatch, tmp_path) -> None:
     """``--build-baseline MODULE.ATTR=VALUE``: the ``build_base`` variant is built with VALUE in
     force, the default variant with the module's own value, and the module keeps its value."""
     from backends.tvm.schedules import contraction

@@ -25,13 +25,11 @@ from backends.tvm.lower import lower_program
 from backends.tvm.pipeline import run_pipeline
 from backends.tvm.schedules import contraction as C
 from backends.tvm.schedules import vector as V
-from tvm_build_check import ZNVER3, ZNVER4, build_and_compare, host_has, spy_returns
+from tvm_build_check import ZNVER3, ZNVER4, ZNVER5, build_and_compare, host_has, host_runs_znver5, spy_returns
 
 SAPPHIRERAPIDS = {"kind": "llvm", "mcpu": "sapphirerapids"}
 SKYLAKE_AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512"}
-ZNVER5 = {"kind": "llvm", "mcpu": "znver5"}
 CAN_RUN_SPR = host_has("avx512f") and host_has("amx_tile") and host_has("avx512_fp16")
-CAN_RUN_ZNVER5 = all(host_has(f) for f in ("avx512f", "avx512_vp2intersect", "avx512_bf16", "avx_vnni"))
 
 
 def _model(ci: int, co: int, hw: int, k: int, stride: int, batch: int, residual: bool = False) -> onnx.ModelProto:
@@ -167,7 +165,7 @@ def test_rule_builds_match_ort(monkeypatch: pytest.MonkeyPatch, ci: int, co: int
     assert calls, "the rule did not take this shape"
 
 
-@pytest.mark.skipif(not CAN_RUN_ZNVER5, reason="needs a CPU that runs znver5 builds (AVX-512 with VP2INTERSECT)")
+@pytest.mark.skipif(not host_runs_znver5(), reason="needs a CPU that runs znver5 builds")
 @pytest.mark.parametrize("ci,co,hw,k,stride,batch,residual", [
     (256, 256, 4, 3, 1, 1, True),    # rule 3 on Zen 5: 8 pixels x 2 vectors, residual add + relu epilogue
     (128, 256, 8, 3, 2, 1, False),   # stride 2 onto a 4x4 map

@@ -19,7 +19,7 @@ import tvm
 from backends.tvm.schedules import gemm_packed
 from backends.tvm.schedules.gemm_packed import _pack_a_plan, _register_tile
 from test_tvm_gemm_pack_a import _broadcast, _gemm_script, _matmul, _run_and_check, _scheduled
-from tvm_build_check import ZNVER3, ZNVER4, host_has
+from tvm_build_check import ZNVER3, ZNVER4, ZNVER5, host_has, host_runs_znver5
 
 # an AVX-512 target any AVX-512 host runs (Intel server cores have two 512-bit FMA units)
 SKX = {"kind": "llvm", "mcpu": "skylake-avx512"}
@@ -86,9 +86,7 @@ def test_tile_per_target():
     assert _pack_a_plan(skx, _register_tile(skx, conv, 2), conv, 2, None) is None
 
 
-ZNVER5 = {"kind": "llvm", "mcpu": "znver5"}
-can_run_znver5 = pytest.mark.skipif(not all(host_has(f) for f in ("avx512f", "avx512_vp2intersect", "avx_vnni")),
-                                    reason="built for znver5; this CPU cannot run it")
+can_run_znver5 = pytest.mark.skipif(not host_runs_znver5(), reason="built for znver5; this CPU cannot run it")
 
 
 def test_zen5_keeps_the_4x4_tile_with_panels_outer():
@@ -100,7 +98,8 @@ def test_zen5_keeps_the_4x4_tile_with_panels_outer():
         assert _pack_a_plan(zen5, _register_tile(zen5, shape, 2), shape, 2, None) is None
     mib = 1 << 20  # 512^3's B: panels outer on Zen 5 (half its L2 is the bound), rows outer elsewhere
     assert not gemm_packed._rows_outer(mib, zen5) and gemm_packed._rows_outer(mib, tvm.target.Target(SKX))
-    assert gemm_packed._rows_outer(mib // 2, zen5) and gemm_packed._rows_outer(mib)  # no target: the general bound
+    assert gemm_packed._rows_outer(mib // 2, zen5)
+    assert gemm_packed._rows_outer(mib)  # no target: the general bound
 
 
 @pytest.mark.parametrize("how", ["tables emptied", "PARTITIONER_SCHEDULE_BY_CPU=0"])
@@ -126,7 +125,8 @@ def test_rule7_switch_turns_it_off_on_every_cpu(monkeypatch):
 
 
 @can_run_znver5
-@pytest.mark.parametrize("m,k,n", [(100, 64, 64), (130, 37, 96), (64, 96, 40)], ids=["m100", "m130-k37", "n40"])
+@pytest.mark.parametrize("m,k,n", [(100, 64, 64), (130, 37, 96), (64, 96, 40)],
+                         ids=["m100", "m130-k37", "n40"])
 def test_zen5_matmul_matches_numpy(m, k, n):
     script = _gemm_script(_run_and_check(_matmul(m, k, n), ZNVER5))
     assert "T.int64(12))" not in script

@@ -19,6 +19,7 @@ from backends.tvm.target import detect_host_target
 #: build targets for the AVX2 (16 vector registers) and AVX-512 (32) schedule rules
 ZNVER3 = {"kind": "llvm", "mcpu": "znver3"}
 ZNVER4 = {"kind": "llvm", "mcpu": "znver4"}
+ZNVER5 = {"kind": "llvm", "mcpu": "znver5"}
 
 
 def host_has(flag: str) -> bool:
@@ -28,6 +29,11 @@ def host_has(flag: str) -> bool:
         return flag in open("/proc/cpuinfo").read().split()
     except OSError:
         return False
+
+
+def host_runs_znver5() -> bool:
+    """Whether this CPU runs a ``znver5`` build (AVX-512 with VP2INTERSECT and AVX-VNNI: Zen 5)."""
+    return all(host_has(f) for f in ("avx512f", "avx512_vp2intersect", "avx512_bf16", "avx_vnni"))
 
 
 def build_and_compare(m: onnx.ModelProto, target: Any = None) -> Any:

@@ -499,7 +499,8 @@ def _padding(stmt: Any, b_idx: int, exts: list[int], ns: int, tile: tuple[int, i
     return (padding if any(p != 1 for p in padding) else None), a_src
 
 
-def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int, target: Any = None) -> tuple[Any, ...]:
+def _tile_loops(sch: Any, io: Any, jo: Any, k: int, b_bytes: int, packed_a: int,
+                target: Any = None) -> tuple[Any, ...]:
     """The row-tile and panel loops, outermost first: rows outer when all of B fits
     ``ROWS_OUTER_B_BYTES``; else panels outer, or with packed A (:func:`micro_tile` rule 6) M
     blocks of :func:`_a_block_tiles` row tiles outermost, every B panel streamed past each."""
