@@ -64,6 +64,8 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
+from benchmarks.module_settings import parse_settings, with_settings  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "kernel_profile.json"
 
 
@@ -335,30 +337,6 @@ def print_outside(key: str, batch: int, r: dict[str, Any]) -> None:
             print(f"  {r[f'runs_{part}']} runs with the main thread switched out {how}: wall {r[f'wall_ms_{part}']:.3f} ms")
 
 
-def with_settings(settings: list[str]) -> Any:
-    """A context manager that sets ``module.ATTR=value`` (a Python literal) for its duration."""
-    import ast
-    import contextlib
-    import importlib
-
-    @contextlib.contextmanager
-    def ctx() -> Any:
-        saved = []
-        for item in settings:
-            target, value = item.split("=", 1)
-            mod_name, attr = target.rsplit(".", 1)
-            mod = importlib.import_module(mod_name)
-            saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, ast.literal_eval(value))
-        try:
-            yield
-        finally:
-            for mod, attr, old in reversed(saved):
-                setattr(mod, attr, old)
-
-    return ctx()
-
-
 # ---------------------------------------------------------------- ORT: classes from the ONNX nodes
 def onnx_node_info(m: onnx.ModelProto) -> dict[str, dict[str, Any]]:
     """Class and layer key of every node of the (shape-inferred) model, by node name."""
@@ -508,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({"model": key, "batch": batch, "outside": rows})
                     continue
                 if args.scaling and args.baseline:
-                    with with_settings(args.baseline):
-                        base = build_ours(m, target, bt, args.conv_algorithm)
+                    base = with_settings(lambda: build_ours(m, target, bt, args.conv_algorithm),
+                                         parse_settings(args.baseline)[1])()
                     rows, base_rows = paired_scaling([(ex, infos), base], feeds, args.runs)
                     print_scaling(key, batch, rows, args.layers)
                     print_scaling(f"{key} baseline ({' '.join(args.baseline)}), same rounds", batch, base_rows, 0)
@@ -523,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 exes = [ex]
                 if args.baseline:
-                    with with_settings(args.baseline):
-                        base_ex, base_infos = build_ours(m, target, bt, args.conv_algorithm)
+                    baseline = parse_settings(args.baseline)[1]
+                    base_ex, base_infos = with_settings(
+                        lambda: build_ours(m, target, bt, args.conv_algorithm), baseline)()
                     exes.append(base_ex)
                 timed = profile_ours(exes, feeds, args.runs)
                 ort = profile_ort(m, feeds, args.runs, Path(tmp))
