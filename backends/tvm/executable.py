@@ -261,7 +261,7 @@ class TvmRankExecutable:
 
     def __init__(self, program: onnx.ModelProto, path: Path, *, threads: int = 1) -> None:
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine  # not tvm.relax: a runtime-only TVM has no compiler
 
         configure_threads(threads)
         register_comm_functions()
@@ -269,12 +269,13 @@ class TvmRankExecutable:
         self.path = Path(path)
         if not self.path.is_file():
             raise BackendError(f"{self.path}: rank library not found; build it first (partitioner compile)")
+        load_device_runtimes()
         try:
             lib = tvm.runtime.load_module(str(self.path))
         except Exception as e:
             raise BackendError(f"{self.path}: TVM cannot load this library ({str(e).strip().splitlines()[-1] if str(e).strip() else e}); rebuild it with this TVM version") from None
         self.device = tvm.cuda(cuda_device_index()) if _has_cuda_code(lib) else tvm.cpu(0)
-        self._vm = relax.VirtualMachine(lib, self.device)
+        self._vm = VirtualMachine(lib, self.device)
         self._main = self._vm["main"]
         # weights built as parameters (backends/tvm/weight_params.py): mapped from rank<i>.data
         self._weights = bind_weights(program, self.path.parent, main_weight_params(self._vm), self.device)
@@ -547,6 +548,41 @@ def cuda_device_index() -> int:
     from backends.cuda_devices import device_index, visible_gpus
 
     return device_index(int(os.environ.get(LOCAL_RANK_ENV, "0") or 0), len(visible_gpus()))
+
+
+def load_device_runtimes() -> None:
+    """A runtime-only TVM (``TVM_USE_RUNTIME_LIB=1``, or no ``libtvm_compiler``: what a deployment
+    needs) loads no device runtime when imported. Load the CUDA one here, before a library is: it
+    registers the loader of the library's CUDA kernels. On a machine without CUDA it does not
+    load, and a CPU library needs none (a CUDA library then fails to load with TVM's message)."""
+    global _device_runtimes_loaded
+    import tvm
+
+    if _device_runtimes_loaded or not getattr(tvm, "_RUNTIME_ONLY", False):
+        return
+    _device_runtimes_loaded = True
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
+        return
+    from tvm.base import _LOADED_LIBS
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    try:
+        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(
+            package="tvm", target_name="tvm_runtime_cuda", mode="RTLD_LOCAL",
+            extra_lib_paths=[Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent])
+    except (OSError, FileNotFoundError, RuntimeError):
+        return
+    from backends.cuda_devices import visible_gpus
+
+    from .cuda_toolchain import register_load_time_compiler
+
+    gpus = visible_gpus()
+    if gpus:  # the library's CUDA C is compiled as it loads (cuda_toolchain rule 4)
+        gpu = gpus[cuda_device_index() % len(gpus)]
+        register_load_time_compiler(f"sm_{gpu.major}{gpu.minor}")
+
+
+_device_runtimes_loaded = False
 
 
 def _has_cuda_code(lib: Any) -> bool:

@@ -28,21 +28,33 @@ with the same body, which runs the same iterations in the same order.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from .contraction import Contraction
-from .depthwise import Depthwise
-from .gemm_packed import GemmPacked
-from .injective import Injective
-from .rowwise import Rowwise
-from .vector import vector_lanes
+# name -> submodule, imported on first use (PEP 562): ``threads`` (read when an artifact loads)
+# must not pull in dlight, which needs the compiler side of TVM
+_LAZY = {"Contraction": "contraction", "Depthwise": "depthwise", "GemmPacked": "gemm_packed",
+         "Injective": "injective", "Rowwise": "rowwise", "vector_lanes": "vector"}
 
 __all__ = ["Contraction", "Depthwise", "GemmPacked", "Injective", "Rowwise", "apply_default_schedules", "default_rules", "vector_lanes"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 def default_rules(target: Any) -> list[Any]:
     """The CPU rules, most specific first."""
     from tvm.s_tir import dlight as dl
+
+    from .contraction import Contraction
+    from .depthwise import Depthwise
+    from .gemm_packed import GemmPacked
+    from .injective import Injective
+    from .rowwise import Rowwise
 
     return [GemmPacked(), Depthwise(), Contraction(), Rowwise(), dl.cpu.Reduction(), Injective()]
 
