@@ -111,6 +111,9 @@ class Calibration:
     # the physical limits (backends/tvm/peak.py): FMA-loop peak and triad bandwidth, one core
     fma_peak_flops: float | None = None
     stream_bandwidth: float | None = None
+    # the FLOPs a kernel needs before TVM's 2-thread pool pays (Peak.parallel_min_flops; builds
+    # of this machine read it from the cache: backends/tvm/schedules/threads.py)
+    parallel_min_flops: float | None = None
     call_overhead_s: float = 0.0  # per run of a compiled program (probe 3b)
     comm_op_overhead_s: float = 0.0  # per comm op, beside the transfer (probe 3c)
     thread_efficiency_by_class: dict[str, float] = field(default_factory=dict, hash=False)  # probe 6
@@ -136,6 +139,7 @@ class Calibration:
             "thread_kernels": [dict(k) for k in self.thread_kernels],
             "kernels": [dict(k) for k in self.kernels],
             "fma_peak_flops_per_core": self.fma_peak_flops, "stream_bandwidth_per_core": self.stream_bandwidth,
+            "parallel_min_flops": self.parallel_min_flops,
             "mpi": {"ok": self.mpi_ok, "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                     "bandwidth": 1 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None,
                     "pingpong": [list(p) for p in self.pingpong],
@@ -844,7 +848,8 @@ def _probe(quick: bool, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
         from backends.tvm.peak import measure_peak
 
         peak = measure_peak(quick=quick)
-        limits = {"fma_peak_flops": peak.fma_flops, "stream_bandwidth": peak.bandwidth}
+        limits = {"fma_peak_flops": peak.fma_flops, "stream_bandwidth": peak.bandwidth,
+                  "parallel_min_flops": peak.parallel_min_flops}
     except ImportError:
         limits = {}
     return {"gemm_flops": gemm, "gemm_n": n, "memory_bandwidth": bandwidth, **limits, **measured}
@@ -1063,6 +1068,7 @@ def calibrate(quick: bool = False, backend: str = DEFAULT_BACKEND, mpi: bool = T
         backend=backend, efficiency_by_class={k: float(v) for k, v in single.get("efficiency_by_class", {}).items()},
         kernels=tuple(single.get("kernels", ())),
         fma_peak_flops=single.get("fma_peak_flops"), stream_bandwidth=single.get("stream_bandwidth"),
+        parallel_min_flops=single.get("parallel_min_flops"),
     )
 
 

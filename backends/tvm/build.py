@@ -138,6 +138,17 @@ def build_one(
     return deep_stack.run(_build_one, program, out_path, tdict, options, report)
 
 
+def _thread_threshold_facts(tdict: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The FLOP threshold for parallel kernels and its source (schedules/threads.py), for CPU
+    builds that may use more than one thread."""
+    if tdict.get("kind") == "cuda" or int(options.get("threads") or 0) == 1:
+        return {}
+    from .schedules.threads import parallel_min_flops_and_source
+
+    value, source = parallel_min_flops_and_source()
+    return {"parallel_min_flops": {"value": round(value), "source": source}}
+
+
 def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], options: dict[str, Any] | None,
                report: Callable[[str], None]) -> dict[str, Any]:
     import tvm
@@ -200,6 +211,7 @@ def _build_one(program: onnx.ModelProto, out_path: Path, tdict: dict[str, Any], 
            if tdict.get("kind") == "cuda" else {}),
         "pipeline": pipeline,
         **({"threads": int(options["threads"])} if options.get("threads") else {}),
+        **_thread_threshold_facts(tdict, options),
         "tuned": bool(tuning.get("tuned", False)),
         **({"tuning": tuning} if tuning else {}),
         **({"conv_algorithms": conv_used} if conv_used else {}),

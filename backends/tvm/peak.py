@@ -18,7 +18,8 @@ machine's limit, not the rate of some library:
    iteration per thread, timed on ``threads`` threads (wall clock, the calling thread waits for
    the others) minus the same loop serial; the lowest batch median (load only adds). It gives
    the threshold below which a kernel runs on one thread
-   (:func:`backends.tvm.schedules.threads.threshold_from`: ``Peak.parallel_min_flops``).
+   (:func:`backends.tvm.schedules.threads.threshold_from`: ``Peak.parallel_min_flops``, from
+   the larger of the two costs below; ``partitioner calibrate`` stores it and builds use it).
    With ``idle_s`` > 0 each call comes ``idle_s`` after the previous one and is timed alone
    (median): the cost of the first parallel kernel of a model run, when the workers may have
    gone to sleep or spun through their share of the core (``Peak.fork_join_idle_s``, 1 ms
@@ -280,6 +281,7 @@ def measure_peak(target: Any = None, quick: bool = False, threads: int = 2) -> P
     flops, lanes, acc, rates, best = measure_fma_peak(tgt, seconds=0.02 if quick else 0.05, repeats=5 if quick else 9)
     bw = measure_bandwidth(tgt, repeats=3 if quick else 7)
     fj = measure_fork_join(tgt, threads, batches=5 if quick else 15)
-    par_min = threshold_from(fj, best) if fj > 0 else DEFAULT_PARALLEL_MIN_FLOPS
     fj_idle = measure_fork_join(tgt, threads, batches=5 if quick else 15, idle_s=1e-3)
+    worst = max(fj, fj_idle)  # in a model, workers often sleep between parallel kernels
+    par_min = threshold_from(worst, best) if worst > 0 else DEFAULT_PARALLEL_MIN_FLOPS
     return Peak(flops, bw, lanes, acc, str(tgt), rates, best, fj, par_min, fj_idle)

@@ -74,6 +74,40 @@ def test_threshold_sources(restore_threshold, monkeypatch) -> None:
     assert threads.threshold_from(3e-6, 1e11) == pytest.approx(threads.FORK_JOIN_MARGIN * 2 * 3e-6 * 1e11)
 
 
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch):
+    """An empty per-machine cache (conftest's is shared by the session); the read is memoised."""
+    monkeypatch.setenv("PARTITIONER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(threads.ENV, raising=False)
+    threads.calibrated_parallel_min_flops.cache_clear()
+    yield tmp_path
+    threads.calibrated_parallel_min_flops.cache_clear()
+
+
+def test_calibrated_threshold_is_used_by_builds(calibration_cache, restore_threshold, tmp_path) -> None:
+    from backends.tvm.build import build
+    from partitioner.calibrate_cache import save_cached
+
+    assert threads.parallel_min_flops_and_source() == (threads.DEFAULT_PARALLEL_MIN_FLOPS, "default")
+    threads.calibrated_parallel_min_flops.cache_clear()
+    save_cached({"name": "local"}, {"parallel_min_flops": 937000.0}, "tvm")
+    assert threads.parallel_min_flops_and_source() == (937000.0, "calibration")
+    facts = build(_conv_matmul_model(), tmp_path / "rank0.so", options={"threads": 2})
+    assert facts["parallel_min_flops"] == {"value": 937000, "source": "calibration"}
+    assert "parallel_min_flops" not in build(_conv_matmul_model(), tmp_path / "r1.so", options={"threads": 1})
+    threads.set_parallel_min_flops(5e5)  # configured, then the environment, come first
+    assert threads.parallel_min_flops_and_source() == (5e5, "configured")
+
+
+def test_unreadable_calibration_is_no_threshold(calibration_cache) -> None:
+    path = calibration_cache / "calibration"
+    path.mkdir()
+    from partitioner.calibrate_cache import cache_path
+
+    cache_path("tvm").write_text("{not json")
+    assert threads.parallel_min_flops_and_source() == (threads.DEFAULT_PARALLEL_MIN_FLOPS, "default")
+
+
 @pytest.mark.skipif(_usable_cores() < 2, reason="one usable core: no fork/join to measure")
 def test_fork_join_probe_measures_a_real_cost() -> None:
     fj = measure_fork_join(threads=2, batches=5, calls=100)

@@ -33,7 +33,15 @@ Where the number comes from, first match wins:
 1. ``PARTITIONER_PARALLEL_MIN_FLOPS`` in the environment (a float): for experiments;
 2. :func:`set_parallel_min_flops` (``backends.tvm.peak.measure_fork_join`` +
    :func:`threshold_from` give the machine's own value);
-3. :data:`DEFAULT_PARALLEL_MIN_FLOPS`.
+3. this machine's calibration (``partitioner calibrate``, which stores ``Peak.parallel_min_flops``
+   in the TVM calibration cache, ``partitioner/calibrate_cache.py``; read once per process): the
+   threshold from the machine's measured fork/join, on every build of that machine, compile
+   workers included. Measured on Zen 5 (session 29, 2 threads, batch 1, paired builds, 9-11
+   blocks): the calibrated 0.94 MFLOP against the default 2 MFLOP ran heldout_vit 1.31-1.38x and
+   heldout_mbv2 1.17-1.21x faster (their 0.5-2 MFLOP GEMMs and 1x1 convs go to the pool), and
+   resnet18, resnet50, mobilenet, bert, gpt, inception and unet within 0.95-1.04x (noise); 0.72
+   MFLOP (the hot fork/join) gave the same but resnet50 0.95x, hence the idle one (``peak.py``);
+4. :data:`DEFAULT_PARALLEL_MIN_FLOPS` (no calibration).
 
 Epilogue work (:data:`COUNT_EPILOGUE_OPS`, :func:`epilogue_ops`, :func:`with_epilogue`). The
 FLOP count of a contraction is its multiply-adds; what is fused after them (bias, ReLU, a fast
@@ -116,6 +124,7 @@ kernel hands the core away (gpt at batch 1 on 2 threads: 3.7-68 ms a run at load
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Iterator
 
@@ -176,14 +185,37 @@ def set_parallel_min_flops(value: float | None) -> None:
 
 
 def parallel_min_flops() -> float:
-    """The threshold in force (module docstring: environment, configured, default)."""
+    """The threshold in force (module docstring: environment, configured, calibrated, default)."""
+    return parallel_min_flops_and_source()[0]
+
+
+def parallel_min_flops_and_source() -> tuple[float, str]:
+    """The threshold and where it came from: ``environment``, ``configured``, ``calibration``, ``default``."""
     env = os.environ.get(ENV)
     if env:
         try:
-            return float(env)
+            return float(env), "environment"
         except ValueError:
             pass
-    return _configured if _configured is not None else DEFAULT_PARALLEL_MIN_FLOPS
+    if _configured is not None:
+        return _configured, "configured"
+    calibrated = calibrated_parallel_min_flops()
+    if calibrated is not None:
+        return calibrated, "calibration"
+    return DEFAULT_PARALLEL_MIN_FLOPS, "default"
+
+
+@functools.lru_cache(maxsize=1)
+def calibrated_parallel_min_flops() -> float | None:
+    """This machine's measured threshold from the TVM calibration cache, or None (none cached)."""
+    from partitioner.calibrate_cache import load_cached
+
+    try:
+        doc = load_cached("tvm")
+    except Exception:  # noqa: BLE001 - an unreadable cache is no calibration, not a failed build
+        return None
+    value = ((doc or {}).get("calibration") or {}).get("parallel_min_flops")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def worth_parallel(flops: float, peak_fraction: float = 1.0) -> bool:
