@@ -49,8 +49,8 @@ def pinned(name: str) -> str:
 
 
 def download_wheels(out: Path, python: str) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-           python, "--implementation", "cp", "-d", str(out)]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", python, "--implementation", "cp", "-d", str(out)]
     for p in PLATFORMS:
         cmd += ["--platform", p]
     subprocess.run(cmd + [pinned(n) for n in WHEELS] + list(DEVICE_ONLY_WHEELS), check=True)
@@ -73,8 +73,8 @@ def tvm_runtime_tar(out: Path) -> None:
 
 def artifacts_tar(out: Path, models: str) -> None:
     with tempfile.TemporaryDirectory(prefix="device-bundle-") as tmp:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--build-only", tmp, "--small",
-                        "--models", models], check=True)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--build-only", tmp,
+                        "--small", "--models", models], check=True)
         with tarfile.open(out, "w:xz", preset=9) as tar:
             for d in sorted(Path(tmp).iterdir()):
                 tar.add(d, arcname=d.name)

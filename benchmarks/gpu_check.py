@@ -153,7 +153,8 @@ def check_model(key: str, zoo_kwargs: dict[str, Any], strategy2: str, tdict: dic
     ort_cuda_s = None
     if provider == "CUDAExecutionProvider":
         ort_cuda_s = _median_run(ref_sess, feeds, args.warmup, args.repeat)
-    torch_ref = _torch_reference(model, feeds, want, args) if ort_cuda_s is None and not args.cpu_dry_run else {}
+    no_ort_cuda = ort_cuda_s is None and not args.cpu_dry_run
+    torch_ref = _torch_reference(model, feeds, want, args) if no_ort_cuda else {}
     rows = []
     for ranks in args.ranks:
         row: dict[str, Any] = {"model": key, "zoo": MODELS[key][0], "params": zoo_kwargs, "ranks": ranks,
@@ -272,7 +273,8 @@ def run_check(args: argparse.Namespace) -> int:
             rows.extend(check_model(key, zoo_kwargs, MODELS[key][2], tdict, args, deadline, Path(tmp)))
     doc = {"machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "gpus": gpus},
            "versions": versions(), "target": tdict,
-           "settings": {"quick": args.quick, "small": args.small, "warmup": args.warmup, "repeat": args.repeat, "rtol": RTOL, "atol": ATOL,
+           "settings": {"quick": args.quick, "small": args.small, "warmup": args.warmup,
+                        "repeat": args.repeat, "rtol": RTOL, "atol": ATOL,
                         "budget_s": args.budget_s},
            "wall_s": round(time.monotonic() - started, 1), "rows": rows}
     out = Path(args.json)
@@ -293,7 +295,8 @@ def _sizes_note(doc: dict[str, Any]) -> str:
     settings, rows = doc["settings"], doc["rows"]
     sizes = "; ".join(sorted({f"{r['model']} " + ", ".join(f"{k} {v}" for k, v in r["params"].items())
                               for r in rows}))
-    note = f" Sizes ({'--small' if settings.get('small') else '--quick' if settings.get('quick') else 'full'}): {sizes}."
+    preset = "--small" if settings.get("small") else "--quick" if settings.get("quick") else "full"
+    note = f" Sizes ({preset}): {sizes}."
     missing = {r["why_no_ort_cuda"] for r in rows if r.get("why_no_ort_cuda")}
     return note + (f" No speed against ORT CUDA: {missing.pop()}." if missing else "")
 
@@ -309,8 +312,8 @@ def markdown(path: Path) -> str:
              f"{doc['target'].get('arch', doc['target']['kind'])}, TVM {doc['versions']['tvm']}, onnxruntime {doc['versions']['onnxruntime']}; "
              f"median of {doc['settings']['repeat']} steps; check rtol {doc['settings']['rtol']:g}, "
              f"atol {doc['settings']['atol']:g}." + _sizes_note(doc), "",
-             "| model | GPUs | strategy | check vs ORT | reference | max abs err | step (ms) | ORT CUDA (ms) | speed vs ORT CUDA "
-             "| PyTorch CUDA (ms) | speed vs PyTorch | comm |",
+             "| model | GPUs | strategy | check vs ORT | reference | max abs err | step (ms) | ORT CUDA (ms) "
+             "| speed vs ORT CUDA | PyTorch CUDA (ms) | speed vs PyTorch | comm |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         check = r.get("check") or {}
@@ -337,9 +340,10 @@ def _torch_note(rows: list[dict[str, Any]]) -> list[str]:
     if refs:
         v = refs[0]["versions"]
         err = max(x["max_abs_vs_reference"] for x in refs)
-        return ["", f"_PyTorch {v['torch']} eager on the same ONNX model (onnx2torch {v['onnx2torch']}), float32 "
-                    f"without TF32, cuDNN benchmark on, host copies included; its outputs within {err:.2g} of "
-                    "ONNX Runtime's. Speed columns: reference time / our time (above 1: ours is faster)._"]
+        return ["", f"_PyTorch {v['torch']} eager on the same ONNX model (onnx2torch {v['onnx2torch']}), "
+                    "float32 without TF32, cuDNN benchmark on, host copies included; its outputs within "
+                    f"{err:.2g} of ONNX Runtime's. Speed columns: reference time / our time (above 1: ours is "
+                    "faster)._"]
     why = sorted({r["why_no_torch_cuda"] for r in rows if r.get("why_no_torch_cuda")})
     return ["", f"_{why[0]}._"] if why else []
 
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--artifacts", default=None, metavar="DIR", help="use DIR/<model>_<n>gpu instead of building")
     ap.add_argument("--quick", action="store_true", help="small sizes (checks the machinery, not the speed)")
     ap.add_argument("--small", action="store_true",
-                    help="the full shapes with a quarter of the channels (artifacts that fit a 64 MiB transfer)")
+                    help="the full shapes with a quarter of the channels (artifacts fit a 64 MiB transfer)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new build or run after this (default 480)")

@@ -59,7 +59,8 @@ def torch_cuda_reference(model: Any, feeds: dict[str, np.ndarray], want: dict[st
     ref = list(want.values())
     if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
         return None, "no PyTorch reference (the converted model's outputs differ in number or shape)"
-    err = max(float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)), initial=0.0)) for g, r in zip(got, ref))
+    err = max(float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)), initial=0.0))
+              for g, r in zip(got, ref))
     return {"median_s": statistics.median(times), "max_abs_vs_reference": err,
             "versions": {"torch": torch.__version__, "onnx2torch": _version("onnx2torch"),
                          "gpu": torch.cuda.get_device_name(0)}}, None

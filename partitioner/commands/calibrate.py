@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if cal.stream_bandwidth:
         print(f"triad bandwidth (1 core):   {cal.stream_bandwidth / 1e9:8.1f} GB/s")
     if cal.parallel_min_flops:
-        print(f"parallel threshold (TVM):   {cal.parallel_min_flops / 1e6:8.2f} MFLOP per kernel (builds here use it)")
+        print(f"parallel threshold (TVM):   {cal.parallel_min_flops / 1e6:8.2f} MFLOP per kernel "
+              "(builds here use it)")
     print(f"launch overhead ({cal.backend}):{' ' * max(1, 15 - len(cal.backend))}{cal.launch_overhead_s * 1e6:8.2f} µs/op")
     print(f"call overhead (per run):    {cal.call_overhead_s * 1e6:8.2f} µs")
     print(f"comm-op overhead (per op):  {cal.comm_op_overhead_s * 1e6:8.2f} µs")

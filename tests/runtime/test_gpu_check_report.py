@@ -40,7 +40,8 @@ def test_markdown_ratios_and_notes(tmp_path: Path) -> None:
     one, two = [line for line in text.splitlines() if line.startswith("| resnet")]
     assert "| 1.600 | - | - | 2.400 | 1.50x | - |" in one  # 2.4 ms / 1.6 ms; no comm on one rank
     assert two.endswith("| 2.500 | - | - | - | - | staged |")
-    assert "Sizes (--small): resnet width 16." in text and "No speed against ORT CUDA: no CUDA provider." in text
+    assert "Sizes (--small): resnet width 16." in text
+    assert "No speed against ORT CUDA: no CUDA provider." in text
     assert "PyTorch 2.11 eager" in text and "within 3e-06" in text
 
 
@@ -50,7 +51,8 @@ def test_small_sizes_keep_shapes_with_a_quarter_of_the_channels() -> None:
         small = gpu_check.model_sizes(key, args)
         channels = "width" if key == "resnet" else "hidden"
         assert small[channels] * 4 == full.get(channels, 64), key  # zoo resnet's default width is 64
-        assert {k: v for k, v in small.items() if k != channels} == {k: v for k, v in full.items() if k != channels}
+        others = {k: v for k, v in full.items() if k != channels}
+        assert {k: v for k, v in small.items() if k != channels} == others
 
 
 def test_torch_reference_gives_a_reason_without_torch_or_cuda() -> None:

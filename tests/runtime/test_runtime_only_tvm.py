@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cpu_artifact_runs_on_a_runtime_only_tvm(tmp_path: Path) -> None:
     onnx.save(models_zoo.build("mlp", batch=2), tmp_path / "mlp.onnx")
     cli = [sys.executable, "-m", "partitioner.cli"]
-    r = subprocess.run([*cli, "compile", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "a"), "--devices", "2",
-                        "--strategy", "tensor", "--jobs", "1"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = subprocess.run([*cli, "compile", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "a"), "--devices",
+                        "2", "--strategy", "tensor", "--jobs", "1"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)
     assert r.returncode == 0, r.stderr
     env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
-    r = subprocess.run([*cli, "run", str(tmp_path / "a"), "--check"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600, env=env)
+    r = subprocess.run([*cli, "run", str(tmp_path / "a"), "--check"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     assert "check logits:" in r.stdout and r.stdout.count(" ok") >= 1, r.stdout
 
@@ -56,7 +57,8 @@ def test_load_time_compiler_uses_the_given_arch(monkeypatch) -> None:
     from backends.tvm.cuda_toolchain import CUDA_COMPILE_CALLBACK, register_load_time_compiler
 
     seen = []
-    monkeypatch.setattr(nvcc, "compile_cuda", lambda code, **kw: seen.append((code, kw)) or bytearray(b"CUBIN"))
+    monkeypatch.setattr(nvcc, "compile_cuda",
+                        lambda code, **kw: seen.append((code, kw)) or bytearray(b"CUBIN"))
     previous = tvm_ffi.get_global_func(CUDA_COMPILE_CALLBACK, allow_missing=True)
     try:
         register_load_time_compiler("sm_90")
@@ -65,7 +67,8 @@ def test_load_time_compiler_uses_the_given_arch(monkeypatch) -> None:
         if previous is not None:
             tvm_ffi.register_global_func(CUDA_COMPILE_CALLBACK, previous, override=True)
     assert bytes(out) == b"CUBIN"
-    assert seen == [("__global__ void k() {}", {"target_format": "cubin", "arch": "sm_90", "compiler": "nvrtc"})]
+    assert seen == [("__global__ void k() {}",
+                     {"target_format": "cubin", "arch": "sm_90", "compiler": "nvrtc"})]
 
 
 @pytest.mark.timeout(300)
