@@ -38,7 +38,9 @@ Rules:
    are compared; a non-direct algorithm is kept only when its median beats direct's by
    :data:`AUTO_MARGIN` (5%): below that the difference is within what the interleaved medians
    still vary by under load, and direct is the algorithm the rest of the backend (tuning, fusion,
-   the default schedules) has been measured with. The choice is cached per process and on disk:
+   the default schedules) has been measured with. The measured times are cached per process and on disk
+   (the choice is made from them at each build, with the margin in force then; a file entry
+   without times keeps its ``fastest``):
    in ``<tuning db>/<target key>/conv_algorithms.json`` when a tuning database is given, else in
    this machine's cache (:func:`machine_cache_file`: ``$PARTITIONER_CACHE_DIR/tvm/<cpu>-<cores>c-
    <target key>/conv_algorithms.json``, :mod:`partitioner.calibrate_cache` rule 5), so a second
@@ -110,7 +112,7 @@ WINOGRAD_TILE = 4
 #: rule 5); off: the tiles are first copied into a ``winograd_tile`` buffer, as before
 WINOGRAD_DATA_GATHER = True
 CACHE_FILE = "conv_algorithms.json"
-_MEASURED: dict[str, str] = {}  # conv key -> fastest algorithm, for this process
+_MEASURED: dict[str, dict[str, float]] = {}  # conv key -> each candidate's seconds, for this process
 
 
 def default_algorithm() -> str:
@@ -377,18 +379,21 @@ def measure(p: dict[str, Any], target: Any, cache_file: Path | None = None) -> t
     """``(algorithm, source)`` for conv ``p`` on this machine: source ``"process"`` (measured
     earlier in this process), ``"cache"`` (read from ``cache_file``) or ``"measured"``."""
     key = _key(p)
-    if key in _MEASURED:
-        return _MEASURED[key], "process"
+    if key in _MEASURED:  # the choice is made from the times each call: AUTO_MARGIN is read now
+        return pick(_MEASURED[key]), "process"
     if cache_file is not None:
         entry = _read_cache(cache_file).get(key)
-        if isinstance(entry, dict) and entry.get("fastest") in _candidates(p):
-            _MEASURED[key] = entry["fastest"]
-            return _MEASURED[key], "cache"
+        times = entry.get("seconds") if isinstance(entry, dict) else None
+        if isinstance(times, dict) and "direct" in times and set(times) <= set(_candidates(p)):
+            _MEASURED[key] = {a: float(t) for a, t in times.items()}
+            return pick(_MEASURED[key]), "cache"
+        if isinstance(entry, dict) and entry.get("fastest") in _candidates(p):  # a file with no times
+            return entry["fastest"], "cache"
     times = _time_candidates(p, target)
-    _MEASURED[key] = pick(times)
+    _MEASURED[key] = times
     if cache_file is not None:
-        _save_entry(cache_file, key, {"fastest": _MEASURED[key], "seconds": times, "margin": AUTO_MARGIN})
-    return _MEASURED[key], "measured"
+        _save_entry(cache_file, key, {"fastest": pick(times), "seconds": times, "margin": AUTO_MARGIN})
+    return pick(times), "measured"
 
 
 def measured_conv_seconds(program: Any, choices: list[dict[str, Any]], cache_file: Path) -> dict[str, float]:

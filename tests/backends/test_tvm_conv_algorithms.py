@@ -66,7 +66,7 @@ def test_algorithm_matches_ort_where_eligible(case: str, algorithm: str, tmp_pat
     assert facts["conv_algorithms"] == {expected: 1}
 
 
-def test_auto_measures_once_and_caches(tmp_path: Path) -> None:
+def test_auto_measures_once_and_caches(tmp_path: Path, monkeypatch) -> None:
     import tvm
 
     from backends.tvm import conv_algorithms as ca
@@ -87,13 +87,24 @@ def test_auto_measures_once_and_caches(tmp_path: Path) -> None:
     assert entry["fastest"] == chosen and set(entry["seconds"]) == {"direct", "im2col", "winograd"}
     fastest = min(entry["seconds"], key=entry["seconds"].get)  # kept only with a 5% lead over direct
     assert chosen == (fastest if entry["seconds"][fastest] < 0.95 * entry["seconds"]["direct"] else "direct")
-    # a fresh process (empty memory cache) reads the file instead of measuring again
+    # a fresh process (empty memory cache) reads the file's times instead of measuring again,
+    # and chooses from them with the margin in force
     ca._MEASURED.clear()
-    entry["fastest"] = "im2col"  # what the file says wins, whatever this machine measured
+    entry["seconds"] = {"direct": 1.0, "im2col": 0.9, "winograd": 1.2}  # im2col 10% ahead
     cache.write_text(json.dumps(saved))
     facts2: dict = {}
     pre_legalize(lower_program(m).mod, target, "auto", cache, facts2)
     assert facts2["conv_algorithms"] == {"im2col": 1}
+    monkeypatch.setattr(ca, "AUTO_MARGIN", 0.15)  # the same times under a 15% margin: direct
+    facts3: dict = {}
+    pre_legalize(lower_program(m).mod, target, "auto", cache, facts3)
+    assert facts3["conv_algorithms"] == {"direct": 1}
+    # an entry without times (an older file) keeps its choice
+    ca._MEASURED.clear()
+    cache.write_text(json.dumps({k: {"fastest": "im2col"} for k in saved}))
+    facts4: dict = {}
+    pre_legalize(lower_program(m).mod, target, "auto", cache, facts4)
+    assert facts4["conv_algorithms"] == {"im2col": 1}
 
 
 def test_unknown_algorithm_is_a_backend_error(tmp_path: Path) -> None:
