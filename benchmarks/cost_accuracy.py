@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models_zoo  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from partitioner.calibrate import Calibration, calibrate, cluster_from_calibration  # noqa: E402
 from partitioner.cluster import Device  # noqa: E402
@@ -99,14 +100,7 @@ def _inputs(proto: onnx.ModelProto, rng: np.random.Generator) -> dict[str, np.nd
 
 
 def _median(fn: Any, repeat: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, 2, repeat)
 
 
 def measure_ort(proto: onnx.ModelProto, repeat: int) -> float:

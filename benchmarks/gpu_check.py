@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -112,14 +111,9 @@ def _reference_session(model_bytes: bytes) -> tuple[Any, str]:
 
 
 def _median_run(sess: Any, feeds: dict[str, np.ndarray], warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        sess.run(None, feeds)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from timing import median_seconds
+
+    return median_seconds(lambda: sess.run(None, feeds), warmup, repeat)
 
 
 def _compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -17,11 +17,10 @@ Anything missing (torch, onnx2torch, a CUDA device, an op onnx2torch cannot conv
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import numpy as np
+from timing import median_seconds
 
 
 def torch_cuda_reference(model: Any, feeds: dict[str, np.ndarray], want: dict[str, np.ndarray], warmup: int,
@@ -49,19 +48,13 @@ def torch_cuda_reference(model: Any, feeds: dict[str, np.ndarray], want: dict[st
             return [o.cpu().numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
 
     got = step()
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    median_s = median_seconds(step, warmup, repeat)
     ref = list(want.values())
     if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
         return None, "no PyTorch reference (the converted model's outputs differ in number or shape)"
     err = max(float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)), initial=0.0))
               for g, r in zip(got, ref))
-    return {"median_s": statistics.median(times), "max_abs_vs_reference": err,
+    return {"median_s": median_s, "max_abs_vs_reference": err,
             "versions": {"torch": torch.__version__, "onnx2torch": _version("onnx2torch"),
                          "gpu": torch.cuda.get_device_name(0)}}, None
 

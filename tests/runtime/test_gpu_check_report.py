@@ -55,8 +55,17 @@ def test_small_sizes_keep_shapes_with_a_quarter_of_the_channels() -> None:
         assert {k: v for k, v in small.items() if k != channels} == others
 
 
-def test_torch_reference_gives_a_reason_without_torch_or_cuda() -> None:
+def test_torch_reference_gives_a_reason_without_onnx2torch(monkeypatch) -> None:
     import models_zoo
 
+    monkeypatch.setitem(sys.modules, "onnx2torch", None)  # not importable, whether or not torch is
     ref, why = torch_reference.torch_cuda_reference(models_zoo.build("mlp"), {}, {}, 1, 1)
-    assert ref is None and why.startswith("no PyTorch reference (")
+    assert ref is None and why.startswith("no PyTorch reference (") and why.endswith("is not installed)")
+
+
+def test_median_seconds_warms_up_then_times_each_call() -> None:
+    import timing
+
+    calls = []
+    assert timing.median_seconds(lambda: calls.append(1), 2, 5) >= 0.0
+    assert len(calls) == 7
