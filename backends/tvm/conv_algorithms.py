@@ -46,7 +46,13 @@ Rules:
    <target key>/conv_algorithms.json``, :mod:`partitioner.calibrate_cache` rule 5), so a second
    compile of the same model, in a new process, measures nothing. The file is merged, never
    overwritten (re-read, updated, written to a temporary file and renamed); one that does not
-   parse is ignored with a one-line warning and rewritten. To measure again, delete the file.
+   parse is ignored with a one-line warning and rewritten. Each entry records the fingerprint of
+   what the candidates were built with (:func:`schedules_fingerprint`: TVM's version, the code of
+   :data:`SCHEDULE_MODULES` without comments and docstrings, their upper-case settings, and the
+   parallel threshold in force); an entry with times and another fingerprint (or none, written
+   before session 30) is measured again, so a changed schedule, setting or TVM never picks from
+   times of the old code (session 28 changed the direct conv's tile on Zen 5 and the cache kept
+   choosing from times measured before). To measure again otherwise, delete the file.
    The build facts record the choice per conv and where it came from (``conv_choices``).
    Convs that are not eligible (weights that are graph inputs, as in training graphs; grouped or
    depthwise convs; non-float32) are never measured: a build where no conv is rewritten returns
@@ -112,7 +118,14 @@ WINOGRAD_TILE = 4
 #: rule 5); off: the tiles are first copied into a ``winograd_tile`` buffer, as before
 WINOGRAD_DATA_GATHER = True
 CACHE_FILE = "conv_algorithms.json"
-_MEASURED: dict[str, dict[str, float]] = {}  # conv key -> each candidate's seconds, for this process
+_MEASURED: dict[tuple[str, str], dict[str, float]] = {}  # (fingerprint, conv key) -> each candidate's seconds
+#: the modules whose code and settings decide how fast a candidate runs (rule 2's fingerprint)
+SCHEDULE_MODULES = ("backends.tvm.conv_algorithms", "backends.tvm.pipeline", "backends.tvm.parallel_scope",
+                    "backends.tvm.schedules.contraction", "backends.tvm.schedules.depthwise",
+                    "backends.tvm.schedules.gemm_packed", "backends.tvm.schedules.injective",
+                    "backends.tvm.schedules.rowwise", "backends.tvm.schedules.threads",
+                    "backends.tvm.schedules.transpose_tiles", "backends.tvm.schedules.vector")
+_CODE_DIGESTS: dict[str, str] = {}
 
 
 def default_algorithm() -> str:
@@ -255,6 +268,47 @@ def _conv_params(call: Any, weight: Any) -> dict[str, Any] | None:
             "out": out_shape, "winograd": winograd_ok, "im2col": im2col_ok}
 
 
+def _code_digest(module: Any) -> str:
+    """A digest of ``module``'s code: its syntax tree without docstrings (comments are not in it),
+    so an edit of the prose does not make every conv measured again."""
+    import ast
+    import hashlib
+    import inspect
+
+    name = module.__name__
+    if name not in _CODE_DIGESTS:
+        tree = ast.parse(inspect.getsource(module))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        _CODE_DIGESTS[name] = hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    return _CODE_DIGESTS[name]
+
+
+def schedules_fingerprint() -> str:
+    """What the cached times were measured with (rule 2): TVM's version, the code of
+    :data:`SCHEDULE_MODULES`, the values of their upper-case module settings (the environment
+    knobs, and what ``--build-baseline MODULE.ATTR=VALUE`` sets) and the parallel threshold."""
+    import hashlib
+    import importlib
+
+    import tvm
+
+    from .schedules.threads import parallel_min_flops
+
+    h = hashlib.sha256(f"tvm {tvm.__version__}".encode())
+    for name in SCHEDULE_MODULES:
+        module = importlib.import_module(name)
+        h.update(f"{name} {_code_digest(module)}".encode())
+        for attr, value in sorted(vars(module).items()):
+            if attr.isupper() and isinstance(value, (bool, int, float, str, tuple)):
+                h.update(f"{attr}={value!r}".encode())
+    h.update(f"parallel_min_flops={parallel_min_flops()!r}".encode())
+    return h.hexdigest()[:16]
+
+
 def _key(p: dict[str, Any]) -> str:
     """Shape, stride, dilation, padding and the build's thread count (None: the pool's default)."""
     from .schedules.threads import build_threads
@@ -379,20 +433,23 @@ def measure(p: dict[str, Any], target: Any, cache_file: Path | None = None) -> t
     """``(algorithm, source)`` for conv ``p`` on this machine: source ``"process"`` (measured
     earlier in this process), ``"cache"`` (read from ``cache_file``) or ``"measured"``."""
     key = _key(p)
-    if key in _MEASURED:  # the choice is made from the times each call: AUTO_MARGIN is read now
-        return pick(_MEASURED[key]), "process"
+    fingerprint = schedules_fingerprint()
+    if (fingerprint, key) in _MEASURED:  # the choice is made from the times each call: AUTO_MARGIN is read now
+        return pick(_MEASURED[fingerprint, key]), "process"
     if cache_file is not None:
         entry = _read_cache(cache_file).get(key)
         times = entry.get("seconds") if isinstance(entry, dict) else None
         if isinstance(times, dict) and "direct" in times and set(times) <= set(_candidates(p)):
-            _MEASURED[key] = {a: float(t) for a, t in times.items()}
-            return pick(_MEASURED[key]), "cache"
-        if isinstance(entry, dict) and entry.get("fastest") in _candidates(p):  # a file with no times
+            if entry.get("schedules") == fingerprint:  # else measured with other code: measured again
+                _MEASURED[fingerprint, key] = {a: float(t) for a, t in times.items()}
+                return pick(_MEASURED[fingerprint, key]), "cache"
+        elif isinstance(entry, dict) and entry.get("fastest") in _candidates(p):  # a file with no times
             return entry["fastest"], "cache"
     times = _time_candidates(p, target)
-    _MEASURED[key] = times
+    _MEASURED[fingerprint, key] = times
     if cache_file is not None:
-        _save_entry(cache_file, key, {"fastest": pick(times), "seconds": times, "margin": AUTO_MARGIN})
+        _save_entry(cache_file, key, {"fastest": pick(times), "seconds": times, "margin": AUTO_MARGIN,
+                                      "schedules": fingerprint})
     return pick(times), "measured"
 
 
