@@ -225,12 +225,13 @@ class RankExecutable:
     """One rank's program as ORT sessions (one per segment) and comm steps, run in order."""
 
     def __init__(self, program: onnx.ModelProto, *, threads: int = 1, weights_dir: pathlib.Path | None = None,
-                 shared_arena: bool = False) -> None:
+                 shared_arena: bool = False, memory_pattern: bool = True) -> None:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = max(1, int(threads))
         opts.inter_op_num_threads = 1
+        opts.enable_mem_pattern = bool(memory_pattern)  # off: training steps (runner.MEMORY_PATTERN)
         if shared_arena:  # one CPU arena for every segment's session (not one each): _shared_arena
             _shared_arena()
             opts.add_session_config_entry("session.use_env_allocators", "1")

@@ -51,8 +51,10 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    :mod:`partitioner.training.memory_window`). With the state ``S`` = weights x (1 + optimizer
    copies) and the gradients ``G`` = the weights' bytes: ``3 S`` (the resident state, the step's
    next state returned as new arrays while the old is alive, and the backend's own output
-   buffers: ONNX Runtime's arena keeps the last call's outputs) + ``G`` + stashed activations
-   (every forward value's bytes at the rank's batch, times the micro-batches in flight:
+   buffers: ONNX Runtime's arena keeps the last call's outputs) + ``G`` + the activations
+   (``single`` and ``data``: the step graph's peak live bytes at the rank's batch when the step
+   graph is given, :data:`STEP_LIVE_ACTIVATIONS`; otherwise and for the other strategies the
+   stash: every forward value's bytes at the rank's batch, times the micro-batches in flight:
    ``data``/``tensor``: 1; GPipe: ``M``; 1F1B: ``min(S - s + e, M)`` on stage ``s``, ``e`` the
    plan's extra warm-up on the stages before the last, 0 on the last: pipeline rule 5, 1 on ONNX
    Runtime plans, 0 on TVM's). ``data`` adds
@@ -300,6 +302,9 @@ class _Profile:
     deferred: DeferredWeightGradients | None = None
     #: rule 10 (set by the planner for a TVM pipeline whose stages hoist and lift their weight work)
     constants: StepConstants | None = None
+    #: rule 3 (:data:`STEP_LIVE_ACTIVATIONS`, set by the planner): the step graph's peak live bytes
+    #: (:func:`partitioner.training.analysis.step_live_bytes`)
+    step_live: float | None = None
 
     def fixed(self, calls: float, nodes: float, arrays: float, output_bytes: float) -> float:
         """Rule 7 for ``calls`` program calls with these totals; 0 without overheads."""
@@ -334,6 +339,20 @@ def profile(graph: Any, device: Any, trainable: set[str], step: Any = None) -> _
     act = np.array([sum(nbytes(o) for o in n.outputs) for n in nodes], dtype=np.float64)
     return _Profile(times, backward, act, weight, [n.name or f"node{i}" for i, n in enumerate(nodes)], graph,
                     weight_tensors=tensors, optimizer_s=optimizer_seconds(step, device) if step is not None else None)
+
+
+#: rule 3 on ``single`` and ``data`` ranks: the activations are the step graph's peak live bytes
+#: (``_Profile.step_live``: :func:`partitioner.training.analysis.step_live_bytes`) where the planner
+#: gives them; off: every forward value's bytes (the
+#: stash), as before session 30. Why: the sum of the forward values counts views and values the
+#: backward never reads, and leaves out the backward's own temporaries (activation gradients,
+#: transposed copies for the weight gradients), so its error depended on the model. Measured
+#: (session 30, ONNX Runtime ranks without the memory pattern, ``benchmarks/train_step.py`` sizes,
+#: peak RSS above the loaded process, ``session30_zen5_train``): 1 rank mlp / resnet / bert 78 / 445
+#: / 172 MiB, predicted +32% / -25% / +45% with the stash and +23% / -19% / -17% with this rule;
+#: data ranks 133 / 389 / 116, predicted 0% / -2% / +39% and +9% / +7% / -3%.
+STEP_LIVE_ACTIVATIONS = True
+
 
 
 #: rule 2 on ONNX Runtime: the optimizer's own step nodes, each its own kernel (off: the formula)
@@ -844,7 +863,8 @@ def single_or_data(p: _Profile, strategy: str, devices: int, batch: int, copies:
         parts["step_without_overlap_s"] = step
         parts["step_with_overlap_s"] = parts["forward_s"] + overlapped + parts["optimizer_s"] + parts["fixed_s"]
         step = parts["step_with_overlap_s"] if overlap else step
-    mem = resident_bytes(w, copies, float(p.activation.sum()))
+    live = p.step_live if STEP_LIVE_ACTIVATIONS and p.step_live is not None else float(p.activation.sum())
+    mem = resident_bytes(w, copies, live)
     if strategy == "data" and devices > 1:
         mem += (LIST_BUCKET_COPIES if list_buckets else BUCKET_COPIES) * w
     return TrainingPrediction(strategy, devices, batch, step, batch / step, [mem] * devices, parts)

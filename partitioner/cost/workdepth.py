@@ -129,11 +129,12 @@ def parameter_values(graph: ir.Graph, const: set[ir.Value]) -> list[ir.Value]:
     return list(params)
 
 
-def peak_activation_bytes(graph: ir.Graph, const: set[ir.Value] | None = None) -> float:
-    """Max live activation bytes over the topological order (rule 4)."""
+def peak_activation_bytes(graph: ir.Graph, const: set[ir.Value] | None = None, skip: Any = None) -> float:
+    """Max live activation bytes over the topological order (rule 4). ``skip(node)`` true: the
+    node is left out (its outputs are not counted, its reads end no lifetime)."""
     if const is None:
         const = constant_values(graph)
-    nodes = list(graph)
+    nodes = [n for n in graph if skip is None or not skip(n)]
     end = len(nodes) + 1
     root: dict[ir.Value, ir.Value] = {}
     start: dict[ir.Value, int] = {}

@@ -26,6 +26,19 @@ def part_of(node: ir.Node) -> str:
     return tag if tag in ("loss", "optimizer") else "backward"
 
 
+def step_live_bytes(step: ir.Graph) -> float:
+    """The most bytes the step graph's forward, loss and backward values hold at once in its node
+    order (views share their input's buffer; :func:`partitioner.cost.workdepth.peak_activation_bytes`):
+    cost rule 3's activations on 1-rank and data ranks (``cost.training.STEP_LIVE_ACTIVATIONS``).
+    Left out, as rule 3's other terms price them: the state (the graph's initializers: weights,
+    optimizer state, BN statistics; ``3 S``) and the optimizer's nodes (the update's new state and
+    temporaries; ``3 S``, and ``G`` for the gradients they read)."""
+    from partitioner.cost.workdepth import peak_activation_bytes
+
+    return float(peak_activation_bytes(step, const=set(step.initializers.values()),
+                                       skip=lambda n: part_of(n) == "optimizer"))
+
+
 def training_stats(model: Any, loss: str = "cross_entropy", optimizer: Any = None) -> dict[str, Any]:
     """``{part: {flops, work, depth, nodes}}`` for the step of ``model``, plus backward/forward ratios."""
     from partitioner.cost.workdepth import constant_values, node_costs

@@ -206,6 +206,7 @@ def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, thr
         from backends.onnxruntime import RankExecutable
         from partitioner.training.runner import SHARED_ARENA
 
+        # the memory pattern stays on here (runner.MEMORY_PATTERN: cost rule 3's pipeline terms)
         return RankExecutable(program, threads=threads, shared_arena=SHARED_ARENA)
     if backend != "tvm":
         raise UsageError(f"unknown backend {backend!r}; choose onnxruntime or tvm")

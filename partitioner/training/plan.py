@@ -46,7 +46,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     backend, else ONNX Runtime) decides the pipeline cut as the runtime does (measured on ONNX
     Runtime, :mod:`partitioner.training.measured_cut`)."""
     from partitioner.cluster import resolve_cluster
-    from partitioner.training.step import _load, default_trainable
+    from partitioner.training.step import _load
 
     if strategy not in STRATEGIES:
         raise UsageError(f"training cost: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -65,7 +65,7 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     fwd = _load(model, local)
     graph = fwd.graph
     step = _step_graph(model, local, loss, optimizer)
-    prof = cost.profile(graph, device, set(default_trainable(graph)), step.graph if step is not None else None)
+    prof = _profile(graph, device, step)
     if overheads is not None:
         _count_step_nodes(prof, model, local, loss, optimizer, overheads, step)
     if strategy == "pipeline" and devices > 1:
@@ -108,6 +108,18 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
     planned = _tvm_rank_memory(_tvm_rank_step(model, strategy, devices, local, loss, optimizer, step)) \
         if be == "tvm" and cost_memory.TVM_PLANNED_MEMORY and step is not None else None
     return replace(pred, memory_per_rank=[planned.total] * devices) if planned is not None else pred
+
+
+def _profile(graph: ir.Graph, device: Any, step: ir.Model | None) -> Any:
+    """Cost rule 1's profile of the rank's forward ``graph`` with its ``step`` (when built), and
+    rule 3's activations of 1-rank and data ranks, the step graph's peak live bytes."""
+    from partitioner.training.analysis import step_live_bytes
+    from partitioner.training.step import default_trainable
+
+    prof = cost.profile(graph, device, set(default_trainable(graph)), step.graph if step is not None else None)
+    if step is not None:
+        prof.step_live = step_live_bytes(step.graph)
+    return prof
 
 
 def _tvm_rank_step(model: Any, strategy: str, devices: int, local: int, loss: str, optimizer: str,

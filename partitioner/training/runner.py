@@ -30,6 +30,20 @@ OVERLAP_ENV = "PARTITIONER_TRAIN_OVERLAP"
 #: ONNX Runtime ranks: every segment's session (and a pipeline stage's programs) take their
 #: buffers from one process-wide arena instead of one arena each (docs/training.md, memory)
 SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
+#: ONNX Runtime 1-rank and data ranks: the sessions' memory pattern
+#: (``SessionOptions.enable_mem_pattern``), off by default. With it on, ONNX Runtime traces the
+#: first run's allocations and from the second run on takes one block sized to that trace, while
+#: the arena keeps the first run's chunks: the step's live activations are held about twice from
+#: step 2 on. Measured (session 30, one session, 1 thread, zoo sizes of ``benchmarks/train_step.py``,
+#: peak RSS above the loaded process at step 3, on / off): resnet batch 64 515 / 389 MiB, batch 32
+#: 298 / 249, bert 249 / 138, mlp 71 / 59; step time off / on 0.99, 0.98, 0.99 (12 interleaved
+#: steps each). Cost rule 3 prices these ranks' activations from the step graph
+#: (``cost.training.STEP_LIVE_ACTIVATIONS``). Tensor ranks (``tensor.TensorRunner``) and pipeline
+#: stages keep the pattern on: their rule 3 terms were measured with it, and off their peaks fell
+#: below the predictions (the mlp 2048's 1F1B x8 SGD stages 170 / 90 MiB against 224 / 113, bert's
+#: tensor ranks 157 against 204); turning it off there waits for that refit.
+#: ``PARTITIONER_TRAIN_MEMORY_PATTERN=1`` turns it back on everywhere.
+MEMORY_PATTERN = os.environ.get("PARTITIONER_TRAIN_MEMORY_PATTERN", "0") == "1"
 #: TVM steps (1 rank, data ranks): a stride-1 ``ConvTranspose`` of a weight (a conv's input
 #: gradient) runs as ``Conv(dY, flip(W^T))``, a strided one in its phase form (hoist rule 4) (:func:`partitioner.training.hoist.
 #: conv_transpose_as_conv`, hoist rule 4; pipeline stages already do it). TVM's conv2d_transpose
@@ -87,6 +101,9 @@ class _NoComm:
 class StepRunner:
     """One rank's training step on ``backend`` with resident state (see the module docstring)."""
 
+    #: ONNX Runtime's memory pattern for this runner's sessions; None: :data:`MEMORY_PATTERN`
+    memory_pattern: bool | None = None
+
     def __init__(self, step: ir.Model | onnx.ModelProto, *, backend: str = "onnxruntime", comm: Any = None,
                  workdir: str | os.PathLike[str] | None = None, threads: int = 1,
                  state: Mapping[str, np.ndarray] | None = None) -> None:
@@ -106,12 +123,13 @@ class StepRunner:
             program = _buckets.unbucket(self.program) if _buckets.LIST_ALLREDUCE else self.program  # buckets rule 1
             # one bucket: nothing to overlap, no thread hop (overlap rule 3)
             self._exe = OverlappedExecutable(program, threads=threads, shared_arena=SHARED_ARENA,
-                                             overlap=overlap and buckets > 1)
+                                             overlap=overlap and buckets > 1, memory_pattern=self._memory_pattern())
         elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 
             # one session (no comm op): its own arena; several segments: the shared one
-            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0)
+            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0,
+                                       memory_pattern=self._memory_pattern())
         else:
             folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
             program, cut = tvm_cut(self.program, set(self.signature.weights))
@@ -129,6 +147,9 @@ class StepRunner:
             if isinstance(self._exe, TvmBucketedExecutable):  # they take aligned state as it lies (rule 8)
                 self.state = {k: vm_aligned(v) for k, v in self.state.items()}
 
+
+    def _memory_pattern(self) -> bool:
+        return MEMORY_PATTERN if self.memory_pattern is None else self.memory_pattern
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step on a batch; returns the loss (the global mean with data parallelism)."""
         feeds = {**data, self.signature.labels: labels, **{a: self.state[a] for a, _ in self.signature.state}}

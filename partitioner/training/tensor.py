@@ -188,6 +188,7 @@ class TensorRunner(StepRunner):
     batch and gathers the 1-rank state for checkpoints (rule 4)."""
 
     global_batch = True
+    memory_pattern = True  # ONNX Runtime's memory pattern on (runner.MEMORY_PATTERN)
 
     def __init__(self, step: Any, axes: Mapping[str, int], world: int, **kwargs: Any) -> None:
         self.axes = dict(axes)
