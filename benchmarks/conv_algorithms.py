@@ -72,11 +72,12 @@ def _build(mod, target):
     import tvm
     from tvm import relax
 
+    from backends.tvm import parallel_scope
     from backends.tvm.pipeline import run_pipeline
 
     with target:
         mod = relax.transform.FoldConstant()(mod)
-    ex = tvm.compile(run_pipeline(mod, "scheduled", target), target)
+    ex = parallel_scope.compile(run_pipeline(mod, "scheduled", target), target)  # as backends/tvm/build.py
     return relax.VirtualMachine(ex, tvm.cpu())
 
 

@@ -100,6 +100,7 @@ def _tvm(model: Any, target: Any, packed: bool) -> Callable[..., Any]:
     import tvm
     from tvm import relax
 
+    from backends.tvm import parallel_scope
     from backends.tvm.lower import lower_program
     from backends.tvm.pipeline import run_pipeline
     from backends.tvm.schedules import gemm_packed
@@ -111,7 +112,7 @@ def _tvm(model: Any, target: Any, packed: bool) -> Callable[..., Any]:
         mod = run_pipeline(lower_program(model).mod, "scheduled", target)
     finally:
         gemm_packed.GemmPacked.apply = original  # type: ignore[method-assign]
-    vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    vm = relax.VirtualMachine(parallel_scope.compile(mod, target), tvm.cpu())  # as backends/tvm/build.py
     fn = vm["main"]
     return lambda *args: fn(*args)
 
