@@ -343,16 +343,18 @@ def profile(graph: Any, device: Any, trainable: set[str], step: Any = None) -> _
 
 #: rule 3 on ``single`` and ``data`` ranks: the activations are the step graph's peak live bytes
 #: (``_Profile.step_live``: :func:`partitioner.training.analysis.step_live_bytes`) where the planner
-#: gives them; off: every forward value's bytes (the
-#: stash), as before session 30. Why: the sum of the forward values counts views and values the
-#: backward never reads, and leaves out the backward's own temporaries (activation gradients,
-#: transposed copies for the weight gradients), so its error depended on the model. Measured
-#: (session 30, ONNX Runtime ranks without the memory pattern, ``benchmarks/train_step.py`` sizes,
-#: peak RSS above the loaded process, ``session30_zen5_train``): 1 rank mlp / resnet / bert 78 / 445
-#: / 172 MiB, predicted +32% / -25% / +45% with the stash and +23% / -19% / -17% with this rule;
-#: data ranks 133 / 389 / 116, predicted 0% / -2% / +39% and +9% / +7% / -3%.
+#: gives them; off: every forward value's bytes (the stash), as before session 30. Why: the sum of
+#: the forward values counts views and values the backward never reads, and leaves out the
+#: backward's own temporaries (activation gradients, transposed copies for the weight gradients),
+#: so its error depended on the model. Measured (session 30, ONNX Runtime ranks without the memory
+#: pattern, ``benchmarks/train_step.py`` sizes, peak RSS above the loaded process,
+#: ``session30_zen5_train/stash_rule``): 1 rank mlp / resnet / bert 79 / 446 / 172 MiB, predicted
+#: +32% / -25% / +45% with the stash and +17% / -29% / -19% with this rule; data ranks 133 / 389 /
+#: 116, predicted 0% / -2% / +39% and -3% / -4% / -10%. Outside the zoo (``benchmarks/heldout_models.py``,
+#: 1 rank, ``train --bench``): heldout_mbv2 batch 16 175 MiB, predicted -14% (stash -15%);
+#: heldout_inception batch 8 148 MiB, predicted -45% (stash -34%): on the conv nets ONNX Runtime
+#: holds about 1.6-1.8x the graph's live bytes, not located (docs/training.md).
 STEP_LIVE_ACTIVATIONS = True
-
 
 
 #: rule 2 on ONNX Runtime: the optimizer's own step nodes, each its own kernel (off: the formula)

@@ -147,9 +147,9 @@ class StepRunner:
             if isinstance(self._exe, TvmBucketedExecutable):  # they take aligned state as it lies (rule 8)
                 self.state = {k: vm_aligned(v) for k, v in self.state.items()}
 
-
     def _memory_pattern(self) -> bool:
         return MEMORY_PATTERN if self.memory_pattern is None else self.memory_pattern
+
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step on a batch; returns the loss (the global mean with data parallelism)."""
         feeds = {**data, self.signature.labels: labels, **{a: self.state[a] for a, _ in self.signature.state}}
