@@ -65,14 +65,21 @@ def slice_(g: GradContext) -> list:
 
 @register_gradient("Gather")
 def gather(g: GradContext) -> list:
-    """Embedding lookup (axis 0): rows of dy are added into a zero table at their indices."""
+    """Rows of dy are added into a zero table at their indices (axis 0: an embedding lookup). On
+    another axis ``a`` (a ViT's class token: ``Gather(x, 0, axis=1)``) the same on the table with
+    ``a`` moved first: dy's index dimensions moved to the front, the scatter-add, the result moved
+    back (two transposes; none on axis 0)."""
     data, indices = g.x
-    if int(g.attr("axis", 0)) != 0:
-        raise MissingGradientError(f"node {g.node.name!r} (Gather): only axis 0 (embeddings) has a gradient rule")
     sd = g.shape(data)
-    zeros = g.const(np.zeros(sd), name="zeros")
+    r, q = len(sd), len(g.shape(indices))
+    a = int(g.attr("axis", 0)) % r
     idx = g.op("Unsqueeze", indices, g.ints([-1]))
-    return [g.op("ScatterND", zeros, idx, g.dy[0], reduction="add"), None]
+    if a == 0:
+        return [g.op("ScatterND", g.const(np.zeros(sd), name="zeros"), idx, g.dy[0], reduction="add"), None]
+    first = [sd[a], *sd[:a], *sd[a + 1:]]  # the table with axis a first
+    dy = g.op("Transpose", g.dy[0], perm=[*range(a, a + q), *range(a), *range(a + q, r + q - 1)])
+    dx = g.op("ScatterND", g.const(np.zeros(first), name="zeros"), idx, dy, reduction="add")
+    return [g.op("Transpose", dx, perm=[*range(1, a + 1), 0, *range(a + 1, r)]), None]
 
 
 def _reduce_axes(g: GradContext, rank: int) -> list[int]:
