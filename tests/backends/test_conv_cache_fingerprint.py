@@ -71,21 +71,22 @@ def test_the_parallel_threshold_is_part_of_the_fingerprint(monkeypatch) -> None:
     assert ca.schedules_fingerprint() != before
 
 
-def _module(path: Path, text: str):
+def _module(path: Path, text: str, monkeypatch: pytest.MonkeyPatch):
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
+    monkeypatch.setitem(sys.modules, path.stem, module)  # removed again after the test
     spec.loader.exec_module(module)
     return module
 
 
 def test_the_code_digest_ignores_docstrings_and_comments_not_code(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(ca, "_CODE_DIGESTS", {})
-    a = _module(tmp_path / "fp_a.py", '"""Doc."""\nTILE = 4\n\n\ndef f(x):\n    """Old doc."""\n    return x * TILE\n')
+    a = _module(tmp_path / "fp_a.py", '"""Doc."""\nTILE = 4\n\n\ndef f(x):\n    """Old doc."""\n    return x * TILE\n',
+                monkeypatch)
     b = _module(tmp_path / "fp_b.py", '"""Other doc."""\n# a comment\nTILE = 4\n\n\ndef f(x):\n'
-                '    """New doc, longer."""\n    return x * TILE  # why\n')
-    c = _module(tmp_path / "fp_c.py", '"""Doc."""\nTILE = 4\n\n\ndef f(x):\n    """Old doc."""\n    return x + TILE\n')
+                '    """New doc, longer."""\n    return x * TILE  # why\n', monkeypatch)
+    c = _module(tmp_path / "fp_c.py", '"""Doc."""\nTILE = 4\n\n\ndef f(x):\n    """Old doc."""\n    return x + TILE\n', monkeypatch)
     for m in (a, b, c):
         m.__name__ = "fp"  # one name: the digest is cached per module name, cleared between the three
         ca._CODE_DIGESTS.clear()
