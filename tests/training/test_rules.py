@@ -120,6 +120,22 @@ CASES: dict[str, tuple[str, dict[str, np.ndarray], dict, tuple[int, ...]]] = {
                                        "scales": np.array([1.0, 1.0, 0.5, 3.0], np.float32)},
                             {"mode": "nearest", "nearest_mode": "floor", "coordinate_transformation_mode": "asymmetric"},
                             (1, 2, 3, 15)),
+    "Resize_linear_x2": ("Resize", {"x": _r(1, 2, 3, 4), "roi": np.zeros(0, np.float32),
+                                    "scales": np.array([1.0, 1.0, 2.0, 2.0], np.float32)},
+                         {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}, (1, 2, 6, 8)),
+    "Resize_linear_align_sizes": ("Resize", {"x": _r(2, 3, 5), "roi": np.zeros(0, np.float32), "scales": None,
+                                             "sizes": np.array([2, 4, 3], np.int64)},
+                                  {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, (2, 4, 3)),
+    "Resize_cubic_axes": ("Resize", {"x": _r(1, 2, 4, 5), "roi": np.zeros(0, np.float32),
+                                     "scales": np.array([1.5, 0.6], np.float32)},
+                          {"mode": "cubic", "axes": [2, 3], "exclude_outside": 1,
+                           "coordinate_transformation_mode": "pytorch_half_pixel"}, (1, 2, 6, 3)),
+    "Resize_linear_antialias_down": ("Resize", {"x": _r(1, 1, 8, 6), "roi": np.zeros(0, np.float32),
+                                                "scales": np.array([1.0, 1.0, 0.5, 0.5], np.float32)},
+                                     {"mode": "linear", "antialias": 1}, (1, 1, 4, 3)),
+    "Resize_trilinear_depth": ("Resize", {"x": _r(1, 2, 3, 2, 2), "roi": np.zeros(0, np.float32),
+                                          "scales": np.array([1.0, 1.0, 2.0, 1.0, 1.5], np.float32)},
+                               {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}, (1, 2, 6, 2, 3)),
 }
 
 #: rules TVM Relax 0.27 has no gradient for (or imports differently); checked by finite differences only
@@ -149,6 +165,11 @@ NO_RELAX = {
     "Sum": "imported as stack, which has no Relax gradient",
     "Resize_nearest_x2": "Relax has no gradient for image.resize2d",
     "Resize_nearest_down": "Relax has no gradient for image.resize2d",
+    "Resize_linear_x2": "Relax has no gradient for image.resize2d",
+    "Resize_linear_align_sizes": "Relax has no gradient for image.resize (rank 3)",
+    "Resize_cubic_axes": "Relax has no gradient for image.resize2d",
+    "Resize_linear_antialias_down": "Relax has no gradient for image.resize2d",
+    "Resize_trilinear_depth": "Relax has no gradient for image.resize3d",
     "Where": "Relax's where gradient is not reduced to a broadcast operand's shape (returns (2, 3) for b (3,))",
 }
 
@@ -161,6 +182,9 @@ def _model(case: str) -> tuple[onnx.ModelProto, str, tuple[int, ...]]:
     inits = []
     names = []
     for name, arr in inputs.items():
+        if arr is None:  # an optional input left out (Resize's scales when sizes are given)
+            names.append("")
+            continue
         arr = np.asarray(arr)
         if arr.dtype.kind == "f" and name not in ("roi", "scales"):  # Resize's stay float32 (ONNX's type)
             arr = arr.astype(np.float64)

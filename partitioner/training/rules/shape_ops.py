@@ -113,34 +113,119 @@ def reduce_mean(g: GradContext) -> list:
     return _reduce_grad(g, 1.0 / max(count, 1))
 
 
+def _resize_consts(g: GradContext) -> list[np.ndarray | None]:
+    """roi, scales, sizes as constants (None where absent); anything computed has no rule."""
+    consts = [g.const_input(i) if i < len(g.x) and g.x[i] is not None else None for i in range(1, 4)]
+    if any(v is not None and c is None for v, c in zip(g.x[1:4], consts)):
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): roi/scales/sizes must be constants")
+    return [None if c is None or c.size == 0 else np.asarray(c) for c in consts]
+
+
+def _run_resize(attrs: dict, x: np.ndarray, roi=None, scales=None, sizes=None) -> np.ndarray:
+    """One float64 Resize on ONNX's reference evaluator (the spec's own arithmetic)."""
+    import onnx
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    consts = {"roi": roi, "scales": scales, "sizes": sizes}
+    inits = [numpy_helper.from_array(np.asarray(c, np.int64 if k == "sizes" else np.float32), k)
+             for k, c in consts.items() if c is not None]
+    node = helper.make_node("Resize", ["x"] + [k if c is not None else "" for k, c in consts.items()], ["y"], **attrs)
+    model = helper.make_model(helper.make_graph([node], "resize_probe", [helper.make_tensor_value_info(
+        "x", onnx.TensorProto.DOUBLE, list(x.shape))], [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        initializer=inits), opset_imports=[helper.make_opsetid("", 18)])
+    return ReferenceEvaluator(model).run(None, {"x": x})[0]
+
+
+def _full_rank(values: np.ndarray | None, axes: list[int], rank: int, fill: list) -> np.ndarray | None:
+    """``values`` given for ``axes`` (Resize's opset-18 ``axes``) spread to every axis."""
+    if values is None:
+        return None
+    values = np.asarray(values).reshape(-1)
+    groups = len(values) // len(axes)  # roi holds starts then ends
+    full = np.array([f for f in fill for _ in range(rank)], dtype=values.dtype)
+    for k in range(groups):
+        for j, a in enumerate(axes):
+            full[k * rank + a] = values[k * len(axes) + j]
+    return full
+
+
+def _resize_matrices(g: GradContext) -> dict[int, np.ndarray]:
+    """Linear and cubic Resize are separable: y = x times one (out x in) matrix A_d on each resized
+    axis d. A_d is read off ONNX's reference Resize run on a probe that holds an identity matrix on
+    (e, d), e another axis kept at scale 1 (so column j of A_d is the response to input j), every
+    other axis of size 1. Other axes' size and roi are the identity there, so the probe has the
+    node's own coordinate mode, cubic coefficients, antialias and exclude_outside."""
+    attrs = {k: a.value for k, a in g.node.attributes.items()}
+    sx, sy = g.shape(g.x[0]), g.shape(g.y[0])
+    rank = len(sx)
+    axes = [int(a) % rank for a in attrs.pop("axes", range(rank))]
+    roi, scales, sizes = _resize_consts(g)
+    policy = attrs.get("keep_aspect_ratio_policy", "stretch")
+    if sizes is not None and (policy.decode() if isinstance(policy, bytes) else policy) != "stretch":
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): keep_aspect_ratio_policy {policy} has no rule")
+    if rank < 2:
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): a rank-1 resize has no gradient rule")
+    attrs["extrapolation_value"] = 0.0  # tf_crop_and_resize: outside the crop y is constant, dy drops
+    roi = _full_rank(roi, axes, rank, [0.0, 1.0])
+    scales = _full_rank(scales, axes, rank, [1.0])
+    sizes = _full_rank(sizes, axes, rank, [1]) if sizes is not None else None
+    crop = attrs.get("coordinate_transformation_mode") in ("tf_crop_and_resize", b"tf_crop_and_resize")
+    mats = {}
+    for d in range(rank):
+        if sx[d] == sy[d] and not crop and (scales is None or scales[d] == 1.0):
+            continue  # the identity on this axis
+        e = 0 if d else 1
+        probe = [1] * rank
+        probe[d], probe[e] = sx[d], sx[d]
+        x = np.eye(sx[d]).reshape([sx[d] if i in (d, e) else 1 for i in range(rank)])
+        p_roi = None if roi is None else roi.copy()
+        if p_roi is not None:
+            p_roi[e], p_roi[rank + e] = 0.0, 1.0
+        p_scales = None if scales is None else np.where(np.arange(rank) == d, scales, 1.0)
+        p_sizes = None if sizes is None else np.where(np.arange(rank) == d, sizes, probe)
+        y = _run_resize(attrs, x, p_roi, p_scales, p_sizes)
+        if y.shape[d] != sy[d] or y.shape[e] != sx[d]:
+            raise MissingGradientError(f"node {g.node.name!r} (Resize): probe of axis {d} gave shape {y.shape}")
+        mats[d] = np.moveaxis(y, (d, e), (0, 1)).reshape(sy[d], sx[d])  # A_d[i, j]: output i, input j
+    return mats
+
+
+def _apply_transposed(g: GradContext, dy, d: int, rank: int, a: np.ndarray):
+    """dy contracted with A on axis d: out[..., j, ...] = sum_i A[i, j] dy[..., i, ...] (one MatMul)."""
+    if d == rank - 1:
+        return g.op("MatMul", dy, g.const(a, name="resize_weights"))
+    if d == rank - 2:
+        return g.op("MatMul", g.const(a.T.copy(), name="resize_weights"), dy)
+    perm = [i for i in range(rank) if i != d] + [d]
+    t = g.op("MatMul", g.op("Transpose", dy, perm=perm), g.const(a, name="resize_weights"))
+    return g.op("Transpose", t, perm=[int(i) for i in np.argsort(perm)])
+
+
 @register_gradient("Resize")
 def resize(g: GradContext) -> list:
     """Nearest-neighbour Resize (constant scales or sizes): each output copied one input element,
     so dx adds dy into those elements. Which element is found at build time by running the
     forward Resize on the element indices (onnx.reference, float64: exact for any index below
-    2**53), then a ScatterElements(add) routes dy. Linear and cubic modes have no rule yet."""
+    2**53), then a ScatterElements(add) routes dy. Linear and cubic Resize (a U-Net's bilinear
+    upsampling) are linear maps separable by axis: dx is dy times each axis's transposed
+    interpolation matrix (``_resize_matrices``), one MatMul per resized axis; for the x2 and x0.5
+    spatial resizes of decoders these matrices are a few KiB."""
     mode = g.attr("mode", "nearest")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "nearest":
-        raise MissingGradientError(f"node {g.node.name!r} (Resize): mode {mode} has no gradient rule (nearest only)")
-    consts = [g.const_input(i) if i < len(g.x) and g.x[i] is not None else None for i in range(1, 4)]
-    if any(v is not None and c is None for v, c in zip(g.x[1:4], consts)):
-        raise MissingGradientError(f"node {g.node.name!r} (Resize): roi/scales/sizes must be constants")
-    import onnx
-    from onnx import helper, numpy_helper
-    from onnx.reference import ReferenceEvaluator
-
     sx = g.shape(g.x[0])
-    names = ["x"] + [f"c{i}" if c is not None else "" for i, c in enumerate(consts)]
-    inits = [numpy_helper.from_array(np.asarray(c), f"c{i}") for i, c in enumerate(consts) if c is not None]
+    if mode in ("linear", "cubic"):
+        dx = g.dy[0]
+        for d, a in _resize_matrices(g).items():
+            dx = _apply_transposed(g, dx, d, len(sx), a)
+        return [dx, None, None, None][: len(g.x)]
+    if mode != "nearest":
+        raise MissingGradientError(f"node {g.node.name!r} (Resize): mode {mode} has no gradient rule")
+    roi, scales, sizes = _resize_consts(g)
     attrs = {k: a.value for k, a in g.node.attributes.items()}
-    node = helper.make_node("Resize", names, ["y"], **attrs)
-    model = helper.make_model(helper.make_graph([node], "resize_index", [helper.make_tensor_value_info(
-        "x", onnx.TensorProto.DOUBLE, list(sx))], [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
-        initializer=inits), opset_imports=[helper.make_opsetid("", 18)])
     index = np.arange(int(np.prod(sx)), dtype=np.float64).reshape(sx)
-    taken = ReferenceEvaluator(model).run(None, {"x": index})[0].astype(np.int64).reshape(-1)
+    taken = _run_resize(attrs, index, roi, scales, sizes).astype(np.int64).reshape(-1)
     zeros = g.const(np.zeros(int(np.prod(sx))), name="zeros")
     dx = g.op("ScatterElements", zeros, g.const(taken, name="resize_index"), g.op("Reshape", g.dy[0], g.ints([-1])),
               axis=0, reduction="add")
-    return [g.op("Reshape", dx, g.ints(sx)), None, None, None]
+    return [g.op("Reshape", dx, g.ints(sx)), None, None, None][: len(g.x)]
