@@ -27,8 +27,9 @@ from partitioner.training.step import TrainingSignature, initial_state, signatur
 BACKENDS = ("onnxruntime", "tvm")
 #: set to 0 to run data-parallel ONNX Runtime ranks with blocking AllReduce (docs/training.md)
 OVERLAP_ENV = "PARTITIONER_TRAIN_OVERLAP"
-#: ONNX Runtime ranks: every segment's session (and a pipeline stage's programs) take their
-#: buffers from one process-wide arena instead of one arena each (docs/training.md, memory)
+#: ONNX Runtime ranks: every segment's session (and a pipeline stage's programs, and a 1-rank
+#: step's one session) take their buffers from one process-wide arena instead of one arena each
+#: (docs/training.md, memory; its config: ``backends.onnxruntime.ARENA_MAX_DEAD_BYTES``)
 SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
 #: ONNX Runtime 1-rank and data ranks: the sessions' memory pattern
 #: (``SessionOptions.enable_mem_pattern``), off by default. With it on, ONNX Runtime traces the
@@ -44,6 +45,17 @@ SHARED_ARENA = os.environ.get("PARTITIONER_TRAIN_SHARED_ARENA", "1") != "0"
 #: tensor ranks 157 against 204); turning it off there waits for that refit.
 #: ``PARTITIONER_TRAIN_MEMORY_PATTERN=1`` turns it back on everywhere.
 MEMORY_PATTERN = os.environ.get("PARTITIONER_TRAIN_MEMORY_PATTERN", "0") == "1"
+#: ONNX Runtime 1-rank and data ranks: the planner's buffer reuse (``SessionOptions.
+#: enable_mem_reuse``), off by default. With it on, a value may take over a freed buffer the
+#: planner chose, and on conv nets the step's peak rose far above the graph's live bytes (the
+#: "conv-net factor" of session 30): the unet of ``benchmarks/heldout_models.py`` at batch 8, no
+#: arena and every buffer mmap'd (strace): 158 MiB at the step's peak with reuse, 101 without, the
+#: step graph's own peak live bytes 103. With the arena, peak RSS above the loaded process at step
+#: 3 (session 31, pattern off, 1 thread, on / off): heldout_unet b8 191 / 138 MiB, resnet b64 390 /
+#: 331, bert b32 142 / 141, mlp b64 41 / 41; step time off / on 0.97, 0.99, 0.99, 1.01 (10
+#: interleaved steps each). Tensor ranks and pipeline stages keep it on with the memory pattern
+#: (their rule 3 terms were measured so). ``PARTITIONER_TRAIN_MEMORY_REUSE=1`` turns it back on.
+MEMORY_REUSE = os.environ.get("PARTITIONER_TRAIN_MEMORY_REUSE", "0") == "1"
 #: TVM steps (1 rank, data ranks): a stride-1 ``ConvTranspose`` of a weight (a conv's input
 #: gradient) runs as ``Conv(dY, flip(W^T))``, a strided one in its phase form (hoist rule 4) (:func:`partitioner.training.hoist.
 #: conv_transpose_as_conv`, hoist rule 4; pipeline stages already do it). TVM's conv2d_transpose
@@ -103,6 +115,8 @@ class StepRunner:
 
     #: ONNX Runtime's memory pattern for this runner's sessions; None: :data:`MEMORY_PATTERN`
     memory_pattern: bool | None = None
+    #: ONNX Runtime's buffer reuse for this runner's sessions; None: :data:`MEMORY_REUSE`
+    memory_reuse: bool | None = None
 
     def __init__(self, step: ir.Model | onnx.ModelProto, *, backend: str = "onnxruntime", comm: Any = None,
                  workdir: str | os.PathLike[str] | None = None, threads: int = 1,
@@ -123,13 +137,14 @@ class StepRunner:
             program = _buckets.unbucket(self.program) if _buckets.LIST_ALLREDUCE else self.program  # buckets rule 1
             # one bucket: nothing to overlap, no thread hop (overlap rule 3)
             self._exe = OverlappedExecutable(program, threads=threads, shared_arena=SHARED_ARENA,
-                                             overlap=overlap and buckets > 1, memory_pattern=self._memory_pattern())
+                                             overlap=overlap and buckets > 1, **self._session_memory())
         elif backend == "onnxruntime":
             from backends.onnxruntime import RankExecutable
 
-            # one session (no comm op): its own arena; several segments: the shared one
-            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA and buckets > 0,
-                                       memory_pattern=self._memory_pattern())
+            # one session or several segments: the process arena (its config: backends.onnxruntime.
+            # ARENA_MAX_DEAD_BYTES; a session's own arena cannot be configured from Python)
+            self._exe = RankExecutable(self.program, threads=threads, shared_arena=SHARED_ARENA,
+                                       **self._session_memory())
         else:
             folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="partitioner-train-"))
             program, cut = tvm_cut(self.program, set(self.signature.weights))
@@ -147,8 +162,10 @@ class StepRunner:
             if isinstance(self._exe, TvmBucketedExecutable):  # they take aligned state as it lies (rule 8)
                 self.state = {k: vm_aligned(v) for k, v in self.state.items()}
 
-    def _memory_pattern(self) -> bool:
-        return MEMORY_PATTERN if self.memory_pattern is None else self.memory_pattern
+    def _session_memory(self) -> dict[str, bool]:
+        """ONNX Runtime's memory pattern and buffer reuse for this runner's sessions."""
+        return {"memory_pattern": MEMORY_PATTERN if self.memory_pattern is None else self.memory_pattern,
+                "memory_reuse": MEMORY_REUSE if self.memory_reuse is None else self.memory_reuse}
 
     def step(self, data: Mapping[str, np.ndarray], labels: np.ndarray) -> float:
         """One step on a batch; returns the loss (the global mean with data parallelism)."""

@@ -189,6 +189,7 @@ class TensorRunner(StepRunner):
 
     global_batch = True
     memory_pattern = True  # ONNX Runtime's memory pattern on (runner.MEMORY_PATTERN)
+    memory_reuse = True  # and its buffer reuse (runner.MEMORY_REUSE)
 
     def __init__(self, step: Any, axes: Mapping[str, int], world: int, **kwargs: Any) -> None:
         self.axes = dict(axes)
