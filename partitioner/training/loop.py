@@ -60,6 +60,7 @@ from onnx import numpy_helper
 
 from partitioner.core.env import env_number
 from partitioner.core.errors import InputError, RunFailed, UsageError
+from partitioner.training.losses import logits_shape
 from partitioner.training.optimizers import Optimizer, make_optimizer
 from partitioner.training.runner import StepRunner
 from partitioner.training.step import build_training_graph, signature
@@ -145,7 +146,8 @@ def _check_data(x: np.ndarray, y: np.ndarray, step_proto: onnx.ModelProto, loss:
         raise InputError(f"y has labels of shape {list(y.shape[1:])} but loss {loss} on this model needs {lab}")
     if loss == "cross_entropy":
         out = next(o for o in step_proto.graph.value_info if o.name == sig.output) if sig.output not in vi else None
-        classes = [d.dim_value for d in out.type.tensor_type.shape.dim][-1] if out is not None else None
+        classes = (logits_shape(tuple(d.dim_value for d in out.type.tensor_type.shape.dim))[-1]
+                   if out is not None else None)
         if y.dtype.kind not in "iu":
             raise InputError(f"y is {y.dtype}; cross_entropy needs integer class labels")
         if classes and (y.min() < 0 or y.max() >= classes):

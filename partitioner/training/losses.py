@@ -1,7 +1,9 @@
 """Losses: each emits the scalar loss and its gradient w.r.t. the model output in one go.
 
 - ``cross_entropy``: logits ``[N, C]`` or ``[N, ..., C]`` (classes on the last axis), integer
-  labels of the leading shape. loss = mean over samples of ``-log_softmax(logits)[label]``;
+  labels of the leading shape. A classifier head that keeps its spatial axes at 1, ``[N, C, 1,
+  ..., 1]`` (SqueezeNet's and DenseNet's exported outputs), has its classes on axis 1: it is read as
+  ``[N, C]`` and its labels are ``[N]`` (on the last axis it would be one class, a loss of 0). loss = mean over samples of ``-log_softmax(logits)[label]``;
   d loss / d logits = ``(softmax - onehot) / count``. The one-hot is ``Equal(labels, arange)``,
   so no OneHot/SoftmaxCrossEntropyLoss op is needed by either backend.
 - ``mse``: labels of the output's shape and float type; loss = mean((y - t)^2), gradient
@@ -37,6 +39,14 @@ class LossSpec:
     dtype: ir.DataType
 
 
+def logits_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape cross_entropy reads the output as: ``[N, C]`` for ``[N, C, 1, ..., 1]`` (module
+    docstring), the output's own shape otherwise."""
+    if len(shape) > 2 and shape[1] > 1 and all(d == 1 for d in shape[2:]):
+        return tuple(shape[:2])
+    return tuple(shape)
+
+
 def label_spec(loss: str, output: ir.Value, label_name: str = "labels") -> LossSpec:
     shape = shape_of(output)
     if not (output.dtype and output.dtype.is_floating_point()):
@@ -45,7 +55,7 @@ def label_spec(loss: str, output: ir.Value, label_name: str = "labels") -> LossS
         if len(shape) < 2:
             raise LossMismatchError(f"loss cross_entropy: output {output.name!r} has shape {list(shape)}; it needs "
                                     "[batch, ..., classes] logits (use --loss mse for regression outputs)")
-        return LossSpec(label_name, shape[:-1], ir.DataType.INT64)
+        return LossSpec(label_name, logits_shape(shape)[:-1], ir.DataType.INT64)
     if loss == "mse":
         return LossSpec(label_name, shape, output.dtype)
     raise UsageError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
@@ -56,15 +66,18 @@ def emit_loss(loss: str, em: Emitter, output: ir.Value, labels: ir.Value) -> tup
     em.tag = "loss"
     shape = shape_of(output)
     if loss == "cross_entropy":
-        count = int(np.prod(shape[:-1]))
-        classes = shape[-1]
+        logits = logits_shape(shape)
+        count = int(np.prod(logits[:-1]))
+        classes = logits[-1]
+        if logits != shape:  # [N, C, 1, ..., 1] read as [N, C]; the gradient reshaped back
+            output = em.op("Reshape", output, em.ints(logits))
         logp = em.op("LogSoftmax", output, axis=-1)
         arange = em.const(np.arange(classes, dtype=np.int64), name="classes")
         onehot = em.op("CastLike", em.op("Equal", em.op("Unsqueeze", labels, em.ints([-1])), arange), output)
-        picked = em.op("ReduceSum", em.op("Mul", onehot, logp), em.ints(range(len(shape))), keepdims=0)
+        picked = em.op("ReduceSum", em.op("Mul", onehot, logp), em.ints(range(len(logits))), keepdims=0)
         value = em.op("Mul", picked, em.scalar(-1.0 / count), _name="loss")
         grad = em.op("Mul", em.op("Sub", em.op("Exp", logp), onehot), em.scalar(1.0 / count))
-        return value, grad
+        return value, (em.op("Reshape", grad, em.ints(shape)) if logits != shape else grad)
     if loss == "mse":
         count = int(np.prod(shape))
         diff = em.op("Sub", output, labels)

@@ -37,8 +37,11 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _reference_fixes() -> list:
-    """Two float64 gaps of onnx.reference: its Erf rounds through float32, and its ConvTranspose
-    ignores ``group``. Fixed here by scipy's erf and by running each group separately."""
+    """Three float64 gaps of onnx.reference: its Erf rounds through float32, its ConvTranspose
+    ignores ``group``, and its LRN loops over the batch axis where the spec sums over channels
+    (onnx 1.x ``op_lrn.py``: ``for c in range(x.shape[0])``; only the first N channels get their
+    window). Fixed here by scipy's erf, by running each group separately, and by the spec's
+    channel window (checked against ONNX Runtime's float32 LRN to 1e-7)."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvT
     from scipy.special import erf
@@ -58,7 +61,15 @@ def _reference_fixes() -> list:
                     for i in range(g)]
             return (np.concatenate(outs, axis=1),)
 
-    return [Erf, ConvTranspose]
+    class LRN(OpRun):
+        def _run(self, x, alpha=None, beta=None, bias=None, size=None):
+            lo, hi = (size - 1) // 2, size // 2  # floor and ceil of (size - 1) / 2
+            channels = x.shape[1]
+            square_sum = np.stack([np.sum(x[:, max(0, c - lo):min(channels, c + hi + 1)] ** 2, axis=1)
+                                   for c in range(channels)], axis=1)
+            return ((x / (bias + alpha / size * square_sum) ** beta).astype(x.dtype),)
+
+    return [Erf, ConvTranspose, LRN]
 
 
 def session(model: onnx.ModelProto):

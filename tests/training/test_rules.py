@@ -133,6 +133,8 @@ CASES: dict[str, tuple[str, dict[str, np.ndarray], dict, tuple[int, ...]]] = {
     "Resize_linear_antialias_down": ("Resize", {"x": _r(1, 1, 8, 6), "roi": np.zeros(0, np.float32),
                                                 "scales": np.array([1.0, 1.0, 0.5, 0.5], np.float32)},
                                      {"mode": "linear", "antialias": 1}, (1, 1, 4, 3)),
+    "LRN_size5": ("LRN", {"x": _r(2, 7, 3, 2)}, {"size": 5, "alpha": 0.5, "beta": 0.75, "bias": 2.0}, (2, 7, 3, 2)),
+    "LRN_size4_even": ("LRN", {"x": _r(1, 6, 3, 1)}, {"size": 4, "alpha": 0.3, "beta": 0.6, "bias": 1.5}, (1, 6, 3, 1)),
     "Resize_trilinear_depth": ("Resize", {"x": _r(1, 2, 3, 2, 2), "roi": np.zeros(0, np.float32),
                                           "scales": np.array([1.0, 1.0, 2.0, 1.0, 1.5], np.float32)},
                                {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}, (1, 2, 6, 2, 3)),
@@ -170,6 +172,8 @@ NO_RELAX = {
     "Resize_cubic_axes": "Relax has no gradient for image.resize2d",
     "Resize_linear_antialias_down": "Relax has no gradient for image.resize2d",
     "Resize_trilinear_depth": "Relax has no gradient for image.resize3d",
+    "LRN_size5": "Relax has no gradient for nn.local_response_norm",
+    "LRN_size4_even": "Relax has no gradient for nn.local_response_norm",
     "Where": "Relax's where gradient is not reduced to a broadcast operand's shape (returns (2, 3) for b (3,))",
 }
 

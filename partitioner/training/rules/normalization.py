@@ -1,4 +1,4 @@
-"""Gradients of LayerNormalization and of BatchNormalization in inference form.
+"""Gradients of LayerNormalization, LRN and of BatchNormalization in inference form.
 
 BatchNormalization in *training* mode (batch statistics, running stats updated) is not a rule:
 :mod:`partitioner.training.batchnorm` rewrites it into ReduceMean/Sub/Mul/Sqrt/Div before the
@@ -7,6 +7,8 @@ form (frozen statistics) is an affine map per channel, differentiated here.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from partitioner.training.autodiff import GradContext, register_gradient
 
@@ -65,3 +67,37 @@ def batch_norm_inference(g: GradContext) -> list:
     if g.needs[2]:
         dbias = g.op("ReduceSum", dy, axes, keepdims=0)
     return [dx, dscale, dbias, None, None]
+
+
+def _channel_window_sum(g: GradContext, v, shape, before: int, after: int):
+    """``out[n, c, ...] = sum(v[n, c - before .. c + after, ...])`` (zero outside): one Conv of a
+    ones kernel over the channel axis of ``v`` viewed as ``[N, 1, C, rest]``."""
+    n, c = shape[:2]
+    rest = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+    flat = g.op("Reshape", v, g.ints([n, 1, c, rest]))
+    size = before + after + 1
+    out = g.op("Conv", flat, g.const(np.ones([1, 1, size, 1]), name="ones_window"), kernel_shape=[size, 1],
+               pads=[before, 0, after, 0])
+    return g.op("Reshape", out, g.ints(list(shape)))
+
+
+@register_gradient("LRN")
+def lrn(g: GradContext) -> list:
+    """Local response normalisation (AlexNet, GoogLeNet, ZFNet): ``y = x * s^-beta``, ``s = bias +
+    alpha / size * S``, ``S[c]`` the sum of ``x^2`` over channels ``c - lo .. c + hi`` (``lo =
+    floor((size-1)/2)``, ``hi = ceil((size-1)/2)``, ONNX's window). Each ``x[c']`` enters ``S[c]`` of
+    every ``c`` whose window holds it, the window mirrored (``hi`` before, ``lo`` after), so
+    ``dx = dy * s^-beta - (2 alpha beta / size) * x * mirrored_sum(dy * x * s^(-beta-1))``; ``s``
+    is recomputed from ``x``."""
+    x, dy = g.x[0], g.dy[0]
+    sx = g.shape(x)
+    size = int(g.attr("size"))
+    alpha, beta, bias = float(g.attr("alpha", 1e-4)), float(g.attr("beta", 0.75)), float(g.attr("bias", 1.0))
+    lo, hi = (size - 1) // 2, size // 2
+    square_sum = _channel_window_sum(g, g.op("Mul", x, x), sx, lo, hi)
+    s = g.op("Add", g.op("Mul", square_sum, g.scalar(alpha / size)), g.scalar(bias))
+    s_beta = g.op("Pow", s, g.scalar(-beta))  # s^-beta
+    t = g.op("Div", g.op("Mul", g.op("Mul", dy, x), s_beta), s)  # dy * x * s^(-beta-1)
+    back = _channel_window_sum(g, t, sx, hi, lo)
+    dx = g.op("Sub", g.op("Mul", dy, s_beta), g.op("Mul", g.op("Mul", x, back), g.scalar(2.0 * alpha * beta / size)))
+    return [dx]

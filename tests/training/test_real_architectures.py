@@ -1,0 +1,62 @@
+"""onnx's nine real architectures (``models_zoo.light``: AlexNet, DenseNet-121, Inception v1/v2,
+ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet; exported by other tools, their weights constant)
+as training inputs: every op they hold has a gradient rule (AlexNet, GoogLeNet and ZFNet need LRN's),
+and SqueezeNet's ``[N, 1000, 1, 1]`` head is read with its classes on axis 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import models_zoo
+from models_zoo.light import light_names
+from partitioner.training import SGD, build_training_graph, signature
+from partitioner.training.runner import StepRunner
+
+#: the step builds take 7-30 s for these (large fully connected weights); slow-marked
+SLOW = {"light_bvlc_alexnet", "light_vgg19", "light_zfnet512"}
+
+
+def _data(model) -> dict[str, np.ndarray]:
+    inits = {t.name for t in model.graph.initializer}
+    vi = next(v for v in model.graph.input if v.name not in inits)
+    shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+    return {vi.name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in light_names()])
+def test_every_real_architecture_builds_a_training_step(name: str) -> None:
+    step = build_training_graph(models_zoo.build(name, batch=1), loss="cross_entropy", optimizer=SGD(0.01))
+    assert signature(step).weights  # something to train
+
+
+def test_unit_spatial_head_has_its_classes_on_axis_1() -> None:
+    """The step's loss is cross-entropy over the 1000 classes of axis 1 (computed here from the
+    forward model's own output by numpy), not over the last axis's single class (always 0)."""
+    model = models_zoo.build("light_squeezenet", batch=1)
+    out = model.graph.output[0]
+    assert [d.dim_value for d in out.type.tensor_type.shape.dim] == [1, 1000, 1, 1]
+    step = build_training_graph(model, loss="cross_entropy", optimizer=SGD(0.01))
+    data, labels = _data(model), np.array([417], dtype=np.int64)
+    logits = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, data)[0]
+    z = logits.reshape(1, 1000).astype(np.float64)
+    expected = -(z[0, 417] - z.max() - np.log(np.exp(z - z.max()).sum()))
+    loss = StepRunner(step, backend="onnxruntime").step(data, labels)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    assert expected > 6.0  # about ln(1000): a real 1000-way loss
+
+
+@pytest.mark.slow
+def test_lrn_architecture_trains_with_the_same_loss_on_ort_and_tvm(tmp_path) -> None:
+    """GoogLeNet (inception_v1: LRN after its stem), 3 SGD steps: the same loss within 1e-4 on
+    both backends, going down."""
+    model = models_zoo.build("light_inception_v1", batch=1)
+    step = build_training_graph(model, loss="cross_entropy", optimizer=SGD(0.01))
+    data, labels = _data(model), np.array([3], dtype=np.int64)
+    ort_runner = StepRunner(step, backend="onnxruntime")
+    ort_losses = [ort_runner.step(data, labels) for _ in range(3)]
+    tvm_runner = StepRunner(step, backend="tvm", workdir=tmp_path)
+    tvm_losses = [tvm_runner.step(data, labels) for _ in range(3)]
+    np.testing.assert_allclose(tvm_losses, ort_losses, rtol=0, atol=1e-4)
+    assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
