@@ -11,6 +11,12 @@
 
 A loss that does not fit the output is a :class:`LossMismatchError` (exit 2), raised before any
 node is built.
+
+An output that is already probabilities, a ``Softmax`` over the class axis (8 of onnx's 9 real
+architectures end in one), takes cross_entropy as ``-log p[label]``: computed from the Softmax's
+input, the logits (:func:`loss_input`), where the formula above gives the same value stably. Taken
+on the probabilities themselves, log_softmax would squash them (a 1000-class loss stuck near
+ln 1000 whatever the weights).
 """
 
 from __future__ import annotations
@@ -45,6 +51,32 @@ def logits_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) > 2 and shape[1] > 1 and all(d == 1 for d in shape[2:]):
         return tuple(shape[:2])
     return tuple(shape)
+
+
+def loss_input(loss: str, output: ir.Value) -> ir.Value:
+    """The value the loss reads: the logits feeding ``output`` when cross_entropy meets a Softmax
+    over the class axis (module docstring), ``output`` itself otherwise. The backward is seeded
+    there, so the Softmax is left out of it."""
+    if loss != "cross_entropy":
+        return output
+    value, node = output, output.producer()
+    if node is not None and node.op_type in ("Reshape", "Flatten") and node.inputs[0] is not None and \
+            shape_of(node.inputs[0]) == logits_shape(shape_of(output)):
+        value = node.inputs[0]  # [N, C] back to [N, C, 1, 1] (ONNX's version converter wraps Softmax-9 so)
+        node = value.producer()
+    if node is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+        return output
+    shape = shape_of(value)
+    class_axis = len(logits_shape(shape)) - 1
+    a = node.attributes.get("axis")
+    if a is not None:
+        axis = int(a.value)
+    else:  # opset 13 on: -1; before: 1 (over the dims from 1 on flattened)
+        opset = node.version or (node.graph.opset_imports.get("", 13) if node.graph is not None else 13)
+        axis = -1 if opset >= 13 else 1
+    if axis % len(shape) != class_axis:  # (before opset 13 the dims after it are 1: logits_shape)
+        return output
+    return node.inputs[0]
 
 
 def label_spec(loss: str, output: ir.Value, label_name: str = "labels") -> LossSpec:

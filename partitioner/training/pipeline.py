@@ -103,7 +103,7 @@ from onnx import helper
 from partitioner.core.errors import UsageError
 from partitioner.training import moved_wgrad, nhwc_stash, split_cut
 from partitioner.training.autodiff import Emitter, backward, is_float
-from partitioner.training.losses import emit_loss, label_spec
+from partitioner.training.losses import emit_loss, label_spec, loss_input
 from partitioner.training.optimizers import STEP_NAME, Optimizer
 from partitioner.training.step import STEP_OPSET, _checked_forward, _infer, _load, _optimizer_updates, _promote
 
@@ -626,8 +626,9 @@ def _stage_programs(fwd: ir.Model, s: int, recv: list[tuple[int, str]], send: li
         labels_spec = label_spec(loss, out_value, label_name)
         labels = ir.Value(name=labels_spec.name, shape=ir.Shape(labels_spec.shape), type=ir.TensorType(labels_spec.dtype))
         graph.inputs.append(labels)
-        loss_value, dout = emit_loss(loss, em, out_value, labels)
-        seeds = {out_value.name: dout}
+        target = loss_input(loss, out_value)  # a Softmax output's logits (losses module docstring)
+        loss_value, dout = emit_loss(loss, em, target, labels)
+        seeds = {target.name: dout}
     else:
         seeds = {}
         for v in sent:

@@ -54,7 +54,7 @@ from partitioner.training.autodiff import (
     shape_of,
 )
 from partitioner.training.batchnorm import expand_batchnorm
-from partitioner.training.losses import emit_loss, label_spec
+from partitioner.training.losses import emit_loss, label_spec, loss_input
 from partitioner.training.optimizers import SGD, STEP_NAME, Optimizer
 
 SIGNATURE_KEY = "training.signature"
@@ -222,10 +222,11 @@ def build_training_graph(
 
     labels = ir.Value(name=spec.name, shape=ir.Shape(spec.shape), type=ir.TensorType(spec.dtype))
     graph.inputs.append(labels)
-    loss_value, dout = emit_loss(loss, em, out_value, labels)
+    target = loss_input(loss, out_value)  # a Softmax output's logits (losses module docstring)
+    loss_value, dout = emit_loss(loss, em, target, labels)
     if world_size > 1 and not gradients_only:  # rule 5: every gradient comes out already / R
         dout = em.op("Mul", dout, em.scalar(1.0 / world_size))
-    grads = backward(graph, loss_value, {out_value.name: dout}, w_values, em)
+    grads = backward(graph, loss_value, {target.name: dout}, w_values, em)
 
     em.tag = "optimizer"
     if gradients_only:
