@@ -3,8 +3,8 @@
 - ``cross_entropy``: logits ``[N, C]`` or ``[N, ..., C]`` (classes on the last axis), integer
   labels of the leading shape. A classifier head that keeps its spatial axes at 1, ``[N, C, 1,
   ..., 1]`` (SqueezeNet's and DenseNet's exported outputs), has its classes on axis 1: it is read as
-  ``[N, C]`` and its labels are ``[N]`` (on the last axis it would be one class, a loss of 0). loss = mean over samples of ``-log_softmax(logits)[label]``;
-  d loss / d logits = ``(softmax - onehot) / count``. The one-hot is ``Equal(labels, arange)``,
+  ``[N, C]`` and its labels are ``[N]`` (on the last axis it would be one class, a loss of 0).
+  loss = mean over samples of ``-log_softmax(logits)[label]``; d loss / d logits = ``(softmax - onehot) / count``. The one-hot is ``Equal(labels, arange)``,
   so no OneHot/SoftmaxCrossEntropyLoss op is needed by either backend.
 - ``mse``: labels of the output's shape and float type; loss = mean((y - t)^2), gradient
   ``2 (y - t) / count``.

@@ -184,3 +184,18 @@ def relax_gradients(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
     loss, grads = vm["main_adjoint"](*args)
     wnames = [plain[n] for n in names if plain.get(n) in weights]
     return float(loss.numpy()), {n: g.numpy() for n, g in zip(wnames, grads)}
+
+
+def assert_same_descending_losses(step, data, labels, workdir, compared: int = 3) -> list[float]:
+    """3 steps of ``step`` on ONNX Runtime and on TVM from the same state: the first ``compared``
+    losses equal within 1e-4 and each backend's loss going down; returns ORT's losses."""
+    from partitioner.training.runner import StepRunner
+
+    ort_runner = StepRunner(step, backend="onnxruntime")
+    ort_losses = [ort_runner.step(data, labels) for _ in range(3)]
+    tvm_runner = StepRunner(step, backend="tvm", workdir=workdir)
+    tvm_losses = [tvm_runner.step(data, labels) for _ in range(3)]
+    np.testing.assert_allclose(tvm_losses[:compared], ort_losses[:compared], rtol=0, atol=1e-4)
+    assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
+    assert tvm_losses[2] < tvm_losses[1] < tvm_losses[0], tvm_losses
+    return ort_losses

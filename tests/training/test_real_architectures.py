@@ -13,6 +13,7 @@ import models_zoo
 from models_zoo.light import light_names
 from partitioner.training import SGD, build_training_graph, signature
 from partitioner.training.runner import StepRunner
+from tests.training.gradcheck import assert_same_descending_losses
 
 #: the step builds take 7-30 s for these (large fully connected weights); slow-marked
 SLOW = {"light_bvlc_alexnet", "light_vgg19", "light_zfnet512"}
@@ -56,10 +57,4 @@ def test_lrn_architecture_trains_with_the_same_loss_on_ort_and_tvm(tmp_path) -> 
     within 1e-4 on both backends, going down (lr 1e-4: at 1e-2 one sample is learnt in one step)."""
     model = models_zoo.build("light_inception_v1", batch=1)
     step = build_training_graph(model, loss="cross_entropy", optimizer=SGD(1e-4))
-    data, labels = _data(model), np.array([3], dtype=np.int64)
-    ort_runner = StepRunner(step, backend="onnxruntime")
-    ort_losses = [ort_runner.step(data, labels) for _ in range(3)]
-    tvm_runner = StepRunner(step, backend="tvm", workdir=tmp_path)
-    tvm_losses = [tvm_runner.step(data, labels) for _ in range(3)]
-    np.testing.assert_allclose(tvm_losses, ort_losses, rtol=0, atol=1e-4)
-    assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
+    assert_same_descending_losses(step, _data(model), np.array([3], dtype=np.int64), tmp_path)

@@ -15,7 +15,7 @@ import models_zoo
 from benchmarks.heldout_models import HELDOUT, TINY
 from partitioner.training import SGD, build_training_graph, signature
 from partitioner.training.runner import StepRunner
-from tests.training.gradcheck import finite_differences, gradients, to_float64
+from tests.training.gradcheck import assert_same_descending_losses, finite_differences, gradients, to_float64
 
 # name -> (builder kwargs, loss, learning rate)
 ZOO = {
@@ -86,15 +86,8 @@ def test_zoo_step_same_loss_on_ort_and_tvm_and_loss_goes_down(name: str, tmp_pat
     model = models_zoo.build(name, **kwargs)
     step = build_training_graph(model, loss=loss, optimizer=SGD(lr))
     data, labels = _batch(model, loss)
-    ort_runner = StepRunner(step, backend="onnxruntime")
-    tvm_runner = StepRunner(step, backend="tvm", workdir=tmp_path)
-    ort_losses = [ort_runner.step(data, labels) for _ in range(3)]
-    tvm_losses = [tvm_runner.step(data, labels) for _ in range(3)]
-    compared = 1 if name in ILL_CONDITIONED else 3
-    np.testing.assert_allclose(tvm_losses[:compared], ort_losses[:compared], rtol=0, atol=1e-4)
-    assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
-    assert tvm_losses[2] < tvm_losses[1] < tvm_losses[0], tvm_losses
-    assert set(signature(step).weights) <= set(ort_runner.weights())
+    assert_same_descending_losses(step, data, labels, tmp_path, compared=1 if name in ILL_CONDITIONED else 3)
+    assert set(signature(step).weights) <= set(StepRunner(step, backend="onnxruntime").weights())
 
 
 #: non-zoo builders (benchmarks/heldout_models.py) at their TINY sizes, batch 4: loss and learning
@@ -115,13 +108,7 @@ def test_heldout_step_same_loss_on_ort_and_tvm_and_loss_goes_down(name: str, tmp
     loss, lr = HELDOUT_LOSS[name]
     step = build_training_graph(model, loss=loss, optimizer=SGD(lr))
     data, labels = _batch(model, loss)
-    ort_runner = StepRunner(step, backend="onnxruntime")
-    ort_losses = [ort_runner.step(data, labels) for _ in range(3)]
-    tvm_runner = StepRunner(step, backend="tvm", workdir=tmp_path)
-    tvm_losses = [tvm_runner.step(data, labels) for _ in range(3)]
-    np.testing.assert_allclose(tvm_losses, ort_losses, rtol=0, atol=1e-4)
-    assert ort_losses[2] < ort_losses[1] < ort_losses[0], ort_losses
-    assert tvm_losses[2] < tvm_losses[1] < tvm_losses[0], tvm_losses
+    assert_same_descending_losses(step, data, labels, tmp_path)
 
 
 @pytest.mark.slow

@@ -99,5 +99,5 @@ def lrn(g: GradContext) -> list:
     s_beta = g.op("Pow", s, g.scalar(-beta))  # s^-beta
     t = g.op("Div", g.op("Mul", g.op("Mul", dy, x), s_beta), s)  # dy * x * s^(-beta-1)
     back = _channel_window_sum(g, t, sx, hi, lo)
-    dx = g.op("Sub", g.op("Mul", dy, s_beta), g.op("Mul", g.op("Mul", x, back), g.scalar(2.0 * alpha * beta / size)))
-    return [dx]
+    spread = g.op("Mul", g.op("Mul", x, back), g.scalar(2.0 * alpha * beta / size))
+    return [g.op("Sub", g.op("Mul", dy, s_beta), spread)]
