@@ -36,11 +36,16 @@ compute the same values (bit for bit); only how often the weight-only ones run c
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import onnx
 
 STEP_CONSTANTS_KEY = "partitioner.step_constant_inputs"
+#: :func:`keep_step_constants_last` on (off, also by the environment's
+#: ``PARTITIONER_TVM_KEEP_STEP_CONSTANTS_LAST=0``: a rewrite's appended inputs stay after the step
+#: constants, and rule 1 then lifts nothing in that program)
+KEEP_LAST = os.environ.get("PARTITIONER_TVM_KEEP_STEP_CONSTANTS_LAST", "1") != "0"
 TRANSFORM = "main_transform_params"
 
 
@@ -53,6 +58,23 @@ def step_constant_inputs(program: onnx.ModelProto) -> tuple[str, ...]:
     if not names or len(names) >= len(inputs) or tuple(inputs[-len(names):]) != names:
         return ()
     return names
+
+
+def marked_step_constants(program: onnx.ModelProto) -> list[str]:
+    """The names marked under :data:`STEP_CONSTANTS_KEY`, whether or not they are still the trailing
+    inputs rule 1 wants (a rewrite that appends an input after them breaks the order)."""
+    marked = next((p.value for p in program.metadata_props if p.key == STEP_CONSTANTS_KEY), "")
+    return [n for n in marked.split(",") if n]
+
+
+def keep_step_constants_last(program: onnx.ModelProto) -> None:
+    """Rule 1, for a rewrite that added inputs to a program with step constants: the marked names
+    moved back to the end of its inputs (in place; nothing when none are marked). Without it, rule 1
+    finds no trailing step constants and the build lifts nothing: the zoo mlp's first 1F1B stage's
+    ``B`` repacked its weight on every micro-batch once ``moved_wgrad`` appended its seed input."""
+    names = [n for n in marked_step_constants(program) if n in {v.name for v in program.graph.input}]
+    if names and KEEP_LAST:
+        mark_step_constants(program, names)
 
 
 def mark_step_constants(program: onnx.ModelProto, names: list[str]) -> None:
@@ -95,4 +117,5 @@ def lift(mod: Any, program: onnx.ModelProto, comm_ops: int) -> Any:
     return relax.transform.CanonicalizeBindings()(relax.transform.ConvertToDataflow()(mod))
 
 
-__all__ = ["STEP_CONSTANTS_KEY", "TRANSFORM", "lift", "mark_step_constants", "step_constant_inputs"]
+__all__ = ["STEP_CONSTANTS_KEY", "TRANSFORM", "keep_step_constants_last", "lift", "mark_step_constants",
+           "marked_step_constants", "step_constant_inputs"]

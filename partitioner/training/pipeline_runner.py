@@ -77,6 +77,17 @@ RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANT
 #: in every round (resnet's last rank 343-349 MiB against 408-411: the update's ``.grad`` input
 #: buffers are freed, rule 9 of ``backends.tvm.executable``). The environment's
 #: ``PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM=0`` turns it off, in MPI ranks too
+#: ONNX Runtime pipeline stages: the sessions' memory pattern and the planner's buffer reuse
+#: (``SessionOptions.enable_mem_pattern`` / ``enable_mem_reuse``), on (ORT's defaults), unlike
+#: 1-rank and data ranks (``runner.MEMORY_PATTERN``, ``runner.MEMORY_REUSE``): cost rule 3's
+#: pipeline terms (``PIPELINE_GRADIENT_COPIES``, the stash in flight) were measured with them.
+#: Off (``PARTITIONER_TRAIN_PIPELINE_MEMORY_PATTERN=0``), measured in session 32 (``benchmarks/
+#: train_step.py --paired-env ... --configs "2 ranks pipeline 1f1b x8 (MPI)" --rounds 3``, medians
+#: of the rounds, on / off): bert 76.5 / 74.6 ms a step (off faster in 3 of 3 rounds), peak per
+#: rank 60 / 52 -> 59 / 47 MiB; mlp 94.0 / 90.0 and 88.8 / 89.1 ms (two runs), 73 / 68 -> 68 / 68;
+#: resnet 462.0 / 458.7 and 433.8 / 454.3 ms, 154 / 225 -> 148 / 225. Time within noise, peaks a
+#: little lower, but no rule fitted the stages' peaks without them (docs/training.md, session 32)
+PIPELINE_MEMORY_PATTERN = os.environ.get("PARTITIONER_TRAIN_PIPELINE_MEMORY_PATTERN", "1") == "1"
 ACCUMULATE_IN_PROGRAM = os.environ.get("PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM", "1") == "1"
 #: :func:`accumulating` adds the sum so far to the weight gradient's MatMul / Gemm product, before
 #: the reshapes to the weight's shape (TVM can fuse an add into the product's epilogue, not across
@@ -108,7 +119,7 @@ def accumulating(program: onnx.ModelProto, weights: Sequence[str]) -> tuple[onnx
     before the program's step constants (``backends.tvm.lift_step_constants`` rule 1 wants them
     last). Returns the program and its running-sum inputs (weight -> input name); ``program``
     itself and ``{}`` when it outputs no such gradient."""
-    from backends.tvm.lift_step_constants import step_constant_inputs
+    from backends.tvm.lift_step_constants import keep_step_constants_last, marked_step_constants
 
     g = program.graph
     made = {o for n in g.node for o in n.output}
@@ -116,7 +127,7 @@ def accumulating(program: onnx.ModelProto, weights: Sequence[str]) -> tuple[onnx
     acc = {w: f"{w}.grad{ACC_SUFFIX}" for w in weights if f"{w}.grad" in outs and f"{w}.grad" in made}
     if not acc:
         return program, {}
-    constants = set(step_constant_inputs(program))
+    constants = set(marked_step_constants(program))
     prog = onnx.ModelProto()
     prog.CopyFrom(program)
     g = prog.graph
@@ -153,6 +164,7 @@ def accumulating(program: onnx.ModelProto, weights: Sequence[str]) -> tuple[onnx
     at = next((k for k, v in enumerate(inputs) if v.name in constants), len(inputs))
     del g.input[:]
     g.input.extend(inputs[:at] + new_inputs + inputs[at:])
+    keep_step_constants_last(prog)
     return prog, acc
 
 
@@ -206,8 +218,8 @@ def executable(program: onnx.ModelProto, backend: str, workdir: Path | None, thr
         from backends.onnxruntime import RankExecutable
         from partitioner.training.runner import SHARED_ARENA
 
-        # the memory pattern stays on here (runner.MEMORY_PATTERN: cost rule 3's pipeline terms)
-        return RankExecutable(program, threads=threads, shared_arena=SHARED_ARENA)
+        return RankExecutable(program, threads=threads, shared_arena=SHARED_ARENA,
+                              memory_pattern=PIPELINE_MEMORY_PATTERN, memory_reuse=PIPELINE_MEMORY_PATTERN)
     if backend != "tvm":
         raise UsageError(f"unknown backend {backend!r}; choose onnxruntime or tvm")
     from backends.tvm.build import build_one

@@ -82,3 +82,26 @@ def test_tvm_stages_with_moved_columns_match_one_rank(tmp_path, monkeypatch) -> 
     assert set(full) == set(one.state)
     for name, w in one.state.items():
         np.testing.assert_allclose(full[name], w, err_msg=name, **TOL)
+
+
+def test_moved_seed_keeps_the_stage_weights_liftable(monkeypatch) -> None:
+    """Rule 3's new inputs (the seed) go before the stage's step constants (hoist rule 7), so the
+    TVM build still lifts the first stage's weight-only kernels out of its ``B`` (``lift_step_constants``
+    rule 1 wants the constants last), and so does the running-sum rewrite (pipeline_runner rule 13).
+    Fails with ``lift_step_constants.KEEP_LAST`` off: the seed was appended after the constants and
+    ``B`` repacked the weight on every micro-batch."""
+    from backends.tvm.lift_step_constants import marked_step_constants, step_constant_inputs
+    from partitioner.training import hoist
+    from partitioner.training.pipeline_runner import accumulating
+
+    monkeypatch.setattr(hoist, "LIFT_MIN_BYTES", 0)
+    _, plan = _plan("tvm", monkeypatch)
+    first = plan.stages[0]
+    backward = first.backward
+    names = [v.name for v in backward.graph.input]
+    assert first.moved is not None and first.moved.seed in names
+    marked = marked_step_constants(backward)
+    assert marked and step_constant_inputs(backward) == tuple(marked)
+    assert names.index(first.moved.seed) < names.index(marked[0])
+    summed, acc = accumulating(backward, first.weights)
+    assert acc and step_constant_inputs(summed) == tuple(marked)
