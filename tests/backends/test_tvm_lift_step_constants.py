@@ -14,7 +14,8 @@ from onnx import TensorProto, helper
 
 from backends.tvm.build import build_one
 from backends.tvm.executable import TvmRankExecutable
-from backends.tvm.lift_step_constants import STEP_CONSTANTS_KEY, mark_step_constants, step_constant_inputs
+from backends.tvm.lift_step_constants import (STEP_CONSTANTS_KEY, keep_step_constants_last, mark_step_constants,
+                                              marked_step_constants, step_constant_inputs)
 from backends.tvm.target import target_dict
 from partitioner.runtime.comm_local import LocalWorld
 
@@ -50,6 +51,22 @@ def test_marking_moves_step_constants_last() -> None:
     assert step_constant_inputs(m) == ("w", "b")
     assert next(p.value for p in m.metadata_props if p.key == STEP_CONSTANTS_KEY) == "w,b"
     assert step_constant_inputs(_program(False)) == ()
+
+
+def test_an_appended_input_goes_back_before_the_step_constants() -> None:
+    """Rule 1 after a rewrite appends an input (``moved_wgrad``'s seed): the marked names are no
+    longer trailing, so nothing would be lifted, until ``keep_step_constants_last`` restores the
+    order (the other inputs keep theirs)."""
+    m = _program(True)
+    m.graph.input.append(helper.make_tensor_value_info("seed", TensorProto.FLOAT, [2]))
+    assert step_constant_inputs(m) == () and marked_step_constants(m) == ["w", "b"]
+    keep_step_constants_last(m)
+    assert [v.name for v in m.graph.input] == ["x", "seed", "w", "b"]
+    assert step_constant_inputs(m) == ("w", "b")
+    unmarked = _program(False)
+    before = [v.name for v in unmarked.graph.input]
+    keep_step_constants_last(unmarked)
+    assert [v.name for v in unmarked.graph.input] == before
 
 
 @pytest.fixture(scope="module")
