@@ -66,7 +66,9 @@ Rules (``tests/training/test_training_cost.py`` checks them):
    adds ``PIPELINE_GRADIENT_COPIES`` = 3 ``G`` (the backward's gradient outputs, the
    accumulator over the micro-batches, the weight-sized temporaries of the backward and update
    programs in the rank's one shared arena; measured: 2.4 G with SGD, 3.65 G with Adam on the
-   mlp 2048's first stage). ``tensor``
+   mlp 2048's first stage); on ONNX Runtime plans the last stage's activations are its programs'
+   (``memory.ORT_LAST_STAGE_LIVE``: its fused forward-backward call's peak live bytes and the
+   arrays kept for rule 9's deferred program), not its stash. ``tensor``
    adds its comm ops' inputs and outputs (alive in the rank's value table for the whole step,
    the program running as segments between them) and ``R`` copies of the largest (the
    deterministic reduction gathers every rank's). Measured (``train --bench``, ONNX Runtime
@@ -917,12 +919,14 @@ def stashed_micro_batches(schedule: str, stages: int, m: int, extra_warmup: int 
 
 def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: str, m: int, cluster: Any,
              device: Any, recompute: bool = False, extra_warmup: int = 0,
-             stage_memory: list[float] | None = None) -> TrainingPrediction:
+             stage_memory: list[float] | None = None, last_stage_live: float | None = None) -> TrainingPrediction:
     """Rule 4 for ``pipeline`` (``p`` profiled at the micro-batch; ``ends``: each stage's last
     node); rule 6 with ``recompute``; rule 3's 1F1B stash counts with the plan's ``extra_warmup``
     (pipeline rule 5: :func:`partitioner.training.pipeline.extra_warmup` for the backend).
     ``stage_memory``: each stage's peak priced from its own programs (rule 3's TVM stages,
-    :func:`partitioner.cost.memory.tvm_stage_memory`), in place of rule 3's sum."""
+    :func:`partitioner.cost.memory.tvm_stage_memory`), in place of rule 3's sum.
+    ``last_stage_live``: rule 3's activations on the last stage from its programs (ONNX Runtime,
+    :func:`partitioner.cost.memory.ort_last_stage_activations`), in place of its stash."""
     from partitioner.cost.comm import collective_time
     from partitioner.cost.ops import nbytes
     from partitioner.cost.pipeline import pipeline_step_time
@@ -948,6 +952,8 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
             else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
+    if last_stage_live is not None and not again[-1]:
+        held[-1] = last_stage_live
     mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], PIPELINE_GRADIENT_COPIES) + lifted[i]
            for i, s in enumerate(spans)] if stage_memory is None else list(stage_memory)
     parts = {"forward_s": float(p.forward.sum()) * m, "backward_s": float(p.backward.sum()) * m,

@@ -89,9 +89,9 @@ def predict_training(model: Any, strategy: str, devices: int, *, batch: int, opt
         extra = chosen_warmup(graph, ends, m, seconds, extra, defers)  # pipeline rule 5's simulated choice
         if be == "tvm" and step is not None:  # cost rule 10: hoist rules 5 and 7 on TVM stages
             prof.constants = _step_constants(graph, step, m, device)
-        stage_memory = _tvm_stage_memory(model, loss, optimizer, batch, devices, m, schedule, memory_limit) \
-            if be == "tvm" and cost_memory.TVM_STAGE_MEMORY and step is not None else None
-        pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute, extra, stage_memory)
+        memory = _stage_memory_terms(be, step is not None, model, loss, optimizer, batch, devices, m, schedule,
+                                     memory_limit)
+        pred = cost.pipeline(prof, ends, batch, copies, schedule, m, cl, device, recompute, extra, *memory)
         return PipelinePrediction(**{f.name: getattr(pred, f.name) for f in fields(pred)},
                                   cut=MEASURED if seconds is not None else COST_MODEL)
     from partitioner.training.buckets import LIST_ALLREDUCE
@@ -184,6 +184,27 @@ def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages:
     return [cost_memory.tvm_stage_memory(st, micro_batches=m, in_flight=counts[st.index],
                                          constant_inputs=step_constant_inputs, planned=planned_bytes).total
             for st in plan.stages]
+
+
+def _stage_memory_terms(be: str, has_step: bool, *args: Any) -> tuple[list[float] | None, float | None]:
+    """Cost rule 3's terms priced from a pipeline plan's programs: each TVM stage's peak
+    (``memory.TVM_STAGE_MEMORY``), an ONNX Runtime plan's last-stage activations
+    (``memory.ORT_LAST_STAGE_LIVE``); None where the rule does not apply (no step graph)."""
+    tvm = be == "tvm" and cost_memory.TVM_STAGE_MEMORY and has_step
+    ort = be == "onnxruntime" and cost_memory.ORT_LAST_STAGE_LIVE and has_step
+    return (_tvm_stage_memory(*args) if tvm else None), (_ort_last_stage_activations(*args) if ort else None)
+
+
+def _ort_last_stage_activations(model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int,
+                                schedule: str, memory_limit: float | None) -> float:
+    """Cost rule 3's activations on an ONNX Runtime plan's last stage from the programs its runner
+    runs (the plan as ``train`` makes it; :func:`partitioner.cost.memory.ort_last_stage_activations`)."""
+    from partitioner.training.optimizers import make_optimizer
+    from partitioner.training.pipeline import build_pipeline
+
+    plan = build_pipeline(model, loss, make_optimizer(optimizer, 1e-3), batch=batch, stages=stages, micro_batches=m,
+                          schedule=schedule, memory_limit=memory_limit, backend="onnxruntime")
+    return cost_memory.ort_last_stage_activations(plan.stages[-1])
 
 
 def _step_graph(model: Any, batch: int, loss: str, optimizer: str, **kw: Any) -> ir.Model | None:

@@ -70,3 +70,28 @@ def test_predicted_peak_matches_a_real_run(strategy: str, microbatches: int | No
         err = row["predicted_bytes"] / row["measured_bytes"] - 1
         assert abs(err) <= TOLERANCE, (f"{strategy} rank {row['rank']}: predicted {row['predicted_bytes'] / MiB:.1f} "
                                        f"MiB, measured {row['measured_bytes'] / MiB:.1f} MiB ({err:+.0%})")
+
+
+def test_ort_last_stage_counts_the_fused_call_without_the_weight_gradients() -> None:
+    """Training cost rule 3 on an ONNX Runtime plan's last stage: the fused call's peak live bytes,
+    by hand on a 4-node program. ``y = x @ w``, ``xT = x^T``, ``g = xT @ y``, ``w.grad =
+    Identity(g)``: x (128 B) lives to ``xT``, y and xT (128 each) to ``g``; the peak is x + y + xT =
+    384. The weight ``w`` is state and ``g`` the weight gradient (seen through the Identity), which
+    rule 3's ``3 S`` and ``G`` terms price: counting ``g`` would make it 512."""
+    from types import SimpleNamespace
+
+    from onnx import TensorProto, helper
+
+    from partitioner.cost.memory import ort_last_stage_activations
+
+    f = TensorProto.FLOAT
+    fused = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Transpose", ["x"], ["xT"]),
+         helper.make_node("MatMul", ["xT", "y"], ["g"]), helper.make_node("Identity", ["g"], ["w.grad"])],
+        "fb", [helper.make_tensor_value_info("x", f, [4, 8]), helper.make_tensor_value_info("w", f, [8, 8])],
+        [helper.make_tensor_value_info("w.grad", f, [8, 8])],
+        value_info=[helper.make_tensor_value_info(n, f, s) for n, s in (("y", [4, 8]), ("xT", [8, 4]), ("g", [8, 8]))]))
+    stage = SimpleNamespace(fused=fused, weights=["w"], update_pairs=[], bn_state=[], stash=[])
+    assert ort_last_stage_activations(stage) == 384
+    stage.weights = []  # w an activation input (256 B, to the first MatMul) and g counted: 512 at both
+    assert ort_last_stage_activations(stage) == 512  # x + w + y, then y + xT + g
