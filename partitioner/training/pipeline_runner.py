@@ -66,6 +66,17 @@ WEIGHT_TENSORS = os.environ.get("PARTITIONER_TRAIN_WEIGHT_TENSORS", "1") == "1"
 #: MiB with it, 160.9 / 160.6 without; steps 243.9 / 245.2 ms with, 250.8 / 249.3 without. The environment's
 #: ``PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS=0`` turns it off, in MPI ranks too
 RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANTS", "1") == "1"
+#: ONNX Runtime pipeline stages: the sessions' memory pattern and the planner's buffer reuse
+#: (``SessionOptions.enable_mem_pattern`` / ``enable_mem_reuse``), on (ORT's defaults), unlike
+#: 1-rank and data ranks (``runner.MEMORY_PATTERN``, ``runner.MEMORY_REUSE``): cost rule 3's
+#: pipeline terms (``PIPELINE_GRADIENT_COPIES``, the stash in flight) were measured with them.
+#: Off (``PARTITIONER_TRAIN_PIPELINE_MEMORY_PATTERN=0``), measured in session 32 (``benchmarks/
+#: train_step.py --paired-env ... --configs "2 ranks pipeline 1f1b x8 (MPI)" --rounds 3``, medians
+#: of the rounds, on / off): bert 76.5 / 74.6 ms a step (off faster in 3 of 3 rounds), peak per
+#: rank 60 / 52 -> 59 / 47 MiB; mlp 94.0 / 90.0 and 89.1 / 88.8 ms (two runs), 73 / 68 -> 68 / 68;
+#: resnet 462.0 / 458.7 and 433.8 / 454.3 ms, 154 / 225 -> 148 / 225. Time within noise, peaks a
+#: little lower, but no rule fitted the stages' peaks without them (docs/training.md, session 32)
+PIPELINE_MEMORY_PATTERN = os.environ.get("PARTITIONER_TRAIN_PIPELINE_MEMORY_PATTERN", "1") == "1"
 #: TVM stages sum their weight gradients over the micro-batches inside the per-micro-batch programs
 #: (:func:`accumulating`: ``W.grad = W.grad.acc + g``), not in numpy after each call; the update
 #: reads the sum as the last call's output tensor (module constant; off: ``_send_back``'s
@@ -77,17 +88,6 @@ RELEASE_STEP_CONSTANTS = os.environ.get("PARTITIONER_TRAIN_RELEASE_STEP_CONSTANT
 #: in every round (resnet's last rank 343-349 MiB against 408-411: the update's ``.grad`` input
 #: buffers are freed, rule 9 of ``backends.tvm.executable``). The environment's
 #: ``PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM=0`` turns it off, in MPI ranks too
-#: ONNX Runtime pipeline stages: the sessions' memory pattern and the planner's buffer reuse
-#: (``SessionOptions.enable_mem_pattern`` / ``enable_mem_reuse``), on (ORT's defaults), unlike
-#: 1-rank and data ranks (``runner.MEMORY_PATTERN``, ``runner.MEMORY_REUSE``): cost rule 3's
-#: pipeline terms (``PIPELINE_GRADIENT_COPIES``, the stash in flight) were measured with them.
-#: Off (``PARTITIONER_TRAIN_PIPELINE_MEMORY_PATTERN=0``), measured in session 32 (``benchmarks/
-#: train_step.py --paired-env ... --configs "2 ranks pipeline 1f1b x8 (MPI)" --rounds 3``, medians
-#: of the rounds, on / off): bert 76.5 / 74.6 ms a step (off faster in 3 of 3 rounds), peak per
-#: rank 60 / 52 -> 59 / 47 MiB; mlp 94.0 / 90.0 and 88.8 / 89.1 ms (two runs), 73 / 68 -> 68 / 68;
-#: resnet 462.0 / 458.7 and 433.8 / 454.3 ms, 154 / 225 -> 148 / 225. Time within noise, peaks a
-#: little lower, but no rule fitted the stages' peaks without them (docs/training.md, session 32)
-PIPELINE_MEMORY_PATTERN = os.environ.get("PARTITIONER_TRAIN_PIPELINE_MEMORY_PATTERN", "1") == "1"
 ACCUMULATE_IN_PROGRAM = os.environ.get("PARTITIONER_TRAIN_ACCUMULATE_IN_PROGRAM", "1") == "1"
 #: :func:`accumulating` adds the sum so far to the weight gradient's MatMul / Gemm product, before
 #: the reshapes to the weight's shape (TVM can fuse an add into the product's epilogue, not across
