@@ -952,7 +952,7 @@ def pipeline(p: _Profile, ends: list[int], batch: int, copies: int, schedule: st
     inputs = [float(sum(nbytes(v) for v in p.graph.inputs))] + [cut_bytes(p.graph, e) for e in ends[:-1]]
     held = [float(p.activation[s].sum()) + inputs[i] * inflight[i] if again[i]
             else float(p.activation[s].sum()) * inflight[i] for i, s in enumerate(spans)]
-    if last_stage_live is not None and not again[-1]:
+    if last_stage_live is not None:  # the last stage never recomputes (rule 6)
         held[-1] = last_stage_live
     mem = [resident_bytes(float(p.weight[s].sum()), copies, held[i], PIPELINE_GRADIENT_COPIES) + lifted[i]
            for i, s in enumerate(spans)] if stage_memory is None else list(stage_memory)

@@ -175,11 +175,8 @@ def _tvm_stage_memory(model: Any, loss: str, optimizer: str, batch: int, stages:
     in-flight counts of the plan's schedule."""
     from backends.tvm.lift_step_constants import step_constant_inputs
     from backends.tvm.planned_memory import planned_bytes
-    from partitioner.training.optimizers import make_optimizer
-    from partitioner.training.pipeline import build_pipeline
 
-    plan = build_pipeline(model, loss, make_optimizer(optimizer, 1e-3), batch=batch, stages=stages, micro_batches=m,
-                          schedule=schedule, memory_limit=memory_limit, backend="tvm")
+    plan = _runner_plan("tvm", model, loss, optimizer, batch, stages, m, schedule, memory_limit)
     counts = cost.stashed_micro_batches(schedule, plan.num_stages, m, plan.extra_warmup)
     return [cost_memory.tvm_stage_memory(st, micro_batches=m, in_flight=counts[st.index],
                                          constant_inputs=step_constant_inputs, planned=planned_bytes).total
@@ -199,12 +196,18 @@ def _ort_last_stage_activations(model: Any, loss: str, optimizer: str, batch: in
                                 schedule: str, memory_limit: float | None) -> float:
     """Cost rule 3's activations on an ONNX Runtime plan's last stage from the programs its runner
     runs (the plan as ``train`` makes it; :func:`partitioner.cost.memory.ort_last_stage_activations`)."""
+    plan = _runner_plan("onnxruntime", model, loss, optimizer, batch, stages, m, schedule, memory_limit)
+    return cost_memory.ort_last_stage_activations(plan.stages[-1])
+
+
+def _runner_plan(backend: str, model: Any, loss: str, optimizer: str, batch: int, stages: int, m: int,
+                 schedule: str, memory_limit: float | None) -> Any:
+    """The pipeline plan ``train`` makes for ``backend`` (its stages' programs, as the runner runs them)."""
     from partitioner.training.optimizers import make_optimizer
     from partitioner.training.pipeline import build_pipeline
 
-    plan = build_pipeline(model, loss, make_optimizer(optimizer, 1e-3), batch=batch, stages=stages, micro_batches=m,
-                          schedule=schedule, memory_limit=memory_limit, backend="onnxruntime")
-    return cost_memory.ort_last_stage_activations(plan.stages[-1])
+    return build_pipeline(model, loss, make_optimizer(optimizer, 1e-3), batch=batch, stages=stages, micro_batches=m,
+                          schedule=schedule, memory_limit=memory_limit, backend=backend)
 
 
 def _step_graph(model: Any, batch: int, loss: str, optimizer: str, **kw: Any) -> ir.Model | None:
